@@ -1,0 +1,3 @@
+//! TokenSpeed load source over gRPC GetLoads.
+//!
+//! Not built yet: its issue fills it in.

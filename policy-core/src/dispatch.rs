@@ -1,0 +1,93 @@
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::{Policy, WorkerId};
+
+/// One routing decision: which worker, how many tokens were credited to it,
+/// and a sequence number that tells this dispatch apart from every other one
+/// of the same policy. Small and `Copy`; the router wraps it in a
+/// [`DispatchGuard`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dispatch {
+    pub worker: WorkerId,
+    pub tokens: u64,
+    pub seq: u64,
+}
+
+/// Handed out by `poll_started` and given back on completion: which worker,
+/// when the poll was sent, and this router's pending work on the worker at
+/// that moment (the part of the engine's queue that is our own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PollMark {
+    pub worker: WorkerId,
+    /// Orders the polls of one worker, so an older completion can be ignored.
+    pub seq: u64,
+    pub sent_at: Instant,
+    pub pending_tokens: u64,
+    pub pending_requests: u64,
+}
+
+/// A clock for guards; the router passes [`tokio_now`] so that tests with
+/// paused tokio time control it.
+pub type Clock = fn() -> Instant;
+
+/// The current time as tokio sees it (paused and advanced in tests).
+pub fn tokio_now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Finishes a [`Dispatch`] when dropped, so no path (error, client gone,
+/// panic unwinding) can leak credited work.
+pub struct DispatchGuard {
+    policy: Arc<dyn Policy>,
+    dispatch: Dispatch,
+    clock: Clock,
+    first_token_seen: bool,
+}
+
+impl DispatchGuard {
+    pub fn new(policy: Arc<dyn Policy>, dispatch: Dispatch) -> DispatchGuard {
+        DispatchGuard::with_clock(policy, dispatch, tokio_now)
+    }
+
+    pub fn with_clock(policy: Arc<dyn Policy>, dispatch: Dispatch, clock: Clock) -> DispatchGuard {
+        DispatchGuard {
+            policy,
+            dispatch,
+            clock,
+            first_token_seen: false,
+        }
+    }
+
+    pub fn dispatch(&self) -> Dispatch {
+        self.dispatch
+    }
+
+    /// Tells the policy the first token passed; later calls do nothing.
+    pub fn first_token(&mut self) {
+        if !self.first_token_seen {
+            self.first_token_seen = true;
+            self.policy.first_token(&self.dispatch, (self.clock)());
+        }
+    }
+
+    pub fn first_token_seen(&self) -> bool {
+        self.first_token_seen
+    }
+}
+
+impl std::fmt::Debug for DispatchGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatchGuard")
+            .field("policy", &self.policy.name())
+            .field("dispatch", &self.dispatch)
+            .field("first_token_seen", &self.first_token_seen)
+            .finish()
+    }
+}
+
+impl Drop for DispatchGuard {
+    fn drop(&mut self) {
+        self.policy.finish(&self.dispatch, (self.clock)());
+    }
+}

@@ -1,0 +1,69 @@
+//! The two traits a load-aware router is built from, and the baseline policies.
+//!
+//! - [`LoadSource`]: how one worker's load is fetched (async, I/O at the edge).
+//! - [`Policy`]: how a worker is chosen for each request (sync, no I/O, the
+//!   caller passes `now`, so the router and the simulator drive the same code).
+//!
+//! Workers are addressed by a generation-tagged [`WorkerId`]. `select` returns
+//! a small [`Dispatch`]; the router wraps it in a [`DispatchGuard`] that
+//! finishes it on drop. Policies and backends are built by name from config
+//! through a [`PolicyRegistry`] and a [`BackendRegistry`].
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Instant;
+//! use policy_core::{
+//!     DispatchGuard, Policy, PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId,
+//!     WorkerInfo,
+//! };
+//!
+//! let registry = PolicyRegistry::with_baselines();
+//! let policy: Arc<dyn Policy> =
+//!     registry.build("round_robin", &serde_json::json!({}), &PolicyContext::default())?.into();
+//! let worker = WorkerId::new(0, 0);
+//! policy.add_worker(worker, WorkerInfo::new("http://127.0.0.1:30000", "sglang"));
+//!
+//! let request = RequestInfo::new(TokenCount::Estimated(512)).streaming(true);
+//! let dispatch = policy.select(&[worker], &request, Instant::now()).expect("one worker");
+//! {
+//!     let mut guard = DispatchGuard::new(policy.clone(), dispatch);
+//!     assert_eq!(policy.worker_stats(worker).unwrap().pending_tokens, 512);
+//!     guard.first_token(); // the first SSE chunk passed through
+//!     assert_eq!(policy.worker_stats(worker).unwrap().pending_tokens, 0);
+//! } // the response ended: the guard finishes the dispatch
+//! assert_eq!(policy.worker_stats(worker).unwrap().in_flight_requests, 0);
+//! # Ok::<(), policy_core::PolicyError>(())
+//! ```
+//!
+//! With the `mocks` feature, `MockLoadSource` and `MockPolicy` (mockall) are
+//! exported for other crates' tests.
+
+mod baseline;
+mod dispatch;
+mod error;
+mod load_source;
+mod policy;
+mod poll;
+mod registry;
+mod request;
+mod rng;
+mod score_table;
+mod slots;
+mod worker;
+
+pub use baseline::{BaselineKind, BaselineParams, BaselinePolicy, describe_request};
+pub use dispatch::{Clock, Dispatch, DispatchGuard, PollMark, tokio_now};
+pub use error::{BackendError, BoxError, LoadError, PolicyError};
+#[cfg(any(test, feature = "mocks"))]
+pub use load_source::MockLoadSource;
+pub use load_source::{BackendSpec, LoadSource, SourceOptions};
+#[cfg(any(test, feature = "mocks"))]
+pub use policy::MockPolicy;
+pub use policy::{Policy, PolicyContext, WorkerStats};
+pub use poll::{PollOutcome, poll_worker, prime_worker};
+pub use registry::{BackendFactory, BackendRegistry, PolicyFactory, PolicyRegistry, parse_section};
+pub use request::{RequestInfo, TokenCount};
+pub use rng::{ArgMin, TieBreaker};
+pub use score_table::{ScoreRow, ScoreTable, format_value};
+pub use slots::{SeqHasher, Slot, SlotsView, WorkerLedger, WorkerSlots};
+pub use worker::{ParseWorkerIdError, WorkerId, WorkerIdAllocator, WorkerInfo};

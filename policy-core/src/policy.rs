@@ -1,0 +1,112 @@
+use std::time::{Duration, Instant};
+
+use load_protocols::WorkerLoad;
+
+use crate::{Dispatch, PollMark, RequestInfo, ScoreTable, WorkerId, WorkerInfo};
+
+/// What the router hands every policy at construction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyContext {
+    /// How often the load monitor polls each worker.
+    pub poll_interval: Duration,
+    /// A snapshot older than this is not used.
+    pub stale_after: Duration,
+    /// Seeds the policy's tie-breaking, so a simulation is repeatable.
+    pub rng_seed: u64,
+}
+
+impl Default for PolicyContext {
+    fn default() -> PolicyContext {
+        PolicyContext {
+            poll_interval: Duration::from_secs(1),
+            stale_after: Duration::from_secs(3),
+            rng_seed: 0x5eed,
+        }
+    }
+}
+
+/// This policy's live view of one worker, for the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkerStats {
+    /// Requests dispatched and not yet finished.
+    pub in_flight_requests: u64,
+    /// Requests dispatched whose first token has not been seen.
+    pub pending_requests: u64,
+    /// Prompt tokens of those pending requests.
+    pub pending_tokens: u64,
+}
+
+/// How a worker is chosen for each request.
+///
+/// Synchronous and free of I/O: this is the request hot path. The policy has no
+/// clock of its own; the caller passes `now`, so the router (wall clock) and
+/// the simulator (virtual clock) drive the same code. Every method takes
+/// `&self`: one instance serves all the router's tasks at once.
+///
+/// ```
+/// use std::time::Instant;
+/// use policy_core::{PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId, WorkerInfo};
+///
+/// let registry = PolicyRegistry::with_baselines();
+/// let policy = registry.build("least_requests", &serde_json::Value::Null, &PolicyContext::default())?;
+/// let (a, b) = (WorkerId::new(0, 0), WorkerId::new(1, 0));
+/// policy.add_worker(a, WorkerInfo::new("http://127.0.0.1:30000", "sglang"));
+/// policy.add_worker(b, WorkerInfo::new("http://127.0.0.1:30001", "sglang"));
+///
+/// let now = Instant::now();
+/// let request = RequestInfo::new(TokenCount::Estimated(200));
+/// let first = policy.select(&[a, b], &request, now).expect("two idle workers");
+/// let second = policy.select(&[a, b], &request, now).expect("one idle worker left");
+/// assert_ne!(first.worker, second.worker, "the busy worker is avoided");
+/// policy.finish(&first, now);
+/// policy.finish(&second, now);
+/// # Ok::<(), policy_core::PolicyError>(())
+/// ```
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+pub trait Policy: Send + Sync {
+    /// The registry name (`least_load`, `round_robin`, …).
+    fn name(&self) -> &'static str;
+
+    /// The policy's parameters, as its config section would hold them.
+    fn params(&self) -> serde_json::Value;
+
+    fn add_worker(&self, id: WorkerId, info: WorkerInfo);
+
+    /// Later calls naming this id (dispatches, poll marks) are ignored.
+    fn remove_worker(&self, id: WorkerId);
+
+    /// Chooses among `candidates` (the healthy workers) and credits the choice.
+    /// `None` when no candidate can take the request: none given, none
+    /// registered, or all capped.
+    fn select(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+    ) -> Option<Dispatch>;
+
+    /// The first SSE data chunk, or the start of a non-streaming response,
+    /// passed through. Idempotent.
+    fn first_token(&self, dispatch: &Dispatch, now: Instant);
+
+    /// The request ended (done, failed or cancelled): releases whatever is
+    /// still held. Idempotent.
+    fn finish(&self, dispatch: &Dispatch, now: Instant);
+
+    /// Called just before the worker's load poll is sent.
+    fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark;
+
+    /// The poll answered: `Some` fresh report, or `None` "no report this time".
+    // The named lifetime is for mockall, which cannot mock an elided one.
+    #[allow(clippy::needless_lifetimes)]
+    fn poll_completed<'a>(&self, mark: PollMark, load: Option<&'a WorkerLoad>, now: Instant);
+
+    /// The poll failed (error, timeout, invalid report).
+    fn poll_failed(&self, mark: PollMark, now: Instant);
+
+    /// Scores a hypothetical request without changing any state.
+    fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable;
+
+    /// Live counts of one worker, `None` if it is not registered.
+    fn worker_stats(&self, id: WorkerId) -> Option<WorkerStats>;
+}

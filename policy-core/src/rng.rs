@@ -1,0 +1,136 @@
+//! Seeded, lock-free randomness for tie-breaking and sampling.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A SplitMix64 generator whose state is one atomic counter: every call is a
+/// single `fetch_add`, so concurrent selections never wait on each other, and a
+/// given seed replays the same sequence in a single-threaded simulation.
+#[derive(Debug)]
+pub struct TieBreaker {
+    state: AtomicU64,
+}
+
+impl TieBreaker {
+    pub fn new(seed: u64) -> TieBreaker {
+        TieBreaker {
+            state: AtomicU64::new(seed),
+        }
+    }
+
+    pub fn next_u64(&self) -> u64 {
+        let mut z = self
+            .state
+            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
+            .wrapping_add(GOLDEN_GAMMA);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform integer in `0..bound` (`bound` > 0), by multiply-shift.
+    pub fn below(&self, bound: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(bound)) >> 64) as u64
+    }
+}
+
+/// Argmin over scored items with ties broken uniformly at random (reservoir
+/// sampling), never first-index-wins. Non-finite scores never win.
+#[derive(Debug)]
+pub struct ArgMin<T> {
+    best: Option<(T, f64)>,
+    ties: u64,
+}
+
+impl<T> Default for ArgMin<T> {
+    fn default() -> ArgMin<T> {
+        ArgMin {
+            best: None,
+            ties: 0,
+        }
+    }
+}
+
+impl<T> ArgMin<T> {
+    pub fn new() -> ArgMin<T> {
+        ArgMin::default()
+    }
+
+    pub fn offer(&mut self, item: T, score: f64, rng: &TieBreaker) {
+        if !score.is_finite() {
+            return;
+        }
+        match &self.best {
+            Some((_, best)) if score > *best => {}
+            Some((_, best)) if score == *best => {
+                self.ties += 1;
+                if rng.below(self.ties) == 0 {
+                    self.best = Some((item, score));
+                }
+            }
+            _ => {
+                self.best = Some((item, score));
+                self.ties = 1;
+            }
+        }
+    }
+
+    pub fn best(self) -> Option<(T, f64)> {
+        self.best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_same_sequence() {
+        let a = TieBreaker::new(7);
+        let b = TieBreaker::new(7);
+        let xs: Vec<u64> = (0..8).map(|_| a.next_u64()).collect();
+        let ys: Vec<u64> = (0..8).map(|_| b.next_u64()).collect();
+        assert_eq!(xs, ys);
+        assert_ne!(xs[0], xs[1]);
+    }
+
+    #[test]
+    fn below_stays_in_range() {
+        let rng = TieBreaker::new(1);
+        assert!((0..10_000).all(|_| rng.below(3) < 3));
+    }
+
+    #[test]
+    fn ties_are_spread_over_every_tied_item() {
+        let rng = TieBreaker::new(42);
+        let mut wins = [0u32; 4];
+        for _ in 0..4000 {
+            let mut argmin = ArgMin::new();
+            for (index, score) in [1.0, 1.0, 2.0, 1.0].into_iter().enumerate() {
+                argmin.offer(index, score, &rng);
+            }
+            let (winner, _) = argmin.best().unwrap();
+            wins[winner] += 1;
+        }
+        assert_eq!(wins[2], 0, "the higher score never wins");
+        for index in [0, 1, 3] {
+            // Each of three tied items expects 1333 wins; 1000 is far outside noise.
+            assert!(wins[index] > 1000, "item {index} won {} times", wins[index]);
+        }
+    }
+
+    #[test]
+    fn nan_never_wins() {
+        let rng = TieBreaker::new(3);
+        let mut argmin = ArgMin::new();
+        argmin.offer("nan", f64::NAN, &rng);
+        argmin.offer("inf", f64::INFINITY, &rng);
+        argmin.offer("ten", 10.0, &rng);
+        argmin.offer("nan2", f64::NAN, &rng);
+        assert_eq!(argmin.best().map(|(item, _)| item), Some("ten"));
+        let mut only_nan = ArgMin::new();
+        only_nan.offer(1, f64::NAN, &rng);
+        assert!(only_nan.best().is_none());
+    }
+}

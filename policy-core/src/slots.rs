@@ -1,0 +1,285 @@
+//! Dense, generation-checked per-worker state, shared by every policy.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+
+use crate::{PollMark, WorkerId, WorkerInfo, WorkerStats};
+
+/// One registered worker: its id, what the router told about it, and the
+/// policy's state for it.
+#[derive(Debug)]
+pub struct Slot<S> {
+    pub id: WorkerId,
+    pub info: WorkerInfo,
+    pub state: S,
+}
+
+/// Per-worker state in a vector indexed by [`WorkerId::slot`].
+///
+/// Adding and removing workers take the write lock (rare); selections take the
+/// read lock, which never waits on other selections. State that selections
+/// change lives behind atomics or per-worker locks inside `S`.
+#[derive(Debug)]
+pub struct WorkerSlots<S> {
+    slots: RwLock<Vec<Option<Slot<S>>>>,
+}
+
+impl<S> Default for WorkerSlots<S> {
+    fn default() -> WorkerSlots<S> {
+        WorkerSlots {
+            slots: RwLock::new(Vec::new()),
+        }
+    }
+}
+
+impl<S> WorkerSlots<S> {
+    pub fn new() -> WorkerSlots<S> {
+        WorkerSlots::default()
+    }
+
+    /// Registers a worker, replacing whatever occupied its slot.
+    pub fn insert(&self, id: WorkerId, info: WorkerInfo, state: S) {
+        let mut slots = self.slots.write();
+        if slots.len() <= id.slot() {
+            slots.resize_with(id.slot() + 1, || None);
+        }
+        slots[id.slot()] = Some(Slot { id, info, state });
+    }
+
+    /// Unregisters a worker; an id of an earlier generation removes nothing.
+    pub fn remove(&self, id: WorkerId) -> Option<Slot<S>> {
+        let mut slots = self.slots.write();
+        let entry = slots.get_mut(id.slot())?;
+        if entry.as_ref().is_some_and(|slot| slot.id == id) {
+            entry.take()
+        } else {
+            None
+        }
+    }
+
+    /// A read view for one selection (or one explain).
+    pub fn read(&self) -> SlotsView<'_, S> {
+        SlotsView {
+            slots: self.slots.read(),
+        }
+    }
+}
+
+/// A read-locked view of the slots.
+#[derive(Debug)]
+pub struct SlotsView<'a, S> {
+    slots: RwLockReadGuard<'a, Vec<Option<Slot<S>>>>,
+}
+
+impl<S> SlotsView<'_, S> {
+    /// The worker's slot, if `id` is registered and of the current generation.
+    pub fn get(&self, id: WorkerId) -> Option<&Slot<S>> {
+        self.slots
+            .get(id.slot())
+            .and_then(Option::as_ref)
+            .filter(|slot| slot.id == id)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Slot<S>> {
+        self.slots.iter().flatten()
+    }
+}
+
+/// Hashes dispatch sequence numbers (sequential `u64`s) with one multiply, so
+/// that the outstanding-dispatch table costs no string or SipHash work.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SeqHasher(u64);
+
+impl Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    /// Before the first token: these prompt tokens are pending work.
+    Pending(u64),
+    /// Past the first token: only the in-flight request is held.
+    Started,
+}
+
+/// This router's live work on one worker: what is pending (dispatched, first
+/// token not yet seen) and what is in flight (not yet finished).
+///
+/// Readers get the counts lock-free; changes go through a per-worker lock that
+/// also keeps the outstanding dispatches, which makes `first_token` and
+/// `finish` idempotent and lets a cap check and its credit be one critical
+/// section.
+#[derive(Debug, Default)]
+pub struct WorkerLedger {
+    pending_tokens: AtomicU64,
+    pending_requests: AtomicU64,
+    in_flight_requests: AtomicU64,
+    outstanding: Mutex<HashMap<u64, Held, BuildHasherDefault<SeqHasher>>>,
+}
+
+impl WorkerLedger {
+    pub fn new() -> WorkerLedger {
+        WorkerLedger::default()
+    }
+
+    /// The live counts, read without locking.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            in_flight_requests: self.in_flight_requests.load(Ordering::Acquire),
+            pending_requests: self.pending_requests.load(Ordering::Acquire),
+            pending_tokens: self.pending_tokens.load(Ordering::Acquire),
+        }
+    }
+
+    /// Credits dispatch `seq` with `tokens` of pending work if `admit`, given
+    /// the counts under the lock, agrees. The check and the credit are one
+    /// critical section, so concurrent selections cannot overshoot a cap.
+    pub fn try_credit(
+        &self,
+        seq: u64,
+        tokens: u64,
+        admit: impl FnOnce(WorkerStats) -> bool,
+    ) -> bool {
+        let mut outstanding = self.outstanding.lock();
+        if !admit(self.stats()) {
+            return false;
+        }
+        if outstanding.insert(seq, Held::Pending(tokens)).is_none() {
+            self.pending_tokens.fetch_add(tokens, Ordering::AcqRel);
+            self.pending_requests.fetch_add(1, Ordering::AcqRel);
+            self.in_flight_requests.fetch_add(1, Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Credits dispatch `seq` unconditionally.
+    pub fn credit(&self, seq: u64, tokens: u64) {
+        self.try_credit(seq, tokens, |_| true);
+    }
+
+    /// Releases the pending work of dispatch `seq`; returns the tokens
+    /// released, or `None` if it was not pending (unknown, or already released).
+    pub fn first_token(&self, seq: u64) -> Option<u64> {
+        let mut outstanding = self.outstanding.lock();
+        let held = outstanding.get_mut(&seq)?;
+        match *held {
+            Held::Pending(tokens) => {
+                *held = Held::Started;
+                self.release_pending(tokens);
+                Some(tokens)
+            }
+            Held::Started => None,
+        }
+    }
+
+    /// Releases everything dispatch `seq` still holds; returns whether it was
+    /// outstanding.
+    pub fn finish(&self, seq: u64) -> bool {
+        let mut outstanding = self.outstanding.lock();
+        match outstanding.remove(&seq) {
+            Some(Held::Pending(tokens)) => {
+                self.release_pending(tokens);
+                self.in_flight_requests.fetch_sub(1, Ordering::AcqRel);
+                true
+            }
+            Some(Held::Started) => {
+                self.in_flight_requests.fetch_sub(1, Ordering::AcqRel);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A poll mark recording this worker's pending work now.
+    pub fn poll_mark(&self, worker: WorkerId, seq: u64, now: Instant) -> PollMark {
+        let stats = self.stats();
+        PollMark {
+            worker,
+            seq,
+            sent_at: now,
+            pending_tokens: stats.pending_tokens,
+            pending_requests: stats.pending_requests,
+        }
+    }
+
+    fn release_pending(&self, tokens: u64) {
+        self.pending_tokens.fetch_sub(tokens, Ordering::AcqRel);
+        self.pending_requests.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_token_and_finish_are_idempotent() {
+        let ledger = WorkerLedger::new();
+        ledger.credit(1, 300);
+        ledger.credit(2, 50);
+        assert_eq!(
+            ledger.stats(),
+            WorkerStats {
+                in_flight_requests: 2,
+                pending_requests: 2,
+                pending_tokens: 350
+            }
+        );
+        assert_eq!(ledger.first_token(1), Some(300));
+        assert_eq!(ledger.first_token(1), None);
+        assert_eq!(ledger.stats().pending_tokens, 50);
+        assert_eq!(ledger.stats().in_flight_requests, 2);
+        assert!(ledger.finish(1));
+        assert!(!ledger.finish(1));
+        // Finishing a dispatch that never saw its first token releases its tokens.
+        assert!(ledger.finish(2));
+        assert_eq!(ledger.stats(), WorkerStats::default());
+        // Unknown dispatches touch nothing.
+        assert_eq!(ledger.first_token(99), None);
+        assert!(!ledger.finish(99));
+        assert_eq!(ledger.stats(), WorkerStats::default());
+    }
+
+    #[test]
+    fn a_refused_credit_changes_nothing() {
+        let ledger = WorkerLedger::new();
+        assert!(ledger.try_credit(1, 10, |stats| stats.pending_requests < 1));
+        assert!(!ledger.try_credit(2, 10, |stats| stats.pending_requests < 1));
+        assert_eq!(ledger.stats().pending_requests, 1);
+        assert_eq!(ledger.stats().pending_tokens, 10);
+    }
+
+    #[test]
+    fn removed_generation_is_not_found() {
+        let slots = WorkerSlots::new();
+        let old = WorkerId::new(0, 0);
+        let new = WorkerId::new(0, 1);
+        slots.insert(old, WorkerInfo::new("http://a", "sglang"), 1u8);
+        assert!(slots.remove(old).is_some());
+        slots.insert(new, WorkerInfo::new("http://b", "sglang"), 2u8);
+        assert!(
+            slots.remove(old).is_none(),
+            "the old id must not remove the new worker"
+        );
+        let view = slots.read();
+        assert!(view.get(old).is_none());
+        assert_eq!(view.get(new).map(|slot| slot.state), Some(2));
+        assert_eq!(view.iter().count(), 1);
+    }
+}
