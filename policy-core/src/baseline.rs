@@ -149,6 +149,7 @@ impl Policy for BaselinePolicy {
             // Baselines do not estimate prompts; an unknown size credits nothing.
             tokens: request.tokens.or(0),
             seq: self.next_dispatch.fetch_add(1, Ordering::Relaxed),
+            score: self.score(slot),
         };
         slot.state.credit(dispatch.seq, dispatch.tokens);
         Some(dispatch)

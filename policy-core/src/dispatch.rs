@@ -4,14 +4,18 @@ use std::time::Instant;
 use crate::{Policy, WorkerId};
 
 /// One routing decision: which worker, how many tokens were credited to it,
-/// and a sequence number that tells this dispatch apart from every other one
-/// of the same policy. Small and `Copy`; the router wraps it in a
-/// [`DispatchGuard`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// a sequence number that tells this dispatch apart from every other one of
+/// the same policy, and the winner's score (exported as a metric). Small and
+/// `Copy`; the router wraps it in a [`DispatchGuard`].
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Dispatch {
     pub worker: WorkerId,
     pub tokens: u64,
     pub seq: u64,
+    /// The chosen worker's score in the policy's own units (seconds of
+    /// expected wait for `least_load`; in-flight requests for
+    /// `least_requests`; 0 for policies that do not score).
+    pub score: f64,
 }
 
 /// Handed out by `poll_started` and given back on completion: which worker,
