@@ -23,13 +23,18 @@
 //! # Ok::<(), serde_json::Error>(())
 //! ```
 //!
+//! [`parse_prometheus_text`] reads the Prometheus text exposition format, for
+//! engines whose load is only published on `/metrics`.
+//!
 //! This crate does no I/O.
 
 mod error;
+mod prometheus;
 mod snapshot;
 mod worker_load;
 
-pub use error::LoadValidationError;
+pub use error::{LoadValidationError, PrometheusParseError, PrometheusParseReason};
+pub use prometheus::{Sample, parse_prometheus_text};
 pub use snapshot::{
     AggregateMetrics, LoadsResponse, SchedulerLoadSnapshot, queued_tokens_from_proto3,
     throughput_from_proto3,

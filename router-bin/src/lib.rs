@@ -1,3 +1,39 @@
-//! The router binary: config, worker registry, load monitor, proxy, admin API and metrics.
+//! The `router` binary's library: everything it composes, so tests can run a
+//! real router in-process.
 //!
-//! Not built yet: its issue fills it in.
+//! It holds no policy math. It reads layered config ([`config`]), keeps the
+//! worker registry with health checks ([`workers`], [`monitor`]), polls every
+//! worker's load through the backends' `LoadSource`s, proxies OpenAI and
+//! SGLang-native requests with unbuffered SSE streaming ([`proxy`]), and serves
+//! an admin API, `/metrics`, `/health` and `/readiness` ([`server`]).
+//!
+//! ```no_run
+//! use router_bin::config::{Layers, RouterConfig, parse_worker_flag};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = RouterConfig::load(Layers {
+//!     workers: vec![parse_worker_flag("sglang=http://127.0.0.1:30000")?],
+//!     ..Layers::default()
+//! })?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! let app = router_bin::server::start(config, None).await?;
+//! router_bin::server::serve(app, listener, router_bin::server::termination()).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod admin;
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod estimate;
+pub mod metrics;
+pub mod monitor;
+pub mod proxy;
+pub mod server;
+pub mod workers;
+
+pub use app::App;
+pub use config::RouterConfig;
+pub use error::{ConfigError, RouterError};

@@ -4,18 +4,28 @@
 //! depends on no workspace crate, so `ci` can format-check and lint even when
 //! the code does not compile.
 
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Command, ExitCode};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: cargo xtask <task>
+const USAGE: &str = "usage: cargo xtask <task> [options]
 
 tasks:
-  ci      format check, clippy (warnings are errors), every test";
+  ci                      format check, clippy (warnings are errors), every test
+  demo                    start a mixed engine-sim fleet and the router, drive
+                          20 s of size-skewed streaming traffic, print per-worker
+                          results and the live score table
+  sim [--scenario PATH]   run the fleet simulator (the standard set, or one
+                          scenario file); reports under target/sim/";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
+        Some("demo") => demo(),
+        Some("sim") => sim(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             Ok(())
@@ -66,8 +76,18 @@ fn ci() -> Result<(), String> {
     run("cargo fmt --all --check", fmt)?;
 
     let mut clippy = cargo();
-    clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
-    run("cargo clippy --workspace --all-targets -- -D warnings", clippy)?;
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run(
+        "cargo clippy --workspace --all-targets -- -D warnings",
+        clippy,
+    )?;
 
     let mut test = cargo();
     test.args(["test", "--workspace"]).env("INSTA_UPDATE", "no");
@@ -75,4 +95,197 @@ fn ci() -> Result<(), String> {
 
     eprintln!("xtask: ci passed");
     Ok(())
+}
+
+fn release_binary(name: &str) -> PathBuf {
+    workspace_root().join("target").join("release").join(name)
+}
+
+fn build_release(packages: &[&str]) -> Result<(), String> {
+    let mut build = cargo();
+    build.args(["build", "--release"]);
+    for package in packages {
+        build.args(["-p", package]);
+    }
+    run(
+        &format!("cargo build --release -p {}", packages.join(" -p ")),
+        build,
+    )
+}
+
+fn sim(args: &[String]) -> Result<(), String> {
+    build_release(&["engine-sim"])?;
+    let mut simulate = Command::new(release_binary("engine-sim"));
+    simulate
+        .current_dir(workspace_root())
+        .arg("sim")
+        .args(["--out-dir", "target/sim"])
+        .args(args);
+    run("engine-sim sim", simulate)
+}
+
+/// A child process that is stopped (SIGTERM, then SIGKILL) when dropped, so
+/// the demo leaves nothing running whichever way it ends.
+struct Process {
+    name: String,
+    child: Child,
+}
+
+impl Process {
+    fn spawn(name: &str, command: &mut Command) -> Result<Process, String> {
+        let child = command
+            .spawn()
+            .map_err(|error| format!("could not start {name}: {error}"))?;
+        Ok(Process {
+            name: name.to_owned(),
+            child,
+        })
+    }
+
+    /// Reads `lines` lines of the child's stdout (engine-sim prints one JSON
+    /// line per engine once it listens).
+    fn read_lines(&mut self, lines: usize) -> Result<Vec<String>, String> {
+        let stdout = self
+            .child
+            .stdout
+            .take()
+            .ok_or_else(|| format!("{}: no stdout", self.name))?;
+        let mut reader = BufReader::new(stdout);
+        let mut out = Vec::new();
+        while out.len() < lines {
+            let mut line = String::new();
+            let read = reader
+                .read_line(&mut line)
+                .map_err(|error| format!("{}: {error}", self.name))?;
+            if read == 0 {
+                return Err(format!("{} exited before it was ready", self.name));
+            }
+            out.push(line.trim().to_owned());
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A block of `count` consecutive free loopback ports.
+fn free_ports(count: u16) -> Result<u16, String> {
+    let seed = std::process::id() as u16;
+    for attempt in 0..200u16 {
+        let base = 20_000 + (seed.wrapping_mul(31).wrapping_add(attempt.wrapping_mul(97))) % 40_000;
+        let all_free =
+            (0..count).all(|offset| TcpListener::bind(("127.0.0.1", base + offset)).is_ok());
+        if all_free {
+            return Ok(base);
+        }
+    }
+    Err(format!("no block of {count} free ports found"))
+}
+
+/// One engine-sim process; returns it with its engines' HTTP and gRPC URLs.
+fn start_engines(
+    flavour: &str,
+    extra: &[&str],
+) -> Result<(Process, Vec<(String, Option<String>)>), String> {
+    let http = free_ports(1)?;
+    let grpc = free_ports(1).map(|port| if port == http { port + 1 } else { port })?;
+    let mut command = Command::new(release_binary("engine-sim"));
+    command
+        .args(["serve", "--flavour", flavour, "--count", "1"])
+        .args(["--base-port", &http.to_string()])
+        .args(["--grpc-base-port", &grpc.to_string()])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut process = Process::spawn(&format!("engine-sim ({flavour})"), &mut command)?;
+    let lines = process.read_lines(1)?;
+    let engines = lines
+        .iter()
+        .map(|line| {
+            let field = |name: &str| {
+                line.split(&format!("\"{name}\":"))
+                    .nth(1)
+                    .and_then(|rest| rest.trim_start().strip_prefix('"'))
+                    .and_then(|rest| rest.split('"').next())
+                    .map(str::to_owned)
+            };
+            (field("http").unwrap_or_default(), field("grpc"))
+        })
+        .collect();
+    Ok((process, engines))
+}
+
+fn demo() -> Result<(), String> {
+    build_release(&["engine-sim", "router-bin"])?;
+    eprintln!(
+        "xtask: == starting a mixed fleet: 2 SGLang (one at half speed), 1 vLLM, 1 TokenSpeed"
+    );
+    let (sglang_fast, fast) = start_engines("sglang", &["--seed", "1"])?;
+    let (sglang_slow, slow) = start_engines(
+        "sglang",
+        &[
+            "--seed",
+            "2",
+            "--prefill-tps",
+            "4000",
+            "--decode-base-ms",
+            "12",
+        ],
+    )?;
+    let (vllm, vllm_engines) = start_engines("vllm", &["--seed", "3"])?;
+    let (tokenspeed, tokenspeed_engines) = start_engines("tokenspeed", &["--seed", "4"])?;
+    let _fleet = [sglang_fast, sglang_slow, vllm, tokenspeed];
+
+    let mut workers = Vec::new();
+    for (http, _) in fast.iter().chain(&slow) {
+        workers.push(format!("sglang={http}"));
+    }
+    for (http, _) in &vllm_engines {
+        workers.push(format!("vllm={http}"));
+    }
+    for (http, grpc) in &tokenspeed_engines {
+        let grpc = grpc
+            .clone()
+            .ok_or("tokenspeed engine printed no gRPC address")?;
+        workers.push(format!("tokenspeed={http},loads={grpc}"));
+    }
+    let port = free_ports(1)?;
+    let mut router_command = Command::new(release_binary("router"));
+    router_command
+        .args(["--port", &port.to_string(), "--policy", "least_load"])
+        .args(["--load-interval-ms", "250", "--stale-after-ms", "1000"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    for worker in &workers {
+        router_command.args(["--worker", worker]);
+    }
+    eprintln!(
+        "xtask: == router on 127.0.0.1:{port} with {}",
+        workers.join(" ")
+    );
+    let _router = Process::spawn("router", &mut router_command)?;
+
+    let mut drive = Command::new(release_binary("engine-sim"));
+    drive
+        .args(["drive", "--router", &format!("http://127.0.0.1:{port}")])
+        .args(["--duration-s", "20", "--rate", "12", "--seed", "7"]);
+    run(
+        "engine-sim drive: 20 s of size-skewed streaming traffic",
+        drive,
+    )
 }

@@ -1,0 +1,293 @@
+//! vLLM gRPC `GetLoads` → [`WorkerLoad`]: the pure conversion and the
+//! [`LoadSource`] that calls it.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use load_protocols::{
+    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, throughput_from_proto3,
+};
+use policy_core::{BackendError, BackendSpec, LoadError, LoadSource};
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::proto::vllm_engine_client::VllmEngineClient;
+use crate::proto::{GetLoadsRequest, GetLoadsResponse, SchedulerLoad};
+
+/// The backend name of [`VllmGrpcLoadSource`].
+pub const GRPC_KIND: &str = "vllm-grpc";
+
+/// Converts a `GetLoadsResponse` into a validated [`WorkerLoad`].
+///
+/// - An empty `loads` list is `Ok(None)`: no report this time.
+/// - Queued tokens are not reported (vLLM has no such field).
+/// - `gen_throughput` 0 is "not reported" (proto3 gives doubles no presence,
+///   and vLLM servers leave it 0).
+/// - Everything else goes through [`WorkerLoad::from_ranks`]: negative counts
+///   and NaN, infinite or negative `token_usage` are rejected, a usage above 1
+///   is clamped.
+pub fn worker_load_from_grpc(
+    response: GetLoadsResponse,
+) -> Result<Option<WorkerLoad>, LoadValidationError> {
+    if response.loads.is_empty() {
+        return Ok(None);
+    }
+    let ranks = response.loads.into_iter().map(snapshot_from_grpc).collect();
+    WorkerLoad::from_ranks(ranks).map(Some)
+}
+
+/// One rank of a `GetLoadsResponse` as a [`SchedulerLoadSnapshot`], before
+/// validation.
+pub fn snapshot_from_grpc(load: SchedulerLoad) -> SchedulerLoadSnapshot {
+    SchedulerLoadSnapshot {
+        dp_rank: i64::from(load.dp_rank),
+        num_running_reqs: i64::from(load.num_running_reqs),
+        num_waiting_reqs: i64::from(load.num_waiting_reqs),
+        num_waiting_uncached_tokens: None,
+        num_total_reqs: i64::from(load.num_total_reqs),
+        num_used_tokens: i64::from(load.num_used_tokens),
+        max_total_num_tokens: i64::from(load.max_total_num_tokens),
+        token_usage: load.token_usage,
+        gen_throughput: throughput_from_proto3(load.gen_throughput),
+        cache_hit_rate: load.cache_hit_rate,
+        utilization: load.utilization,
+        max_running_requests: i64::from(load.max_running_requests),
+    }
+}
+
+/// Polls vLLM's `vllm.grpc.engine.VllmEngine/GetLoads`.
+///
+/// The channel connects lazily on the first poll and reconnects by itself.
+/// The API key, when set, is sent as `authorization: Bearer <key>` metadata.
+/// Each poll is bounded by the deadline (connection included) and carries it
+/// as `grpc-timeout`. Errors:
+///
+/// - no answer within the deadline, or `DEADLINE_EXCEEDED` →
+///   [`LoadError::Timeout`];
+/// - connection refused (tonic's `UNAVAILABLE` caused by a
+///   [`tonic::ConnectError`]) → [`LoadError::Connect`];
+/// - `UNIMPLEMENTED` → [`LoadError::Unsupported`];
+/// - a response larger than `body_limit_bytes` → [`LoadError::BodyTooLarge`];
+/// - any other status, a server-sent `UNAVAILABLE` included →
+///   [`LoadError::Grpc`], whose source is the [`tonic::Status`];
+/// - impossible values → [`LoadError::Invalid`].
+#[derive(Debug)]
+pub struct VllmGrpcLoadSource {
+    url: String,
+    endpoint: Endpoint,
+    channel: OnceLock<Channel>,
+    deadline: Duration,
+    body_limit_bytes: usize,
+    authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl VllmGrpcLoadSource {
+    /// Builds the source for a `grpc://host:port` load address. Nothing is
+    /// connected until the first poll.
+    pub fn new(spec: &BackendSpec) -> Result<VllmGrpcLoadSource, BackendError> {
+        let url = spec
+            .load_url
+            .clone()
+            .ok_or_else(|| BackendError::MissingLoadUrl {
+                backend: GRPC_KIND.to_owned(),
+            })?;
+        let authority = grpc_authority(&url)?;
+        let endpoint = Endpoint::from_shared(format!("http://{authority}"))
+            .map_err(|_| BackendError::InvalidAddress {
+                url: url.clone(),
+                reason: "expected grpc://host:port",
+            })?
+            .connect_timeout(spec.options.deadline);
+        let authorization = spec
+            .options
+            .api_key
+            .as_ref()
+            .map(|key| {
+                MetadataValue::try_from(format!("Bearer {key}")).map_err(|source| {
+                    BackendError::Client {
+                        url: url.clone(),
+                        source: Box::new(source),
+                    }
+                })
+            })
+            .transpose()?;
+        Ok(VllmGrpcLoadSource {
+            url,
+            endpoint,
+            channel: OnceLock::new(),
+            deadline: spec.options.deadline,
+            body_limit_bytes: spec.options.body_limit_bytes,
+            authorization,
+        })
+    }
+
+    async fn get_loads(&self) -> Result<GetLoadsResponse, Status> {
+        // `connect_lazy` spawns onto the runtime, so it waits for the first
+        // poll rather than running in the (synchronous) factory.
+        let channel = self
+            .channel
+            .get_or_init(|| self.endpoint.connect_lazy())
+            .clone();
+        let mut client =
+            VllmEngineClient::new(channel).max_decoding_message_size(self.body_limit_bytes);
+        let mut request = tonic::Request::new(GetLoadsRequest {
+            dp_rank: None,
+            include: vec!["core".to_owned()],
+        });
+        request.set_timeout(self.deadline);
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        client
+            .get_loads(request)
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    fn status_error(&self, status: Status) -> LoadError {
+        // tonic turns its own deadline (the `grpc-timeout` we set) into
+        // CANCELLED and a failed connection into UNAVAILABLE; the cause stays
+        // in the source chain, which tells them from statuses a server sent.
+        if status.code() == Code::DeadlineExceeded || caused_by::<tonic::TimeoutExpired>(&status) {
+            return LoadError::Timeout {
+                url: self.url.clone(),
+                deadline: self.deadline,
+            };
+        }
+        if caused_by::<tonic::ConnectError>(&status) {
+            return LoadError::Connect {
+                url: self.url.clone(),
+                source: Box::new(status),
+            };
+        }
+        // The client's own size check (`max_decoding_message_size`), which
+        // tonic reports with this message and no source.
+        if status.code() == Code::OutOfRange
+            && status
+                .message()
+                .starts_with("Error, decoded message length too large")
+        {
+            return LoadError::BodyTooLarge {
+                url: self.url.clone(),
+                limit_bytes: self.body_limit_bytes,
+            };
+        }
+        if status.code() == Code::Unimplemented {
+            return LoadError::Unsupported {
+                url: self.url.clone(),
+                what: "vllm.grpc.engine.VllmEngine/GetLoads",
+            };
+        }
+        LoadError::Grpc {
+            url: self.url.clone(),
+            source: Box::new(status),
+        }
+    }
+}
+
+/// Whether an error of type `T` is somewhere in the status's source chain.
+fn caused_by<T: std::error::Error + 'static>(status: &Status) -> bool {
+    let mut cause = std::error::Error::source(status);
+    while let Some(error) = cause {
+        if error.is::<T>() {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
+#[async_trait]
+impl LoadSource for VllmGrpcLoadSource {
+    async fn fetch(&self) -> Result<Option<WorkerLoad>, LoadError> {
+        let response = tokio::time::timeout(self.deadline, self.get_loads())
+            .await
+            .map_err(|_elapsed| LoadError::Timeout {
+                url: self.url.clone(),
+                deadline: self.deadline,
+            })?
+            .map_err(|status| self.status_error(status))?;
+        worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
+            url: self.url.clone(),
+            source,
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        GRPC_KIND
+    }
+
+    fn load_url(&self) -> &str {
+        &self.url
+    }
+}
+
+/// `grpc://host:port[/]` → `host:port`, checked.
+fn grpc_authority(url: &str) -> Result<&str, BackendError> {
+    let invalid = |reason| BackendError::InvalidAddress {
+        url: url.to_owned(),
+        reason,
+    };
+    let authority = url
+        .strip_prefix("grpc://")
+        .ok_or_else(|| invalid("expected grpc://host:port"))?;
+    let authority = authority.strip_suffix('/').unwrap_or(authority);
+    if authority.contains(['/', '?', '#', '@']) {
+        return Err(invalid("expected grpc://host:port with no path"));
+    }
+    let (host, port) = authority
+        .rsplit_once(':')
+        .ok_or_else(|| invalid("missing port"))?;
+    if host.is_empty() || host == "[]" {
+        return Err(invalid("missing host"));
+    }
+    match port.parse::<u16>() {
+        Ok(port) if port > 0 => Ok(authority),
+        _ => Err(invalid("invalid port")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_addresses_are_checked() {
+        assert_eq!(
+            grpc_authority("grpc://127.0.0.1:50051").unwrap(),
+            "127.0.0.1:50051"
+        );
+        assert_eq!(
+            grpc_authority("grpc://engine-0:9000/").unwrap(),
+            "engine-0:9000"
+        );
+        assert_eq!(grpc_authority("grpc://[::1]:9000").unwrap(), "[::1]:9000");
+        for (url, reason) in [
+            ("http://127.0.0.1:50051", "expected grpc://host:port"),
+            ("127.0.0.1:50051", "expected grpc://host:port"),
+            ("grpc://127.0.0.1", "missing port"),
+            ("grpc://:50051", "missing host"),
+            ("grpc://h:0", "invalid port"),
+            ("grpc://h:70000", "invalid port"),
+            ("grpc://h:port", "invalid port"),
+            (
+                "grpc://h:1/v1/loads",
+                "expected grpc://host:port with no path",
+            ),
+        ] {
+            match grpc_authority(url) {
+                Err(BackendError::InvalidAddress {
+                    url: got,
+                    reason: why,
+                }) => {
+                    assert_eq!((got.as_str(), why), (url, reason));
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! The `router` command line. A flag the user did not pass overrides nothing.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::config::{Layers, WorkerConfig, parse_worker_flag};
+use crate::error::ConfigError;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "router",
+    version,
+    about = "Load-aware router for LLM inference fleets",
+    allow_negative_numbers = true
+)]
+pub struct Cli {
+    /// TOML config file (layers: defaults < file < ROUTER__SECTION__KEY env < flags).
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    #[arg(long)]
+    pub host: Option<String>,
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Active policy: least_load, power_of_two, least_requests, round_robin, random.
+    #[arg(long, value_name = "KIND")]
+    pub policy: Option<String>,
+    /// A worker, `[BACKEND=]URL[,loads=LOAD_URL]`; repeatable; replaces the file's list.
+    #[arg(long = "worker", value_name = "SPEC")]
+    pub workers: Vec<String>,
+    #[arg(long)]
+    pub max_retries: Option<u32>,
+    #[arg(long)]
+    pub chars_per_token: Option<f64>,
+    #[arg(long)]
+    pub load_interval_ms: Option<u64>,
+    #[arg(long)]
+    pub load_timeout_ms: Option<u64>,
+    #[arg(long)]
+    pub stale_after_ms: Option<u64>,
+    #[arg(long)]
+    pub admin_api_key: Option<String>,
+
+    #[arg(long)]
+    pub least_load_kv_pressure_weight: Option<f64>,
+    #[arg(long)]
+    pub least_load_default_throughput: Option<f64>,
+    #[arg(long)]
+    pub least_load_mean_prefill_tokens: Option<u64>,
+    #[arg(long)]
+    pub least_load_max_waiting_requests: Option<u64>,
+    /// `pending` (default) or `since_poll` (the original estimator).
+    #[arg(long)]
+    pub least_load_inflight: Option<String>,
+
+    #[arg(long)]
+    pub power_of_two_kv_pressure_weight: Option<f64>,
+    #[arg(long)]
+    pub power_of_two_default_throughput: Option<f64>,
+    #[arg(long)]
+    pub power_of_two_mean_prefill_tokens: Option<u64>,
+    #[arg(long)]
+    pub power_of_two_max_waiting_requests: Option<u64>,
+    #[arg(long)]
+    pub power_of_two_inflight: Option<String>,
+}
+
+impl Cli {
+    /// The flags the user passed, as config overrides, and the `--worker` list.
+    pub fn layers(&self) -> Result<Layers<'_>, ConfigError> {
+        let mut overrides: Vec<(String, config::Value)> = Vec::new();
+        let mut set = |key: &str, value: Option<config::Value>| {
+            if let Some(value) = value {
+                overrides.push((key.to_owned(), value));
+            }
+        };
+        set("server.host", self.host.clone().map(Into::into));
+        set("server.port", self.port.map(|port| i64::from(port).into()));
+        set(
+            "server.max_retries",
+            self.max_retries.map(|n| i64::from(n).into()),
+        );
+        set("policy.kind", self.policy.clone().map(Into::into));
+        set(
+            "request.chars_per_token",
+            self.chars_per_token.map(Into::into),
+        );
+        set(
+            "load_monitor.interval_ms",
+            self.load_interval_ms.map(u64_value),
+        );
+        set(
+            "load_monitor.timeout_ms",
+            self.load_timeout_ms.map(u64_value),
+        );
+        set(
+            "load_monitor.stale_after_ms",
+            self.stale_after_ms.map(u64_value),
+        );
+        set("admin.api_key", self.admin_api_key.clone().map(Into::into));
+        for (policy, knobs) in [
+            (
+                "least_load",
+                (
+                    self.least_load_kv_pressure_weight,
+                    self.least_load_default_throughput,
+                    self.least_load_mean_prefill_tokens,
+                    self.least_load_max_waiting_requests,
+                    &self.least_load_inflight,
+                ),
+            ),
+            (
+                "power_of_two",
+                (
+                    self.power_of_two_kv_pressure_weight,
+                    self.power_of_two_default_throughput,
+                    self.power_of_two_mean_prefill_tokens,
+                    self.power_of_two_max_waiting_requests,
+                    &self.power_of_two_inflight,
+                ),
+            ),
+        ] {
+            let (weight, throughput, mean_prefill, max_waiting, inflight) = knobs;
+            set(
+                &format!("policy.{policy}.kv_pressure_weight"),
+                weight.map(Into::into),
+            );
+            set(
+                &format!("policy.{policy}.default_throughput"),
+                throughput.map(Into::into),
+            );
+            set(
+                &format!("policy.{policy}.mean_prefill_tokens"),
+                mean_prefill.map(u64_value),
+            );
+            set(
+                &format!("policy.{policy}.max_waiting_requests"),
+                max_waiting.map(u64_value),
+            );
+            set(
+                &format!("policy.{policy}.inflight"),
+                inflight.clone().map(Into::into),
+            );
+        }
+        let workers = self
+            .workers
+            .iter()
+            .map(|flag| parse_worker_flag(flag))
+            .collect::<Result<Vec<WorkerConfig>, _>>()?;
+        Ok(Layers {
+            file: self.config.as_deref(),
+            environment: None,
+            overrides,
+            workers,
+        })
+    }
+}
+
+fn u64_value(value: u64) -> config::Value {
+    i64::try_from(value).unwrap_or(i64::MAX).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RouterConfig;
+
+    #[test]
+    fn only_passed_flags_override() {
+        let cli = Cli::parse_from([
+            "router",
+            "--port",
+            "9999",
+            "--least-load-inflight",
+            "since_poll",
+        ]);
+        let config = RouterConfig::load(cli.layers().unwrap()).unwrap();
+        assert_eq!(config.server.port, 9999);
+        assert_eq!(config.server.host, "127.0.0.1", "untouched");
+        assert_eq!(
+            config.policy.sections["least_load"]["inflight"],
+            "since_poll"
+        );
+        assert!(
+            !config.policy.sections["least_load"]
+                .as_object()
+                .unwrap()
+                .contains_key("kv_pressure_weight")
+        );
+    }
+
+    #[test]
+    fn worker_flags_are_parsed() {
+        let cli = Cli::parse_from([
+            "router",
+            "--worker",
+            "sglang=http://h:30000",
+            "--worker",
+            "tokenspeed=http://h:8000,loads=grpc://h:19000",
+        ]);
+        let layers = cli.layers().unwrap();
+        assert_eq!(layers.workers.len(), 2);
+        assert_eq!(
+            layers.workers[1].load_url.as_deref(),
+            Some("grpc://h:19000")
+        );
+        let bad = Cli::parse_from(["router", "--worker", "tokenspeed=http://h:8000"]);
+        assert!(bad.layers().is_err());
+    }
+}

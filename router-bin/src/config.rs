@@ -1,0 +1,661 @@
+//! Layered configuration: built-in defaults < TOML file < environment
+//! (`ROUTER__SECTION__KEY`) < command-line flags, validated after merging.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+
+/// The whole router configuration.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    pub server: ServerConfig,
+    pub request: RequestConfig,
+    pub policy: PolicyConfig,
+    pub load_monitor: LoadMonitorConfig,
+    pub health: HealthConfig,
+    pub workers: Vec<WorkerConfig>,
+    pub admin: AdminConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// Largest request body accepted; larger bodies get 413.
+    pub body_limit_bytes: usize,
+    /// How long to wait for a worker's response to begin.
+    pub request_timeout_ms: u64,
+    /// How long in-flight requests may run on after SIGTERM/SIGINT.
+    pub shutdown_grace_ms: u64,
+    /// Other workers tried when a connection fails or a worker answers 5xx
+    /// before sending anything.
+    pub max_retries: u32,
+}
+
+impl Default for ServerConfig {
+    fn default() -> ServerConfig {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            body_limit_bytes: 32 * 1024 * 1024,
+            request_timeout_ms: 600_000,
+            shutdown_grace_ms: 30_000,
+            max_retries: 2,
+        }
+    }
+}
+
+impl ServerConfig {
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RequestConfig {
+    /// Prompt characters per token, to estimate HTTP prompts' token counts.
+    pub chars_per_token: f64,
+}
+
+impl Default for RequestConfig {
+    fn default() -> RequestConfig {
+        RequestConfig {
+            chars_per_token: 4.0,
+        }
+    }
+}
+
+/// `kind` names the active policy; every other key is one policy's section
+/// (`[policy.least_load]`, `[policy.power_of_two]`, …), handed to the policy
+/// registry, which validates it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PolicyConfig {
+    pub kind: String,
+    #[serde(flatten)]
+    pub sections: BTreeMap<String, serde_json::Value>,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> PolicyConfig {
+        PolicyConfig {
+            kind: "least_load".into(),
+            sections: BTreeMap::new(),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// The active policy's section (`null` when absent: all defaults).
+    pub fn active_section(&self) -> serde_json::Value {
+        self.sections
+            .get(&self.kind)
+            .cloned()
+            .unwrap_or(serde_json::Value::Null)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoadMonitorConfig {
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub stale_after_ms: u64,
+}
+
+impl Default for LoadMonitorConfig {
+    fn default() -> LoadMonitorConfig {
+        LoadMonitorConfig {
+            interval_ms: 1000,
+            timeout_ms: 500,
+            stale_after_ms: 3000,
+        }
+    }
+}
+
+impl LoadMonitorConfig {
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    pub fn stale_after(&self) -> Duration {
+        Duration::from_millis(self.stale_after_ms)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// How often each worker's `/health` is checked.
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Consecutive failures (checks or requests) that take a worker out.
+    pub failure_threshold: u32,
+    /// Consecutive passed checks that bring it back.
+    pub success_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> HealthConfig {
+        HealthConfig {
+            interval_ms: 2000,
+            timeout_ms: 1000,
+            failure_threshold: 3,
+            success_threshold: 2,
+        }
+    }
+}
+
+/// One worker. `backend` absent means "detect it": `/v1/loads` means SGLang,
+/// a `/metrics` with `vllm:` families means vLLM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    pub url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// When set, every admin call needs `Authorization: Bearer <api_key>`;
+    /// when not, mutating calls are accepted only from loopback.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
+}
+
+/// The backend names a worker may name.
+pub const BACKENDS: [&str; 5] = ["sglang", "sglang-grpc", "tokenspeed", "vllm", "vllm-grpc"];
+
+/// The layers above the defaults.
+#[derive(Debug, Default)]
+pub struct Layers<'a> {
+    pub file: Option<&'a Path>,
+    /// The environment, as `(name, value)` pairs; only `ROUTER__*` is read.
+    /// Tests pass a map; the binary passes the process environment.
+    pub environment: Option<HashMap<String, String>>,
+    /// `(dotted.key, value)` overrides from flags the user passed.
+    pub overrides: Vec<(String, config::Value)>,
+    /// `--worker` flags: when any is given they replace the file's list.
+    pub workers: Vec<WorkerConfig>,
+}
+
+impl Layers<'_> {
+    /// Adds the process environment (the binary; tests pass a map instead).
+    pub fn with_process_environment(mut self) -> Self {
+        self.environment = Some(std::env::vars().collect());
+        self
+    }
+}
+
+impl RouterConfig {
+    /// Merges the layers over the defaults and validates the result.
+    pub fn load(layers: Layers<'_>) -> Result<RouterConfig, ConfigError> {
+        let defaults =
+            config::Config::try_from(&RouterConfig::default()).map_err(ConfigError::Merge)?;
+        let mut builder = config::Config::builder().add_source(defaults);
+        if let Some(path) = layers.file {
+            if !path.exists() {
+                return Err(ConfigError::MissingFile(path.to_path_buf()));
+            }
+            builder = builder.add_source(
+                config::File::from(path)
+                    .format(config::FileFormat::Toml)
+                    .required(true),
+            );
+        }
+        let environment: HashMap<String, String> = layers
+            .environment
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(name, _)| name.starts_with("ROUTER__"))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix("ROUTER")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(environment)),
+        );
+        for (key, value) in layers.overrides {
+            builder = builder
+                .set_override(key, value)
+                .map_err(ConfigError::Merge)?;
+        }
+        let mut merged: RouterConfig = builder
+            .build()
+            .and_then(config::Config::try_deserialize)
+            .map_err(ConfigError::Merge)?;
+        if !layers.workers.is_empty() {
+            merged.workers = layers.workers;
+        }
+        merged.validate()?;
+        Ok(merged)
+    }
+
+    /// Checks what types alone cannot: ranges, relations, names.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, value: String, allowed: &str| {
+            Err(ConfigError::Invalid {
+                key: key.to_owned(),
+                value,
+                allowed: allowed.to_owned(),
+            })
+        };
+        if self.server.host.trim().is_empty() {
+            return invalid(
+                "server.host",
+                format!("{:?}", self.server.host),
+                "a host name or IP address",
+            );
+        }
+        if self.server.body_limit_bytes == 0 {
+            return invalid("server.body_limit_bytes", "0".into(), "at least 1");
+        }
+        if self.server.request_timeout_ms == 0 {
+            return invalid("server.request_timeout_ms", "0".into(), "at least 1");
+        }
+        let chars = self.request.chars_per_token;
+        if !(chars.is_finite() && chars > 0.0) {
+            return invalid(
+                "request.chars_per_token",
+                chars.to_string(),
+                "a finite number > 0",
+            );
+        }
+        let monitor = &self.load_monitor;
+        if monitor.interval_ms == 0 {
+            return invalid("load_monitor.interval_ms", "0".into(), "at least 1");
+        }
+        if monitor.timeout_ms == 0 {
+            return invalid("load_monitor.timeout_ms", "0".into(), "at least 1");
+        }
+        if monitor.stale_after_ms <= monitor.interval_ms {
+            return invalid(
+                "load_monitor.stale_after_ms",
+                monitor.stale_after_ms.to_string(),
+                &format!(
+                    "greater than load_monitor.interval_ms ({})",
+                    monitor.interval_ms
+                ),
+            );
+        }
+        if self.health.interval_ms == 0 {
+            return invalid("health.interval_ms", "0".into(), "at least 1");
+        }
+        if self.health.timeout_ms == 0 {
+            return invalid("health.timeout_ms", "0".into(), "at least 1");
+        }
+        if self.health.failure_threshold == 0 {
+            return invalid("health.failure_threshold", "0".into(), "at least 1");
+        }
+        if self.health.success_threshold == 0 {
+            return invalid("health.success_threshold", "0".into(), "at least 1");
+        }
+        for (index, worker) in self.workers.iter().enumerate() {
+            validate_worker(worker).map_err(|(field, value, allowed)| ConfigError::Invalid {
+                key: format!("workers[{index}].{field}"),
+                value,
+                allowed: allowed.to_owned(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The effective configuration as TOML.
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        toml::to_string_pretty(self).map_err(ConfigError::Render)
+    }
+}
+
+/// Checks one worker entry; on error gives `(field, value, allowed)`.
+pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, String, &'static str)> {
+    let http = worker.url.starts_with("http://") || worker.url.starts_with("https://");
+    if !http || reqwest::Url::parse(&worker.url).is_err() {
+        return Err((
+            "url",
+            format!("{:?}", worker.url),
+            "an http:// or https:// URL",
+        ));
+    }
+    if let Some(backend) = &worker.backend
+        && !BACKENDS.contains(&backend.as_str())
+    {
+        return Err((
+            "backend",
+            format!("{backend:?}"),
+            "one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc",
+        ));
+    }
+    let grpc = matches!(
+        worker.backend.as_deref(),
+        Some("sglang-grpc" | "tokenspeed" | "vllm-grpc")
+    );
+    match (&worker.load_url, grpc) {
+        (None, true) => Err((
+            "load_url",
+            "none".into(),
+            "a grpc://host:port address (required by the gRPC backends)",
+        )),
+        (Some(load_url), true) if !load_url.starts_with("grpc://") => Err((
+            "load_url",
+            format!("{load_url:?}"),
+            "a grpc://host:port address",
+        )),
+        (Some(load_url), false) if reqwest::Url::parse(load_url).is_err() => {
+            Err(("load_url", format!("{load_url:?}"), "a URL"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Parses a `--worker [BACKEND=]URL[,loads=LOAD_URL]` flag.
+pub fn parse_worker_flag(flag: &str) -> Result<WorkerConfig, ConfigError> {
+    let invalid = |allowed: &str| ConfigError::Invalid {
+        key: "--worker".into(),
+        value: format!("{flag:?}"),
+        allowed: allowed.to_owned(),
+    };
+    let mut parts = flag.split(',');
+    let head = parts.next().unwrap_or_default().trim();
+    let (backend, url) = match head.split_once('=') {
+        Some((backend, url)) => (Some(backend.to_owned()), url.to_owned()),
+        None => (None, head.to_owned()),
+    };
+    let mut load_url = None;
+    for part in parts {
+        match part.trim().split_once('=') {
+            Some(("loads", value)) if !value.is_empty() => load_url = Some(value.to_owned()),
+            _ => return Err(invalid("[BACKEND=]URL[,loads=LOAD_URL]")),
+        }
+    }
+    let worker = WorkerConfig {
+        url,
+        backend,
+        load_url,
+        api_key: None,
+    };
+    validate_worker(&worker).map_err(|(field, value, allowed)| ConfigError::Invalid {
+        key: format!("--worker {field}"),
+        value,
+        allowed: allowed.to_owned(),
+    })?;
+    Ok(worker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
+        Some(
+            pairs
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect(),
+        )
+    }
+
+    fn file(text: &str) -> tempfile_path::TempToml {
+        tempfile_path::TempToml::new(text)
+    }
+
+    /// A TOML file in the target dir, removed on drop (no extra crate needed).
+    mod tempfile_path {
+        use std::path::PathBuf;
+        use std::sync::atomic::{AtomicU32, Ordering};
+
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+
+        pub struct TempToml(pub PathBuf);
+
+        impl TempToml {
+            pub fn new(text: &str) -> TempToml {
+                let n = NEXT.fetch_add(1, Ordering::Relaxed);
+                let path = std::env::temp_dir()
+                    .join(format!("router-config-{}-{n}.toml", std::process::id()));
+                std::fs::write(&path, text).unwrap();
+                TempToml(path)
+            }
+        }
+
+        impl Drop for TempToml {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let config = RouterConfig::load(Layers::default()).unwrap();
+        assert_eq!(config.server.body_limit_bytes, 32 * 1024 * 1024);
+        assert_eq!(config.server.max_retries, 2);
+        assert_eq!(config.request.chars_per_token, 4.0);
+        assert_eq!(config.load_monitor, LoadMonitorConfig::default());
+        assert_eq!(config.load_monitor.interval_ms, 1000);
+        assert_eq!(config.load_monitor.timeout_ms, 500);
+        assert_eq!(config.load_monitor.stale_after_ms, 3000);
+        assert_eq!(config.policy.kind, "least_load");
+    }
+
+    #[test]
+    fn layers_override_in_order() {
+        let toml = file(
+            r#"
+            [server]
+            port = 9000
+            max_retries = 5
+            [load_monitor]
+            interval_ms = 200
+            [policy]
+            kind = "power_of_two"
+            [policy.least_load]
+            kv_pressure_weight = 0.3
+            "#,
+        );
+        let config = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            environment: env(&[
+                ("ROUTER__SERVER__PORT", "9100"),
+                ("ROUTER__LOAD_MONITOR__TIMEOUT_MS", "150"),
+                ("OTHER__SERVER__PORT", "1"),
+            ]),
+            overrides: vec![("server.port".into(), config::Value::from(9200))],
+            workers: Vec::new(),
+        })
+        .unwrap();
+        assert_eq!(config.server.port, 9200, "the flag wins");
+        assert_eq!(config.server.max_retries, 5, "the file beats the default");
+        assert_eq!(
+            config.load_monitor.timeout_ms, 150,
+            "the environment beats the default"
+        );
+        assert_eq!(config.load_monitor.interval_ms, 200);
+        assert_eq!(config.policy.kind, "power_of_two");
+        assert_eq!(
+            config.policy.sections["least_load"]["kv_pressure_weight"],
+            0.3
+        );
+    }
+
+    #[test]
+    fn worker_flags_replace_the_files_list() {
+        let toml = file(
+            r#"
+            [[workers]]
+            url = "http://127.0.0.1:1"
+            backend = "sglang"
+            [[workers]]
+            url = "http://127.0.0.1:2"
+            backend = "vllm"
+            "#,
+        );
+        let from_file = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            ..Layers::default()
+        })
+        .unwrap();
+        assert_eq!(from_file.workers.len(), 2);
+        let flagged = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            workers: vec![
+                parse_worker_flag("tokenspeed=http://h:8000,loads=grpc://h:19000").unwrap(),
+            ],
+            ..Layers::default()
+        })
+        .unwrap();
+        assert_eq!(
+            flagged.workers,
+            vec![WorkerConfig {
+                url: "http://h:8000".into(),
+                backend: Some("tokenspeed".into()),
+                load_url: Some("grpc://h:19000".into()),
+                api_key: None,
+            }]
+        );
+    }
+
+    #[test]
+    fn worker_flags_parse_or_explain() {
+        let bare = parse_worker_flag("http://h:30000").unwrap();
+        assert_eq!(bare.backend, None);
+        assert_eq!(
+            parse_worker_flag("vllm=http://h:8000")
+                .unwrap()
+                .backend
+                .as_deref(),
+            Some("vllm")
+        );
+        let cases = [
+            (
+                "tokenspeed=http://h:8000",
+                r#"invalid --worker load_url = none: must be a grpc://host:port address (required by the gRPC backends)"#,
+            ),
+            (
+                "nginx=http://h:1",
+                r#"invalid --worker backend = "nginx": must be one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc"#,
+            ),
+            (
+                "h:1",
+                r#"invalid --worker url = "h:1": must be an http:// or https:// URL"#,
+            ),
+            (
+                "sglang=http://h:1,weight=2",
+                r#"invalid --worker = "sglang=http://h:1,weight=2": must be [BACKEND=]URL[,loads=LOAD_URL]"#,
+            ),
+            (
+                "vllm-grpc=http://h:1,loads=http://h:2",
+                r#"invalid --worker load_url = "http://h:2": must be a grpc://host:port address"#,
+            ),
+        ];
+        for (flag, message) in cases {
+            assert_eq!(
+                parse_worker_flag(flag).unwrap_err().to_string(),
+                message,
+                "{flag}"
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_values_name_the_key_the_value_and_what_is_allowed() {
+        let cases = [
+            (
+                "[load_monitor]\ninterval_ms = 5000",
+                "invalid load_monitor.stale_after_ms = 3000: must be greater than load_monitor.interval_ms (5000)",
+            ),
+            (
+                "[request]\nchars_per_token = 0.0",
+                "invalid request.chars_per_token = 0: must be a finite number > 0",
+            ),
+            (
+                "[server]\nbody_limit_bytes = 0",
+                "invalid server.body_limit_bytes = 0: must be at least 1",
+            ),
+            (
+                "[health]\nfailure_threshold = 0",
+                "invalid health.failure_threshold = 0: must be at least 1",
+            ),
+            (
+                "[[workers]]\nurl = \"http://h:1\"\nbackend = \"tgi\"",
+                r#"invalid workers[0].backend = "tgi": must be one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc"#,
+            ),
+        ];
+        for (text, message) in cases {
+            let toml = file(text);
+            let err = RouterConfig::load(Layers {
+                file: Some(&toml.0),
+                ..Layers::default()
+            })
+            .unwrap_err();
+            assert_eq!(err.to_string(), message, "{text}");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_types_are_errors() {
+        let toml = file("[server]\nprot = 1");
+        let err = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            ..Layers::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `prot`"), "{err}");
+
+        let err = RouterConfig::load(Layers {
+            environment: env(&[("ROUTER__SERVER__PORT", "eighty")]),
+            ..Layers::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("server.port"), "{err}");
+
+        let missing = Path::new("/nonexistent/router.toml");
+        let err = RouterConfig::load(Layers {
+            file: Some(missing),
+            ..Layers::default()
+        })
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config file /nonexistent/router.toml does not exist"
+        );
+    }
+
+    #[test]
+    fn print_config_round_trips() {
+        let config = RouterConfig::load(Layers {
+            workers: vec![parse_worker_flag("sglang=http://127.0.0.1:30000").unwrap()],
+            ..Layers::default()
+        })
+        .unwrap();
+        let text = config.to_toml().unwrap();
+        let again = file(&text);
+        let reloaded = RouterConfig::load(Layers {
+            file: Some(&again.0),
+            ..Layers::default()
+        })
+        .unwrap();
+        assert_eq!(config, reloaded);
+    }
+}

@@ -1,0 +1,217 @@
+//! The router's Prometheus metrics, served at `/metrics`.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    pub worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub worker: String,
+    /// The HTTP status, or `error` when the worker could not be reached, or
+    /// `cut` when the response stream broke off.
+    pub status: String,
+}
+
+type HistogramFamily = Family<WorkerLabel, Histogram, fn() -> Histogram>;
+
+/// Latency buckets from 1 ms to about 65 s, doubling.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// Every metric the router exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub request_duration: HistogramFamily,
+    pub time_to_first_byte: HistogramFamily,
+    pub time_to_first_token: HistogramFamily,
+    pub in_flight: Family<WorkerLabel, Gauge>,
+    pub selections: Family<WorkerLabel, Counter>,
+    pub dispatched_tokens: Family<WorkerLabel, Counter>,
+    pub retries: Counter,
+    pub rejected: Counter,
+    pub poll_duration: HistogramFamily,
+    pub poll_failures: Family<WorkerLabel, Counter>,
+    pub selected_score: Histogram,
+    pub healthy: Family<WorkerLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("router");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests proxied, by worker and status",
+            requests.clone(),
+        );
+        let request_duration =
+            HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "request_duration_seconds",
+            "Time from receiving a request to the end of its response",
+            request_duration.clone(),
+        );
+        let time_to_first_byte =
+            HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "time_to_first_byte_seconds",
+            "Time from receiving a request to the worker's response headers",
+            time_to_first_byte.clone(),
+        );
+        let time_to_first_token =
+            HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time from receiving a request to its first token passing through (first SSE data chunk, or the start of a non-streaming response)",
+            time_to_first_token.clone(),
+        );
+        let in_flight = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "in_flight_requests",
+            "Requests in flight per worker",
+            in_flight.clone(),
+        );
+        let selections = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "selections",
+            "Times the policy chose each worker",
+            selections.clone(),
+        );
+        let dispatched_tokens = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "dispatched_tokens",
+            "Prompt token-work dispatched to each worker (estimated on the HTTP path)",
+            dispatched_tokens.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "retries",
+            "Requests retried on another worker",
+            retries.clone(),
+        );
+        let rejected = Counter::default();
+        registry.register(
+            "rejected",
+            "Requests answered 503 because no worker could take them",
+            rejected.clone(),
+        );
+        let poll_duration =
+            HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "load_poll_duration_seconds",
+            "Load poll latency per worker",
+            poll_duration.clone(),
+        );
+        let poll_failures = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "load_poll_failures",
+            "Failed load polls per worker",
+            poll_failures.clone(),
+        );
+        let selected_score = Histogram::new(exponential_buckets(0.0001, 2.0, 24));
+        registry.register(
+            "selected_score",
+            "The policy's score of the chosen worker (seconds of expected wait for least_load)",
+            selected_score.clone(),
+        );
+        let healthy = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_healthy",
+            "1 when the worker is in rotation",
+            healthy.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            request_duration,
+            time_to_first_byte,
+            time_to_first_token,
+            in_flight,
+            selections,
+            dispatched_tokens,
+            retries,
+            rejected,
+            poll_duration,
+            poll_failures,
+            selected_score,
+            healthy,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// Per-worker handles, looked up once when the worker is added so the request
+/// path does not hash label strings.
+#[derive(Debug, Clone)]
+pub struct WorkerMetrics {
+    pub label: String,
+    pub request_duration: Histogram,
+    pub time_to_first_byte: Histogram,
+    pub time_to_first_token: Histogram,
+    pub in_flight: Gauge,
+    pub selections: Counter,
+    pub dispatched_tokens: Counter,
+    pub poll_duration: Histogram,
+    pub poll_failures: Counter,
+    pub healthy: Gauge,
+}
+
+impl WorkerMetrics {
+    pub fn new(metrics: &Metrics, url: &str) -> WorkerMetrics {
+        let label = WorkerLabel {
+            worker: url.to_owned(),
+        };
+        WorkerMetrics {
+            label: url.to_owned(),
+            request_duration: metrics.request_duration.get_or_create(&label).clone(),
+            time_to_first_byte: metrics.time_to_first_byte.get_or_create(&label).clone(),
+            time_to_first_token: metrics.time_to_first_token.get_or_create(&label).clone(),
+            in_flight: metrics.in_flight.get_or_create(&label).clone(),
+            selections: metrics.selections.get_or_create(&label).clone(),
+            dispatched_tokens: metrics.dispatched_tokens.get_or_create(&label).clone(),
+            poll_duration: metrics.poll_duration.get_or_create(&label).clone(),
+            poll_failures: metrics.poll_failures.get_or_create(&label).clone(),
+            healthy: metrics.healthy.get_or_create(&label).clone(),
+        }
+    }
+
+    pub fn request_status(&self, metrics: &Metrics, status: &str) {
+        metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                worker: self.label.clone(),
+                status: status.to_owned(),
+            })
+            .inc();
+    }
+}
+
+pub fn seconds(duration: Duration) -> f64 {
+    duration.as_secs_f64()
+}

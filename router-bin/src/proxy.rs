@@ -1,0 +1,405 @@
+//! The proxy: choose a worker, forward the request, stream the response back
+//! unbuffered, and tell the policy when the first token passes.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
+
+use crate::app::App;
+use crate::estimate::request_info;
+use crate::workers::Worker;
+
+/// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
+pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({"error": {"message": message.into(), "type": kind}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn unavailable(message: &str) -> Response {
+    let mut response = error_response(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-connection",
+];
+
+fn forwardable(headers: &HeaderMap) -> HeaderMap {
+    // Names listed in `Connection` are hop-by-hop too.
+    let listed: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .collect();
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let name_text = name.as_str();
+        if HOP_BY_HOP.contains(&name_text)
+            || listed.iter().any(|listed| listed == name_text)
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+        {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+/// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
+pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response {
+    let received_at = Instant::now();
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, app.config.server.body_limit_bytes).await {
+        Ok(body) => body,
+        Err(_) => {
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!(
+                    "request body exceeds {} bytes (server.body_limit_bytes)",
+                    app.config.server.body_limit_bytes
+                ),
+            );
+        }
+    };
+    let parsed: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(parsed @ serde_json::Value::Object(_)) => parsed,
+        Ok(_) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "request body must be a JSON object",
+            );
+        }
+        Err(error) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("request body is not valid JSON: {error}"),
+            );
+        }
+    };
+    let info = request_info(&parsed, app.config.request.chars_per_token);
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|path| path.as_str().to_owned())
+        .unwrap_or_else(|| parts.uri.path().to_owned());
+    let headers = forwardable(&parts.headers);
+    forward(app, path, headers, body, info, received_at).await
+}
+
+async fn forward(
+    app: Arc<App>,
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+    info: RequestInfo,
+    received_at: Instant,
+) -> Response {
+    let mut tried: Vec<WorkerId> = Vec::new();
+    let attempts = app.config.server.max_retries + 1;
+    let mut last_failure = "no worker is healthy";
+    for attempt in 0..attempts {
+        let all = app.workers.candidates();
+        let untried: Vec<WorkerId>;
+        let candidates: &[WorkerId] = if tried.is_empty() {
+            &all
+        } else {
+            untried = all
+                .iter()
+                .copied()
+                .filter(|id| !tried.contains(id))
+                .collect();
+            &untried
+        };
+        if candidates.is_empty() {
+            break;
+        }
+        let policy = app.policy();
+        let Some(dispatch) = policy.select(candidates, &info, tokio_now()) else {
+            app.metrics.rejected.inc();
+            return unavailable("every worker is at capacity (policy cap); retry shortly");
+        };
+        let guard = DispatchGuard::new(policy.clone(), dispatch);
+        let Some(worker) = app.workers.get(dispatch.worker) else {
+            tried.push(dispatch.worker);
+            continue;
+        };
+        worker.metrics.selections.inc();
+        worker.metrics.dispatched_tokens.inc_by(dispatch.tokens);
+        app.metrics.selected_score.observe(dispatch.score);
+        if attempt > 0 {
+            app.metrics.retries.inc();
+        }
+        let tracker = RequestTracker::new(guard, worker.clone(), received_at);
+        let mut upstream = app
+            .client
+            .post(format!("{}{}", worker.url, path))
+            .headers(headers.clone())
+            .body(body.clone());
+        if let Some(key) = &worker.api_key {
+            upstream = upstream.bearer_auth(key);
+        }
+        let answer =
+            tokio::time::timeout(app.config.server.request_timeout(), upstream.send()).await;
+        match answer {
+            Ok(Ok(response)) if !response.status().is_server_error() => {
+                return respond(&app, tracker, response, info.streaming);
+            }
+            Ok(Ok(response)) => {
+                worker
+                    .metrics
+                    .request_status(&app.metrics, response.status().as_str());
+                last_failure = "workers answered with server errors";
+                tracing::debug!(worker = %worker.url, status = %response.status(), "worker answered 5xx; retrying");
+            }
+            Ok(Err(error)) => {
+                worker.metrics.request_status(&app.metrics, "error");
+                last_failure = "workers could not be reached";
+                tracing::debug!(worker = %worker.url, %error, "worker unreachable; retrying");
+            }
+            Err(_elapsed) => {
+                worker.metrics.request_status(&app.metrics, "timeout");
+                last_failure = "workers did not answer in time";
+            }
+        }
+        // Nothing reached the client yet, so another worker may take it.
+        passive_failure(&app, &worker);
+        tried.push(worker.id);
+        drop(tracker);
+    }
+    app.metrics.rejected.inc();
+    unavailable(last_failure)
+}
+
+fn passive_failure(app: &App, worker: &Worker) {
+    let change = worker.record_failure(app.config.health.failure_threshold, false);
+    app.apply_health_change(worker, change);
+}
+
+fn respond(
+    app: &Arc<App>,
+    mut tracker: RequestTracker,
+    response: reqwest::Response,
+    streaming: bool,
+) -> Response {
+    let status = response.status();
+    tracker
+        .worker
+        .metrics
+        .time_to_first_byte
+        .observe(tracker.received_at.elapsed().as_secs_f64());
+    tracker
+        .worker
+        .metrics
+        .request_status(&app.metrics, status.as_str());
+    if !streaming || !status.is_success() {
+        // A non-streaming response's start is its first token.
+        tracker.first_token();
+    }
+    let worker_success = status.is_success();
+    if worker_success {
+        tracker
+            .worker
+            .record_success(app.config.health.success_threshold, false);
+    }
+    let mut builder = Response::builder().status(status);
+    if let Some(headers) = builder.headers_mut() {
+        *headers = forwardable(response.headers());
+    }
+    let body = TrackedBody {
+        inner: Box::pin(response.bytes_stream()),
+        tracker: Some(tracker),
+        app: app.clone(),
+        streaming,
+    };
+    builder.body(Body::from_stream(body)).unwrap_or_else(|_| {
+        error_response(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "bad upstream response",
+        )
+    })
+}
+
+/// Holds a request's dispatch and in-flight count until its response ends.
+struct RequestTracker {
+    guard: DispatchGuard,
+    worker: Arc<Worker>,
+    received_at: Instant,
+}
+
+impl RequestTracker {
+    fn new(guard: DispatchGuard, worker: Arc<Worker>, received_at: Instant) -> RequestTracker {
+        worker.request_started();
+        RequestTracker {
+            guard,
+            worker,
+            received_at,
+        }
+    }
+
+    fn first_token(&mut self) {
+        if !self.guard.first_token_seen() {
+            self.guard.first_token();
+            self.worker
+                .metrics
+                .time_to_first_token
+                .observe(self.received_at.elapsed().as_secs_f64());
+        }
+    }
+}
+
+impl Drop for RequestTracker {
+    fn drop(&mut self) {
+        self.worker.request_ended();
+        self.worker
+            .metrics
+            .request_duration
+            .observe(self.received_at.elapsed().as_secs_f64());
+        // `guard` drops next and finishes the dispatch.
+    }
+}
+
+type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
+
+/// The worker's body, passed through chunk by chunk. Dropping it (the body
+/// ended, or the client went away) releases the dispatch.
+struct TrackedBody {
+    inner: ByteStream,
+    tracker: Option<RequestTracker>,
+    app: Arc<App>,
+    streaming: bool,
+}
+
+impl Stream for TrackedBody {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.inner.as_mut().poll_next(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let streaming = self.streaming;
+                if streaming
+                    && let Some(tracker) = self.tracker.as_mut()
+                    && contains_sse_data(&chunk)
+                {
+                    tracker.first_token();
+                }
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                // The stream broke off: count it against the worker.
+                if let Some(tracker) = self.tracker.take() {
+                    tracker
+                        .worker
+                        .metrics
+                        .request_status(&self.app.metrics, "cut");
+                    passive_failure(&self.app, &tracker.worker);
+                }
+                Poll::Ready(Some(Err(std::io::Error::other(error))))
+            }
+            Poll::Ready(None) => {
+                self.tracker = None;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+fn contains_sse_data(chunk: &[u8]) -> bool {
+    chunk.windows(5).any(|window| window == b"data:")
+}
+
+/// `GET /v1/models`: the union of every healthy worker's models.
+pub async fn models(State(app): State<Arc<App>>) -> Response {
+    let mut seen = std::collections::BTreeMap::new();
+    for worker in app.workers.all() {
+        if !worker.is_healthy() || worker.is_draining() {
+            continue;
+        }
+        let answer = app
+            .client
+            .get(format!("{}/v1/models", worker.url))
+            .timeout(app.config.server.request_timeout())
+            .send()
+            .await;
+        let Ok(response) = answer else { continue };
+        let Ok(listing) = response.json::<serde_json::Value>().await else {
+            continue;
+        };
+        for model in listing
+            .get("data")
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            if let Some(id) = model.get("id").and_then(serde_json::Value::as_str) {
+                seen.entry(id.to_owned()).or_insert_with(|| model.clone());
+            }
+        }
+    }
+    let data: Vec<serde_json::Value> = seen.into_values().collect();
+    axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-trace"),
+        );
+        headers.insert("x-trace", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert(header::HOST, HeaderValue::from_static("router"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let out = forwardable(&headers);
+        assert_eq!(out.len(), 2);
+        assert!(out.contains_key(header::AUTHORIZATION));
+        assert!(out.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn sse_data_is_found_in_a_chunk() {
+        assert!(contains_sse_data(b"data: {\"x\":1}\n\n"));
+        assert!(contains_sse_data(b": ping\n\ndata: {}\n\n"));
+        assert!(!contains_sse_data(b": keep-alive\n\n"));
+        assert!(!contains_sse_data(b""));
+    }
+}

@@ -1,0 +1,224 @@
+//! The admin API end to end.
+
+mod common;
+
+use common::upstream::Upstream;
+use common::{fast_config, start_router, wait_until, worker};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_are_listed_added_and_drained() {
+    let first = Upstream::start().await;
+    let second = Upstream::start().await;
+    let router = start_router(fast_config(vec![worker("sglang", &first.url)], "")).await;
+    wait_until("the first worker has a load report", || async {
+        !router.workers_json().await["workers"][0]["load"].is_null()
+    })
+    .await;
+    let listed = router.workers_json().await;
+    let entry = &listed["workers"][0];
+    assert_eq!(entry["id"], "0.0");
+    assert_eq!(entry["url"], first.url);
+    assert_eq!(entry["backend"], "sglang");
+    assert_eq!(entry["healthy"], true);
+    assert_eq!(entry["in_flight"], 0);
+    assert_eq!(entry["pending_tokens"], 0);
+    assert_eq!(entry["poll_failures"], 0);
+    assert_eq!(
+        entry["load"]["loads"][0]["gen_throughput"], 2000.0,
+        "SGLang field names"
+    );
+    assert!(entry["load_age_s"].as_f64().unwrap() >= 0.0);
+
+    let added = router
+        .client
+        .post(format!("{}/admin/workers", router.base))
+        .json(&serde_json::json!({"url": second.url, "backend": "sglang"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), 201);
+    let added: serde_json::Value = added.json().await.unwrap();
+    assert_eq!(added["id"], "1.0");
+    wait_until("two workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+
+    let invalid = router
+        .client
+        .post(format!("{}/admin/workers", router.base))
+        .json(&serde_json::json!({"url": "ftp://nope", "backend": "sglang"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(invalid.status(), 400);
+    let error: serde_json::Value = invalid.json().await.unwrap();
+    assert_eq!(
+        error["error"]["message"],
+        "invalid worker.url = \"ftp://nope\": must be an http:// or https:// URL"
+    );
+
+    let removed = router
+        .client
+        .delete(format!("{}/admin/workers/0.0", router.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(removed.status(), 202);
+    wait_until("the drained worker is gone", || async {
+        let workers = router.workers_json().await;
+        workers["workers"].as_array().unwrap().len() == 1 && workers["workers"][0]["id"] == "1.0"
+    })
+    .await;
+    for index in 0..4 {
+        assert_eq!(
+            router.chat(&format!("after {index}"), false).await.status(),
+            200
+        );
+    }
+    assert_eq!(second.requests(), 4, "nothing goes to a removed worker");
+    let missing = router
+        .client
+        .delete(format!("{}/admin/workers/0.0", router.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_swaps_through_the_admin_api() {
+    let upstream = Upstream::start().await;
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+    let policy: serde_json::Value = router
+        .client
+        .get(format!("{}/admin/policy", router.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(policy["kind"], "least_load");
+    assert_eq!(policy["params"]["kv_pressure_weight"], 0.15);
+
+    let swapped = router
+        .client
+        .put(format!("{}/admin/policy", router.base))
+        .json(&serde_json::json!({"kind": "power_of_two", "power_of_two": {"kv_pressure_weight": 0.5}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(swapped.status(), 200);
+    let swapped: serde_json::Value = swapped.json().await.unwrap();
+    assert_eq!(swapped["kind"], "power_of_two");
+    assert_eq!(swapped["params"]["kv_pressure_weight"], 0.5);
+
+    let rejected = router
+        .client
+        .put(format!("{}/admin/policy", router.base))
+        .json(
+            &serde_json::json!({"kind": "least_load", "least_load": {"kv_pressure_weight": -1.0}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rejected.status(), 400);
+    let error: serde_json::Value = rejected.json().await.unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("kv_pressure_weight"),
+        "{error}"
+    );
+    assert_eq!(
+        router.app.policy().name(),
+        "power_of_two",
+        "the old policy is kept"
+    );
+
+    // The swapped-in policy was primed with the worker and routes at once.
+    assert_eq!(
+        router
+            .chat("routed by the new policy", false)
+            .await
+            .status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_is_served_as_text_and_json() {
+    let upstream = Upstream::start().await;
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let text = router
+        .client
+        .get(format!("{}/admin/policy/explain?tokens=500", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.starts_with("policy: least_load  request: 500 tokens (exact)"),
+        "{text}"
+    );
+    assert!(text.contains(&upstream.url), "{text}");
+    let json: serde_json::Value = router
+        .client
+        .get(format!("{}/admin/policy/explain?tokens=500", router.base))
+        .header("accept", "application/json")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(json["policy"], "least_load");
+    assert_eq!(json["rows"][0]["worker"], "0.0");
+    assert_eq!(json["chosen"][0], "0.0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_auth_is_enforced() {
+    let upstream = Upstream::start().await;
+    let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
+    config.admin.api_key = Some("s3cret".into());
+    let router = start_router(config).await;
+    let url = format!("{}/admin/workers", router.base);
+    let anonymous = router.client.get(&url).send().await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+    let error: serde_json::Value = anonymous.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "authentication_error");
+    let wrong = router
+        .client
+        .get(&url)
+        .bearer_auth("guess")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let right = router
+        .client
+        .get(&url)
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(right.status(), 200);
+    let delete = router
+        .client
+        .delete(format!("{url}/0.0"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(delete.status(), 401, "mutations need the key too");
+    // The proxy itself is not behind the admin key.
+    assert_eq!(router.chat("hello", false).await.status(), 200);
+}

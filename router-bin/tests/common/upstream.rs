@@ -1,0 +1,164 @@
+//! A scriptable upstream engine for router tests: SGLang-shaped `/v1/loads`,
+//! `/health`, and the generation endpoints, with switches a test flips.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use tokio::sync::{Notify, oneshot};
+
+#[derive(Default)]
+pub struct Switches {
+    pub healthy: AtomicBool,
+    /// Answer generation with this status when non-zero.
+    pub fail_status: AtomicU16,
+    /// Hold every generation until `release` is notified.
+    pub hold: AtomicBool,
+    pub release: Notify,
+    /// After the first SSE chunk, wait for `continue_stream`.
+    pub gate_after_first_chunk: AtomicBool,
+    pub continue_stream: Notify,
+    pub requests: AtomicU64,
+    pub prompt_chars: AtomicU64,
+    pub waiting_reqs: AtomicU64,
+    pub model: &'static str,
+}
+
+pub struct Upstream {
+    pub url: String,
+    pub address: SocketAddr,
+    pub switches: Arc<Switches>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        Upstream::start_on("127.0.0.1:0").await
+    }
+
+    pub async fn start_on(address: &str) -> Upstream {
+        let switches = Arc::new(Switches {
+            healthy: AtomicBool::new(true),
+            model: "test-model",
+            ..Switches::default()
+        });
+        let listener = tokio::net::TcpListener::bind(address).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let app = Router::new()
+            .route("/health", get(health))
+            .route("/v1/loads", get(loads))
+            .route("/v1/models", get(models))
+            .route("/v1/chat/completions", post(generate))
+            .route("/v1/completions", post(generate))
+            .route("/generate", post(generate))
+            .with_state(switches.clone());
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Upstream {
+            url: format!("http://{address}"),
+            address,
+            switches,
+            stop: Some(stop),
+        }
+    }
+
+    pub fn requests(&self) -> u64 {
+        self.switches.requests.load(Ordering::SeqCst)
+    }
+}
+
+async fn health(State(switches): State<Arc<Switches>>) -> StatusCode {
+    if switches.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn loads(State(switches): State<Arc<Switches>>) -> Response {
+    let waiting = switches.waiting_reqs.load(Ordering::SeqCst);
+    axum::Json(serde_json::json!({
+        "timestamp": "", "version": "test", "dp_rank_count": 1,
+        "loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": waiting,
+                   "num_waiting_uncached_tokens": waiting * 100,
+                   "token_usage": 0.1, "gen_throughput": 2000.0}]
+    }))
+    .into_response()
+}
+
+async fn models(State(switches): State<Arc<Switches>>) -> Response {
+    axum::Json(
+        serde_json::json!({"object": "list", "data": [{"id": switches.model, "object": "model"}]}),
+    )
+    .into_response()
+}
+
+async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Response {
+    switches.requests.fetch_add(1, Ordering::SeqCst);
+    switches
+        .prompt_chars
+        .fetch_add(body.len() as u64, Ordering::SeqCst);
+    let status = switches.fail_status.load(Ordering::SeqCst);
+    if status != 0 {
+        return (StatusCode::from_u16(status).unwrap(), "upstream failure").into_response();
+    }
+    if switches.hold.load(Ordering::SeqCst) {
+        switches.release.notified().await;
+    }
+    let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if request["stream"] != true {
+        return axum::Json(serde_json::json!({
+            "id": "cmpl-1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]
+        }))
+        .into_response();
+    }
+    let gate = switches.gate_after_first_chunk.load(Ordering::SeqCst);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    let switches = switches.clone();
+    tokio::spawn(async move {
+        let chunk = |index: usize| {
+            Bytes::from(format!(
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{index}\"}}}}]}}\n\n"
+            ))
+        };
+        if tx.send(Ok(chunk(0))).await.is_err() {
+            return;
+        }
+        if gate {
+            switches.continue_stream.notified().await;
+        }
+        for index in 1..4 {
+            if tx.send(Ok(chunk(index))).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+    });
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}

@@ -1,0 +1,299 @@
+//! The proxy end to end: a real router and scriptable upstreams on loopback.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::upstream::Upstream;
+use common::{fast_config, start_router, wait_until, worker};
+use futures::StreamExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_is_not_buffered() {
+    let upstream = Upstream::start().await;
+    upstream
+        .switches
+        .gate_after_first_chunk
+        .store(true, Ordering::SeqCst);
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+
+    let response = router.chat("hello there", true).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut body = response.bytes_stream();
+    // The upstream holds every later chunk until we have seen the first one,
+    // so this only completes if the router forwarded it unbuffered.
+    let first = body.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    upstream.switches.continue_stream.notify_one();
+    let mut rest = Vec::new();
+    while let Some(chunk) = body.next().await {
+        rest.extend_from_slice(&chunk.unwrap());
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    assert_eq!(rest.matches("data: ").count(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_shaped_errors() {
+    let upstream = Upstream::start().await;
+    let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
+    config.server.body_limit_bytes = 1024;
+    let router = start_router(config).await;
+
+    let malformed = router
+        .client
+        .post(format!("{}/v1/completions", router.base))
+        .header("content-type", "application/json")
+        .body("{\"prompt\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(malformed.status(), 400);
+    let error: serde_json::Value = malformed.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "invalid_request_error");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("request body is not valid JSON"),
+        "{error}"
+    );
+
+    let too_big = router
+        .client
+        .post(format!("{}/v1/completions", router.base))
+        .body(format!("{{\"prompt\": \"{}\"}}", "x".repeat(4096)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(too_big.status(), 413);
+    let error: serde_json::Value = too_big.json().await.unwrap();
+    assert_eq!(
+        error["error"]["message"],
+        "request body exceeds 1024 bytes (server.body_limit_bytes)"
+    );
+    assert_eq!(upstream.requests(), 0, "nothing bad reached the worker");
+
+    let ok = router.chat("fine", false).await;
+    assert_eq!(ok.status(), 200);
+    let body: serde_json::Value = ok.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "hi");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_releases_pending_and_in_flight_work() {
+    let upstream = Upstream::start().await;
+    upstream
+        .switches
+        .gate_after_first_chunk
+        .store(true, Ordering::SeqCst);
+    upstream.switches.hold.store(true, Ordering::SeqCst);
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+
+    // 400 characters at 4 per token: 100 pending tokens while the upstream holds.
+    let client = router.client.clone();
+    let url = format!("{}/v1/chat/completions", router.base);
+    let request = tokio::spawn(async move {
+        client
+            .post(url)
+            .json(&serde_json::json!({"stream": true, "messages": [{"role": "user", "content": "x".repeat(400)}]}))
+            .send()
+            .await
+    });
+    wait_until("the request is pending at the worker", || async {
+        let workers = router.workers_json().await;
+        workers["workers"][0]["pending_tokens"] == 100 && workers["workers"][0]["in_flight"] == 1
+    })
+    .await;
+    // The client goes away before any token.
+    request.abort();
+    let _ = request.await;
+    upstream.switches.release.notify_waiters();
+    wait_until("pending work and in-flight are released", || async {
+        let workers = router.workers_json().await;
+        workers["workers"][0]["pending_tokens"] == 0 && workers["workers"][0]["in_flight"] == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cap_answers_503_with_retry_after() {
+    let upstream = Upstream::start().await;
+    upstream.switches.hold.store(true, Ordering::SeqCst);
+    let router = start_router(fast_config(
+        vec![worker("sglang", &upstream.url)],
+        "[policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
+    ))
+    .await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+
+    let client = router.client.clone();
+    let url = format!("{}/v1/chat/completions", router.base);
+    let held = tokio::spawn(async move {
+        client
+            .post(url)
+            .json(&serde_json::json!({"messages": [{"role": "user", "content": "first"}]}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    wait_until("the first request holds the only slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+
+    let rejected = router.chat("second", false).await;
+    assert_eq!(rejected.status(), 503);
+    assert_eq!(rejected.headers()["retry-after"], "1");
+    let error: serde_json::Value = rejected.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "unavailable");
+    assert_eq!(
+        upstream.requests(),
+        1,
+        "the capped request never reached the worker"
+    );
+
+    upstream.switches.release.notify_waiters();
+    assert_eq!(held.await.unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_retried_around_taken_out_and_comes_back() {
+    let alive = Upstream::start().await;
+    let doomed = Upstream::start().await;
+    let doomed_address = doomed.address;
+    let router = start_router(fast_config(
+        vec![worker("sglang", &alive.url), worker("sglang", &doomed.url)],
+        "[policy]\nkind = \"round_robin\"\n",
+    ))
+    .await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+
+    // Kill one worker mid-run: every request still succeeds (retried around it).
+    drop(doomed);
+    for index in 0..20 {
+        let response = router.chat(&format!("request {index}"), false).await;
+        assert_eq!(response.status(), 200, "request {index}");
+    }
+    wait_until("the dead worker is out of rotation", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+
+    // It recovers on the same address; health checks bring it back.
+    let revived = Upstream::start_on(&doomed_address.to_string()).await;
+    wait_until("the revived worker is back in rotation", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+    for index in 0..10 {
+        assert_eq!(
+            router.chat(&format!("again {index}"), false).await.status(),
+            200
+        );
+    }
+    assert!(
+        revived.requests() > 0,
+        "round robin sends to the revived worker"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_answering_5xx_is_retried_on_another() {
+    let failing = Upstream::start().await;
+    failing.switches.fail_status.store(500, Ordering::SeqCst);
+    let healthy = Upstream::start().await;
+    let router = start_router(fast_config(
+        vec![
+            worker("sglang", &failing.url),
+            worker("sglang", &healthy.url),
+        ],
+        "[policy]\nkind = \"round_robin\"\n",
+    ))
+    .await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+    for index in 0..6 {
+        let response = router.chat(&format!("r{index}"), false).await;
+        assert_eq!(response.status(), 200, "request {index} was retried");
+    }
+    assert_eq!(healthy.requests(), 6);
+    let metrics = router
+        .client
+        .get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("router_retries_total"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_concurrent_streams_finish_with_none_lost() {
+    let upstreams = [Upstream::start().await, Upstream::start().await];
+    let router = start_router(fast_config(
+        upstreams
+            .iter()
+            .map(|upstream| worker("sglang", &upstream.url))
+            .collect(),
+        "",
+    ))
+    .await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+
+    let url = format!("{}/v1/chat/completions", router.base);
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .build()
+        .unwrap();
+    let tasks: Vec<_> = (0..500)
+        .map(|index| {
+            let client = client.clone();
+            let url = url.clone();
+            tokio::spawn(async move {
+                let response = client
+                    .post(url)
+                    .json(&serde_json::json!({"stream": true, "messages": [{"role": "user", "content": format!("n{index}")}]}))
+                    .send()
+                    .await?;
+                let status = response.status();
+                let text = response.text().await?;
+                Ok::<_, reqwest::Error>((status, text))
+            })
+        })
+        .collect();
+    let mut completed = 0;
+    for task in tasks {
+        let (status, text) = task.await.unwrap().unwrap();
+        assert_eq!(status, 200);
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        completed += 1;
+    }
+    assert_eq!(completed, 500);
+    assert_eq!(upstreams[0].requests() + upstreams[1].requests(), 500);
+    wait_until("nothing is left in flight", || async {
+        let workers = router.workers_json().await;
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|worker| worker["in_flight"] == 0 && worker["pending_tokens"] == 0)
+    })
+    .await;
+}
