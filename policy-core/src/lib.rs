@@ -63,7 +63,7 @@ pub use policy::{Policy, PolicyContext, WorkerStats};
 pub use poll::{PollOutcome, poll_worker, prime_worker};
 pub use registry::{BackendFactory, BackendRegistry, PolicyFactory, PolicyRegistry, parse_section};
 pub use request::{RequestInfo, TokenCount};
-pub use rng::{ArgMin, TieBreaker};
+pub use rng::{ArgMin, RankKey, TieBreaker};
 pub use score_table::{ScoreRow, ScoreTable, format_value};
 pub use slots::{SeqHasher, Slot, SlotsView, WorkerLedger, WorkerSlots};
 pub use worker::{ParseWorkerIdError, WorkerId, WorkerIdAllocator, WorkerInfo};

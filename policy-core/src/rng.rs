@@ -35,16 +35,41 @@ impl TieBreaker {
     }
 }
 
-/// Argmin over scored items with ties broken uniformly at random (reservoir
+/// A key [`ArgMin`] can rank. Keys that are not rankable (a NaN or infinite
+/// score) never win.
+pub trait RankKey: Copy + PartialOrd {
+    fn is_rankable(&self) -> bool;
+}
+
+impl RankKey for f64 {
+    fn is_rankable(&self) -> bool {
+        self.is_finite()
+    }
+}
+
+impl RankKey for i64 {
+    fn is_rankable(&self) -> bool {
+        true
+    }
+}
+
+/// A score, then a secondary key for exact ties.
+impl RankKey for (f64, i64) {
+    fn is_rankable(&self) -> bool {
+        self.0.is_finite()
+    }
+}
+
+/// Argmin over keyed items with ties broken uniformly at random (reservoir
 /// sampling), never first-index-wins. Non-finite scores never win.
 #[derive(Debug)]
-pub struct ArgMin<T> {
-    best: Option<(T, f64)>,
+pub struct ArgMin<T, K = f64> {
+    best: Option<(T, K)>,
     ties: u64,
 }
 
-impl<T> Default for ArgMin<T> {
-    fn default() -> ArgMin<T> {
+impl<T, K> Default for ArgMin<T, K> {
+    fn default() -> ArgMin<T, K> {
         ArgMin {
             best: None,
             ties: 0,
@@ -52,31 +77,31 @@ impl<T> Default for ArgMin<T> {
     }
 }
 
-impl<T> ArgMin<T> {
-    pub fn new() -> ArgMin<T> {
+impl<T, K: RankKey> ArgMin<T, K> {
+    pub fn new() -> ArgMin<T, K> {
         ArgMin::default()
     }
 
-    pub fn offer(&mut self, item: T, score: f64, rng: &TieBreaker) {
-        if !score.is_finite() {
+    pub fn offer(&mut self, item: T, key: K, rng: &TieBreaker) {
+        if !key.is_rankable() {
             return;
         }
         match &self.best {
-            Some((_, best)) if score > *best => {}
-            Some((_, best)) if score == *best => {
+            Some((_, best)) if key > *best => {}
+            Some((_, best)) if key == *best => {
                 self.ties += 1;
                 if rng.below(self.ties) == 0 {
-                    self.best = Some((item, score));
+                    self.best = Some((item, key));
                 }
             }
             _ => {
-                self.best = Some((item, score));
+                self.best = Some((item, key));
                 self.ties = 1;
             }
         }
     }
 
-    pub fn best(self) -> Option<(T, f64)> {
+    pub fn best(self) -> Option<(T, K)> {
         self.best
     }
 }

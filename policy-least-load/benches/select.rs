@@ -1,0 +1,378 @@
+//! Selection cost: `select` followed by `finish`, at 8, 64 and 512 workers,
+//! on one thread and on two contending threads, for `least_load`,
+//! `power_of_two`, the baselines, and the original design of the token-work
+//! estimator (implemented below as `original`).
+//!
+//! Every worker carries a distinct load report, as in a busy fleet. Each
+//! thread keeps a window of 16 dispatches open (it finishes the one from 16
+//! selections ago before each new selection), so the pending work and the
+//! choice move as they would under traffic. The policies are called through
+//! `&dyn Policy`, as the router calls them.
+//!
+//! Names: `select/<policy>/<workers>` and `select/<policy>/<workers>/2-thread`.
+//! The 2-thread figure is wall time per selection with both threads working
+//! (total time / total selections), so two threads that scale perfectly halve
+//! it.
+//!
+//! `calibration/spin` and `calibration/spin/2-thread` run a loop that shares
+//! nothing: their ratio is the parallelism the machine actually gave this run
+//! (other processes on a shared machine take cores), the ceiling for any
+//! 2-thread figure next to it.
+//!
+//! On a shared machine the wall clock of a 2-thread run also measures the
+//! other processes. With `SELECT_CPU_SCALING=1` the bench then prints, per
+//! policy and fleet size, the process CPU time per selection on one and on
+//! two threads (Linux `/proc/self/stat`), with the spin calibration first:
+//! time lost to contention (cache lines bouncing, lock spinning) shows up in
+//! CPU time, time lost to other processes does not. `2 x cpu(1 thread) /
+//! cpu(2 threads)` ("ceiling") is the speed-up two free cores would give, but
+//! only when the two threads really ran at once: trust it when the
+//! calibration's wall scaling is near 2. `SELECT_CPU_SCALING=least_load/64`
+//! prints only the rows whose name contains that text.
+//!
+//! Run: `cargo bench -p policy-least-load -- --warm-up-time 1 --measurement-time 2`
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group};
+use load_protocols::{SchedulerLoadSnapshot, WorkerLoad};
+use parking_lot::RwLock;
+use policy_core::{
+    Dispatch, Policy, PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId, WorkerInfo,
+};
+
+const WORKER_COUNTS: [usize; 3] = [8, 64, 512];
+const WINDOW: usize = 16;
+const THREADS: usize = 2;
+const POLICIES: [&str; 4] = [
+    "least_load",
+    "power_of_two",
+    "round_robin",
+    "least_requests",
+];
+
+/// Worker `slot`'s report: a spread of queues, rates and KV usage.
+fn report(slot: usize) -> (u64, f64, f64) {
+    let queued_tokens = (slot as u64 * 7919) % 20_000;
+    let throughput_tps = 1500.0 + ((slot * 31) % 1000) as f64;
+    let kv_usage_ratio = 0.1 + ((slot * 17) % 50) as f64 / 100.0;
+    (queued_tokens, throughput_tps, kv_usage_ratio)
+}
+
+fn url(slot: usize) -> String {
+    format!("http://10.0.{}.{}:30000", slot / 256, slot % 256)
+}
+
+/// Prompt sizes cycle through a skewed mix.
+fn request(i: usize) -> RequestInfo {
+    const SIZES: [u64; 8] = [200, 180, 240, 6000, 210, 190, 220, 1500];
+    RequestInfo::new(TokenCount::Exact(SIZES[i % SIZES.len()]))
+}
+
+type Setup<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn build(name: &str, workers: usize, now: Instant) -> Setup<(Box<dyn Policy>, Vec<WorkerId>)> {
+    let mut registry = PolicyRegistry::with_baselines();
+    policy_least_load::register(&mut registry);
+    let policy = registry.build(name, &serde_json::Value::Null, &PolicyContext::default())?;
+    let ids: Vec<WorkerId> = (0..workers)
+        .map(|slot| WorkerId::new(slot as u32, 0))
+        .collect();
+    for id in &ids {
+        let slot = id.slot();
+        policy.add_worker(*id, WorkerInfo::new(url(slot), "sglang"));
+        let (queued, tps, kv) = report(slot);
+        let rank = SchedulerLoadSnapshot {
+            num_waiting_reqs: (queued / 1000) as i64,
+            num_waiting_uncached_tokens: Some(queued as i64),
+            gen_throughput: Some(tps),
+            token_usage: kv,
+            ..SchedulerLoadSnapshot::default()
+        };
+        let load = WorkerLoad::from_ranks(vec![rank])?;
+        let mark = policy.poll_started(*id, now);
+        policy.poll_completed(mark, Some(&load), now);
+    }
+    Ok((policy, ids))
+}
+
+/// `iters` selections, each after finishing the one WINDOW selections back.
+fn run(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant) {
+    let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
+    for i in 0..iters as usize {
+        if let Some(dispatch) = open[i % WINDOW].take() {
+            policy.finish(&dispatch, now);
+        }
+        open[i % WINDOW] = black_box(policy.select(ids, &request(i), now));
+    }
+    for dispatch in open.iter().flatten() {
+        policy.finish(dispatch, now);
+    }
+}
+
+/// Wall time per operation with `THREADS` threads each doing `iters`.
+fn contended(iters: u64, op: impl Fn(u64) + Sync) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..THREADS {
+            scope.spawn(|| op(iters));
+        }
+    });
+    start.elapsed() / THREADS as u32
+}
+
+/// The original design, as its pull request built it: loads and the
+/// since-poll tally in `RwLock<HashMap<String, _>>`s keyed by worker URL, the
+/// tally's write lock held while every worker is scored, and the winner's URL
+/// cloned to credit it.
+struct Original {
+    urls: Vec<String>,
+    loads: RwLock<HashMap<String, OriginalLoad>>,
+    since_poll: RwLock<HashMap<String, u64>>,
+    kv_pressure_weight: f64,
+    default_throughput: f64,
+}
+
+#[derive(Clone, Copy)]
+struct OriginalLoad {
+    queued_tokens: u64,
+    throughput_tps: f64,
+    kv_usage_ratio: f64,
+}
+
+impl Original {
+    fn new(workers: usize) -> Original {
+        let urls: Vec<String> = (0..workers).map(url).collect();
+        let loads = urls
+            .iter()
+            .enumerate()
+            .map(|(slot, url)| {
+                let (queued_tokens, throughput_tps, kv_usage_ratio) = report(slot);
+                let load = OriginalLoad {
+                    queued_tokens,
+                    throughput_tps,
+                    kv_usage_ratio,
+                };
+                (url.clone(), load)
+            })
+            .collect();
+        Original {
+            urls,
+            loads: RwLock::new(loads),
+            since_poll: RwLock::new(HashMap::new()),
+            kv_pressure_weight: 0.15,
+            default_throughput: 2000.0,
+        }
+    }
+
+    fn select(&self, healthy: &[usize], tokens: u64) -> Option<usize> {
+        let mut tally = self.since_poll.write();
+        let loads = self.loads.read();
+        // Fleet-nominal throughput over the healthy workers with a load.
+        let (sum_tps, count) = healthy
+            .iter()
+            .filter_map(|&i| loads.get(&self.urls[i]))
+            .map(|load| load.throughput_tps)
+            .filter(|tps| *tps > 0.0)
+            .fold((0.0, 0u32), |(sum, n), tps| (sum + tps, n + 1));
+        let nominal = if count > 0 {
+            sum_tps / f64::from(count)
+        } else {
+            self.default_throughput
+        };
+        let mut best: Option<(usize, f64)> = None;
+        for &i in healthy {
+            let url = &self.urls[i];
+            let inflight = tally.get(url).copied().unwrap_or(0) as f64;
+            let score = match loads.get(url) {
+                Some(load) => {
+                    let tps = if load.throughput_tps > 0.0 {
+                        load.throughput_tps
+                    } else {
+                        self.default_throughput
+                    };
+                    let k = load.kv_usage_ratio.clamp(0.0, 0.999);
+                    (load.queued_tokens as f64 + inflight) / tps
+                        + self.kv_pressure_weight * k / (1.0 - k)
+                }
+                None => inflight / nominal,
+            };
+            if best.is_none_or(|(_, best_score)| score < best_score) {
+                best = Some((i, score));
+            }
+        }
+        let (winner, _) = best?;
+        let winner_url = self.urls[winner].clone();
+        *tally.entry(winner_url).or_insert(0) += tokens;
+        Some(winner)
+    }
+}
+
+fn run_original(original: &Original, healthy: &[usize], iters: u64) {
+    for i in 0..iters as usize {
+        let tokens = request(i).tokens.or(1024);
+        // Its finish releases nothing: the tally is reset by polls.
+        black_box(original.select(healthy, tokens));
+    }
+}
+
+/// Work that shares nothing between threads: an LCG step per iteration.
+fn spin(iters: u64) {
+    let mut state = black_box(0x9e37_79b9_7f4a_7c15u64);
+    for _ in 0..iters * 64 {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+    }
+    black_box(state);
+}
+
+fn calibration(c: &mut Criterion) {
+    let mut group = c.benchmark_group("calibration");
+    group.bench_function("spin", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            spin(iters);
+            start.elapsed()
+        });
+    });
+    group.bench_function("spin/2-thread", |b| {
+        b.iter_custom(|iters| contended(iters, spin))
+    });
+    group.finish();
+}
+
+fn select(c: &mut Criterion) {
+    if let Err(err) = select_all(c) {
+        eprintln!("select benchmark setup failed: {err}");
+        std::process::exit(1);
+    }
+}
+
+fn select_all(c: &mut Criterion) -> Setup<()> {
+    let mut group = c.benchmark_group("select");
+    let now = Instant::now();
+    for workers in WORKER_COUNTS {
+        for name in POLICIES {
+            let (policy, ids) = build(name, workers, now)?;
+            let policy = policy.as_ref();
+            group.bench_function(format!("{name}/{workers}"), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    run(policy, &ids, iters, now);
+                    start.elapsed()
+                });
+            });
+            group.bench_function(format!("{name}/{workers}/2-thread"), |b| {
+                b.iter_custom(|iters| contended(iters, |iters| run(policy, &ids, iters, now)));
+            });
+        }
+        let original = Original::new(workers);
+        let healthy: Vec<usize> = (0..workers).collect();
+        group.bench_function(format!("original/{workers}"), |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                run_original(&original, &healthy, iters);
+                start.elapsed()
+            });
+        });
+        group.bench_function(format!("original/{workers}/2-thread"), |b| {
+            b.iter_custom(|iters| {
+                contended(iters, |iters| run_original(&original, &healthy, iters))
+            });
+        });
+    }
+    group.finish();
+    Ok(())
+}
+
+/// This process's CPU time (user + system), if the platform shows it.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on every mainstream Linux.
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// Wall and CPU time of `threads` threads each running `op(iters)`.
+fn measure(threads: usize, iters: u64, op: &(impl Fn(u64) + Sync)) -> Option<(Duration, Duration)> {
+    let cpu_before = process_cpu()?;
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| op(iters));
+        }
+    });
+    let wall = start.elapsed();
+    Some((wall, process_cpu()?.saturating_sub(cpu_before)))
+}
+
+/// Prints one row of the CPU-time scaling table, unless `SELECT_CPU_SCALING`
+/// names rows (`SELECT_CPU_SCALING=least_load/64`) and this is not one.
+fn cpu_scaling_row(name: &str, op: impl Fn(u64) + Sync) -> Option<()> {
+    let filter = std::env::var("SELECT_CPU_SCALING").unwrap_or_default();
+    if !(filter == "1" || name.contains(filter.as_str()) || name.starts_with("calibration")) {
+        return Some(());
+    }
+    // Size the runs to about half a second each (CPU time has 10 ms ticks).
+    let (pilot, _) = measure(1, 2000, &op)?;
+    let per_op_ns = (pilot.as_nanos() / 2000).max(1);
+    let iters = (500_000_000 / per_op_ns).max(1000) as u64;
+    let (wall_1, cpu_1) = measure(1, iters, &op)?;
+    let (wall_2, cpu_2) = measure(THREADS, iters, &op)?;
+    let ns_per_op = |time: Duration, ops: u64| time.as_nanos() as f64 / ops as f64;
+    let cpu_1_ns = ns_per_op(cpu_1, iters);
+    let cpu_2_ns = ns_per_op(cpu_2, iters * THREADS as u64);
+    println!(
+        "{name:<32} {:>10.0} {:>10.0} {:>10.0} {:>9.2} {:>9.2}",
+        ns_per_op(wall_1, iters),
+        cpu_1_ns,
+        cpu_2_ns,
+        THREADS as f64 * cpu_1_ns / cpu_2_ns,
+        THREADS as f64 * wall_1.as_secs_f64() / wall_2.as_secs_f64(),
+    );
+    Some(())
+}
+
+fn cpu_scaling() -> Setup<()> {
+    println!(
+        "\n{:<32} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "cpu scaling", "wall 1t", "cpu/op 1t", "cpu/op 2t", "ceiling", "wall 2t/1t"
+    );
+    let missing = || "no /proc/self/stat: CPU time unavailable";
+    cpu_scaling_row("calibration/spin", spin).ok_or_else(missing)?;
+    let now = Instant::now();
+    for workers in WORKER_COUNTS {
+        for name in POLICIES {
+            let (policy, ids) = build(name, workers, now)?;
+            let policy = policy.as_ref();
+            cpu_scaling_row(&format!("select/{name}/{workers}"), |iters| {
+                run(policy, &ids, iters, now)
+            })
+            .ok_or_else(missing)?;
+        }
+        let original = Original::new(workers);
+        let healthy: Vec<usize> = (0..workers).collect();
+        cpu_scaling_row(&format!("select/original/{workers}"), |iters| {
+            run_original(&original, &healthy, iters)
+        })
+        .ok_or_else(missing)?;
+    }
+    Ok(())
+}
+
+criterion_group!(benches, calibration, select);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    if std::env::var_os("SELECT_CPU_SCALING").is_some()
+        && let Err(err) = cpu_scaling()
+    {
+        eprintln!("cpu scaling: {err}");
+    }
+}

@@ -1,0 +1,347 @@
+//! The tuning knobs of `least_load` and `power_of_two`, and their validation.
+
+use std::fmt;
+
+use policy_core::{PolicyError, parse_section};
+use serde::{Deserialize, Serialize};
+
+/// Which in-flight estimate the score uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InflightMode {
+    /// This router's pending work: prompt tokens dispatched whose first token
+    /// has not been seen. Needs no reset, so the score does not depend on when
+    /// each worker was last polled.
+    #[default]
+    Pending,
+    /// The original estimator, kept so the simulator can compare the two:
+    /// tokens dispatched since the worker's last report, reset on receipt.
+    SincePoll,
+}
+
+impl InflightMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InflightMode::Pending => "pending",
+            InflightMode::SincePoll => "since_poll",
+        }
+    }
+}
+
+impl fmt::Display for InflightMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The knobs, each settable from the policy's config section.
+///
+/// The field names are the config keys the spec fixes; their units are in the
+/// docs. Build one through [`LeastLoadParams::from_section`] or
+/// [`LeastLoadParams::validate`]: deserializing runs the same checks.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "RawParams")]
+pub struct LeastLoadParams {
+    /// Seconds added per unit of `k / (1 - k)` (KV-cache pressure). Finite, ≥ 0.
+    pub kv_pressure_weight: f64,
+    /// Tokens per second assumed when a worker reports no generation rate.
+    /// Finite, > 0.
+    pub default_throughput: f64,
+    /// Tokens per request (p̄): the size of a waiting request when the queue is
+    /// only reported in requests, and of a request of unknown size. ≥ 1.
+    pub mean_prefill_tokens: u64,
+    /// Skip a worker once its estimated waiting requests reach this; 0 = off.
+    pub max_waiting_requests: u64,
+    pub inflight: InflightMode,
+    /// Scores within this many seconds of the best count as tied, and ties go
+    /// to the worker this router dispatched to least recently. The snapshot
+    /// terms are up to a poll interval old, so smaller differences are noise,
+    /// and chasing them herds requests onto whichever worker looked emptiest
+    /// at the last poll. 0 keeps exact ties only. Finite, ≥ 0.
+    pub tie_tolerance_secs: f64,
+}
+
+impl Default for LeastLoadParams {
+    fn default() -> LeastLoadParams {
+        LeastLoadParams {
+            kv_pressure_weight: 0.15,
+            default_throughput: 2000.0,
+            mean_prefill_tokens: 1024,
+            max_waiting_requests: 0,
+            inflight: InflightMode::Pending,
+            tie_tolerance_secs: 0.01,
+        }
+    }
+}
+
+impl LeastLoadParams {
+    /// Reads and validates a config section (`null` or `{}` = all defaults).
+    /// `policy` names the section in errors (`least_load`, `power_of_two`).
+    pub fn from_section(
+        policy: &str,
+        section: &serde_json::Value,
+    ) -> Result<LeastLoadParams, PolicyError> {
+        let raw: RawParams = parse_section(policy, section)?;
+        raw.validate(policy)
+    }
+
+    /// Checks every knob against its valid range.
+    pub fn validate(self, policy: &str) -> Result<LeastLoadParams, PolicyError> {
+        RawParams::from(self).validate(policy)
+    }
+
+    /// The section these knobs would be read from.
+    pub fn to_section(&self) -> serde_json::Value {
+        serde_json::json!({
+            "kv_pressure_weight": self.kv_pressure_weight,
+            "default_throughput": self.default_throughput,
+            "mean_prefill_tokens": self.mean_prefill_tokens,
+            "max_waiting_requests": self.max_waiting_requests,
+            "inflight": self.inflight.as_str(),
+            "tie_tolerance_secs": self.tie_tolerance_secs,
+        })
+    }
+}
+
+/// The section as written, before validation: integers signed and the mode a
+/// string, so that a negative count or an unknown mode is reported as an
+/// invalid value of its key rather than as a parse error.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawParams {
+    kv_pressure_weight: f64,
+    default_throughput: f64,
+    mean_prefill_tokens: i64,
+    max_waiting_requests: i64,
+    inflight: String,
+    tie_tolerance_secs: f64,
+}
+
+impl Default for RawParams {
+    fn default() -> RawParams {
+        RawParams::from(LeastLoadParams::default())
+    }
+}
+
+impl From<LeastLoadParams> for RawParams {
+    fn from(params: LeastLoadParams) -> RawParams {
+        RawParams {
+            kv_pressure_weight: params.kv_pressure_weight,
+            default_throughput: params.default_throughput,
+            mean_prefill_tokens: i64::try_from(params.mean_prefill_tokens).unwrap_or(i64::MAX),
+            max_waiting_requests: i64::try_from(params.max_waiting_requests).unwrap_or(i64::MAX),
+            inflight: params.inflight.as_str().to_owned(),
+            tie_tolerance_secs: params.tie_tolerance_secs,
+        }
+    }
+}
+
+impl TryFrom<RawParams> for LeastLoadParams {
+    type Error = PolicyError;
+
+    fn try_from(raw: RawParams) -> Result<LeastLoadParams, PolicyError> {
+        raw.validate("least_load")
+    }
+}
+
+impl RawParams {
+    fn validate(self, policy: &str) -> Result<LeastLoadParams, PolicyError> {
+        let invalid = |key: &'static str, value: String, allowed: &'static str| {
+            PolicyError::InvalidParameter {
+                policy: policy.to_owned(),
+                key,
+                value,
+                allowed,
+            }
+        };
+        if !(self.kv_pressure_weight.is_finite() && self.kv_pressure_weight >= 0.0) {
+            return Err(invalid(
+                "kv_pressure_weight",
+                self.kv_pressure_weight.to_string(),
+                "a finite number of seconds >= 0",
+            ));
+        }
+        if !(self.default_throughput.is_finite() && self.default_throughput > 0.0) {
+            return Err(invalid(
+                "default_throughput",
+                self.default_throughput.to_string(),
+                "a finite number of tokens/s > 0",
+            ));
+        }
+        let mean_prefill_tokens = u64::try_from(self.mean_prefill_tokens)
+            .ok()
+            .filter(|tokens| *tokens >= 1)
+            .ok_or_else(|| {
+                invalid(
+                    "mean_prefill_tokens",
+                    self.mean_prefill_tokens.to_string(),
+                    "an integer >= 1",
+                )
+            })?;
+        let max_waiting_requests = u64::try_from(self.max_waiting_requests).map_err(|_| {
+            invalid(
+                "max_waiting_requests",
+                self.max_waiting_requests.to_string(),
+                "an integer >= 0 (0 turns the cap off)",
+            )
+        })?;
+        let inflight = match self.inflight.as_str() {
+            "pending" => InflightMode::Pending,
+            "since_poll" => InflightMode::SincePoll,
+            _ => {
+                return Err(invalid(
+                    "inflight",
+                    format!("{:?}", self.inflight),
+                    r#""pending" or "since_poll""#,
+                ));
+            }
+        };
+        if !(self.tie_tolerance_secs.is_finite() && self.tie_tolerance_secs >= 0.0) {
+            return Err(invalid(
+                "tie_tolerance_secs",
+                self.tie_tolerance_secs.to_string(),
+                "a finite number of seconds >= 0",
+            ));
+        }
+        Ok(LeastLoadParams {
+            kv_pressure_weight: self.kv_pressure_weight,
+            default_throughput: self.default_throughput,
+            mean_prefill_tokens,
+            max_waiting_requests,
+            inflight,
+            tie_tolerance_secs: self.tie_tolerance_secs,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::error::Error as _;
+
+    #[test]
+    fn null_and_empty_sections_give_the_spec_defaults() {
+        for section in [serde_json::Value::Null, json!({})] {
+            let params = LeastLoadParams::from_section("least_load", &section).unwrap();
+            assert_eq!(params, LeastLoadParams::default());
+        }
+        let defaults = LeastLoadParams::default();
+        assert_eq!(defaults.kv_pressure_weight, 0.15);
+        assert_eq!(defaults.default_throughput, 2000.0);
+        assert_eq!(defaults.mean_prefill_tokens, 1024);
+        assert_eq!(defaults.max_waiting_requests, 0);
+        assert_eq!(defaults.inflight, InflightMode::Pending);
+        assert_eq!(defaults.tie_tolerance_secs, 0.01);
+    }
+
+    #[test]
+    fn every_knob_is_read() {
+        let section = json!({
+            "kv_pressure_weight": 0.5,
+            "default_throughput": 1500.0,
+            "mean_prefill_tokens": 200,
+            "max_waiting_requests": 8,
+            "inflight": "since_poll",
+            "tie_tolerance_secs": 0.0,
+        });
+        let params = LeastLoadParams::from_section("least_load", &section).unwrap();
+        assert_eq!(
+            params,
+            LeastLoadParams {
+                kv_pressure_weight: 0.5,
+                default_throughput: 1500.0,
+                mean_prefill_tokens: 200,
+                max_waiting_requests: 8,
+                inflight: InflightMode::SincePoll,
+                tie_tolerance_secs: 0.0,
+            }
+        );
+        // The section round-trips.
+        assert_eq!(
+            LeastLoadParams::from_section("least_load", &params.to_section()).unwrap(),
+            params
+        );
+    }
+
+    #[test]
+    fn invalid_values_name_the_key_the_value_and_the_range() {
+        let cases = [
+            (
+                json!({"kv_pressure_weight": -0.1}),
+                "least_load.kv_pressure_weight = -0.1 is invalid: must be a finite number of seconds >= 0",
+            ),
+            (
+                json!({"default_throughput": 0.0}),
+                "least_load.default_throughput = 0 is invalid: must be a finite number of tokens/s > 0",
+            ),
+            (
+                json!({"default_throughput": -5}),
+                "least_load.default_throughput = -5 is invalid: must be a finite number of tokens/s > 0",
+            ),
+            (
+                json!({"mean_prefill_tokens": 0}),
+                "least_load.mean_prefill_tokens = 0 is invalid: must be an integer >= 1",
+            ),
+            (
+                json!({"max_waiting_requests": -1}),
+                "least_load.max_waiting_requests = -1 is invalid: must be an integer >= 0 (0 turns the cap off)",
+            ),
+            (
+                json!({"tie_tolerance_secs": -0.001}),
+                "least_load.tie_tolerance_secs = -0.001 is invalid: must be a finite number of seconds >= 0",
+            ),
+            (
+                json!({"inflight": "since-poll"}),
+                r#"least_load.inflight = "since-poll" is invalid: must be "pending" or "since_poll""#,
+            ),
+        ];
+        for (section, message) in cases {
+            let err = LeastLoadParams::from_section("least_load", &section).unwrap_err();
+            assert!(
+                matches!(err, PolicyError::InvalidParameter { .. }),
+                "{err:?}"
+            );
+            assert_eq!(err.to_string(), message);
+        }
+    }
+
+    #[test]
+    fn non_finite_values_built_in_code_are_rejected() {
+        for weight in [f64::NAN, f64::INFINITY] {
+            let params = LeastLoadParams {
+                kv_pressure_weight: weight,
+                ..LeastLoadParams::default()
+            };
+            assert!(params.validate("power_of_two").is_err());
+        }
+        let params = LeastLoadParams {
+            default_throughput: f64::NAN,
+            ..LeastLoadParams::default()
+        };
+        let err = params.validate("power_of_two").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "power_of_two.default_throughput = NaN is invalid: must be a finite number of tokens/s > 0"
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err =
+            LeastLoadParams::from_section("least_load", &json!({"kv_weight": 1.0})).unwrap_err();
+        assert_eq!(err.to_string(), "invalid [least_load] section");
+        let cause = err.source().unwrap().to_string();
+        assert!(cause.contains("unknown field `kv_weight`"), "{cause}");
+    }
+
+    #[test]
+    fn deserializing_validates_too() {
+        let bad: Result<LeastLoadParams, _> =
+            serde_json::from_value(json!({"mean_prefill_tokens": 0}));
+        assert!(bad.is_err());
+        let good: LeastLoadParams =
+            serde_json::from_value(json!({"inflight": "since_poll"})).unwrap();
+        assert_eq!(good.inflight, InflightMode::SincePoll);
+    }
+}

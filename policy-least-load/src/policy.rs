@@ -1,0 +1,563 @@
+//! The `least_load` and `power_of_two` policies over the shared scorer.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use load_protocols::WorkerLoad;
+use policy_core::{
+    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow,
+    ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo, WorkerLedger, WorkerSlots,
+    WorkerStats, describe_request,
+};
+
+use crate::score::{
+    Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
+    ThroughputSource, score, wait_secs,
+};
+use crate::state::{StoredSnapshot, Timeline, WorkerState};
+use crate::{InflightMode, LeastLoadParams};
+
+/// A dispatch sequence number, unique in the process and so in every policy.
+/// Threads take them in blocks, so that concurrent selections do not bounce
+/// one counter's cache line between cores on every request.
+fn next_dispatch_seq() -> u64 {
+    const BLOCK: u64 = 1024;
+    static NEXT_BLOCK: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static RANGE: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+    RANGE.with(|range| {
+        let (mut next, mut end) = range.get();
+        if next == end {
+            next = NEXT_BLOCK.fetch_add(BLOCK, Ordering::Relaxed);
+            end = next.saturating_add(BLOCK);
+        }
+        range.set((next + 1, end));
+        next
+    })
+}
+
+/// How the scored candidates are chosen from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// The argmin over every candidate (`least_load`).
+    LeastLoad,
+    /// The better of two distinct uniform samples (`power_of_two`), scored
+    /// with the same knobs. The pair is its own fleet: a sample without a
+    /// fresh snapshot drains at the other sample's rate (rule 3), which keeps
+    /// a selection O(1). When both samples are capped or unknown it falls
+    /// back to the argmin over every candidate, so it refuses a request only
+    /// when no candidate can take it. Its explain table scores every
+    /// candidate and marks the argmin, the best a sampled pair can reach.
+    PowerOfTwo,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::LeastLoad => "least_load",
+            Strategy::PowerOfTwo => "power_of_two",
+        }
+    }
+}
+
+/// The columns of the explain table, in row order.
+pub const COLUMNS: [&str; 8] = [
+    "queued_tok",
+    "inflight_tok",
+    "throughput_tps",
+    "kv_ratio",
+    "drain_s",
+    "barrier_s",
+    "score_s",
+    "waiting_req",
+];
+
+/// Token-work expected-wait routing (`least_load`), or its two-sample variant
+/// (`power_of_two`): see the crate docs.
+///
+/// Per-worker state sits in dense [`WorkerSlots`]: the ledger of pending and
+/// in-flight work (lock-free reads, one per-worker lock for changes), and the
+/// latest snapshot's terms behind a seqlock, precomputed when the report is
+/// received. A selection takes the slots' read lock, reads every candidate
+/// without writing shared memory, and locks only the winner's ledger, where
+/// the cap is checked again and the credit made in one critical section.
+#[derive(Debug)]
+pub struct LeastLoad {
+    strategy: Strategy,
+    params: LeastLoadParams,
+    stale_after_nanos: i64,
+    workers: WorkerSlots<WorkerState>,
+    rng: TieBreaker,
+    timeline: Timeline,
+    next_poll: AtomicU64,
+}
+
+/// One candidate as a selection sees it.
+#[derive(Debug, Clone, Copy)]
+struct Scored<'v> {
+    slot: &'v Slot<WorkerState>,
+    score_secs: f64,
+}
+
+impl LeastLoad {
+    /// A policy with validated knobs.
+    pub fn new(
+        strategy: Strategy,
+        params: LeastLoadParams,
+        context: &PolicyContext,
+    ) -> Result<LeastLoad, PolicyError> {
+        let params = params.validate(strategy.name())?;
+        Ok(LeastLoad {
+            strategy,
+            params,
+            stale_after_nanos: i64::try_from(context.stale_after.as_nanos()).unwrap_or(i64::MAX),
+            workers: WorkerSlots::new(),
+            rng: TieBreaker::new(context.rng_seed),
+            timeline: Timeline::default(),
+            next_poll: AtomicU64::new(0),
+        })
+    }
+
+    /// A policy from its config section (`null` for all defaults).
+    pub fn from_section(
+        strategy: Strategy,
+        section: &serde_json::Value,
+        context: &PolicyContext,
+    ) -> Result<LeastLoad, PolicyError> {
+        let params = LeastLoadParams::from_section(strategy.name(), section)?;
+        LeastLoad::new(strategy, params, context)
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    pub fn knobs(&self) -> &LeastLoadParams {
+        &self.params
+    }
+
+    fn fresh_snapshot(&self, state: &WorkerState, now_nanos: i64) -> Option<StoredSnapshot> {
+        state
+            .snapshot
+            .read()
+            .filter(|snapshot| snapshot.is_fresh(now_nanos, self.stale_after_nanos))
+    }
+
+    /// The cap's estimate of the worker's waiting requests: others' waiting
+    /// requests from its fresh snapshot (0 without one) plus our pending
+    /// requests now.
+    fn waiting_estimate(others_waiting: u64, stats: WorkerStats) -> u64 {
+        others_waiting.saturating_add(stats.pending_requests)
+    }
+
+    fn admits(&self, others_waiting: u64, stats: WorkerStats) -> bool {
+        let cap = self.params.max_waiting_requests;
+        cap == 0 || LeastLoad::waiting_estimate(others_waiting, stats) < cap
+    }
+
+    /// Others' waiting requests in the worker's fresh snapshot, 0 without one.
+    fn others_waiting(&self, state: &WorkerState, now_nanos: i64) -> u64 {
+        state
+            .snapshot
+            .read_hot()
+            .filter(|hot| hot.is_fresh(now_nanos, self.stale_after_nanos))
+            .map_or(0, |hot| hot.others_waiting_requests)
+    }
+
+    /// The rate and freshness of the given candidates as a whole.
+    fn fleet<'v>(
+        &self,
+        candidates: impl Iterator<Item = &'v Slot<WorkerState>>,
+        now_nanos: i64,
+    ) -> Fleet {
+        let mut any_fresh = false;
+        let mut mean = MeanThroughput::default();
+        for slot in candidates {
+            if let Some(snapshot) = self.fresh_snapshot(&slot.state, now_nanos) {
+                any_fresh = true;
+                if snapshot.terms.throughput == ThroughputSource::Reported {
+                    mean.add(snapshot.terms.throughput_tps);
+                }
+            }
+        }
+        mean.fleet(any_fresh, &self.params)
+    }
+
+    /// The fleet a selection needs, computed only when a candidate lacks a
+    /// fresh snapshot (the fleet's rate then matters), so the common case
+    /// stays one pass with no allocation.
+    fn lazy_fleet(
+        &self,
+        cache: &mut Option<Fleet>,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> Fleet {
+        *cache.get_or_insert_with(|| {
+            self.fleet(candidates.iter().filter_map(|id| view.get(*id)), now_nanos)
+        })
+    }
+
+    /// The in-flight term. `any_fresh`: whether the worker or any other
+    /// candidate has a fresh snapshot.
+    fn inflight_tokens(&self, state: &WorkerState, stats: WorkerStats, any_fresh: bool) -> u64 {
+        match self.params.inflight {
+            InflightMode::Pending => stats.pending_tokens,
+            // Rule 4 reads the live pending work in both modes: with no
+            // report arriving, the tally would never be reset.
+            InflightMode::SincePoll if !any_fresh => stats.pending_tokens,
+            InflightMode::SincePoll => state.since_poll.tokens(),
+        }
+    }
+
+    fn breakdown(
+        &self,
+        state: &WorkerState,
+        snapshot: Option<&StoredSnapshot>,
+        stats: WorkerStats,
+        fleet: Fleet,
+    ) -> ScoreBreakdown {
+        let any_fresh = snapshot.is_some() || fleet.any_fresh;
+        score(
+            snapshot.map(|snapshot| &snapshot.terms),
+            self.inflight_tokens(state, stats, any_fresh),
+            fleet,
+            &self.params,
+        )
+    }
+
+    /// The candidate's score, or `None` when the cap vetoes it.
+    fn admitted_score(
+        &self,
+        view: &SlotsView<'_, WorkerState>,
+        slot: &Slot<WorkerState>,
+        candidates: &[WorkerId],
+        fleet: &mut Option<Fleet>,
+        now_nanos: i64,
+    ) -> Option<f64> {
+        let state = &slot.state;
+        let stats = state.ledger.stats();
+        let hot = state
+            .snapshot
+            .read_hot()
+            .filter(|hot| hot.is_fresh(now_nanos, self.stale_after_nanos));
+        let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
+        if !self.admits(others_waiting, stats) {
+            return None;
+        }
+        Some(match hot {
+            // The common case, kept to a few loads and one division.
+            Some(hot) => wait_secs(
+                hot.queued_tokens,
+                self.inflight_tokens(state, stats, true),
+                hot.throughput_tps,
+                hot.kv_barrier_secs,
+            ),
+            None => {
+                let fleet = self.lazy_fleet(fleet, view, candidates, now_nanos);
+                self.breakdown(state, None, stats, fleet).score_secs
+            }
+        })
+    }
+
+    /// The admissible candidate with the lowest score. Scores within
+    /// `tie_tolerance_secs` of the lowest are ties, and a tie goes to the
+    /// worker dispatched to least recently, then to a uniform draw. Among
+    /// equal-wait workers that spaces each one's arrivals as evenly as round
+    /// robin does, where chasing sub-tolerance differences in poll-borne terms
+    /// would herd requests onto one worker until the next poll.
+    fn argmin<'v>(
+        &self,
+        view: &'v SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> Option<Scored<'v>> {
+        let tolerance_secs = self.params.tie_tolerance_secs;
+        let mut fleet = None;
+        // Exact order: (score, last dispatch). With no tolerance it is the
+        // answer in one pass; otherwise it gives the lowest score, and the
+        // fallback should every candidate's score rise between the passes.
+        let mut exact = ArgMin::new();
+        for id in candidates {
+            let Some(slot) = view.get(*id) else {
+                continue;
+            };
+            let Some(score_secs) =
+                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+            else {
+                continue;
+            };
+            exact.offer(
+                (slot, score_secs),
+                (score_secs, slot.state.last_dispatch.nanos()),
+                &self.rng,
+            );
+        }
+        let ((best_slot, best_secs), _) = exact.best()?;
+        if tolerance_secs == 0.0 {
+            return Some(Scored {
+                slot: best_slot,
+                score_secs: best_secs,
+            });
+        }
+        let within_secs = best_secs + tolerance_secs;
+        let mut oldest = ArgMin::new();
+        for id in candidates {
+            let Some(slot) = view.get(*id) else {
+                continue;
+            };
+            let Some(score_secs) =
+                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+            else {
+                continue;
+            };
+            if score_secs <= within_secs {
+                oldest.offer(
+                    (slot, score_secs),
+                    slot.state.last_dispatch.nanos(),
+                    &self.rng,
+                );
+            }
+        }
+        let (slot, score_secs) = oldest
+            .best()
+            .map_or((best_slot, best_secs), |(best, _)| best);
+        Some(Scored { slot, score_secs })
+    }
+
+    /// Two distinct uniform samples, decided by the same scorer; the whole
+    /// fleet when both samples are unusable (capped or unknown), so a request
+    /// is refused only when no candidate can take it.
+    fn power_of_two<'v>(
+        &self,
+        view: &'v SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> Option<Scored<'v>> {
+        let count = candidates.len() as u64;
+        if count <= 2 {
+            return self.argmin(view, candidates, now_nanos);
+        }
+        let first = self.rng.below(count);
+        let mut second = self.rng.below(count - 1);
+        if second >= first {
+            second += 1;
+        }
+        // Indices are below `candidates.len()`, so the casts are lossless.
+        let pair = [candidates[first as usize], candidates[second as usize]];
+        self.argmin(view, &pair, now_nanos)
+            .or_else(|| self.argmin(view, candidates, now_nanos))
+    }
+
+    fn choose<'v>(
+        &self,
+        view: &'v SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> Option<Scored<'v>> {
+        if let [only] = candidates {
+            // One candidate: nothing to compare, but the cap still applies
+            // (checked again under the ledger's lock when crediting).
+            let slot = view.get(*only)?;
+            let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
+            let stats = slot.state.ledger.stats();
+            let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
+            if !self.admits(others_waiting, stats) {
+                return None;
+            }
+            let fleet = self.fleet(std::iter::once(slot), now_nanos);
+            let score_secs = self
+                .breakdown(&slot.state, snapshot.as_ref(), stats, fleet)
+                .score_secs;
+            return Some(Scored { slot, score_secs });
+        }
+        match self.strategy {
+            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos),
+            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos),
+        }
+    }
+}
+
+impl Policy for LeastLoad {
+    fn name(&self) -> &'static str {
+        self.strategy.name()
+    }
+
+    fn params(&self) -> serde_json::Value {
+        self.params.to_section()
+    }
+
+    fn add_worker(&self, id: WorkerId, info: WorkerInfo) {
+        self.workers.insert(id, info, WorkerState::default());
+    }
+
+    fn remove_worker(&self, id: WorkerId) {
+        self.workers.remove(id);
+    }
+
+    fn select(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+    ) -> Option<Dispatch> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let now_nanos = self.timeline.nanos(now);
+        let view = self.workers.read();
+        let seq = next_dispatch_seq();
+        // A failed credit means a concurrent selection filled the chosen
+        // worker's cap after it was scored; scoring again sees that. Bounded,
+        // because each retry follows another selection's success.
+        for _ in 0..=candidates.len() {
+            let chosen = self.choose(&view, candidates, now_nanos)?;
+            let state = &chosen.slot.state;
+            // The veto and the credit are one critical section.
+            let credited = state.ledger.try_credit(seq, tokens, |stats| {
+                self.admits(self.others_waiting(state, now_nanos), stats)
+            });
+            if credited {
+                state.last_dispatch.record(now_nanos);
+                if self.params.inflight == InflightMode::SincePoll {
+                    state.since_poll.add(tokens);
+                }
+                return Some(Dispatch {
+                    worker: chosen.slot.id,
+                    tokens,
+                    seq,
+                    score: chosen.score_secs,
+                });
+            }
+        }
+        None
+    }
+
+    fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
+        // Releases pending work; the since-poll tally is untouched by design.
+        if let Some(slot) = self.workers.read().get(dispatch.worker) {
+            slot.state.ledger.first_token(dispatch.seq);
+        }
+    }
+
+    fn finish(&self, dispatch: &Dispatch, _now: Instant) {
+        if let Some(slot) = self.workers.read().get(dispatch.worker) {
+            slot.state.ledger.finish(dispatch.seq);
+        }
+    }
+
+    fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
+        let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
+        match self.workers.read().get(id) {
+            Some(slot) => slot.state.ledger.poll_mark(id, seq, now),
+            None => WorkerLedger::new().poll_mark(id, seq, now),
+        }
+    }
+
+    fn poll_completed(&self, mark: PollMark, load: Option<&WorkerLoad>, now: Instant) {
+        let received_nanos = self.timeline.nanos(now);
+        let view = self.workers.read();
+        let Some(slot) = view.get(mark.worker) else {
+            return;
+        };
+        let snapshot = load.map(|load| {
+            let summary = LoadSummary::from(load);
+            let at_poll_start = PendingWork {
+                tokens: mark.pending_tokens,
+                requests: mark.pending_requests,
+            };
+            // since_poll subtracts nothing from the queue: its tally is reset instead.
+            let subtracted = match self.params.inflight {
+                InflightMode::Pending => at_poll_start,
+                InflightMode::SincePoll => PendingWork::default(),
+            };
+            StoredSnapshot {
+                received_nanos,
+                terms: SnapshotTerms::new(&summary, subtracted, &self.params),
+                // The cap reads the live ledger in both modes, so it
+                // subtracts the ledger's pending requests even in since_poll.
+                others_waiting_requests: summary
+                    .waiting_requests
+                    .saturating_sub(at_poll_start.requests),
+            }
+        });
+        let reported = snapshot.is_some();
+        slot.state.snapshot.apply(mark.seq, snapshot, || {
+            if reported && self.params.inflight == InflightMode::SincePoll {
+                slot.state.since_poll.reset();
+            }
+        });
+    }
+
+    fn poll_failed(&self, mark: PollMark, _now: Instant) {
+        if let Some(slot) = self.workers.read().get(mark.worker) {
+            slot.state.snapshot.apply(mark.seq, None, || {});
+        }
+    }
+
+    fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable {
+        let mut table = ScoreTable::new(self.name(), describe_request(request), &COLUMNS);
+        let now_nanos = self.timeline.nanos(now);
+        let view = self.workers.read();
+        let slots: Vec<&Slot<WorkerState>> =
+            candidates.iter().filter_map(|id| view.get(*id)).collect();
+        let fleet = self.fleet(slots.iter().copied(), now_nanos);
+        let mut admitted_scores = Vec::new();
+        for slot in slots {
+            let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
+            let stats = slot.state.ledger.stats();
+            let b = self.breakdown(&slot.state, snapshot.as_ref(), stats, fleet);
+            let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
+            let waiting = LeastLoad::waiting_estimate(others_waiting, stats);
+            let mut note = b.rule.to_string();
+            if self.admits(others_waiting, stats) {
+                admitted_scores.push((slot.id, b.score_secs, slot.state.last_dispatch.nanos()));
+            } else {
+                note.push_str(&format!(
+                    "; capped: {waiting} waiting >= {}",
+                    self.params.max_waiting_requests
+                ));
+            }
+            table.rows.push(ScoreRow {
+                worker: slot.id,
+                url: slot.info.url.clone(),
+                values: vec![
+                    b.queued_tokens as f64,
+                    b.inflight_tokens as f64,
+                    b.throughput_tps,
+                    b.kv_usage_ratio,
+                    b.drain_secs,
+                    b.kv_barrier_secs,
+                    b.score_secs,
+                    waiting as f64,
+                ],
+                note,
+            });
+        }
+        // The workers `select` would draw from: within the tie tolerance of
+        // the best score, and among those the least recently dispatched.
+        let best_secs = admitted_scores
+            .iter()
+            .map(|(_, score, _)| *score)
+            .fold(f64::INFINITY, f64::min);
+        let within_secs = best_secs + self.params.tie_tolerance_secs;
+        admitted_scores.retain(|(_, score, _)| *score <= within_secs);
+        let oldest = admitted_scores.iter().map(|(_, _, last)| *last).min();
+        table.chosen = admitted_scores
+            .into_iter()
+            .filter(|(_, _, last)| Some(*last) == oldest)
+            .map(|(id, _, _)| id)
+            .collect();
+        table
+    }
+
+    fn worker_stats(&self, id: WorkerId) -> Option<WorkerStats> {
+        self.workers
+            .read()
+            .get(id)
+            .map(|slot| slot.state.ledger.stats())
+    }
+}

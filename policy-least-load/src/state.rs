@@ -1,0 +1,366 @@
+//! Per-worker state: the latest snapshot's terms behind a seqlock, and the
+//! since-poll tally.
+//!
+//! Every selection reads every candidate's snapshot, while a snapshot changes
+//! a few times a second. A seqlock makes those reads plain loads, with no
+//! write to shared memory, so concurrent selections never bounce a lock's
+//! cache line between cores. All fields are atomics, so a torn read is
+//! impossible to act on: it is detected by the version check and retried.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering, fence};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use policy_core::WorkerLedger;
+
+use crate::score::{QueueSource, SnapshotTerms, ThroughputSource};
+
+/// One received report, reduced to what selections read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct StoredSnapshot {
+    /// When the report was received, on the policy's [`Timeline`].
+    pub received_nanos: i64,
+    pub terms: SnapshotTerms,
+    /// Reported waiting requests minus ours when the poll was sent, floored at
+    /// 0: the part of the waiting queue the cap adds our live pending to.
+    pub others_waiting_requests: u64,
+}
+
+impl StoredSnapshot {
+    pub fn is_fresh(&self, now_nanos: i64, stale_after_nanos: i64) -> bool {
+        now_nanos.saturating_sub(self.received_nanos) <= stale_after_nanos
+    }
+}
+
+const PRESENT: u64 = 1;
+const QUEUE_REPORTED: u64 = 1 << 1;
+const THROUGHPUT_REPORTED: u64 = 1 << 2;
+
+/// The latest snapshot of one worker (or none), lock-free to read.
+#[derive(Debug, Default)]
+pub(crate) struct SnapshotCell {
+    /// Odd while a writer is between its stores.
+    version: AtomicU64,
+    flags: AtomicU64,
+    received_nanos: AtomicI64,
+    queued_tokens: AtomicU64,
+    throughput_bits: AtomicU64,
+    kv_usage_bits: AtomicU64,
+    kv_barrier_bits: AtomicU64,
+    others_waiting_requests: AtomicU64,
+    /// Serializes writers and holds the sequence number of the newest poll
+    /// outcome applied, so an older overlapping poll cannot overwrite it.
+    newest_poll: Mutex<Option<u64>>,
+}
+
+/// The part of a snapshot a selection reads for every candidate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct HotSnapshot {
+    pub received_nanos: i64,
+    pub queued_tokens: u64,
+    pub throughput_tps: f64,
+    pub kv_barrier_secs: f64,
+    pub others_waiting_requests: u64,
+}
+
+impl HotSnapshot {
+    pub fn is_fresh(&self, now_nanos: i64, stale_after_nanos: i64) -> bool {
+        now_nanos.saturating_sub(self.received_nanos) <= stale_after_nanos
+    }
+}
+
+impl SnapshotCell {
+    /// The fields every selection needs, if a snapshot is stored: fewer
+    /// loads than [`SnapshotCell::read`] on the per-candidate path.
+    pub fn read_hot(&self) -> Option<HotSnapshot> {
+        let mut spins = 0u32;
+        loop {
+            let before = self.version.load(Ordering::Acquire);
+            if before & 1 == 0 {
+                let flags = self.flags.load(Ordering::Relaxed);
+                let hot = HotSnapshot {
+                    received_nanos: self.received_nanos.load(Ordering::Relaxed),
+                    queued_tokens: self.queued_tokens.load(Ordering::Relaxed),
+                    throughput_tps: f64::from_bits(self.throughput_bits.load(Ordering::Relaxed)),
+                    kv_barrier_secs: f64::from_bits(self.kv_barrier_bits.load(Ordering::Relaxed)),
+                    others_waiting_requests: self.others_waiting_requests.load(Ordering::Relaxed),
+                };
+                fence(Ordering::Acquire);
+                if self.version.load(Ordering::Relaxed) == before {
+                    return (flags & PRESENT != 0).then_some(hot);
+                }
+            }
+            spins = backoff(spins);
+        }
+    }
+
+    /// The stored snapshot, if any.
+    pub fn read(&self) -> Option<StoredSnapshot> {
+        let mut spins = 0u32;
+        loop {
+            let before = self.version.load(Ordering::Acquire);
+            if before & 1 == 0 {
+                let flags = self.flags.load(Ordering::Relaxed);
+                let received_nanos = self.received_nanos.load(Ordering::Relaxed);
+                let queued_tokens = self.queued_tokens.load(Ordering::Relaxed);
+                let throughput_bits = self.throughput_bits.load(Ordering::Relaxed);
+                let kv_usage_bits = self.kv_usage_bits.load(Ordering::Relaxed);
+                let kv_barrier_bits = self.kv_barrier_bits.load(Ordering::Relaxed);
+                let others_waiting_requests = self.others_waiting_requests.load(Ordering::Relaxed);
+                // Orders the loads above before the version re-check.
+                fence(Ordering::Acquire);
+                if self.version.load(Ordering::Relaxed) == before {
+                    if flags & PRESENT == 0 {
+                        return None;
+                    }
+                    return Some(StoredSnapshot {
+                        received_nanos,
+                        terms: SnapshotTerms {
+                            queued_tokens,
+                            queue: if flags & QUEUE_REPORTED != 0 {
+                                QueueSource::Reported
+                            } else {
+                                QueueSource::Estimated
+                            },
+                            throughput_tps: f64::from_bits(throughput_bits),
+                            throughput: if flags & THROUGHPUT_REPORTED != 0 {
+                                ThroughputSource::Reported
+                            } else {
+                                ThroughputSource::Default
+                            },
+                            kv_usage_ratio: f64::from_bits(kv_usage_bits),
+                            kv_barrier_secs: f64::from_bits(kv_barrier_bits),
+                        },
+                        others_waiting_requests,
+                    });
+                }
+            }
+            spins = backoff(spins);
+        }
+    }
+
+    /// Applies the outcome of poll `seq` (`None`: no fresh snapshot) unless a
+    /// newer poll's outcome was already applied; then runs `applied` while
+    /// writers are still excluded. Returns whether it was applied.
+    pub fn apply(
+        &self,
+        seq: u64,
+        snapshot: Option<StoredSnapshot>,
+        applied: impl FnOnce(),
+    ) -> bool {
+        let mut newest = self.newest_poll.lock();
+        if newest.is_some_and(|newest| seq < newest) {
+            return false;
+        }
+        *newest = Some(seq);
+        let version = self.version.load(Ordering::Relaxed);
+        self.version
+            .store(version.wrapping_add(1), Ordering::Relaxed);
+        // Readers that see any store below also see the odd version.
+        fence(Ordering::Release);
+        match snapshot {
+            Some(snapshot) => {
+                let terms = snapshot.terms;
+                let mut flags = PRESENT;
+                if terms.queue == QueueSource::Reported {
+                    flags |= QUEUE_REPORTED;
+                }
+                if terms.throughput == ThroughputSource::Reported {
+                    flags |= THROUGHPUT_REPORTED;
+                }
+                self.flags.store(flags, Ordering::Relaxed);
+                self.received_nanos
+                    .store(snapshot.received_nanos, Ordering::Relaxed);
+                self.queued_tokens
+                    .store(terms.queued_tokens, Ordering::Relaxed);
+                self.throughput_bits
+                    .store(terms.throughput_tps.to_bits(), Ordering::Relaxed);
+                self.kv_usage_bits
+                    .store(terms.kv_usage_ratio.to_bits(), Ordering::Relaxed);
+                self.kv_barrier_bits
+                    .store(terms.kv_barrier_secs.to_bits(), Ordering::Relaxed);
+                self.others_waiting_requests
+                    .store(snapshot.others_waiting_requests, Ordering::Relaxed);
+            }
+            None => self.flags.store(0, Ordering::Relaxed),
+        }
+        self.version
+            .store(version.wrapping_add(2), Ordering::Release);
+        applied();
+        true
+    }
+}
+
+/// A writer is mid-update (a handful of stores): wait it out, yielding if it
+/// was preempted there.
+fn backoff(spins: u32) -> u32 {
+    if spins < 64 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+    spins.saturating_add(1)
+}
+
+/// The original estimator's tally: tokens dispatched to the worker since its
+/// last report was received. (The spec's tally also counts requests; nothing
+/// reads that count, the cap uses the ledger in both modes, so it is not
+/// kept.)
+#[derive(Debug, Default)]
+pub(crate) struct SincePollTally {
+    tokens: AtomicU64,
+}
+
+impl SincePollTally {
+    pub fn add(&self, tokens: u64) {
+        self.tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    pub fn tokens(&self) -> u64 {
+        self.tokens.load(Ordering::Relaxed)
+    }
+
+    pub fn reset(&self) {
+        self.tokens.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Everything the policy keeps for one worker.
+#[derive(Debug, Default)]
+pub(crate) struct WorkerState {
+    /// Pending work and in-flight requests, from select / first_token / finish.
+    pub ledger: WorkerLedger,
+    pub snapshot: SnapshotCell,
+    /// Used only in `inflight = "since_poll"` mode.
+    pub since_poll: SincePollTally,
+    pub last_dispatch: LastDispatch,
+}
+
+/// When this router last dispatched to the worker, on the policy's
+/// [`Timeline`]: the tie-break among near-equal scores. Never dispatched is
+/// the oldest of all.
+#[derive(Debug)]
+pub(crate) struct LastDispatch(AtomicI64);
+
+impl Default for LastDispatch {
+    fn default() -> LastDispatch {
+        LastDispatch(AtomicI64::new(i64::MIN))
+    }
+}
+
+impl LastDispatch {
+    pub fn nanos(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub fn record(&self, nanos: i64) {
+        // fetch_max: a selection that read an older clock never moves it back.
+        self.0.fetch_max(nanos, Ordering::Relaxed);
+    }
+}
+
+/// Turns `Instant`s into signed nanoseconds from the first `Instant` the
+/// policy was given, so a receive time fits in an atomic. The policy reads no
+/// clock: the origin is one of the caller's instants, and every decision
+/// depends only on differences between them.
+#[derive(Debug, Default)]
+pub(crate) struct Timeline {
+    origin: OnceLock<Instant>,
+}
+
+impl Timeline {
+    pub fn nanos(&self, at: Instant) -> i64 {
+        let origin = *self.origin.get_or_init(|| at);
+        match at.checked_duration_since(origin) {
+            Some(after) => i64::try_from(after.as_nanos()).unwrap_or(i64::MAX),
+            None => i64::try_from(origin.duration_since(at).as_nanos())
+                .map_or(i64::MIN, |before| -before),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn terms(queued_tokens: u64) -> SnapshotTerms {
+        SnapshotTerms {
+            queued_tokens,
+            queue: QueueSource::Reported,
+            throughput_tps: 1000.0,
+            throughput: ThroughputSource::Default,
+            kv_usage_ratio: 0.25,
+            kv_barrier_secs: 0.05,
+        }
+    }
+
+    fn stored(queued_tokens: u64) -> StoredSnapshot {
+        StoredSnapshot {
+            received_nanos: -7,
+            terms: terms(queued_tokens),
+            others_waiting_requests: 3,
+        }
+    }
+
+    #[test]
+    fn a_snapshot_round_trips_and_can_be_cleared() {
+        let cell = SnapshotCell::default();
+        assert_eq!(cell.read(), None);
+        assert!(cell.apply(1, Some(stored(42)), || {}));
+        assert_eq!(cell.read(), Some(stored(42)));
+        assert!(cell.apply(2, None, || {}));
+        assert_eq!(cell.read(), None);
+    }
+
+    #[test]
+    fn an_older_outcome_is_not_applied() {
+        let cell = SnapshotCell::default();
+        assert!(cell.apply(5, Some(stored(5)), || {}));
+        let mut ran = false;
+        assert!(!cell.apply(4, Some(stored(4)), || ran = true));
+        assert!(!cell.apply(3, None, || ran = true));
+        assert!(!ran);
+        assert_eq!(cell.read(), Some(stored(5)));
+    }
+
+    #[test]
+    fn concurrent_readers_never_see_a_torn_snapshot() {
+        let cell = SnapshotCell::default();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for seq in 0..20_000u64 {
+                    // Every field derives from one number; a torn read would mix two.
+                    let mut snapshot = stored(seq);
+                    snapshot.others_waiting_requests = seq;
+                    snapshot.received_nanos = seq as i64;
+                    cell.apply(seq, Some(snapshot), || {});
+                }
+            });
+            scope.spawn(|| {
+                for _ in 0..20_000 {
+                    if let Some(snapshot) = cell.read() {
+                        assert_eq!(
+                            snapshot.terms.queued_tokens,
+                            snapshot.others_waiting_requests
+                        );
+                        assert_eq!(
+                            snapshot.received_nanos,
+                            snapshot.others_waiting_requests as i64
+                        );
+                    }
+                }
+            });
+        });
+    }
+
+    #[test]
+    fn the_timeline_is_signed_around_its_origin() {
+        let timeline = Timeline::default();
+        let t0 = Instant::now();
+        assert_eq!(timeline.nanos(t0 + Duration::from_secs(1)), 0);
+        assert_eq!(timeline.nanos(t0 + Duration::from_secs(3)), 2_000_000_000);
+        assert_eq!(timeline.nanos(t0), -1_000_000_000);
+    }
+}

@@ -1,0 +1,947 @@
+//! Unit tests of the policies, one per rule of the spec, with the expected
+//! values worked out by hand.
+
+use std::time::{Duration, Instant};
+
+use load_protocols::{SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto3};
+use policy_core::{
+    Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, RequestInfo, ScoreTable,
+    TokenCount, WorkerId, WorkerInfo, WorkerStats,
+};
+use proptest::prelude::*;
+
+use crate::Strategy as Pick;
+use crate::{InflightMode, LeastLoad, LeastLoadParams, register};
+
+fn fleet_with(strategy: Pick, params: LeastLoadParams, n: u32) -> (LeastLoad, Vec<WorkerId>) {
+    let policy = LeastLoad::new(strategy, params, &PolicyContext::default()).unwrap();
+    let ids: Vec<WorkerId> = (0..n).map(|slot| WorkerId::new(slot, 0)).collect();
+    for id in &ids {
+        policy.add_worker(
+            *id,
+            WorkerInfo::new(format!("http://w{}", id.slot()), "sglang"),
+        );
+    }
+    (policy, ids)
+}
+
+fn fleet(n: u32) -> (LeastLoad, Vec<WorkerId>) {
+    fleet_with(Pick::LeastLoad, LeastLoadParams::default(), n)
+}
+
+fn since_poll() -> LeastLoadParams {
+    LeastLoadParams {
+        inflight: InflightMode::SincePoll,
+        ..LeastLoadParams::default()
+    }
+}
+
+fn capped(cap: u64) -> LeastLoadParams {
+    LeastLoadParams {
+        max_waiting_requests: cap,
+        ..LeastLoadParams::default()
+    }
+}
+
+/// One rank with the given queue (`None`: not reported), waiting requests,
+/// throughput and KV usage.
+fn load(queued: Option<i64>, waiting: i64, tps: Option<f64>, kv: f64) -> WorkerLoad {
+    WorkerLoad::from_ranks(vec![SchedulerLoadSnapshot {
+        num_waiting_reqs: waiting,
+        num_waiting_uncached_tokens: queued,
+        gen_throughput: tps,
+        token_usage: kv,
+        ..SchedulerLoadSnapshot::default()
+    }])
+    .unwrap()
+}
+
+/// A poll sent and answered at `at`.
+fn report(policy: &LeastLoad, id: WorkerId, load: &WorkerLoad, at: Instant) {
+    let mark = policy.poll_started(id, at);
+    policy.poll_completed(mark, Some(load), at);
+}
+
+fn exact(tokens: u64) -> RequestInfo {
+    RequestInfo::new(TokenCount::Exact(tokens))
+}
+
+fn score(table: &ScoreTable, id: WorkerId) -> f64 {
+    table.value(id, "score_s").unwrap()
+}
+
+fn close(actual: f64, expected: f64) -> bool {
+    (actual - expected).abs() < 1e-9
+}
+
+#[test]
+fn queued_tokens_steer() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(4000), 2, Some(2000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(1000), 2, Some(2000.0), 0.0), t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    // 4000 / 2000 = 2 s against 1000 / 2000 = 0.5 s.
+    assert_eq!(score(&table, ids[0]), 2.0);
+    assert_eq!(score(&table, ids[1]), 0.5);
+    let dispatch = policy.select(&ids, &exact(100), t0).unwrap();
+    assert_eq!(dispatch.worker, ids[1]);
+    assert_eq!(
+        dispatch.score, 0.5,
+        "the dispatch carries the winner's score"
+    );
+}
+
+#[test]
+fn throughput_normalizes_the_queue() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    // More tokens but three times the rate: 3000 / 3000 = 1 s < 2000 / 1000 = 2 s.
+    report(&policy, ids[0], &load(Some(3000), 3, Some(3000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(2000), 2, Some(1000.0), 0.0), t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    assert_eq!(score(&table, ids[0]), 1.0);
+    assert_eq!(score(&table, ids[1]), 2.0);
+    assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[0]);
+}
+
+#[test]
+fn the_kv_barrier_avoids_a_near_full_worker() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    // Empty queue but k = 0.98: 0.15 * 0.98 / 0.02 = 7.35 s.
+    report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.98), t0);
+    // 4000 / 2000 = 2 s plus 0.15 * 0.1 / 0.9 = 0.01667 s.
+    report(&policy, ids[1], &load(Some(4000), 4, Some(2000.0), 0.1), t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    assert!(close(score(&table, ids[0]), 7.35), "{table}");
+    assert!(close(score(&table, ids[1]), 2.0 + 0.15 / 9.0), "{table}");
+    assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[1]);
+}
+
+#[test]
+fn pending_work_water_fills_before_any_first_token() {
+    let (policy, ids) = fleet(4);
+    let t0 = Instant::now();
+    for id in &ids {
+        report(&policy, *id, &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    }
+    let mut per_worker = [0u64; 4];
+    for _ in 0..8 {
+        let dispatch = policy.select(&ids, &exact(1000), t0).unwrap();
+        per_worker[dispatch.worker.slot()] += 1;
+    }
+    assert_eq!(
+        per_worker,
+        [2, 2, 2, 2],
+        "each level filled before the next"
+    );
+
+    // Size skew: one 6000-token request, then 200-token ones all avoid it
+    // until the others hold as much work.
+    let (policy, ids) = fleet(2);
+    let big = policy.select(&ids, &exact(6000), t0).unwrap();
+    let other = ids.iter().copied().find(|id| *id != big.worker).unwrap();
+    for _ in 0..30 {
+        assert_eq!(policy.select(&ids, &exact(200), t0).unwrap().worker, other);
+    }
+    // 30 * 200 = 6000: tied now, then the next one is spread at random.
+    assert_eq!(policy.worker_stats(other).unwrap().pending_tokens, 6000);
+}
+
+#[test]
+fn pending_work_is_released_at_the_first_token_and_by_finish_on_failure() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    let ok = policy.select(&ids, &exact(700), t0).unwrap();
+    let failed = policy.select(&ids, &exact(300), t0).unwrap();
+    assert_eq!(
+        policy.worker_stats(ids[0]),
+        Some(WorkerStats {
+            in_flight_requests: 2,
+            pending_requests: 2,
+            pending_tokens: 1000
+        })
+    );
+    policy.first_token(&ok, t0);
+    policy.first_token(&ok, t0); // idempotent
+    assert_eq!(policy.worker_stats(ids[0]).unwrap().pending_tokens, 300);
+    // The second request fails before its first token: finish releases it.
+    policy.finish(&failed, t0);
+    assert_eq!(
+        policy.worker_stats(ids[0]),
+        Some(WorkerStats {
+            in_flight_requests: 1,
+            pending_requests: 0,
+            pending_tokens: 0
+        })
+    );
+    policy.finish(&ok, t0);
+    policy.finish(&ok, t0); // idempotent
+    assert_eq!(policy.worker_stats(ids[0]), Some(WorkerStats::default()));
+}
+
+#[test]
+fn unknown_sizes_are_credited_the_mean_prefill() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    let unknown = policy
+        .select(&ids, &RequestInfo::new(TokenCount::Unknown), t0)
+        .unwrap();
+    assert_eq!(unknown.tokens, 1024);
+    let estimated = policy
+        .select(&ids, &RequestInfo::new(TokenCount::Estimated(77)), t0)
+        .unwrap();
+    assert_eq!(estimated.tokens, 77);
+    assert_eq!(policy.worker_stats(ids[0]).unwrap().pending_tokens, 1101);
+}
+
+/// Two identical workers, each holding one 1000-token request whose prefill
+/// has started (the engine no longer queues it) but whose first token has not
+/// arrived; worker 0 was polled after the dispatch, worker 1 before it.
+fn polled_at_different_moments(params: LeastLoadParams) -> (LeastLoad, Vec<WorkerId>, Instant) {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, params, 2);
+    let t0 = Instant::now();
+    let idle = load(Some(0), 0, Some(2000.0), 0.0);
+    report(&policy, ids[1], &idle, t0);
+    let candidates = [ids[0]];
+    policy.select(&candidates, &exact(1000), t0).unwrap();
+    let candidates = [ids[1]];
+    policy.select(&candidates, &exact(1000), t0).unwrap();
+    report(&policy, ids[0], &idle, t0 + Duration::from_millis(500));
+    (policy, ids, t0 + Duration::from_millis(600))
+}
+
+#[test]
+fn the_score_does_not_depend_on_poll_phase() {
+    let (policy, ids, now) = polled_at_different_moments(LeastLoadParams::default());
+    let table = policy.explain(&ids, &exact(100), now);
+    // Both: queue 0, pending 1000 → 1000 / 2000 = 0.5 s.
+    assert_eq!(score(&table, ids[0]), 0.5);
+    assert_eq!(score(&table, ids[1]), 0.5);
+    assert_eq!(table.chosen.len(), 2, "{table}");
+
+    // The original estimator forgets worker 0's request at its poll and
+    // floods it: the defect the pending mode removes.
+    let (policy, ids, now) = polled_at_different_moments(since_poll());
+    let table = policy.explain(&ids, &exact(100), now);
+    assert_eq!(score(&table, ids[0]), 0.0);
+    assert_eq!(score(&table, ids[1]), 0.5);
+}
+
+#[test]
+fn the_queued_term_subtracts_pending_work_at_poll_start_in_tokens() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    let first = policy.select(&ids, &exact(500), t0).unwrap();
+    policy.select(&ids, &exact(500), t0).unwrap();
+    policy.select(&ids, &exact(500), t0).unwrap();
+    let mark = policy.poll_started(ids[0], t0);
+    assert_eq!((mark.pending_tokens, mark.pending_requests), (1500, 3));
+    // While the poll is out: one first token, one new dispatch.
+    policy.first_token(&first, t0);
+    policy.select(&ids, &exact(250), t0).unwrap();
+    // The engine saw our 1500 plus 1000 of others'.
+    policy.poll_completed(mark, Some(&load(Some(2500), 5, Some(2000.0), 0.0)), t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    // queued 2500 - 1500 = 1000; pending now 1000 + 250 = 1250; / 2000 = 1.125 s.
+    assert_eq!(table.value(ids[0], "queued_tok"), Some(1000.0));
+    assert_eq!(table.value(ids[0], "inflight_tok"), Some(1250.0));
+    assert_eq!(score(&table, ids[0]), 1.125);
+}
+
+#[test]
+fn the_queued_term_subtracts_pending_requests_times_mean_prefill() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    for _ in 0..3 {
+        policy.select(&ids, &exact(100), t0).unwrap();
+    }
+    let mark = policy.poll_started(ids[0], t0);
+    // vLLM-style report: 5 waiting, no token count.
+    policy.poll_completed(mark, Some(&load(None, 5, None, 0.0)), t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    // (5 - 3) * 1024 = 2048 queued; 300 pending; / 2000 default = 1.174 s.
+    assert_eq!(table.value(ids[0], "queued_tok"), Some(2048.0));
+    assert_eq!(score(&table, ids[0]), 1.174);
+    assert_eq!(
+        table.row(ids[0]).unwrap().note,
+        "fresh; rules 1+2: queue = waiting x mean_prefill, default throughput"
+    );
+}
+
+#[test]
+fn an_older_overlapping_poll_is_ignored() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    let older = policy.poll_started(ids[0], t0);
+    let newer = policy.poll_started(ids[0], t0 + Duration::from_millis(1000));
+    let t1 = t0 + Duration::from_millis(1100);
+    policy.poll_completed(newer, Some(&load(Some(200), 1, Some(2000.0), 0.0)), t1);
+    // The older poll answers last, with a bigger queue: ignored.
+    policy.poll_completed(older, Some(&load(Some(9000), 9, Some(2000.0), 0.0)), t1);
+    let table = policy.explain(&ids, &exact(1), t1);
+    assert_eq!(table.value(ids[0], "queued_tok"), Some(200.0));
+    // Nor can its failure clear the newer snapshot.
+    policy.poll_failed(older, t1);
+    let table = policy.explain(&ids, &exact(1), t1);
+    assert_eq!(table.row(ids[0]).unwrap().note, "fresh");
+}
+
+#[test]
+fn reported_zero_is_trusted_and_not_reported_is_estimated() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    // JSON with the key present: 0 tokens next to 3 waiting is a report.
+    report(&policy, ids[0], &load(Some(0), 3, Some(2000.0), 0.0), t0);
+    // JSON without the key: 3 waiting * 1024.
+    report(&policy, ids[1], &load(None, 3, Some(2000.0), 0.0), t0);
+    // gRPC: 0 next to 3 waiting means "not reported"; 0 with nothing waiting is a report.
+    let grpc_busy = load(queued_tokens_from_proto3(0, 3), 3, Some(2000.0), 0.0);
+    let grpc_idle = load(queued_tokens_from_proto3(0, 0), 0, Some(2000.0), 0.0);
+    assert_eq!(grpc_busy.queued_tokens(), None);
+    assert_eq!(grpc_idle.queued_tokens(), Some(0));
+    report(&policy, ids[2], &grpc_busy, t0);
+    let table = policy.explain(&ids, &exact(1), t0);
+    assert_eq!(score(&table, ids[0]), 0.0);
+    // 3072 / 2000.
+    assert_eq!(score(&table, ids[1]), 1.536);
+    assert_eq!(score(&table, ids[2]), 1.536);
+    assert_eq!(table.chosen, vec![ids[0]]);
+    report(&policy, ids[2], &grpc_idle, t0);
+    let table = policy.explain(&ids, &exact(1), t0);
+    assert_eq!(table.row(ids[2]).unwrap().note, "fresh");
+    assert_eq!(score(&table, ids[2]), 0.0);
+}
+
+#[test]
+fn a_stale_snapshot_is_ignored() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(8000), 8, Some(2000.0), 0.0), t0);
+    let stale_after = PolicyContext::default().stale_after;
+    report(
+        &policy,
+        ids[1],
+        &load(Some(2000), 2, Some(2000.0), 0.0),
+        t0 + stale_after,
+    );
+    // Exactly stale_after old: still fresh, 8000 / 2000 = 4 s.
+    let table = policy.explain(&ids, &exact(1), t0 + stale_after);
+    assert_eq!(score(&table, ids[0]), 4.0);
+    // One nanosecond later it is ignored: rule 3, nothing pending → 0 s.
+    let later = t0 + stale_after + Duration::from_nanos(1);
+    let table = policy.explain(&ids, &exact(1), later);
+    assert_eq!(score(&table, ids[0]), 0.0);
+    assert_eq!(
+        table.row(ids[0]).unwrap().note,
+        "rule 3: no fresh snapshot, nominal throughput"
+    );
+    assert_eq!(
+        policy.select(&ids, &exact(1), later).unwrap().worker,
+        ids[0]
+    );
+}
+
+#[test]
+fn a_failed_poll_or_no_report_leaves_no_fresh_snapshot() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    report(&policy, ids[1], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    for outcome in ["failed", "none"] {
+        report(&policy, ids[0], &load(Some(4000), 4, Some(2000.0), 0.0), t0);
+        let mark = policy.poll_started(ids[0], t0);
+        if outcome == "failed" {
+            policy.poll_failed(mark, t0);
+        } else {
+            policy.poll_completed(mark, None, t0);
+        }
+        let table = policy.explain(&ids, &exact(1), t0);
+        assert_eq!(
+            table.row(ids[0]).unwrap().note,
+            "rule 3: no fresh snapshot, nominal throughput",
+            "{outcome}"
+        );
+    }
+}
+
+#[test]
+fn a_worker_without_a_snapshot_among_reporting_ones() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(3000), 3, Some(1000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(6000), 6, Some(3000.0), 0.0), t0);
+    let candidates = [ids[2]];
+    policy.select(&candidates, &exact(3000), t0).unwrap();
+    let table = policy.explain(&ids, &exact(1), t0);
+    // Nominal = (1000 + 3000) / 2 = 2000 tok/s; 3000 pending / 2000 = 1.5 s,
+    // comparable with the 3 s and 2 s of the reporting workers; no barrier.
+    assert_eq!(table.value(ids[2], "throughput_tps"), Some(2000.0));
+    assert_eq!(score(&table, ids[2]), 1.5);
+    assert_eq!(score(&table, ids[0]), 3.0);
+    assert_eq!(score(&table, ids[1]), 2.0);
+    assert_eq!(policy.select(&ids, &exact(1), t0).unwrap().worker, ids[2]);
+}
+
+#[test]
+fn a_dark_fleet_joins_the_shortest_queue_of_pending_tokens() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    for (id, tokens) in ids.iter().zip([300, 100, 200]) {
+        policy.select(&[*id], &exact(tokens), t0).unwrap();
+    }
+    let table = policy.explain(&ids, &exact(1), t0);
+    // 100 / 2000 default.
+    assert_eq!(score(&table, ids[1]), 0.05);
+    assert_eq!(
+        table.row(ids[1]).unwrap().note,
+        "rule 4: no fresh snapshot in fleet, JSQ on pending tokens"
+    );
+    let next = policy.select(&ids, &exact(50), t0).unwrap();
+    assert_eq!(next.worker, ids[1]);
+    // 150 now: still the shortest.
+    assert_eq!(policy.select(&ids, &exact(1), t0).unwrap().worker, ids[1]);
+}
+
+#[test]
+fn the_cap_vetoes_workers_and_none_when_all_are_capped() {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, capped(2), 2);
+    let t0 = Instant::now();
+    // One of ours pending on worker 0 when polled; it reports 3 waiting:
+    // 3 - 1 = 2 of others' + 1 of ours = 3 >= 2: capped, though its score is best.
+    let ours = policy.select(&ids[..1], &exact(10), t0).unwrap();
+    let mark = policy.poll_started(ids[0], t0);
+    policy.poll_completed(mark, Some(&load(Some(0), 3, Some(2000.0), 0.0)), t0);
+    report(&policy, ids[1], &load(Some(9000), 1, Some(2000.0), 0.0), t0);
+    let table = policy.explain(&ids, &exact(10), t0);
+    assert_eq!(table.value(ids[0], "waiting_req"), Some(3.0));
+    assert!(
+        table
+            .row(ids[0])
+            .unwrap()
+            .note
+            .ends_with("capped: 3 waiting >= 2")
+    );
+    assert_eq!(table.chosen, vec![ids[1]]);
+    // Worker 1: 1 waiting + 0 pending < 2: admitted once, then capped.
+    assert_eq!(policy.select(&ids, &exact(10), t0).unwrap().worker, ids[1]);
+    assert_eq!(policy.select(&ids, &exact(10), t0), None, "all capped");
+    assert!(policy.explain(&ids, &exact(10), t0).chosen.is_empty());
+    // The single-worker shortcut does not bypass the cap.
+    assert_eq!(policy.select(&ids[1..], &exact(10), t0), None);
+    // Our request on worker 0 starts: 2 + 0 = 2, still capped; the engine's
+    // queue drains in the next report: admitted again.
+    policy.first_token(&ours, t0);
+    assert_eq!(policy.select(&ids[..1], &exact(10), t0), None);
+    report(&policy, ids[0], &load(Some(0), 1, Some(2000.0), 0.0), t0);
+    assert_eq!(
+        policy.select(&ids[..1], &exact(10), t0).unwrap().worker,
+        ids[0]
+    );
+}
+
+#[test]
+fn the_cap_counts_pending_requests_of_a_worker_without_a_snapshot() {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, capped(2), 1);
+    let t0 = Instant::now();
+    let a = policy.select(&ids, &exact(1), t0).unwrap();
+    policy.select(&ids, &exact(1), t0).unwrap();
+    assert_eq!(policy.select(&ids, &exact(1), t0), None);
+    policy.first_token(&a, t0);
+    assert!(policy.select(&ids, &exact(1), t0).is_some());
+}
+
+#[test]
+fn hostile_reports_never_produce_a_non_finite_score() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    // NaN / infinite / negative rates are dropped by validation; usage > 1 is
+    // clamped; huge counts stay finite.
+    for (id, tps) in ids.iter().zip([f64::NAN, f64::INFINITY, -1.0]) {
+        report(
+            &policy,
+            *id,
+            &load(Some(i64::MAX), i64::MAX, Some(tps), 1.7),
+            t0,
+        );
+    }
+    let table = policy.explain(&ids, &exact(1), t0);
+    for row in &table.rows {
+        assert!(row.values.iter().all(|value| value.is_finite()), "{table}");
+    }
+    assert_eq!(table.chosen.len(), 3, "all equal: every one may win");
+    // A sane worker beats them all.
+    policy.add_worker(WorkerId::new(3, 0), WorkerInfo::new("http://w3", "sglang"));
+    let all = [ids[0], ids[1], ids[2], WorkerId::new(3, 0)];
+    report(&policy, all[3], &load(Some(10), 1, Some(2000.0), 0.2), t0);
+    let dispatch = policy.select(&all, &exact(1), t0).unwrap();
+    assert_eq!(dispatch.worker, all[3]);
+    assert!(dispatch.score.is_finite());
+}
+
+#[test]
+fn ties_spread_over_all_tied_workers() {
+    let (policy, ids) = fleet(4);
+    let t0 = Instant::now();
+    for id in &ids[..3] {
+        report(&policy, *id, &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    }
+    // Worker 3 is busier: never tied.
+    report(&policy, ids[3], &load(Some(100), 1, Some(2000.0), 0.0), t0);
+    let mut wins = [0u32; 4];
+    for _ in 0..3000 {
+        let dispatch = policy.select(&ids, &exact(10), t0).unwrap();
+        wins[dispatch.worker.slot()] += 1;
+        policy.finish(&dispatch, t0);
+    }
+    assert_eq!(wins[3], 0);
+    // 1000 expected each; 800 is far outside binomial noise (sd ≈ 26).
+    assert!(wins[..3].iter().all(|count| *count > 800), "{wins:?}");
+}
+
+/// Three idle workers whose KV barriers differ by less than the default
+/// 10 ms tie tolerance: 0.15·k/(1−k) is 1.515 ms at k = 0.01, 3.061 ms at
+/// 0.02 and 4.639 ms at 0.03.
+fn near_tied_fleet(params: LeastLoadParams) -> (LeastLoad, Vec<WorkerId>, Instant) {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, params, 3);
+    let t0 = Instant::now();
+    for (id, kv) in ids.iter().zip([0.01, 0.02, 0.03]) {
+        report(&policy, *id, &load(Some(0), 0, Some(2000.0), kv), t0);
+    }
+    (policy, ids, t0)
+}
+
+/// Selects `count` times, 1 ms apart, releasing each dispatch at once.
+fn dispatch_order(policy: &LeastLoad, ids: &[WorkerId], t0: Instant, count: u64) -> Vec<WorkerId> {
+    (0..count)
+        .map(|step| {
+            let now = t0 + Duration::from_millis(step);
+            let dispatch = policy.select(ids, &exact(10), now).unwrap();
+            policy.first_token(&dispatch, now);
+            policy.finish(&dispatch, now);
+            dispatch.worker
+        })
+        .collect()
+}
+
+#[test]
+fn near_ties_go_to_the_least_recently_dispatched_worker() {
+    let (policy, ids, t0) = near_tied_fleet(LeastLoadParams::default());
+    let table = policy.explain(&ids, &exact(10), t0);
+    assert!(close(score(&table, ids[0]), 0.15 * 0.01 / 0.99), "{table}");
+    assert_eq!(
+        table.chosen.len(),
+        3,
+        "never dispatched: all three tied\n{table}"
+    );
+    let order = dispatch_order(&policy, &ids, t0, 9);
+    let mut first_round = order[..3].to_vec();
+    first_round.sort();
+    assert_eq!(
+        first_round, ids,
+        "each worker once before any twice: {order:?}"
+    );
+    assert_eq!(order[3..6], order[..3], "then the same cycle: {order:?}");
+    assert_eq!(order[6..], order[..3], "then the same cycle: {order:?}");
+    // The explain table marks the one `select` would take next.
+    let now = t0 + Duration::from_millis(9);
+    assert_eq!(policy.explain(&ids, &exact(10), now).chosen, vec![order[0]]);
+}
+
+#[test]
+fn a_zero_tolerance_keeps_the_strict_argmin() {
+    let params = LeastLoadParams {
+        tie_tolerance_secs: 0.0,
+        ..LeastLoadParams::default()
+    };
+    let (policy, ids, t0) = near_tied_fleet(params);
+    assert_eq!(dispatch_order(&policy, &ids, t0, 6), vec![ids[0]; 6]);
+}
+
+#[test]
+fn a_difference_beyond_the_tolerance_is_never_a_tie() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    // 30 / 2000 = 15 ms of queue: more than the 10 ms tolerance.
+    report(&policy, ids[1], &load(Some(30), 1, Some(2000.0), 0.0), t0);
+    assert_eq!(dispatch_order(&policy, &ids, t0, 4), vec![ids[0]; 4]);
+}
+
+#[test]
+fn since_poll_resets_on_receipt_and_ignores_first_tokens() {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, since_poll(), 2);
+    let t0 = Instant::now();
+    let idle = load(Some(0), 0, Some(2000.0), 0.0);
+    report(&policy, ids[0], &idle, t0);
+    report(&policy, ids[1], &idle, t0);
+    let dispatch = policy.select(&ids[..1], &exact(1000), t0).unwrap();
+    let inflight = |policy: &LeastLoad| {
+        policy
+            .explain(&ids, &exact(1), t0)
+            .value(ids[0], "inflight_tok")
+            .unwrap()
+    };
+    assert_eq!(inflight(&policy), 1000.0);
+    policy.first_token(&dispatch, t0);
+    assert_eq!(inflight(&policy), 1000.0, "a first token releases nothing");
+    policy.finish(&dispatch, t0);
+    assert_eq!(inflight(&policy), 1000.0, "finish releases nothing");
+    // The live counts still follow select / finish (they feed the cap).
+    assert_eq!(policy.worker_stats(ids[0]), Some(WorkerStats::default()));
+    let mark = policy.poll_started(ids[0], t0);
+    assert_eq!(inflight(&policy), 1000.0, "sending a poll resets nothing");
+    policy.select(&ids[..1], &exact(500), t0).unwrap();
+    // The queue reported is used as is: 700, nothing subtracted.
+    policy.poll_completed(mark, Some(&load(Some(700), 1, Some(2000.0), 0.0)), t0);
+    let table = policy.explain(&ids, &exact(1), t0);
+    assert_eq!(
+        table.value(ids[0], "inflight_tok"),
+        Some(0.0),
+        "reset on receipt"
+    );
+    assert_eq!(table.value(ids[0], "queued_tok"), Some(700.0));
+    assert_eq!(score(&table, ids[0]), 0.35);
+    // No report this time, or a failure: the tally is kept.
+    policy.select(&ids[..1], &exact(300), t0).unwrap();
+    let mark = policy.poll_started(ids[0], t0);
+    policy.poll_completed(mark, None, t0);
+    let mark = policy.poll_started(ids[0], t0);
+    policy.poll_failed(mark, t0);
+    assert_eq!(inflight(&policy), 300.0);
+}
+
+#[test]
+fn a_removed_worker_is_never_chosen_and_its_marks_are_ignored() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    let dispatch = policy.select(&ids[..1], &exact(10), t0).unwrap();
+    let mark = policy.poll_started(ids[0], t0);
+    policy.remove_worker(ids[0]);
+    let successor = WorkerId::new(0, 1);
+    policy.add_worker(successor, WorkerInfo::new("http://new", "sglang"));
+    // Old marks and dispatches touch nothing of the slot's next occupant.
+    policy.poll_completed(mark, Some(&load(Some(9999), 9, Some(1.0), 0.0)), t0);
+    policy.finish(&dispatch, t0);
+    let table = policy.explain(&[successor], &exact(1), t0);
+    assert!(table.row(successor).unwrap().note.starts_with("rule 4"));
+    for _ in 0..20 {
+        let dispatch = policy.select(&[ids[0], ids[1]], &exact(1), t0).unwrap();
+        assert_eq!(dispatch.worker, ids[1]);
+    }
+    assert_eq!(policy.select(&[ids[0]], &exact(1), t0), None);
+    assert_eq!(policy.select(&[], &exact(1), t0), None);
+}
+
+#[test]
+fn power_of_two_picks_the_better_of_two_with_the_same_knobs() {
+    // With two workers the pair is the whole fleet: the barrier decides, and
+    // its weight is the operator's.
+    let t0 = Instant::now();
+    for (weight, winner) in [(0.15, 1), (0.0, 0)] {
+        let params = LeastLoadParams {
+            kv_pressure_weight: weight,
+            ..LeastLoadParams::default()
+        };
+        let (policy, ids) = fleet_with(Pick::PowerOfTwo, params, 2);
+        assert_eq!(policy.name(), "power_of_two");
+        // 0 s + 0.15 * 0.9 / 0.1 = 1.35 s against 2000 / 2000 = 1 s.
+        report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.9), t0);
+        report(&policy, ids[1], &load(Some(2000), 2, Some(2000.0), 0.0), t0);
+        assert_eq!(
+            policy.select(&ids, &exact(1), t0).unwrap().worker,
+            ids[winner]
+        );
+    }
+}
+
+#[test]
+fn power_of_two_never_picks_the_worst_and_spreads_over_the_rest() {
+    let (policy, ids) = fleet_with(Pick::PowerOfTwo, LeastLoadParams::default(), 4);
+    let t0 = Instant::now();
+    for (id, queued) in ids.iter().zip([0, 1000, 2000, 3000]) {
+        report(&policy, *id, &load(Some(queued), 1, Some(2000.0), 0.0), t0);
+    }
+    let mut wins = [0u32; 4];
+    for _ in 0..6000 {
+        let dispatch = policy.select(&ids, &exact(1), t0).unwrap();
+        wins[dispatch.worker.slot()] += 1;
+        policy.finish(&dispatch, t0);
+    }
+    // Of the 6 equally likely pairs, worker i wins those with a worse one:
+    // 3, 2, 1 and 0 of 6, so 3000, 2000, 1000 and 0 expected.
+    assert_eq!(wins[3], 0);
+    assert!(
+        wins[0] > 2700 && wins[1] > 1700 && wins[2] > 800,
+        "{wins:?}"
+    );
+}
+
+#[test]
+fn power_of_two_falls_back_to_the_fleet_when_its_samples_are_capped() {
+    let (policy, ids) = fleet_with(Pick::PowerOfTwo, capped(1), 5);
+    let t0 = Instant::now();
+    for id in &ids[..4] {
+        report(&policy, *id, &load(Some(0), 5, Some(2000.0), 0.0), t0);
+    }
+    report(&policy, ids[4], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    for _ in 0..20 {
+        let dispatch = policy.select(&ids, &exact(1), t0).unwrap();
+        assert_eq!(dispatch.worker, ids[4], "the only uncapped worker");
+        policy.finish(&dispatch, t0);
+    }
+    let held = policy.select(&ids, &exact(1), t0).unwrap();
+    assert_eq!(held.worker, ids[4]);
+    assert_eq!(policy.select(&ids, &exact(1), t0), None, "all capped");
+}
+
+#[test]
+fn both_policies_register_and_validate_their_sections() {
+    let mut registry = PolicyRegistry::with_baselines();
+    register(&mut registry);
+    let context = PolicyContext::default();
+    for name in ["least_load", "power_of_two"] {
+        let policy = registry
+            .build(name, &serde_json::Value::Null, &context)
+            .unwrap();
+        assert_eq!(policy.name(), name);
+        assert_eq!(policy.params()["inflight"], "pending");
+        let err = registry
+            .build(
+                name,
+                &serde_json::json!({"default_throughput": 0}),
+                &context,
+            )
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&err, PolicyError::InvalidParameter { policy, key: "default_throughput", .. } if policy == name),
+            "{err:?}"
+        );
+    }
+    // The simulator's original estimator.
+    let original = registry
+        .build(
+            "least_load",
+            &serde_json::json!({"inflight": "since_poll"}),
+            &context,
+        )
+        .unwrap();
+    assert_eq!(original.params()["inflight"], "since_poll");
+    assert_eq!(original.params()["kv_pressure_weight"], 0.15);
+}
+
+fn finish_all(policy: &LeastLoad, dispatches: &[Dispatch], now: Instant) {
+    for dispatch in dispatches {
+        policy.finish(dispatch, now);
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Select {
+        tokens: u64,
+        first: usize,
+        count: usize,
+    },
+    FirstToken(usize),
+    Finish(usize),
+    Poll {
+        worker: usize,
+        queued: Option<u32>,
+        waiting: u8,
+    },
+    PollFailed(usize),
+    Remove(usize),
+}
+
+fn any_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u64..5000, 0usize..6, 1usize..6)
+            .prop_map(|(tokens, first, count)| Op::Select { tokens, first, count }),
+        2 => any::<usize>().prop_map(Op::FirstToken),
+        2 => any::<usize>().prop_map(Op::Finish),
+        2 => (0usize..6, proptest::option::of(0u32..20_000), 0u8..8)
+            .prop_map(|(worker, queued, waiting)| Op::Poll { worker, queued, waiting }),
+        1 => (0usize..6).prop_map(Op::PollFailed),
+        1 => (0usize..6).prop_map(Op::Remove),
+    ]
+}
+
+fn any_params() -> impl Strategy<Value = LeastLoadParams> {
+    (0u64..4, any::<bool>(), any::<bool>()).prop_map(|(cap, since, _)| LeastLoadParams {
+        max_waiting_requests: cap,
+        inflight: if since {
+            InflightMode::SincePoll
+        } else {
+            InflightMode::Pending
+        },
+        ..LeastLoadParams::default()
+    })
+}
+
+proptest! {
+    #[test]
+    fn select_never_returns_a_vetoed_or_removed_worker(
+        params in any_params(),
+        p2c in any::<bool>(),
+        ops in proptest::collection::vec(any_op(), 1..60),
+    ) {
+        let strategy = if p2c { Pick::PowerOfTwo } else { Pick::LeastLoad };
+        let (policy, ids) = fleet_with(strategy, params, 6);
+        let t0 = Instant::now();
+        let mut removed = [false; 6];
+        let mut dispatches = Vec::new();
+        for op in ops {
+            match op {
+                Op::Select { tokens, first, count } => {
+                    let candidates: Vec<WorkerId> = ids.iter().copied().cycle().skip(first).take(count).collect();
+                    let table = policy.explain(&candidates, &exact(tokens), t0);
+                    let admissible: Vec<WorkerId> = table
+                        .rows
+                        .iter()
+                        .filter(|row| !row.note.contains("capped"))
+                        .map(|row| row.worker)
+                        .collect();
+                    match policy.select(&candidates, &exact(tokens), t0) {
+                        Some(dispatch) => {
+                            prop_assert!(!removed[dispatch.worker.slot()]);
+                            prop_assert!(admissible.contains(&dispatch.worker), "{table}");
+                            if strategy == Pick::LeastLoad {
+                                prop_assert!(table.chosen.contains(&dispatch.worker), "{table}");
+                            }
+                            dispatches.push(dispatch);
+                        }
+                        None => prop_assert!(admissible.is_empty(), "{table}"),
+                    }
+                }
+                Op::FirstToken(index) => {
+                    if !dispatches.is_empty() {
+                        policy.first_token(&dispatches[index % dispatches.len()], t0);
+                    }
+                }
+                Op::Finish(index) => {
+                    if !dispatches.is_empty() {
+                        policy.finish(&dispatches[index % dispatches.len()], t0);
+                    }
+                }
+                Op::Poll { worker, queued, waiting } => {
+                    let report_load = load(queued.map(i64::from), i64::from(waiting), Some(2000.0), 0.3);
+                    report(&policy, ids[worker], &report_load, t0);
+                }
+                Op::PollFailed(worker) => {
+                    let mark = policy.poll_started(ids[worker], t0);
+                    policy.poll_failed(mark, t0);
+                }
+                Op::Remove(worker) => {
+                    policy.remove_worker(ids[worker]);
+                    removed[worker] = true;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn finishing_every_dispatch_returns_all_counts_to_zero(
+        params in any_params(),
+        p2c in any::<bool>(),
+        ops in proptest::collection::vec(any_op(), 1..80),
+    ) {
+        let strategy = if p2c { Pick::PowerOfTwo } else { Pick::LeastLoad };
+        let (policy, ids) = fleet_with(strategy, params, 6);
+        let t0 = Instant::now();
+        let mut dispatches = Vec::new();
+        for op in ops {
+            match op {
+                Op::Select { tokens, first, count } => {
+                    let candidates: Vec<WorkerId> = ids.iter().copied().cycle().skip(first).take(count).collect();
+                    dispatches.extend(policy.select(&candidates, &exact(tokens), t0));
+                }
+                Op::FirstToken(index) if !dispatches.is_empty() => {
+                    policy.first_token(&dispatches[index % dispatches.len()], t0);
+                }
+                Op::Finish(index) if !dispatches.is_empty() => {
+                    policy.finish(&dispatches[index % dispatches.len()], t0);
+                }
+                Op::Poll { worker, queued, waiting } => {
+                    let report_load = load(queued.map(i64::from), i64::from(waiting), None, 0.0);
+                    report(&policy, ids[worker], &report_load, t0);
+                }
+                // Workers stay registered here so that their counts can be read.
+                _ => {}
+            }
+        }
+        finish_all(&policy, &dispatches, t0);
+        for id in &ids {
+            prop_assert_eq!(policy.worker_stats(*id), Some(WorkerStats::default()));
+        }
+    }
+}
+
+#[test]
+fn concurrent_selections_never_overshoot_the_cap() {
+    const THREADS: usize = 4;
+    let t0 = Instant::now();
+    // Phase 1: everyone selects at once and nobody finishes: exactly the cap
+    // per worker, never more.
+    let (policy, ids) = fleet_with(Pick::LeastLoad, capped(3), 2);
+    let barrier = std::sync::Barrier::new(THREADS);
+    let won: Vec<Vec<Dispatch>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|_| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    (0..50)
+                        .filter_map(|_| policy.select(&ids, &exact(1), t0))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let won: Vec<Dispatch> = won.into_iter().flatten().collect();
+    assert_eq!(won.len(), 6);
+    for id in &ids {
+        assert_eq!(policy.worker_stats(*id).unwrap().pending_requests, 3);
+    }
+    finish_all(&policy, &won, t0);
+
+    // Phase 2: with a cap of 1, every thread selects, checks and finishes in
+    // a tight loop, some through the single-worker shortcut. A veto checked
+    // apart from the credit lets two threads in at once here within a few
+    // thousand rounds; the count must never pass 1.
+    for p2c in [false, true] {
+        let pick = if p2c {
+            Pick::PowerOfTwo
+        } else {
+            Pick::LeastLoad
+        };
+        let (policy, ids) = fleet_with(pick, capped(1), 2);
+        std::thread::scope(|scope| {
+            for thread in 0..THREADS {
+                let (policy, ids, barrier) = (&policy, &ids, &barrier);
+                scope.spawn(move || {
+                    barrier.wait();
+                    for round in 0..20_000usize {
+                        let candidates = if (round + thread) % 3 == 0 {
+                            &ids[..1]
+                        } else {
+                            &ids[..]
+                        };
+                        if let Some(dispatch) = policy.select(candidates, &exact(1), t0) {
+                            let pending = policy
+                                .worker_stats(dispatch.worker)
+                                .unwrap()
+                                .pending_requests;
+                            assert!(pending <= 1, "{pending} pending with a cap of 1");
+                            policy.finish(&dispatch, t0);
+                        }
+                    }
+                });
+            }
+        });
+        for id in &ids {
+            assert_eq!(policy.worker_stats(*id), Some(WorkerStats::default()));
+        }
+    }
+}
