@@ -1,0 +1,211 @@
+//! `SglangGrpcLoadSource`: `SglangScheduler/GetLoads` over gRPC.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use load_protocols::WorkerLoad;
+use policy_core::{BackendError, LoadError, SourceOptions};
+use tonic::metadata::{AsciiMetadataValue, MetadataValue};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::proto::GetLoadsRequest;
+use crate::proto::sglang_scheduler_client::SglangSchedulerClient;
+use crate::worker_load_from_grpc;
+
+/// SGLang's load over gRPC: `GetLoads` with `include = ["core"]`.
+///
+/// The channel is made with `Endpoint::connect_lazy` on the first poll (so a
+/// source can be built outside a Tokio runtime) and reconnects by itself. The
+/// deadline of [`SourceOptions`] is the connect timeout and the request
+/// timeout, and bounds the whole call; replies larger than the body cap are
+/// refused; the API key goes out as `authorization: Bearer …`.
+///
+/// Outcomes:
+/// - an empty `loads` list → `Ok(None)`;
+/// - `UNIMPLEMENTED` → [`LoadError::Unsupported`];
+/// - `DEADLINE_EXCEEDED`, or no answer within our own deadline →
+///   [`LoadError::Timeout`];
+/// - `UNAVAILABLE` from a failed connection → [`LoadError::Connect`];
+/// - a reply over the body cap → [`LoadError::BodyTooLarge`];
+/// - any other status (a server's own `UNAVAILABLE` included) →
+///   [`LoadError::Grpc`] with the [`Status`] as its source.
+#[derive(Debug)]
+pub struct SglangGrpcLoadSource {
+    url: String,
+    endpoint: Endpoint,
+    client: OnceLock<SglangSchedulerClient<Channel>>,
+    deadline: Duration,
+    body_limit_bytes: usize,
+    authorization: Option<AsciiMetadataValue>,
+}
+
+impl SglangGrpcLoadSource {
+    /// A source calling the scheduler at `url` (`grpc://host:port`).
+    ///
+    /// Fails with [`BackendError::InvalidAddress`] for any other address and
+    /// with [`BackendError::Client`] for an API key that cannot be metadata.
+    /// No connection is made here.
+    pub fn new(url: &str, options: &SourceOptions) -> Result<SglangGrpcLoadSource, BackendError> {
+        let endpoint = crate::address::grpc_endpoint(url)?;
+        let authorization = bearer(url, options)?;
+        Ok(SglangGrpcLoadSource {
+            endpoint: endpoint
+                .connect_timeout(options.deadline)
+                .timeout(options.deadline),
+            url: url.to_owned(),
+            client: OnceLock::new(),
+            deadline: options.deadline,
+            body_limit_bytes: options.body_limit_bytes,
+            authorization,
+        })
+    }
+
+    fn client(&self) -> SglangSchedulerClient<Channel> {
+        self.client
+            .get_or_init(|| {
+                SglangSchedulerClient::new(self.endpoint.connect_lazy())
+                    .max_decoding_message_size(self.body_limit_bytes)
+            })
+            .clone()
+    }
+}
+
+#[async_trait]
+impl policy_core::LoadSource for SglangGrpcLoadSource {
+    async fn fetch(&self) -> Result<Option<WorkerLoad>, LoadError> {
+        let mut request = tonic::Request::new(GetLoadsRequest {
+            dp_rank: None,
+            include: vec!["core".to_owned()],
+        });
+        if let Some(authorization) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", authorization.clone());
+        }
+        let mut client = self.client();
+        let response = match tokio::time::timeout(self.deadline, client.get_loads(request)).await {
+            Err(_elapsed) => {
+                return Err(LoadError::Timeout {
+                    url: self.url.clone(),
+                    deadline: self.deadline,
+                });
+            }
+            Ok(Err(status))
+                if status.code() == Code::DeadlineExceeded || is_own_timeout(&status) =>
+            {
+                return Err(LoadError::Timeout {
+                    url: self.url.clone(),
+                    deadline: self.deadline,
+                });
+            }
+            Ok(Err(status)) => return Err(status_error(&self.url, self.body_limit_bytes, status)),
+            Ok(Ok(response)) => response.into_inner(),
+        };
+        worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
+            url: self.url.clone(),
+            source,
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "sglang-grpc"
+    }
+
+    fn load_url(&self) -> &str {
+        &self.url
+    }
+}
+
+/// The bearer token of `options`, as gRPC metadata.
+pub(crate) fn bearer(
+    url: &str,
+    options: &SourceOptions,
+) -> Result<Option<AsciiMetadataValue>, BackendError> {
+    options
+        .api_key
+        .as_ref()
+        .map(|key| {
+            MetadataValue::try_from(format!("Bearer {key}")).map(|mut value| {
+                // Kept out of Debug output and logs.
+                value.set_sensitive(true);
+                value
+            })
+        })
+        .transpose()
+        .map_err(|source| BackendError::Client {
+            url: url.to_owned(),
+            source: source.into(),
+        })
+}
+
+/// A failed call as a [`LoadError`] (every code but `DEADLINE_EXCEEDED`,
+/// which each backend reads its own way).
+pub(crate) fn status_error(url: &str, body_limit_bytes: usize, status: Status) -> LoadError {
+    let url = url.to_owned();
+    match status.code() {
+        Code::Unimplemented => LoadError::Unsupported {
+            url,
+            what: "GetLoads",
+        },
+        Code::OutOfRange if status.message().contains("message length too large") => {
+            LoadError::BodyTooLarge {
+                url,
+                limit_bytes: body_limit_bytes,
+            }
+        }
+        Code::Unavailable if is_connect_failure(&status) => LoadError::Connect {
+            url,
+            source: status.into(),
+        },
+        _ => LoadError::Grpc {
+            url,
+            source: status.into(),
+        },
+    }
+}
+
+/// Whether tonic made this status from a failed connection rather than
+/// receiving it from a server.
+fn is_connect_failure(status: &Status) -> bool {
+    caused_by(status, |error| {
+        error.is::<tonic::ConnectError>() || error.is::<std::io::Error>()
+    })
+}
+
+/// Whether tonic made this (`CANCELLED`) status because the endpoint's own
+/// request timeout expired.
+pub(crate) fn is_own_timeout(status: &Status) -> bool {
+    caused_by(status, |error| error.is::<tonic::TimeoutExpired>())
+}
+
+fn caused_by(status: &Status, test: impl Fn(&(dyn std::error::Error + 'static)) -> bool) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if test(error) {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_made_by_tonic_are_told_from_server_statuses() {
+        let own = Status::from_error(Box::new(tonic::TimeoutExpired(())));
+        assert_eq!(own.code(), Code::Cancelled);
+        assert!(is_own_timeout(&own));
+        assert!(!is_own_timeout(&Status::cancelled("Timeout expired")));
+
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let connect = Status::from_error(Box::new(tonic::ConnectError(Box::new(refused))));
+        assert_eq!(connect.code(), Code::Unavailable);
+        assert!(is_connect_failure(&connect));
+        assert!(!is_connect_failure(&Status::unavailable("draining")));
+    }
+}
