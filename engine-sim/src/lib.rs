@@ -1,3 +1,62 @@
 //! A continuous-batching engine model, the fleet simulator and mock engine servers.
 //!
-//! Not built yet: its issue fills it in.
+//! - [`model`]: an [`Engine`] is one simulated replica (`engine-model.md`):
+//!   FIFO admission bounded by `max_running` and KV room, chunked prefill
+//!   with a shared per-step budget, one decode token per running request,
+//!   step time = max(prefill cost, decode cost), KV accounting with
+//!   preemption (recompute) of the newest request, and an optional prefix
+//!   cache (chained block hashes, LRU past a high watermark). It is a
+//!   deterministic state machine advanced by its caller in explicit virtual
+//!   time, so the simulator and the mock servers drive the same code.
+//! - [`reports`]: the engine's true state as each real engine reports it
+//!   (SGLang `/v1/loads` and `/metrics`, vLLM `/metrics`, gRPC fields).
+//! - [`server`]: N simulated engines behind real sockets on loopback, in the
+//!   flavours `sglang`, `sglang-metrics`, `vllm` and `tokenspeed`, paced by the
+//!   model (wall time × a time-scale factor) or canned, with fault modes.
+//!
+//! ```
+//! use engine_sim::{Engine, EngineEvent, EngineParams, EngineRequest};
+//!
+//! let mut engine = Engine::new(EngineParams::default(), 7)?;
+//! // Two 2048-token prompts at t = 0: each fills a whole prefill chunk.
+//! for id in 0..2 {
+//!     engine.submit(EngineRequest {
+//!         id,
+//!         prompt_tokens: 2048,
+//!         output_tokens: 4,
+//!         arrival_s: 0.0,
+//!         prefix_block_hashes: Vec::new(),
+//!     })?;
+//! }
+//! // The oracle's signal: uncached prefill work queued, in tokens.
+//! assert_eq!(engine.queued_prefill_tokens(), 4096);
+//!
+//! let mut events = Vec::new();
+//! while let Some(start_s) = engine.next_step_start_s() {
+//!     engine.step(start_s, &mut events); // appends the step's events
+//! }
+//! let ttfts: Vec<f64> = events
+//!     .iter()
+//!     .filter_map(|event| match event {
+//!         EngineEvent::Finished(record) => Some(record.ttft_s()),
+//!         _ => None,
+//!     })
+//!     .collect();
+//! // 2048 / 8000 tokens per second = 0.256 s per chunk: the second request
+//! // waits for the first one's prefill.
+//! assert!((ttfts[0] - 0.256).abs() < 1e-9);
+//! assert!((ttfts[1] - 0.512).abs() < 1e-9);
+//! # Ok::<(), engine_sim::EngineSimError>(())
+//! ```
+
+mod error;
+pub mod model;
+
+pub use error::EngineSimError;
+pub use model::{
+    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, StepSummary,
+};
+pub mod drive;
+pub mod reports;
+pub mod server;
+pub mod sim;

@@ -1,0 +1,1029 @@
+//! The continuous-batching engine model (`engine-model.md`).
+//!
+//! An [`Engine`] is a deterministic state machine advanced one scheduler step
+//! at a time by its caller, with explicit virtual time in seconds: the fleet
+//! simulator drives it from its event queue, the mock servers from the wall
+//! clock multiplied by a time-scale factor. Nothing in here sleeps, reads a
+//! clock or allocates per step (events go into a caller-owned buffer).
+
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::EngineSimError;
+
+/// Per-worker engine parameters. Every field has the spec's default; serde
+/// accepts the spec's short names (`prefill_chunk`, `block_size`,
+/// `kv_capacity`) as aliases and rejects unknown keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineParams {
+    /// Prefill speed, tokens per second.
+    pub prefill_tps: f64,
+    /// Shared prefill budget of one step, tokens.
+    #[serde(alias = "prefill_chunk")]
+    pub prefill_chunk_tokens: u32,
+    /// Fixed cost of a decode step, milliseconds.
+    pub decode_base_ms: f64,
+    /// Added cost per decoding request in a step, milliseconds.
+    pub decode_per_req_ms: f64,
+    /// Most requests running at once.
+    pub max_running: u32,
+    /// KV-cache capacity, tokens.
+    #[serde(alias = "kv_capacity")]
+    pub kv_capacity_tokens: u64,
+    /// Prefix-cache block size, tokens.
+    #[serde(alias = "block_size")]
+    pub block_size_tokens: u32,
+    /// Whether the prefix cache is on.
+    pub prefix_cache: bool,
+    /// KV usage ratio above which unreferenced cached blocks are evicted (LRU).
+    pub cache_high_watermark: f64,
+    /// Shortest step while busy, milliseconds.
+    pub min_step_ms: f64,
+    /// Time constant of the smoothed decode throughput, seconds.
+    pub throughput_window_s: f64,
+    /// Relative step-time noise: each step lasts `1 ± U(0, step_jitter)` times
+    /// its cost, drawn from the engine's seeded generator. 0 = exact.
+    pub step_jitter: f64,
+}
+
+impl Default for EngineParams {
+    fn default() -> EngineParams {
+        EngineParams {
+            prefill_tps: 8000.0,
+            prefill_chunk_tokens: 2048,
+            decode_base_ms: 6.0,
+            decode_per_req_ms: 0.35,
+            max_running: 256,
+            kv_capacity_tokens: 524_288,
+            block_size_tokens: 16,
+            prefix_cache: true,
+            cache_high_watermark: 0.95,
+            min_step_ms: 1.0,
+            throughput_window_s: 1.0,
+            step_jitter: 0.0,
+        }
+    }
+}
+
+impl EngineParams {
+    /// Checks every parameter's range.
+    pub fn validate(&self) -> Result<(), EngineSimError> {
+        fn positive(name: &'static str, value: f64) -> Result<(), EngineSimError> {
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(EngineSimError::InvalidParam {
+                    name,
+                    value,
+                    rule: "must be finite and positive",
+                })
+            }
+        }
+        fn non_negative(name: &'static str, value: f64) -> Result<(), EngineSimError> {
+            if value.is_finite() && value >= 0.0 {
+                Ok(())
+            } else {
+                Err(EngineSimError::InvalidParam {
+                    name,
+                    value,
+                    rule: "must be finite and not negative",
+                })
+            }
+        }
+        positive("prefill_tps", self.prefill_tps)?;
+        positive("prefill_chunk_tokens", f64::from(self.prefill_chunk_tokens))?;
+        non_negative("decode_base_ms", self.decode_base_ms)?;
+        non_negative("decode_per_req_ms", self.decode_per_req_ms)?;
+        positive("max_running", f64::from(self.max_running))?;
+        positive("kv_capacity_tokens", self.kv_capacity_tokens as f64)?;
+        positive("block_size_tokens", f64::from(self.block_size_tokens))?;
+        positive("cache_high_watermark", self.cache_high_watermark)?;
+        if self.cache_high_watermark > 1.0 {
+            return Err(EngineSimError::InvalidParam {
+                name: "cache_high_watermark",
+                value: self.cache_high_watermark,
+                rule: "must be at most 1",
+            });
+        }
+        non_negative("min_step_ms", self.min_step_ms)?;
+        positive("throughput_window_s", self.throughput_window_s)?;
+        non_negative("step_jitter", self.step_jitter)?;
+        if self.step_jitter >= 1.0 {
+            return Err(EngineSimError::InvalidParam {
+                name: "step_jitter",
+                value: self.step_jitter,
+                rule: "must be below 1",
+            });
+        }
+        Ok(())
+    }
+
+    /// Cost of a step, seconds, before the minimum and jitter:
+    /// `max(prefill_tokens / prefill_tps, decode_base + per_req × decoding)`.
+    pub fn step_cost_s(&self, prefill_tokens: u32, decoding_requests: u32) -> f64 {
+        let prefill_s = f64::from(prefill_tokens) / self.prefill_tps;
+        let decode_s = if decoding_requests > 0 {
+            (self.decode_base_ms + self.decode_per_req_ms * f64::from(decoding_requests)) / 1000.0
+        } else {
+            0.0
+        };
+        prefill_s.max(decode_s)
+    }
+}
+
+/// One request handed to [`Engine::submit`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EngineRequest {
+    /// Caller-chosen id, unique among the requests in the engine.
+    pub id: u64,
+    /// Prompt length, tokens (at least 1 is computed).
+    pub prompt_tokens: u32,
+    /// Tokens to generate (at least 1).
+    pub output_tokens: u32,
+    /// Virtual arrival time, seconds.
+    pub arrival_s: f64,
+    /// Content hashes of the prompt's leading full blocks of
+    /// `block_size_tokens` tokens (block `i` covers tokens `16i..16i+16` at the
+    /// default size). The engine chains them, so a block hits the prefix cache
+    /// only when every block before it does too. Empty = nothing cacheable.
+    pub prefix_block_hashes: Vec<u64>,
+}
+
+/// What happened to one request, reported when it finishes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    /// Prompt tokens served by the prefix cache at the first admission.
+    pub cached_tokens: u32,
+    pub arrival_s: f64,
+    /// When the request was first admitted (queueing delay = this − arrival).
+    pub admitted_s: f64,
+    pub first_token_s: f64,
+    pub finish_s: f64,
+    /// How many times the request was preempted and recomputed.
+    pub preemptions: u32,
+}
+
+impl RequestRecord {
+    /// Time to first token, seconds.
+    pub fn ttft_s(&self) -> f64 {
+        self.first_token_s - self.arrival_s
+    }
+
+    /// End-to-end latency, seconds.
+    pub fn e2e_s(&self) -> f64 {
+        self.finish_s - self.arrival_s
+    }
+
+    /// Mean inter-token latency after the first token, seconds (0 for one token).
+    pub fn mean_itl_s(&self) -> f64 {
+        if self.output_tokens > 1 {
+            (self.finish_s - self.first_token_s) / f64::from(self.output_tokens - 1)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Something that happened at the end of a step, at `time_s`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EngineEvent {
+    /// The request's first token (emitted once, even across preemptions).
+    FirstToken { id: u64, time_s: f64 },
+    /// One generated token; only with [`Engine::set_token_events`] on.
+    /// `generated_tokens` counts the tokens generated so far, this one included.
+    Token {
+        id: u64,
+        generated_tokens: u32,
+        time_s: f64,
+    },
+    /// The request generated its last token and left the engine.
+    Finished(RequestRecord),
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepSummary {
+    pub start_s: f64,
+    pub duration_s: f64,
+    pub end_s: f64,
+    /// Prompt tokens computed in the step (≤ `prefill_chunk_tokens`).
+    pub prefill_tokens: u32,
+    /// Requests that decoded one token in the step.
+    pub decoding_requests: u32,
+    /// Requests admitted from the waiting queue in the step.
+    pub admitted_requests: u32,
+    /// Requests preempted (and requeued) in the step.
+    pub preempted_requests: u32,
+    /// Requests that finished at the end of the step.
+    pub finished_requests: u32,
+}
+
+/// The engine's true state at one moment: what every flavour's report is
+/// built from, and what the simulator's oracle reads.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineSnapshot {
+    pub running_requests: u32,
+    pub waiting_requests: u32,
+    /// Uncached prompt tokens of the waiting requests plus the unfinished part
+    /// of every running request's (chunked) prefill.
+    pub queued_prefill_tokens: u64,
+    /// KV tokens held (running requests and the prefix cache).
+    pub used_kv_tokens: u64,
+    pub kv_capacity_tokens: u64,
+    pub max_running: u32,
+    /// Smoothed decode throughput, tokens per second.
+    pub decode_tps: f64,
+    /// Cumulative prefix-cache hit ratio over admitted prompt tokens.
+    pub cache_hit_rate: f64,
+    /// Prompt tokens of the requests whose prefill completed (counter).
+    pub prompt_tokens_total: u64,
+    /// Generated tokens (counter).
+    pub generation_tokens_total: u64,
+    /// Prompt tokens looked up in the prefix cache (counter).
+    pub prefix_cache_queries_tokens_total: u64,
+    /// Prompt tokens served by the prefix cache (counter).
+    pub prefix_cache_hits_tokens_total: u64,
+    pub finished_requests_total: u64,
+    pub preemptions_total: u64,
+}
+
+impl EngineSnapshot {
+    /// KV usage ratio in `[0, 1]`.
+    pub fn kv_usage_ratio(&self) -> f64 {
+        if self.kv_capacity_tokens == 0 {
+            0.0
+        } else {
+            (self.used_kv_tokens as f64 / self.kv_capacity_tokens as f64).min(1.0)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Free,
+    Waiting,
+    Running,
+}
+
+#[derive(Debug)]
+struct Slot {
+    id: u64,
+    phase: Phase,
+    prompt_tokens: u32,
+    output_tokens: u32,
+    arrival_s: f64,
+    admitted_s: Option<f64>,
+    first_token_s: Option<f64>,
+    /// Chained block hashes of the prompt's full blocks.
+    chain: Vec<u64>,
+    generated: u32,
+    /// Tokens that must be in KV before decoding resumes (prompt + generated
+    /// at the latest admission).
+    prefill_target: u32,
+    /// Of `prefill_target`, tokens computed or served from the cache.
+    prefilled: u32,
+    cached_tokens_first: Option<u32>,
+    /// Leading blocks of `chain` this request holds a reference on.
+    pinned_blocks: u32,
+    /// KV tokens held outside the prefix cache.
+    private_kv: u64,
+    /// Uncached prompt tokens counted in the waiting sum while waiting.
+    queued_uncached: u64,
+    decoding: bool,
+    preemptions: u32,
+}
+
+impl Slot {
+    fn empty() -> Slot {
+        Slot {
+            id: 0,
+            phase: Phase::Free,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            arrival_s: 0.0,
+            admitted_s: None,
+            first_token_s: None,
+            chain: Vec::new(),
+            generated: 0,
+            prefill_target: 0,
+            prefilled: 0,
+            cached_tokens_first: None,
+            pinned_blocks: 0,
+            private_kv: 0,
+            queued_uncached: 0,
+            decoding: false,
+            preemptions: 0,
+        }
+    }
+}
+
+/// Keys are already well-mixed hashes: pass them through.
+#[derive(Debug, Default, Clone, Copy)]
+struct PassThroughHasher(u64);
+
+impl Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 << 8 | u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+type PassThrough = BuildHasherDefault<PassThroughHasher>;
+
+#[derive(Debug, Clone, Copy)]
+struct CachedBlock {
+    refs: u32,
+    /// LRU stamp while unreferenced.
+    tick: u64,
+}
+
+/// The prefix cache: blocks keyed by chained hash, reference-counted by the
+/// running requests that use them; unreferenced blocks are evictable, LRU.
+#[derive(Debug, Default)]
+struct PrefixCache {
+    blocks: HashMap<u64, CachedBlock, PassThrough>,
+    evictable: BTreeSet<(u64, u64)>,
+    tick: u64,
+    /// Bumped whenever a block enters or leaves the cache.
+    generation: u64,
+}
+
+impl PrefixCache {
+    fn leading_hits(&self, chain: &[u64]) -> usize {
+        chain
+            .iter()
+            .take_while(|hash| self.blocks.contains_key(hash))
+            .count()
+    }
+
+    fn pin(&mut self, hash: u64) {
+        if let Some(block) = self.blocks.get_mut(&hash) {
+            if block.refs == 0 {
+                self.evictable.remove(&(block.tick, hash));
+            }
+            block.refs += 1;
+        }
+    }
+
+    fn unpin(&mut self, hash: u64) {
+        if let Some(block) = self.blocks.get_mut(&hash) {
+            block.refs = block.refs.saturating_sub(1);
+            if block.refs == 0 {
+                self.tick += 1;
+                block.tick = self.tick;
+                self.evictable.insert((block.tick, hash));
+            }
+        }
+    }
+
+    /// Inserts a block held by one request; false when it was already cached
+    /// (then it is pinned instead).
+    fn insert_pinned(&mut self, hash: u64) -> bool {
+        match self.blocks.entry(hash) {
+            Entry::Occupied(mut occupied) => {
+                let block = occupied.get_mut();
+                if block.refs == 0 {
+                    self.evictable.remove(&(block.tick, hash));
+                }
+                block.refs += 1;
+                false
+            }
+            Entry::Vacant(vacant) => {
+                vacant.insert(CachedBlock { refs: 1, tick: 0 });
+                self.generation += 1;
+                true
+            }
+        }
+    }
+
+    /// Evicts the least recently used unreferenced block; false when none.
+    fn evict_one(&mut self) -> bool {
+        match self.evictable.pop_first() {
+            Some((_, hash)) => {
+                self.blocks.remove(&hash);
+                self.generation += 1;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// SplitMix64: a tiny seeded generator, so a seed replays the same trace.
+#[derive(Debug, Clone)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn next_unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Chains content hashes: block `i`'s key depends on every block before it.
+pub fn chain_block_hash(previous: u64, content: u64) -> u64 {
+    let mut z = previous ^ content.rotate_left(29) ^ 0x243f_6a88_85a3_08d3;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// One continuous-batching engine (see the module docs and `engine-model.md`).
+///
+/// Protocol: [`submit`](Engine::submit) requests (each with its arrival time);
+/// while [`next_step_start_s`](Engine::next_step_start_s) is `Some(t)`, call
+/// [`step`](Engine::step) with a time `≥ t`: the step starts at
+/// `max(now_s, t)`, its effects are stamped at its end, and the next step
+/// starts there. A request submitted to an idle engine starts the next step at
+/// its arrival.
+#[derive(Debug)]
+pub struct Engine {
+    params: EngineParams,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    by_id: HashMap<u64, u32, PassThrough>,
+    waiting: VecDeque<u32>,
+    /// In admission order: the newest is last.
+    running: Vec<u32>,
+    cache: PrefixCache,
+    rng: SplitMix64,
+    token_events: bool,
+    /// Earliest start of the next step.
+    clock_s: f64,
+    last_step_end_s: f64,
+    private_kv_tokens: u64,
+    cached_kv_tokens: u64,
+    waiting_uncached_tokens: u64,
+    running_prefill_remaining_tokens: u64,
+    decoding_requests: u32,
+    decode_tps: f64,
+    /// The cache generation the waiting estimates were computed at.
+    estimates_cache_generation: u64,
+    prompt_tokens_total: u64,
+    generation_tokens_total: u64,
+    prefix_queries_tokens_total: u64,
+    prefix_hits_tokens_total: u64,
+    finished_total: u64,
+    preemptions_total: u64,
+    steps_total: u64,
+}
+
+impl Engine {
+    /// A new idle engine at virtual time 0.
+    pub fn new(params: EngineParams, seed: u64) -> Result<Engine, EngineSimError> {
+        params.validate()?;
+        Ok(Engine {
+            params,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cache: PrefixCache::default(),
+            rng: SplitMix64(seed),
+            token_events: false,
+            clock_s: 0.0,
+            last_step_end_s: 0.0,
+            private_kv_tokens: 0,
+            cached_kv_tokens: 0,
+            waiting_uncached_tokens: 0,
+            running_prefill_remaining_tokens: 0,
+            decoding_requests: 0,
+            decode_tps: 0.0,
+            estimates_cache_generation: 0,
+            prompt_tokens_total: 0,
+            generation_tokens_total: 0,
+            prefix_queries_tokens_total: 0,
+            prefix_hits_tokens_total: 0,
+            finished_total: 0,
+            preemptions_total: 0,
+            steps_total: 0,
+        })
+    }
+
+    pub fn params(&self) -> &EngineParams {
+        &self.params
+    }
+
+    /// Emit an [`EngineEvent::Token`] for every generated token (the mock
+    /// servers stream them; the simulator leaves this off).
+    pub fn set_token_events(&mut self, on: bool) {
+        self.token_events = on;
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// When the next step can start, or `None` when idle.
+    pub fn next_step_start_s(&self) -> Option<f64> {
+        self.has_work().then_some(self.clock_s)
+    }
+
+    /// Steps executed so far.
+    pub fn steps_total(&self) -> u64 {
+        self.steps_total
+    }
+
+    pub fn running_requests(&self) -> u32 {
+        self.running.len() as u32
+    }
+
+    pub fn waiting_requests(&self) -> u32 {
+        self.waiting.len() as u32
+    }
+
+    /// KV tokens held now (running requests' private tokens and cached blocks).
+    pub fn used_kv_tokens(&self) -> u64 {
+        self.private_kv_tokens + self.cached_kv_tokens
+    }
+
+    /// The oracle's signal: uncached prefill work waiting plus the unfinished
+    /// part of running (chunked) prefills, tokens.
+    pub fn queued_prefill_tokens(&self) -> u64 {
+        self.waiting_uncached_tokens + self.running_prefill_remaining_tokens
+    }
+
+    /// [`queued_prefill_tokens`](Engine::queued_prefill_tokens) / `prefill_tps`, seconds.
+    pub fn queued_prefill_s(&self) -> f64 {
+        self.queued_prefill_tokens() as f64 / self.params.prefill_tps
+    }
+
+    /// The smoothed decode throughput at `now_s`, tokens per second (decays
+    /// while the engine is idle).
+    pub fn decode_tps(&self, now_s: f64) -> f64 {
+        let idle_s = now_s - self.last_step_end_s;
+        if !self.has_work() && idle_s > 0.0 {
+            self.decode_tps * (-idle_s / self.params.throughput_window_s).exp()
+        } else {
+            self.decode_tps
+        }
+    }
+
+    /// The true state at `now_s` (only the throughput depends on `now_s`).
+    pub fn snapshot(&self, now_s: f64) -> EngineSnapshot {
+        EngineSnapshot {
+            running_requests: self.running_requests(),
+            waiting_requests: self.waiting_requests(),
+            queued_prefill_tokens: self.queued_prefill_tokens(),
+            used_kv_tokens: self.used_kv_tokens(),
+            kv_capacity_tokens: self.params.kv_capacity_tokens,
+            max_running: self.params.max_running,
+            decode_tps: self.decode_tps(now_s),
+            cache_hit_rate: if self.prefix_queries_tokens_total == 0 {
+                0.0
+            } else {
+                self.prefix_hits_tokens_total as f64 / self.prefix_queries_tokens_total as f64
+            },
+            prompt_tokens_total: self.prompt_tokens_total,
+            generation_tokens_total: self.generation_tokens_total,
+            prefix_cache_queries_tokens_total: self.prefix_queries_tokens_total,
+            prefix_cache_hits_tokens_total: self.prefix_hits_tokens_total,
+            finished_requests_total: self.finished_total,
+            preemptions_total: self.preemptions_total,
+        }
+    }
+
+    /// Queues a request at the tail of the waiting queue.
+    ///
+    /// Fails when its id is already in the engine, or when prompt + output
+    /// could never fit in the KV cache.
+    pub fn submit(&mut self, request: EngineRequest) -> Result<(), EngineSimError> {
+        let prompt_tokens = request.prompt_tokens.max(1);
+        let output_tokens = request.output_tokens.max(1);
+        let needed_tokens = u64::from(prompt_tokens) + u64::from(output_tokens);
+        if needed_tokens > self.params.kv_capacity_tokens {
+            return Err(EngineSimError::RequestTooLarge {
+                id: request.id,
+                needed_tokens,
+                capacity_tokens: self.params.kv_capacity_tokens,
+            });
+        }
+        if self.by_id.contains_key(&request.id) {
+            return Err(EngineSimError::DuplicateRequest { id: request.id });
+        }
+        if !self.has_work() {
+            self.clock_s = self.clock_s.max(request.arrival_s);
+        }
+        let index = match self.free_slots.pop() {
+            Some(index) => index,
+            None => {
+                self.slots.push(Slot::empty());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        let mut chain = std::mem::take(&mut slot.chain);
+        chain.clear();
+        if self.params.prefix_cache {
+            let full_blocks = (prompt_tokens / self.params.block_size_tokens) as usize;
+            let mut previous = 0u64;
+            for &content in request.prefix_block_hashes.iter().take(full_blocks) {
+                previous = chain_block_hash(previous, content);
+                chain.push(previous);
+            }
+        }
+        *slot = Slot {
+            id: request.id,
+            phase: Phase::Waiting,
+            prompt_tokens,
+            output_tokens,
+            arrival_s: request.arrival_s,
+            chain,
+            prefill_target: prompt_tokens,
+            ..Slot::empty()
+        };
+        self.by_id.insert(request.id, index);
+        self.enqueue(index, false);
+        Ok(())
+    }
+
+    /// Removes a request wherever it is (a client went away); its KV is
+    /// freed and no event is emitted. False when the id is unknown.
+    pub fn abort(&mut self, id: u64) -> bool {
+        let Some(&index) = self.by_id.get(&id) else {
+            return false;
+        };
+        match self.slots[index as usize].phase {
+            Phase::Waiting => {
+                if let Some(position) = self.waiting.iter().position(|&i| i == index) {
+                    self.waiting.remove(position);
+                }
+                let slot = &mut self.slots[index as usize];
+                self.waiting_uncached_tokens -= slot.queued_uncached;
+                slot.queued_uncached = 0;
+            }
+            Phase::Running => {
+                if let Some(position) = self.running.iter().position(|&i| i == index) {
+                    self.running.remove(position);
+                }
+                self.release(index);
+            }
+            Phase::Free => return false,
+        }
+        self.free_slot(index);
+        true
+    }
+
+    /// Runs one scheduler step starting at `max(now_s, next_step_start_s)`,
+    /// appends its events to `events` (stamped at the step's end) and returns
+    /// what it did; `None` when the engine is idle.
+    pub fn step(&mut self, now_s: f64, events: &mut Vec<EngineEvent>) -> Option<StepSummary> {
+        if !self.has_work() {
+            return None;
+        }
+        let start_s = now_s.max(self.clock_s);
+        let idle_s = start_s - self.last_step_end_s;
+        if idle_s > 0.0 {
+            self.decode_tps *= (-idle_s / self.params.throughput_window_s).exp();
+        }
+        let mut summary = StepSummary {
+            start_s,
+            ..StepSummary::default()
+        };
+        let capacity = self.params.kv_capacity_tokens;
+
+        // Keep the prefix cache below its high watermark.
+        if self.params.prefix_cache {
+            let watermark = (self.params.cache_high_watermark * capacity as f64) as u64;
+            while self.used_kv_tokens() > watermark && self.evict_block() {}
+        }
+
+        // 1. Room for one more token per decoding request, preempting the
+        // newest running request while it does not fit.
+        while self.used_kv_tokens() + u64::from(self.decoding_requests) > capacity {
+            if self.evict_block() {
+                continue;
+            }
+            if self.running.len() <= 1 {
+                break;
+            }
+            if let Some(victim) = self.running.pop() {
+                self.preempt(victim);
+                summary.preempted_requests += 1;
+            }
+        }
+        let decoding = self.decoding_requests;
+        let reserved_decode_tokens = u64::from(decoding);
+
+        // 2. Continue unfinished (chunked) prefills, oldest first.
+        let mut budget = self.params.prefill_chunk_tokens;
+        for &index in &self.running {
+            if budget == 0 {
+                break;
+            }
+            let slot = &mut self.slots[index as usize];
+            if slot.decoding || slot.prefilled >= slot.prefill_target {
+                continue;
+            }
+            let take = budget.min(slot.prefill_target - slot.prefilled);
+            slot.prefilled += take;
+            budget -= take;
+            summary.prefill_tokens += take;
+            self.running_prefill_remaining_tokens -= u64::from(take);
+        }
+
+        // 3. Admit waiting requests FIFO while the prefill budget, the running
+        // limit and the KV cache allow (not in a step that had to preempt).
+        if summary.preempted_requests == 0 {
+            while budget > 0 && (self.running.len() as u32) < self.params.max_running {
+                let Some(&index) = self.waiting.front() else {
+                    break;
+                };
+                if !self.try_admit(index, reserved_decode_tokens, start_s) {
+                    break;
+                }
+                self.waiting.pop_front();
+                self.running.push(index);
+                summary.admitted_requests += 1;
+                let slot = &mut self.slots[index as usize];
+                let take = budget.min(slot.prefill_target - slot.prefilled);
+                slot.prefilled += take;
+                budget -= take;
+                summary.prefill_tokens += take;
+                self.running_prefill_remaining_tokens -= u64::from(take);
+            }
+        }
+
+        // 4. The step's duration.
+        let mut duration_s = self
+            .params
+            .step_cost_s(summary.prefill_tokens, decoding)
+            .max(self.params.min_step_ms / 1000.0);
+        if self.params.step_jitter > 0.0 {
+            let noise = 2.0 * self.rng.next_unit() - 1.0;
+            duration_s *= 1.0 + self.params.step_jitter * noise;
+        }
+        let end_s = start_s + duration_s;
+        summary.duration_s = duration_s;
+        summary.end_s = end_s;
+        summary.decoding_requests = decoding;
+
+        // 5. Apply the step's effects at its end.
+        let mut generated_tokens = 0u64;
+        let mut running = std::mem::take(&mut self.running);
+        let mut kept = 0;
+        for read in 0..running.len() {
+            let index = running[read];
+            let slot = &mut self.slots[index as usize];
+            let mut prefill_done = false;
+            let produced = if slot.decoding {
+                slot.private_kv += 1;
+                self.private_kv_tokens += 1;
+                true
+            } else if slot.prefilled >= slot.prefill_target {
+                // Prefill done: this forward pass yields the next token (its
+                // KV slot was reserved at admission).
+                slot.decoding = true;
+                self.decoding_requests += 1;
+                if slot.generated == 0 {
+                    self.prompt_tokens_total += u64::from(slot.prompt_tokens);
+                }
+                prefill_done = true;
+                true
+            } else {
+                false
+            };
+            let mut finished = false;
+            if produced {
+                slot.generated += 1;
+                generated_tokens += 1;
+                let id = slot.id;
+                if slot.first_token_s.is_none() {
+                    slot.first_token_s = Some(end_s);
+                    events.push(EngineEvent::FirstToken { id, time_s: end_s });
+                }
+                if self.token_events {
+                    events.push(EngineEvent::Token {
+                        id,
+                        generated_tokens: slot.generated,
+                        time_s: end_s,
+                    });
+                }
+                finished = slot.generated >= slot.output_tokens;
+            }
+            if prefill_done {
+                self.cache_prompt_blocks(index);
+            }
+            if finished {
+                let slot = &self.slots[index as usize];
+                let record = RequestRecord {
+                    id: slot.id,
+                    prompt_tokens: slot.prompt_tokens,
+                    output_tokens: slot.output_tokens,
+                    cached_tokens: slot.cached_tokens_first.unwrap_or(0),
+                    arrival_s: slot.arrival_s,
+                    admitted_s: slot.admitted_s.unwrap_or(start_s),
+                    first_token_s: slot.first_token_s.unwrap_or(end_s),
+                    finish_s: end_s,
+                    preemptions: slot.preemptions,
+                };
+                events.push(EngineEvent::Finished(record));
+                self.release(index);
+                self.free_slot(index);
+                self.finished_total += 1;
+                summary.finished_requests += 1;
+            } else {
+                running[kept] = index;
+                kept += 1;
+            }
+        }
+        running.truncate(kept);
+        self.running = running;
+
+        if self.cache.generation != self.estimates_cache_generation {
+            self.refresh_waiting_estimates();
+        }
+
+        self.generation_tokens_total += generated_tokens;
+        let alpha = 1.0 - (-duration_s / self.params.throughput_window_s).exp();
+        let instant_tps = generated_tokens as f64 / duration_s;
+        self.decode_tps += alpha * (instant_tps - self.decode_tps);
+        self.clock_s = end_s;
+        self.last_step_end_s = end_s;
+        self.steps_total += 1;
+        Some(summary)
+    }
+
+    /// Puts a waiting request in the queue (tail, or head when preempted) and
+    /// counts its uncached prompt in the waiting sum.
+    fn enqueue(&mut self, index: u32, at_head: bool) {
+        let hits = self.cached_prefix_tokens(index);
+        let slot = &mut self.slots[index as usize];
+        slot.phase = Phase::Waiting;
+        slot.queued_uncached = u64::from(slot.prefill_target - hits);
+        self.waiting_uncached_tokens += slot.queued_uncached;
+        if at_head {
+            self.waiting.push_front(index);
+        } else {
+            self.waiting.push_back(index);
+        }
+    }
+
+    /// Recomputes the waiting requests' uncached prompts after the prefix
+    /// cache changed (blocks inserted or evicted), so the reported queued
+    /// tokens follow the cache every step. Requests without cacheable blocks
+    /// are skipped: their estimate cannot change.
+    fn refresh_waiting_estimates(&mut self) {
+        self.estimates_cache_generation = self.cache.generation;
+        for position in 0..self.waiting.len() {
+            let index = self.waiting[position];
+            if self.slots[index as usize].chain.is_empty() {
+                continue;
+            }
+            let hits = self.cached_prefix_tokens(index);
+            let slot = &mut self.slots[index as usize];
+            let uncached = u64::from(slot.prefill_target - hits);
+            self.waiting_uncached_tokens =
+                self.waiting_uncached_tokens - slot.queued_uncached + uncached;
+            slot.queued_uncached = uncached;
+        }
+    }
+
+    /// Prompt tokens of this request the cache would serve now (at least one
+    /// token is always computed).
+    fn cached_prefix_tokens(&self, index: u32) -> u32 {
+        let slot = &self.slots[index as usize];
+        if !self.params.prefix_cache || slot.chain.is_empty() {
+            return 0;
+        }
+        let block = self.params.block_size_tokens;
+        let max_blocks = ((slot.prefill_target - 1) / block) as usize;
+        let hits = self
+            .cache
+            .leading_hits(&slot.chain[..slot.chain.len().min(max_blocks)]);
+        hits as u32 * block
+    }
+
+    /// Admits the head of the queue if the KV cache has room for its uncached
+    /// prompt and its first token (evicting unreferenced cached blocks if needed).
+    fn try_admit(&mut self, index: u32, reserved_tokens: u64, now_s: f64) -> bool {
+        let capacity = self.params.kv_capacity_tokens;
+        let cached = self.cached_prefix_tokens(index);
+        let hit_blocks = cached / self.params.block_size_tokens;
+        {
+            let slot = &self.slots[index as usize];
+            for &hash in &slot.chain[..hit_blocks as usize] {
+                self.cache.pin(hash);
+            }
+        }
+        let needed = u64::from(self.slots[index as usize].prefill_target - cached) + 1;
+        while self.used_kv_tokens() + reserved_tokens + needed > capacity {
+            if !self.evict_block() {
+                let slot = &self.slots[index as usize];
+                for &hash in slot.chain[..hit_blocks as usize].iter().rev() {
+                    self.cache.unpin(hash);
+                }
+                return false;
+            }
+        }
+        let slot = &mut self.slots[index as usize];
+        slot.phase = Phase::Running;
+        slot.pinned_blocks = hit_blocks;
+        slot.prefilled = cached;
+        slot.private_kv = needed;
+        slot.decoding = false;
+        if slot.admitted_s.is_none() {
+            slot.admitted_s = Some(now_s);
+        }
+        if slot.cached_tokens_first.is_none() {
+            slot.cached_tokens_first = Some(cached);
+        }
+        self.private_kv_tokens += needed;
+        self.waiting_uncached_tokens -= slot.queued_uncached;
+        slot.queued_uncached = 0;
+        self.running_prefill_remaining_tokens += u64::from(slot.prefill_target - cached);
+        self.prefix_queries_tokens_total += u64::from(slot.prefill_target);
+        self.prefix_hits_tokens_total += u64::from(cached);
+        true
+    }
+
+    /// After a prefill completes, moves the prompt's full blocks from the
+    /// request's private KV into the prefix cache.
+    fn cache_prompt_blocks(&mut self, index: u32) {
+        if !self.params.prefix_cache {
+            return;
+        }
+        let block = u64::from(self.params.block_size_tokens);
+        let slot = &mut self.slots[index as usize];
+        let from = slot.pinned_blocks as usize;
+        let to = slot.chain.len();
+        for &hash in &slot.chain[from..to] {
+            if self.cache.insert_pinned(hash) {
+                self.cached_kv_tokens += block;
+            }
+            slot.private_kv -= block;
+            self.private_kv_tokens -= block;
+        }
+        slot.pinned_blocks = to as u32;
+    }
+
+    /// Frees a running request's KV and drops its cache references.
+    fn release(&mut self, index: u32) {
+        let slot = &mut self.slots[index as usize];
+        self.private_kv_tokens -= slot.private_kv;
+        slot.private_kv = 0;
+        if !slot.decoding {
+            self.running_prefill_remaining_tokens -=
+                u64::from(slot.prefill_target - slot.prefilled);
+        } else {
+            self.decoding_requests -= 1;
+        }
+        slot.decoding = false;
+        // Tail blocks first, so they are evicted before the blocks they extend.
+        for &hash in slot.chain[..slot.pinned_blocks as usize].iter().rev() {
+            self.cache.unpin(hash);
+        }
+        slot.pinned_blocks = 0;
+    }
+
+    /// Preempts a running request: KV freed, requeued at the head, recomputed.
+    fn preempt(&mut self, index: u32) {
+        self.release(index);
+        let slot = &mut self.slots[index as usize];
+        slot.preemptions += 1;
+        slot.prefill_target = slot.prompt_tokens + slot.generated;
+        slot.prefilled = 0;
+        self.preemptions_total += 1;
+        self.enqueue(index, true);
+    }
+
+    fn free_slot(&mut self, index: u32) {
+        let slot = &mut self.slots[index as usize];
+        self.by_id.remove(&slot.id);
+        slot.phase = Phase::Free;
+        self.free_slots.push(index);
+    }
+
+    fn evict_block(&mut self) -> bool {
+        if self.cache.evict_one() {
+            self.cached_kv_tokens -= u64::from(self.params.block_size_tokens);
+            true
+        } else {
+            false
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! The gRPC side of a mock engine: `GetLoads` and `HealthCheck` in the
+//! flavour's own package and field numbering (the backends crates own the
+//! `.proto` files; this module implements their generated server traits).
+
+use std::sync::Arc;
+
+use backends_sglang::proto as sglang;
+use backends_tokenspeed::proto as tokenspeed;
+use backends_vllm::proto as vllm;
+use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+use super::{EngineShared, FaultMode, Flavour};
+use crate::model::EngineSnapshot;
+use crate::reports::{self, clamp_i32};
+
+/// Serves the flavour's gRPC service until shutdown. Under
+/// [`FaultMode::RefuseConnections`] new connections are dropped at once and
+/// calls on open ones fail with `UNAVAILABLE`.
+pub(super) async fn serve(listener: TcpListener, shared: Arc<EngineShared>) {
+    let refuse_shared = shared.clone();
+    let incoming = TcpListenerStream::new(listener).filter(move |connection| {
+        let refusing = refuse_shared.fault() == FaultMode::RefuseConnections;
+        // Dropping the accepted stream closes it.
+        !(refusing && connection.is_ok())
+    });
+    let service = GrpcEngine {
+        shared: shared.clone(),
+    };
+    let mut builder = tonic::transport::Server::builder();
+    let router = match shared.config.flavour {
+        Flavour::Sglang => builder.add_service(
+            sglang::sglang_scheduler_server::SglangSchedulerServer::new(service),
+        ),
+        Flavour::Vllm => {
+            builder.add_service(vllm::vllm_engine_server::VllmEngineServer::new(service))
+        }
+        Flavour::Tokenspeed => builder.add_service(
+            tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer::new(service),
+        ),
+        // Validation keeps gRPC away from this flavour; serve nothing.
+        Flavour::SglangMetrics => return,
+    };
+    let stop = shared.clone();
+    let served = router
+        .serve_with_incoming_shutdown(incoming, async move { stop.stopped().await })
+        .await;
+    if let Err(error) = served {
+        tracing::warn!(engine = shared.index, %error, "grpc server stopped with an error");
+    }
+}
+
+#[derive(Debug, Clone)]
+struct GrpcEngine {
+    shared: Arc<EngineShared>,
+}
+
+impl GrpcEngine {
+    /// Applies the load faults, then reads the true state.
+    async fn loads(&self) -> Result<(FaultMode, EngineSnapshot), Status> {
+        let fault = self.shared.fault();
+        match fault {
+            FaultMode::RefuseConnections => {
+                return Err(Status::unavailable("refusing connections (fault mode)"));
+            }
+            FaultMode::Loads500 => {
+                return Err(Status::internal("internal error (fault mode loads-500)"));
+            }
+            FaultMode::SlowLoads => {
+                tokio::select! {
+                    () = tokio::time::sleep(self.shared.config.slow_loads_delay) => {}
+                    () = self.shared.stopped() => {
+                        return Err(Status::unavailable("shutting down"));
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok((fault, self.shared.snapshot()))
+    }
+
+    fn health(&self) -> Result<(bool, String), Status> {
+        if self.shared.fault() == FaultMode::RefuseConnections {
+            return Err(Status::unavailable("refusing connections (fault mode)"));
+        }
+        Ok((true, "ok".to_owned()))
+    }
+}
+
+/// Whether a request for `dp_rank` selects our single rank 0.
+fn wants_rank(dp_rank: Option<i32>) -> bool {
+    dp_rank.is_none_or(|rank| rank == 0)
+}
+
+/// Malformed loads over gRPC: the bytes decode, the values are impossible.
+const MALFORMED_COUNT: i32 = -7;
+
+#[tonic::async_trait]
+impl sglang::sglang_scheduler_server::SglangScheduler for GrpcEngine {
+    async fn get_loads(
+        &self,
+        request: Request<sglang::GetLoadsRequest>,
+    ) -> Result<Response<sglang::GetLoadsResponse>, Status> {
+        let (fault, snapshot) = self.loads().await?;
+        let rank = reports::sglang_rank(&snapshot);
+        let clamp = |value: i64| clamp_i32(u64::try_from(value).unwrap_or(0));
+        let mut load = sglang::SchedulerLoad {
+            dp_rank: 0,
+            num_running_reqs: clamp(rank.num_running_reqs),
+            num_waiting_reqs: clamp(rank.num_waiting_reqs),
+            num_total_reqs: clamp(rank.num_total_reqs),
+            num_used_tokens: clamp(rank.num_used_tokens),
+            max_total_num_tokens: clamp(rank.max_total_num_tokens),
+            token_usage: rank.token_usage,
+            gen_throughput: rank.gen_throughput.unwrap_or(0.0),
+            cache_hit_rate: rank.cache_hit_rate,
+            utilization: rank.utilization,
+            max_running_requests: clamp(rank.max_running_requests),
+            num_waiting_uncached_tokens: clamp(rank.num_waiting_uncached_tokens.unwrap_or(0)),
+        };
+        match fault {
+            FaultMode::MalformedLoads => {
+                load.num_running_reqs = MALFORMED_COUNT;
+                load.num_waiting_uncached_tokens = MALFORMED_COUNT;
+            }
+            FaultMode::NanLoads => {
+                load.token_usage = f64::NAN;
+                load.gen_throughput = f64::NAN;
+            }
+            _ => {}
+        }
+        let aggregate = sglang::AggregateMetrics {
+            total_running_reqs: load.num_running_reqs,
+            total_waiting_reqs: load.num_waiting_reqs,
+            total_reqs: load.num_total_reqs,
+            avg_token_usage: load.token_usage,
+            avg_throughput: load.gen_throughput,
+            avg_utilization: load.utilization,
+        };
+        let loads = if wants_rank(request.get_ref().dp_rank) {
+            vec![load]
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(sglang::GetLoadsResponse {
+            timestamp: reports::rfc3339_now(),
+            version: reports::SIM_VERSION.to_owned(),
+            dp_rank_count: 1,
+            loads,
+            aggregate: Some(aggregate),
+        }))
+    }
+
+    async fn health_check(
+        &self,
+        _request: Request<sglang::HealthCheckRequest>,
+    ) -> Result<Response<sglang::HealthCheckResponse>, Status> {
+        let (healthy, message) = self.health()?;
+        Ok(Response::new(sglang::HealthCheckResponse {
+            healthy,
+            message,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl vllm::vllm_engine_server::VllmEngine for GrpcEngine {
+    async fn get_loads(
+        &self,
+        request: Request<vllm::GetLoadsRequest>,
+    ) -> Result<Response<vllm::GetLoadsResponse>, Status> {
+        let (fault, snapshot) = self.loads().await?;
+        let fields = reports::vllm_load(&snapshot);
+        // vLLM fills running, waiting, total and token usage; throughput
+        // and capacity stay 0.
+        let mut load = vllm::SchedulerLoad {
+            dp_rank: 0,
+            num_running_reqs: fields.num_running_reqs,
+            num_waiting_reqs: fields.num_waiting_reqs,
+            num_total_reqs: fields.num_total_reqs,
+            token_usage: fields.token_usage,
+            ..vllm::SchedulerLoad::default()
+        };
+        match fault {
+            FaultMode::MalformedLoads => load.num_waiting_reqs = MALFORMED_COUNT,
+            FaultMode::NanLoads => load.token_usage = f64::NAN,
+            _ => {}
+        }
+        let loads = if wants_rank(request.get_ref().dp_rank) {
+            vec![load]
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(vllm::GetLoadsResponse {
+            timestamp: reports::rfc3339_now(),
+            version: reports::SIM_VERSION.to_owned(),
+            dp_rank_count: 1,
+            loads,
+        }))
+    }
+
+    async fn health_check(
+        &self,
+        _request: Request<vllm::HealthCheckRequest>,
+    ) -> Result<Response<vllm::HealthCheckResponse>, Status> {
+        let (healthy, message) = self.health()?;
+        Ok(Response::new(vllm::HealthCheckResponse {
+            healthy,
+            message,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl tokenspeed::token_speed_scheduler_server::TokenSpeedScheduler for GrpcEngine {
+    async fn get_loads(
+        &self,
+        request: Request<tokenspeed::GetLoadsRequest>,
+    ) -> Result<Response<tokenspeed::GetLoadsResponse>, Status> {
+        let (fault, snapshot) = self.loads().await?;
+        let fields = reports::tokenspeed_load(&snapshot);
+        // Released TokenSpeed servers send no queued tokens and no throughput.
+        let mut load = tokenspeed::SchedulerLoad {
+            dp_rank: 0,
+            num_running_reqs: fields.num_running_reqs,
+            num_waiting_reqs: fields.num_waiting_reqs,
+            num_total_reqs: fields.num_total_reqs,
+            num_used_tokens: fields.num_used_tokens,
+            max_total_num_tokens: fields.max_total_num_tokens,
+            max_running_requests: fields.max_running_requests,
+            token_usage: fields.token_usage,
+            ..tokenspeed::SchedulerLoad::default()
+        };
+        match fault {
+            FaultMode::MalformedLoads => load.num_used_tokens = MALFORMED_COUNT,
+            FaultMode::NanLoads => load.token_usage = f64::NAN,
+            _ => {}
+        }
+        let loads = if wants_rank(request.get_ref().dp_rank) {
+            vec![load]
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(tokenspeed::GetLoadsResponse {
+            timestamp: reports::rfc3339_now(),
+            version: reports::SIM_VERSION.to_owned(),
+            dp_rank_count: 1,
+            loads,
+            aggregate: Some(tokenspeed::AggregateMetrics {}),
+        }))
+    }
+
+    async fn health_check(
+        &self,
+        _request: Request<tokenspeed::HealthCheckRequest>,
+    ) -> Result<Response<tokenspeed::HealthCheckResponse>, Status> {
+        let (healthy, message) = self.health()?;
+        Ok(Response::new(tokenspeed::HealthCheckResponse {
+            healthy,
+            message,
+        }))
+    }
+}

@@ -1,0 +1,628 @@
+//! Mock engine servers: simulated engines behind real sockets on loopback.
+//!
+//! [`start`] runs one server per [`SimEngineConfig`] inside the current tokio
+//! runtime and returns a [`SimFleet`]: the engines' addresses, run-time fault
+//! switching, their true state, and a clean [`SimFleet::shutdown`].
+//!
+//! Each engine has one HTTP port (`/health`, `/v1/models`, the generation
+//! endpoints, its flavour's load endpoints, `/control/fault`) and, when the
+//! flavour has gRPC and [`SimEngineConfig::grpc_addr`] is set, one gRPC port
+//! (`GetLoads`, `HealthCheck`).
+//!
+//! In [`ServeMode::Model`] an [`Engine`](crate::Engine) runs in virtual time
+//! = elapsed wall time × `time_scale`. One driver task per engine advances the
+//! model to "now" in as many virtual steps as fit, hands each waiting request
+//! its tokens, and sleeps until the next event is due (or a request arrives):
+//! never once per step. In [`ServeMode::Canned`] every generation request is
+//! answered at once with `canned_tokens` tokens.
+
+mod grpc;
+mod http;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::error::EngineSimError;
+use crate::model::{Engine, EngineEvent, EngineParams, EngineSnapshot, RequestRecord};
+
+/// Which real engine a mock server impersonates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Flavour {
+    /// SGLang: `/v1/loads` JSON, `/metrics` (`sglang:`), gRPC `SglangScheduler`.
+    Sglang,
+    /// SGLang without `/v1/loads`: `/metrics` only, no gRPC (the backends'
+    /// fallback path).
+    SglangMetrics,
+    /// vLLM: `/metrics` (`vllm:`), gRPC `VllmEngine`.
+    Vllm,
+    /// TokenSpeed: gRPC `TokenSpeedScheduler` only (a gRPC port is required).
+    Tokenspeed,
+}
+
+impl Flavour {
+    pub const ALL: [Flavour; 4] = [
+        Flavour::Sglang,
+        Flavour::SglangMetrics,
+        Flavour::Vllm,
+        Flavour::Tokenspeed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Flavour::Sglang => "sglang",
+            Flavour::SglangMetrics => "sglang-metrics",
+            Flavour::Vllm => "vllm",
+            Flavour::Tokenspeed => "tokenspeed",
+        }
+    }
+
+    /// Whether this flavour can serve gRPC `GetLoads`.
+    pub fn has_grpc(self) -> bool {
+        !matches!(self, Flavour::SglangMetrics)
+    }
+
+    /// Whether this flavour cannot run without gRPC (its only load report).
+    pub fn requires_grpc(self) -> bool {
+        matches!(self, Flavour::Tokenspeed)
+    }
+}
+
+impl fmt::Display for Flavour {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Flavour {
+    type Err = EngineSimError;
+
+    fn from_str(name: &str) -> Result<Flavour, EngineSimError> {
+        Flavour::ALL
+            .into_iter()
+            .find(|flavour| flavour.as_str() == name)
+            .ok_or_else(|| EngineSimError::UnknownFlavour {
+                name: name.to_owned(),
+            })
+    }
+}
+
+/// How generation requests are answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ServeMode {
+    /// Latency from the engine model.
+    #[default]
+    Model,
+    /// At once, with a fixed small body or a fixed number of SSE chunks.
+    Canned,
+}
+
+impl ServeMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServeMode::Model => "model",
+            ServeMode::Canned => "canned",
+        }
+    }
+}
+
+impl FromStr for ServeMode {
+    type Err = EngineSimError;
+
+    fn from_str(name: &str) -> Result<ServeMode, EngineSimError> {
+        match name {
+            "model" => Ok(ServeMode::Model),
+            "canned" => Ok(ServeMode::Canned),
+            _ => Err(EngineSimError::UnknownMode {
+                name: name.to_owned(),
+            }),
+        }
+    }
+}
+
+/// A misbehaviour, set at start and switchable at run time
+/// (`POST /control/fault {"mode": "..."}` or [`SimFleet::set_fault`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum FaultMode {
+    /// Behave.
+    #[default]
+    None = 0,
+    /// Load endpoints (HTTP and gRPC) answer only after `slow_loads_delay`.
+    SlowLoads = 1,
+    /// Load endpoints answer 200 with an undecodable body (truncated JSON,
+    /// broken Prometheus lines); gRPC answers negative counts.
+    MalformedLoads = 2,
+    /// Load reports carry NaN for KV usage and throughput.
+    NanLoads = 3,
+    /// Load endpoints answer HTTP 500 (gRPC `INTERNAL`).
+    Loads500 = 4,
+    /// Generation requests are accepted and never answered.
+    HangGeneration = 5,
+    /// Generation responses are cut (connection closed) after the first chunk.
+    CloseMidStream = 6,
+    /// Every request except `/control/fault` gets its connection closed
+    /// without an answer; new gRPC connections are dropped and calls fail
+    /// with `UNAVAILABLE`.
+    RefuseConnections = 7,
+}
+
+impl FaultMode {
+    pub const ALL: [FaultMode; 8] = [
+        FaultMode::None,
+        FaultMode::SlowLoads,
+        FaultMode::MalformedLoads,
+        FaultMode::NanLoads,
+        FaultMode::Loads500,
+        FaultMode::HangGeneration,
+        FaultMode::CloseMidStream,
+        FaultMode::RefuseConnections,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultMode::None => "none",
+            FaultMode::SlowLoads => "slow-loads",
+            FaultMode::MalformedLoads => "malformed-loads",
+            FaultMode::NanLoads => "nan-loads",
+            FaultMode::Loads500 => "loads-500",
+            FaultMode::HangGeneration => "hang-generation",
+            FaultMode::CloseMidStream => "close-mid-stream",
+            FaultMode::RefuseConnections => "refuse-connections",
+        }
+    }
+
+    fn from_u8(value: u8) -> FaultMode {
+        FaultMode::ALL
+            .into_iter()
+            .find(|mode| *mode as u8 == value)
+            .unwrap_or_default()
+    }
+}
+
+impl fmt::Display for FaultMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for FaultMode {
+    type Err = EngineSimError;
+
+    fn from_str(name: &str) -> Result<FaultMode, EngineSimError> {
+        FaultMode::ALL
+            .into_iter()
+            .find(|mode| mode.as_str() == name)
+            .ok_or_else(|| EngineSimError::UnknownFault {
+                name: name.to_owned(),
+            })
+    }
+}
+
+/// One simulated engine to start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimEngineConfig {
+    pub flavour: Flavour,
+    pub mode: ServeMode,
+    pub params: EngineParams,
+    pub seed: u64,
+    /// Virtual seconds per wall second (100 = a hundred times faster than real).
+    pub time_scale: f64,
+    pub fault: FaultMode,
+    /// HTTP listen address (port 0 = any free port).
+    pub http_addr: SocketAddr,
+    /// gRPC listen address, `None` for no gRPC (required for `tokenspeed`,
+    /// refused for `sglang-metrics`).
+    pub grpc_addr: Option<SocketAddr>,
+    /// The model name served by `/v1/models` and used in metric labels.
+    pub model_name: String,
+    /// Output tokens when the request names none (`max_tokens` …).
+    pub default_output_tokens: u32,
+    /// Tokens (SSE chunks) of every canned answer.
+    pub canned_tokens: u32,
+    /// How long load endpoints stall under [`FaultMode::SlowLoads`].
+    pub slow_loads_delay: Duration,
+}
+
+impl SimEngineConfig {
+    /// Defaults for `flavour`: model mode, default engine parameters, real
+    /// time, no fault, HTTP on `127.0.0.1:0`, and gRPC on `127.0.0.1:0` for
+    /// every flavour that has it.
+    pub fn new(flavour: Flavour) -> SimEngineConfig {
+        let any_port = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        SimEngineConfig {
+            flavour,
+            mode: ServeMode::Model,
+            params: EngineParams::default(),
+            seed: 0,
+            time_scale: 1.0,
+            fault: FaultMode::None,
+            http_addr: any_port,
+            grpc_addr: flavour.has_grpc().then_some(any_port),
+            model_name: "sim-model".to_owned(),
+            default_output_tokens: 16,
+            canned_tokens: 8,
+            slow_loads_delay: Duration::from_secs(5),
+        }
+    }
+
+    fn validate(&self) -> Result<(), EngineSimError> {
+        self.params.validate()?;
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(EngineSimError::InvalidTimeScale {
+                time_scale: self.time_scale,
+            });
+        }
+        match (self.grpc_addr, self.flavour) {
+            (None, flavour) if flavour.requires_grpc() => Err(EngineSimError::MissingGrpcPort {
+                flavour: flavour.as_str(),
+            }),
+            (Some(_), flavour) if !flavour.has_grpc() => Err(EngineSimError::UnexpectedGrpcPort {
+                flavour: flavour.as_str(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Where one started engine listens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimEngineAddr {
+    pub index: usize,
+    pub flavour: Flavour,
+    pub http_addr: SocketAddr,
+    pub grpc_addr: Option<SocketAddr>,
+}
+
+impl SimEngineAddr {
+    /// `http://127.0.0.1:PORT`
+    pub fn http_url(&self) -> String {
+        format!("http://{}", self.http_addr)
+    }
+
+    /// `grpc://127.0.0.1:PORT` when the engine serves gRPC.
+    pub fn grpc_url(&self) -> Option<String> {
+        self.grpc_addr.map(|addr| format!("grpc://{addr}"))
+    }
+
+    /// `http://127.0.0.1:PORT` of the gRPC port (what tonic clients dial).
+    pub fn grpc_http_url(&self) -> Option<String> {
+        self.grpc_addr.map(|addr| format!("http://{addr}"))
+    }
+}
+
+/// Running mock engines; dropping it stops them too (without waiting).
+#[derive(Debug)]
+pub struct SimFleet {
+    addrs: Vec<SimEngineAddr>,
+    engines: Vec<Arc<EngineShared>>,
+    shutdown: watch::Sender<bool>,
+    tasks: JoinSet<()>,
+}
+
+impl SimFleet {
+    /// The engines' addresses, in the order of their configs.
+    pub fn engines(&self) -> &[SimEngineAddr] {
+        &self.addrs
+    }
+
+    /// Switches engine `index`'s fault mode; false when there is no such engine.
+    pub fn set_fault(&self, index: usize, fault: FaultMode) -> bool {
+        match self.engines.get(index) {
+            Some(engine) => {
+                engine.set_fault(fault);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Engine `index`'s current fault mode.
+    pub fn fault(&self, index: usize) -> Option<FaultMode> {
+        self.engines.get(index).map(|engine| engine.fault())
+    }
+
+    /// Engine `index`'s true state now (advanced to the current virtual time).
+    pub fn snapshot(&self, index: usize) -> Option<EngineSnapshot> {
+        self.engines.get(index).map(|engine| engine.snapshot())
+    }
+
+    /// Stops every server and driver: listeners close, open connections are
+    /// finished gracefully (hung and streaming requests end at once), and
+    /// whatever is still running after a short grace period is aborted.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        let grace = tokio::time::timeout(Duration::from_secs(3), async {
+            while self.tasks.join_next().await.is_some() {}
+        });
+        if grace.await.is_err() {
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
+    }
+}
+
+impl Drop for SimFleet {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+/// Starts one mock engine per config, in the current tokio runtime.
+pub async fn start(configs: Vec<SimEngineConfig>) -> Result<SimFleet, EngineSimError> {
+    for config in &configs {
+        config.validate()?;
+    }
+    let (shutdown, _) = watch::channel(false);
+    let mut fleet = SimFleet {
+        addrs: Vec::with_capacity(configs.len()),
+        engines: Vec::with_capacity(configs.len()),
+        shutdown,
+        tasks: JoinSet::new(),
+    };
+    let origin = Instant::now();
+    for (index, config) in configs.into_iter().enumerate() {
+        let http_listener = bind(config.http_addr).await?;
+        let http_addr = http_listener.local_addr()?;
+        let grpc_listener = match config.grpc_addr {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        let grpc_addr = match &grpc_listener {
+            Some(listener) => Some(listener.local_addr()?),
+            None => None,
+        };
+        let mut engine = Engine::new(config.params.clone(), config.seed)?;
+        engine.set_token_events(true);
+        let shared = Arc::new(EngineShared {
+            index,
+            clock: VirtualClock {
+                origin,
+                time_scale: config.time_scale,
+            },
+            fault: AtomicU8::new(config.fault as u8),
+            next_request_id: AtomicU64::new(1),
+            core: Mutex::new(Core {
+                engine,
+                waiters: HashMap::new(),
+                pending: Vec::new(),
+                scratch: Vec::new(),
+            }),
+            wake: Notify::new(),
+            shutdown: fleet.shutdown.subscribe(),
+            config,
+        });
+        fleet.addrs.push(SimEngineAddr {
+            index,
+            flavour: shared.config.flavour,
+            http_addr,
+            grpc_addr,
+        });
+        if shared.config.mode == ServeMode::Model {
+            fleet.tasks.spawn(drive(shared.clone()));
+        }
+        fleet
+            .tasks
+            .spawn(http::serve(http_listener, shared.clone()));
+        if let Some(listener) = grpc_listener {
+            fleet.tasks.spawn(grpc::serve(listener, shared.clone()));
+        }
+        fleet.engines.push(shared);
+    }
+    Ok(fleet)
+}
+
+/// Starts `count` engines from one template: engine `i` is seeded with
+/// `seed + i`, and a non-zero template port becomes `port + i` (port 0 stays
+/// "any free port").
+pub async fn start_many(
+    template: &SimEngineConfig,
+    count: usize,
+) -> Result<SimFleet, EngineSimError> {
+    let offset = |addr: SocketAddr, index: usize| -> Result<SocketAddr, EngineSimError> {
+        if addr.port() == 0 {
+            return Ok(addr);
+        }
+        let port = u16::try_from(usize::from(addr.port()) + index).map_err(|_| {
+            EngineSimError::PortOutOfRange {
+                base: addr.port(),
+                index,
+            }
+        })?;
+        Ok(SocketAddr::new(addr.ip(), port))
+    };
+    let mut configs = Vec::with_capacity(count);
+    for index in 0..count {
+        let mut config = template.clone();
+        config.seed = template.seed.wrapping_add(index as u64);
+        config.http_addr = offset(template.http_addr, index)?;
+        config.grpc_addr = match template.grpc_addr {
+            Some(addr) => Some(offset(addr, index)?),
+            None => None,
+        };
+        configs.push(config);
+    }
+    start(configs).await
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, EngineSimError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| EngineSimError::Bind { addr, source })
+}
+
+/// Virtual time = elapsed wall time × time scale.
+#[derive(Debug, Clone, Copy)]
+struct VirtualClock {
+    origin: Instant,
+    time_scale: f64,
+}
+
+impl VirtualClock {
+    fn now_s(&self) -> f64 {
+        self.origin.elapsed().as_secs_f64() * self.time_scale
+    }
+
+    /// The wall-clock instant of a virtual time (far future if unrepresentable).
+    fn instant_at(&self, virtual_s: f64) -> Instant {
+        let far = Duration::from_secs(86_400 * 365);
+        let wall = Duration::try_from_secs_f64((virtual_s / self.time_scale).max(0.0))
+            .unwrap_or(far)
+            .min(far);
+        self.origin + wall
+    }
+}
+
+/// What a waiting request hears from the driver.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Progress {
+    /// One more token; `generated_tokens` counts all so far.
+    Token {
+        generated_tokens: u32,
+    },
+    Finished(RequestRecord),
+}
+
+#[derive(Debug)]
+struct Core {
+    engine: Engine,
+    waiters: HashMap<u64, mpsc::UnboundedSender<Progress>>,
+    /// Events of the step in progress, not due yet.
+    pending: Vec<EngineEvent>,
+    scratch: Vec<EngineEvent>,
+}
+
+impl Core {
+    /// Runs every step that starts by `now_s`, delivers the events due, and
+    /// returns the virtual time of the next thing to do.
+    fn advance(&mut self, now_s: f64) -> Option<f64> {
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.retain(|event| {
+            if event_time_s(event) <= now_s {
+                deliver(&mut self.waiters, event);
+                false
+            } else {
+                true
+            }
+        });
+        while let Some(start_s) = self.engine.next_step_start_s() {
+            if start_s > now_s {
+                break;
+            }
+            self.scratch.clear();
+            if self.engine.step(start_s, &mut self.scratch).is_none() {
+                break;
+            }
+            for event in &self.scratch {
+                if event_time_s(event) <= now_s {
+                    deliver(&mut self.waiters, event);
+                } else {
+                    pending.push(*event);
+                }
+            }
+        }
+        self.pending = pending;
+        let next_event = self.pending.first().map(event_time_s);
+        match (next_event, self.engine.next_step_start_s()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+fn event_time_s(event: &EngineEvent) -> f64 {
+    match event {
+        EngineEvent::FirstToken { time_s, .. } | EngineEvent::Token { time_s, .. } => *time_s,
+        EngineEvent::Finished(record) => record.finish_s,
+    }
+}
+
+fn deliver(waiters: &mut HashMap<u64, mpsc::UnboundedSender<Progress>>, event: &EngineEvent) {
+    match *event {
+        EngineEvent::FirstToken { .. } => {}
+        EngineEvent::Token {
+            id,
+            generated_tokens,
+            ..
+        } => {
+            if let Some(waiter) = waiters.get(&id) {
+                let _ = waiter.send(Progress::Token { generated_tokens });
+            }
+        }
+        EngineEvent::Finished(record) => {
+            if let Some(waiter) = waiters.remove(&record.id) {
+                let _ = waiter.send(Progress::Finished(record));
+            }
+        }
+    }
+}
+
+/// Everything one engine's tasks share.
+#[derive(Debug)]
+struct EngineShared {
+    index: usize,
+    config: SimEngineConfig,
+    clock: VirtualClock,
+    fault: AtomicU8,
+    next_request_id: AtomicU64,
+    core: Mutex<Core>,
+    /// Wakes the driver when a request arrives.
+    wake: Notify,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl EngineShared {
+    fn fault(&self) -> FaultMode {
+        FaultMode::from_u8(self.fault.load(Ordering::Relaxed))
+    }
+
+    fn set_fault(&self, fault: FaultMode) {
+        self.fault.store(fault as u8, Ordering::Relaxed);
+    }
+
+    /// The true state, advanced to now.
+    fn snapshot(&self) -> EngineSnapshot {
+        let now_s = self.clock.now_s();
+        let mut core = self.core.lock();
+        if self.config.mode == ServeMode::Model {
+            core.advance(now_s);
+        }
+        core.engine.snapshot(now_s)
+    }
+
+    /// Resolves when the fleet shuts down.
+    async fn stopped(&self) {
+        let mut shutdown = self.shutdown.clone();
+        let _ = shutdown.wait_for(|stopped| *stopped).await;
+    }
+}
+
+/// The driver: advances the model to the current virtual time, then sleeps
+/// until the next step or event is due, or a request arrives.
+async fn drive(shared: Arc<EngineShared>) {
+    loop {
+        let next_s = {
+            let now_s = shared.clock.now_s();
+            shared.core.lock().advance(now_s)
+        };
+        let wake_at = match next_s {
+            Some(virtual_s) => shared.clock.instant_at(virtual_s),
+            None => Instant::now() + Duration::from_secs(3600),
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(wake_at) => {}
+            () = shared.wake.notified() => {}
+            () = shared.stopped() => break,
+        }
+    }
+}

@@ -1,0 +1,813 @@
+//! One simulation cell: a fleet of engines, one routing policy (or the
+//! oracle) in each of R router replicas, one stream of requests, in virtual
+//! time.
+//!
+//! Events, in time order (ties in the order they were scheduled):
+//! - **arrival**: a router replica (uniform at random, seeded: the same
+//!   assignment for every policy) routes the request with `select`, and the
+//!   chosen engine receives it. The oracle instead reads every engine's true
+//!   [`queued_prefill_s`](crate::Engine::queued_prefill_s) at that instant.
+//! - **step end**: an engine's step is computed when it starts (its
+//!   admissions and prefill chunk leave the queue then, as a real scheduler's
+//!   do when it plans the batch); its events are delivered at its end, where
+//!   the dispatching replica's policy sees `first_token` and `finish`, and
+//!   the next step starts.
+//! - **poll send / poll done**: every `poll_interval_s` each replica polls
+//!   each worker: `poll_started` at send time, the engine's report taken at
+//!   send time (or at completion, per the scenario), converted to a
+//!   `WorkerLoad` by the worker's backend conversion, and handed to
+//!   `poll_completed` `poll_latency_s` later (`poll_failed` if the
+//!   conversion rejects it). Replica `r` and worker `w` poll at phase
+//!   `replica_offset[r] + worker_offset[w]` within the interval.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+use std::time::{Duration, Instant};
+
+use load_protocols::WorkerLoad;
+use policy_core::{
+    Dispatch, Policy, PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId, WorkerInfo,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::error::SimError;
+use super::metrics::{CellStats, summarize};
+use super::scenario::{Flavour, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig};
+use super::workload::{RequestSpec, mix, prefix_hashes};
+use crate::model::{
+    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord,
+};
+use crate::reports;
+
+/// Everything one cell needs.
+#[derive(Debug, Clone, Copy)]
+pub struct Cell<'a> {
+    pub workers: &'a [(Flavour, EngineParams)],
+    pub requests: &'a [RequestSpec],
+    pub shared_prefix: Option<SharedPrefixConfig>,
+    pub router: RouterPoint,
+    pub policy: PolicyName,
+    /// Seeds engines, phases, replica assignment, policies and the oracle.
+    pub seed: u64,
+}
+
+/// The registry of every policy the simulator compares.
+pub fn policy_registry() -> PolicyRegistry {
+    let mut registry = PolicyRegistry::with_baselines();
+    policy_least_load::register(&mut registry);
+    registry
+}
+
+/// Builds one replica's policy; `None` for the oracle.
+pub fn build_policy(
+    registry: &PolicyRegistry,
+    name: PolicyName,
+    context: &PolicyContext,
+) -> Result<Option<Box<dyn Policy>>, SimError> {
+    let (registry_name, section) = match name {
+        PolicyName::Oracle => return Ok(None),
+        PolicyName::LeastLoadSincePoll => {
+            ("least_load", serde_json::json!({"inflight": "since_poll"}))
+        }
+        other => (other.as_str(), serde_json::Value::Null),
+    };
+    registry
+        .build(registry_name, &section, context)
+        .map(Some)
+        .map_err(|source| SimError::Policy {
+            policy: name.as_str(),
+            source,
+        })
+}
+
+/// The oracle (`evaluation.md`): the worker whose true uncached prefill work
+/// (waiting plus unfinished chunked prefill) divided by its `prefill_tps` is
+/// least, ties broken uniformly at random (reservoir sampling).
+pub fn oracle_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
+    let mut best = 0;
+    let mut best_s = f64::INFINITY;
+    let mut ties = 0u32;
+    for (index, engine) in engines.iter().enumerate() {
+        let work_s = engine.queued_prefill_s();
+        match work_s.total_cmp(&best_s) {
+            Ordering::Less => {
+                best = index;
+                best_s = work_s;
+                ties = 1;
+            }
+            Ordering::Equal => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = index;
+                }
+            }
+            Ordering::Greater => {}
+        }
+    }
+    best
+}
+
+/// A worker's report, converted exactly as the router's load monitor does
+/// for its backend. `Err` is a rejected report (the poll fails).
+pub fn convert_report(
+    flavour: Flavour,
+    snapshot: &EngineSnapshot,
+    vllm_metrics: &mut backends_vllm::VllmMetricsConverter,
+    observed_at: Instant,
+) -> Result<Option<WorkerLoad>, Box<dyn std::error::Error + Send + Sync>> {
+    match flavour {
+        Flavour::Sglang => {
+            let body = reports::sglang_loads(snapshot, String::new());
+            Ok(backends_sglang::worker_load_from_loads_json(body)?)
+        }
+        Flavour::SglangGrpc => {
+            let rank = backends_sglang::grpc_from_snapshot(&reports::sglang_rank(snapshot));
+            let response = backends_sglang::proto::GetLoadsResponse {
+                dp_rank_count: 1,
+                loads: vec![rank],
+                ..Default::default()
+            };
+            Ok(backends_sglang::worker_load_from_grpc(response)?)
+        }
+        Flavour::Vllm => {
+            let text = reports::vllm_metrics_text(snapshot, "sim", 0);
+            Ok(Some(vllm_metrics.convert_text(&text, observed_at)?))
+        }
+        Flavour::VllmGrpc => {
+            let load = reports::vllm_load(snapshot);
+            let response = backends_vllm::proto::GetLoadsResponse {
+                loads: vec![backends_vllm::proto::SchedulerLoad {
+                    num_running_reqs: load.num_running_reqs,
+                    num_waiting_reqs: load.num_waiting_reqs,
+                    num_total_reqs: load.num_total_reqs,
+                    token_usage: load.token_usage,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            Ok(backends_vllm::worker_load_from_grpc(response)?)
+        }
+        Flavour::Tokenspeed => {
+            // A released TokenSpeed server: no queued tokens, no throughput
+            // (sent as 0, read back as "not reported" by the proto3 rules).
+            let load = reports::tokenspeed_load(snapshot);
+            let response = backends_tokenspeed::proto::GetLoadsResponse {
+                dp_rank_count: 1,
+                loads: vec![backends_tokenspeed::proto::SchedulerLoad {
+                    num_running_reqs: load.num_running_reqs,
+                    num_waiting_reqs: load.num_waiting_reqs,
+                    num_total_reqs: load.num_total_reqs,
+                    num_used_tokens: load.num_used_tokens,
+                    max_total_num_tokens: load.max_total_num_tokens,
+                    max_running_requests: load.max_running_requests,
+                    token_usage: load.token_usage,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            Ok(backends_tokenspeed::worker_load_from_grpc(response)?)
+        }
+    }
+}
+
+fn backend_name(flavour: Flavour) -> &'static str {
+    match flavour {
+        Flavour::Sglang => "sglang",
+        Flavour::SglangGrpc => "sglang-grpc",
+        Flavour::Vllm => "vllm",
+        Flavour::VllmGrpc => "vllm-grpc",
+        Flavour::Tokenspeed => "tokenspeed",
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Arrival,
+    StepEnd {
+        worker: u32,
+    },
+    PollSend {
+        replica: u32,
+        worker: u32,
+    },
+    PollDone {
+        replica: u32,
+        worker: u32,
+        mark: policy_core::PollMark,
+        snapshot: Option<EngineSnapshot>,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    time_s: f64,
+    seq: u64,
+    kind: Kind,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Event) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Event {}
+
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Event) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Event {
+    /// Reversed, so that `BinaryHeap` pops the earliest (then first scheduled).
+    fn cmp(&self, other: &Event) -> Ordering {
+        other
+            .time_s
+            .total_cmp(&self.time_s)
+            .then(other.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    heap: BinaryHeap<Event>,
+    seq: u64,
+}
+
+impl Queue {
+    fn push(&mut self, time_s: f64, kind: Kind) {
+        self.seq += 1;
+        self.heap.push(Event {
+            time_s,
+            seq: self.seq,
+            kind,
+        });
+    }
+}
+
+/// Phase offsets in `[0, interval)`.
+fn offsets(mode: PhaseMode, count: usize, interval_s: f64, rng: &mut SmallRng) -> Vec<f64> {
+    (0..count)
+        .map(|i| match mode {
+            PhaseMode::Aligned => 0.0,
+            PhaseMode::Spread => interval_s * i as f64 / count as f64,
+            PhaseMode::Random => interval_s * rng.random::<f64>(),
+        })
+        .collect()
+}
+
+/// Runs one cell to the last request's completion.
+pub fn run_cell(cell: &Cell<'_>, registry: &PolicyRegistry) -> Result<CellStats, SimError> {
+    let workers = cell.workers.len();
+    let replicas = cell.router.replicas as usize;
+    let base = Instant::now();
+    let at = |time_s: f64| base + Duration::from_secs_f64(time_s.max(0.0));
+
+    let mut engines = Vec::with_capacity(workers);
+    for (index, (_, params)) in cell.workers.iter().enumerate() {
+        let mut engine = Engine::new(params.clone(), mix(cell.seed ^ 0xe6_0000 ^ index as u64))?;
+        engine.set_token_events(false);
+        engines.push(engine);
+    }
+    let ids: Vec<WorkerId> = (0..workers).map(|i| WorkerId::new(i as u32, 0)).collect();
+
+    let mut policies: Vec<Box<dyn Policy>> = Vec::with_capacity(replicas);
+    for replica in 0..replicas {
+        let context = PolicyContext {
+            poll_interval: Duration::from_secs_f64(cell.router.poll_interval_s),
+            stale_after: Duration::from_secs_f64(cell.router.stale_after_s),
+            rng_seed: mix(cell.seed ^ 0x90_11c7 ^ replica as u64),
+        };
+        if let Some(policy) = build_policy(registry, cell.policy, &context)? {
+            for (index, id) in ids.iter().enumerate() {
+                let url = format!("http://sim-worker-{index}:30000");
+                policy.add_worker(
+                    *id,
+                    WorkerInfo::new(url, backend_name(cell.workers[index].0)),
+                );
+            }
+            policies.push(policy);
+        }
+    }
+    let oracle = policies.is_empty();
+    let mut oracle_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x0000_ac1e));
+    let mut replica_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x4e_911ca));
+    let mut converters: Vec<backends_vllm::VllmMetricsConverter> = (0..replicas * workers)
+        .map(|_| Default::default())
+        .collect();
+
+    let mut queue = Queue::default();
+    let interval_s = cell.router.poll_interval_s;
+    if !oracle {
+        let mut phase_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x9a_5e));
+        let replica_offsets = offsets(
+            cell.router.replica_phase,
+            replicas,
+            interval_s,
+            &mut phase_rng,
+        );
+        let worker_offsets = offsets(
+            cell.router.worker_phase,
+            workers,
+            interval_s,
+            &mut phase_rng,
+        );
+        for (replica, replica_offset) in replica_offsets.iter().enumerate() {
+            for (worker, worker_offset) in worker_offsets.iter().enumerate() {
+                let first_s = (replica_offset + worker_offset) % interval_s;
+                queue.push(
+                    first_s,
+                    Kind::PollSend {
+                        replica: replica as u32,
+                        worker: worker as u32,
+                    },
+                );
+            }
+        }
+    }
+
+    let total = cell.requests.len();
+    let mut next_arrival = 0usize;
+    if let Some(first) = cell.requests.first() {
+        queue.push(first.arrival_s, Kind::Arrival);
+    }
+    let mut dispatches: Vec<Option<(u32, Dispatch)>> = vec![None; total];
+    let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
+    let mut in_step: Vec<Vec<EngineEvent>> = vec![Vec::new(); workers];
+    let mut stepping = vec![false; workers];
+    let mut busy_engines = 0usize;
+    let mut scratch: Vec<EngineEvent> = Vec::new();
+    let mut routed_work_s = vec![0.0f64; workers];
+    let mut poll_failures = 0u64;
+
+    while records.len() < total {
+        let Some(event) = queue.heap.pop() else {
+            break;
+        };
+        let now_s = event.time_s;
+        match event.kind {
+            Kind::Arrival => {
+                let id = next_arrival;
+                let spec = cell.requests[id];
+                next_arrival += 1;
+                if let Some(next) = cell.requests.get(next_arrival) {
+                    queue.push(next.arrival_s.max(now_s), Kind::Arrival);
+                }
+                let worker = if oracle {
+                    oracle_pick(&engines, &mut oracle_rng)
+                } else {
+                    let replica = if replicas > 1 {
+                        replica_rng.random_range(0..replicas)
+                    } else {
+                        0
+                    };
+                    let request =
+                        RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)));
+                    let dispatch = policies[replica].select(&ids, &request, at(now_s)).ok_or(
+                        SimError::NoWorker {
+                            policy: cell.policy.as_str(),
+                            request: id as u64,
+                        },
+                    )?;
+                    dispatches[id] = Some((replica as u32, dispatch));
+                    dispatch.worker.slot().min(workers - 1)
+                };
+                let params = engines[worker].params();
+                routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
+                    + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
+                let prefix_block_hashes = match (spec.prefix_group, cell.shared_prefix) {
+                    (Some(group), Some(prefix)) => prefix_hashes(
+                        group,
+                        prefix.tokens,
+                        spec.prompt_tokens,
+                        params.block_size_tokens,
+                    ),
+                    _ => Vec::new(),
+                };
+                engines[worker].submit(EngineRequest {
+                    id: id as u64,
+                    prompt_tokens: spec.prompt_tokens,
+                    output_tokens: spec.output_tokens,
+                    arrival_s: now_s,
+                    prefix_block_hashes,
+                })?;
+                if !stepping[worker] {
+                    start_step(
+                        worker,
+                        now_s,
+                        &mut engines,
+                        &mut in_step,
+                        &mut queue,
+                        &mut stepping,
+                        &mut busy_engines,
+                    );
+                }
+            }
+            Kind::StepEnd { worker } => {
+                let worker = worker as usize;
+                stepping[worker] = false;
+                busy_engines -= 1;
+                std::mem::swap(&mut scratch, &mut in_step[worker]);
+                for engine_event in scratch.drain(..) {
+                    match engine_event {
+                        EngineEvent::FirstToken { id, .. } => {
+                            if let Some(Some((replica, dispatch))) = dispatches.get(id as usize) {
+                                policies[*replica as usize].first_token(dispatch, at(now_s));
+                            }
+                        }
+                        EngineEvent::Finished(record) => {
+                            if let Some(Some((replica, dispatch))) =
+                                dispatches.get(record.id as usize)
+                            {
+                                policies[*replica as usize].finish(dispatch, at(now_s));
+                            }
+                            records.push(record);
+                        }
+                        EngineEvent::Token { .. } => {}
+                    }
+                }
+                start_step(
+                    worker,
+                    now_s,
+                    &mut engines,
+                    &mut in_step,
+                    &mut queue,
+                    &mut stepping,
+                    &mut busy_engines,
+                );
+            }
+            Kind::PollSend { replica, worker } => {
+                if next_arrival >= total && busy_engines == 0 {
+                    return Err(SimError::Stalled {
+                        finished: records.len(),
+                        total,
+                    });
+                }
+                let r = replica as usize;
+                let w = worker as usize;
+                let mark = policies[r].poll_started(ids[w], at(now_s));
+                let snapshot = match cell.router.report_at {
+                    ReportAt::Send => Some(engines[w].snapshot(now_s)),
+                    ReportAt::Completion => None,
+                };
+                queue.push(
+                    now_s + cell.router.poll_latency_s,
+                    Kind::PollDone {
+                        replica,
+                        worker,
+                        mark,
+                        snapshot,
+                    },
+                );
+                queue.push(now_s + interval_s, Kind::PollSend { replica, worker });
+            }
+            Kind::PollDone {
+                replica,
+                worker,
+                mark,
+                snapshot,
+            } => {
+                let r = replica as usize;
+                let w = worker as usize;
+                let snapshot = snapshot.unwrap_or_else(|| engines[w].snapshot(now_s));
+                let observed = at(now_s);
+                match convert_report(
+                    cell.workers[w].0,
+                    &snapshot,
+                    &mut converters[r * workers + w],
+                    observed,
+                ) {
+                    Ok(Some(load)) => {
+                        let load = load.observed_at(observed);
+                        policies[r].poll_completed(mark, Some(&load), observed);
+                    }
+                    Ok(None) => policies[r].poll_completed(mark, None, observed),
+                    Err(_) => {
+                        poll_failures += 1;
+                        policies[r].poll_failed(mark, observed);
+                    }
+                }
+            }
+        }
+    }
+    if records.len() < total {
+        return Err(SimError::Stalled {
+            finished: records.len(),
+            total,
+        });
+    }
+    let preemptions = engines
+        .iter()
+        .map(|engine| engine.snapshot(0.0).preemptions_total)
+        .sum();
+    Ok(summarize(
+        &records,
+        &routed_work_s,
+        preemptions,
+        poll_failures,
+    ))
+}
+
+/// Starts the engine's next step if it has work; its events are held until
+/// the step's end.
+fn start_step(
+    worker: usize,
+    now_s: f64,
+    engines: &mut [Engine],
+    in_step: &mut [Vec<EngineEvent>],
+    queue: &mut Queue,
+    stepping: &mut [bool],
+    busy_engines: &mut usize,
+) {
+    if let Some(summary) = engines[worker].step(now_s, &mut in_step[worker]) {
+        stepping[worker] = true;
+        *busy_engines += 1;
+        queue.push(
+            summary.end_s,
+            Kind::StepEnd {
+                worker: worker as u32,
+            },
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::scenario::RouterPoint;
+
+    fn router() -> RouterPoint {
+        RouterPoint {
+            poll_interval_s: 1.0,
+            stale_after_s: 3.0,
+            poll_latency_s: 0.0,
+            replicas: 1,
+            replica_phase: PhaseMode::Spread,
+            worker_phase: PhaseMode::Aligned,
+            report_at: ReportAt::Send,
+            sweeps_poll_interval: false,
+            sweeps_replicas: false,
+        }
+    }
+
+    fn params() -> EngineParams {
+        EngineParams {
+            prefill_tps: 1000.0,
+            prefill_chunk_tokens: 100_000,
+            decode_base_ms: 0.0,
+            decode_per_req_ms: 0.0,
+            min_step_ms: 1.0,
+            prefix_cache: false,
+            ..EngineParams::default()
+        }
+    }
+
+    #[test]
+    fn the_oracle_picks_the_least_true_prefill_seconds_ties_at_random() {
+        let slow = EngineParams {
+            prefill_tps: 500.0,
+            ..params()
+        };
+        let mut engines = vec![
+            Engine::new(params(), 1).unwrap(),
+            Engine::new(slow, 2).unwrap(),
+            Engine::new(params(), 3).unwrap(),
+        ];
+        let mut rng = SmallRng::seed_from_u64(1);
+        // Idle fleet: a uniform tie.
+        let mut counts = [0u32; 3];
+        for _ in 0..3000 {
+            counts[oracle_pick(&engines, &mut rng)] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (850..1150).contains(&c)),
+            "{counts:?}"
+        );
+        // 400 tokens on the fast worker 0 (0.4 s) and 300 on the slow worker
+        // 1 (0.6 s): worker 2, idle, wins; then with worker 2 at 500 tokens
+        // (0.5 s), worker 0 wins although worker 1 holds fewer tokens.
+        let request = |id, prompt_tokens| EngineRequest {
+            id,
+            prompt_tokens,
+            output_tokens: 1,
+            arrival_s: 0.0,
+            prefix_block_hashes: Vec::new(),
+        };
+        engines[0].submit(request(1, 400)).unwrap();
+        engines[1].submit(request(2, 300)).unwrap();
+        assert_eq!(oracle_pick(&engines, &mut rng), 2);
+        engines[2].submit(request(3, 500)).unwrap();
+        assert_eq!(engines[1].queued_prefill_tokens(), 300);
+        assert_eq!(oracle_pick(&engines, &mut rng), 0);
+    }
+
+    /// Two identical workers at 1000 prompt tokens/s, one output token, no
+    /// decode cost: requests of 1000, 100 and 100 tokens arrive at t = 0,
+    /// 0.01 and 0.5 s.
+    /// - Request 0 goes to an idle worker, A: one 1 s prefill step, TTFT 1.0.
+    /// - Request 1: least_requests sees A with 1 in flight and B with 0;
+    ///   least_load sees 1000 pending tokens on A: both pick B, TTFT 0.1.
+    /// - Request 2: A is still busy; B has been idle since 0.11 s: B, TTFT 0.1.
+    ///
+    /// The oracle reads `queued_prefill_s`, where a step's prefill has left
+    /// the queue when the step was planned: at 0.01 s A's running 1 s step
+    /// shows 0 queued work, a tie with B broken at random. If it picks A,
+    /// request 1 waits for A's step: TTFT 1.0 + 0.1 − 0.01 = 1.09, and
+    /// request 2 then goes to B (100 queued tokens on A). Request 2 itself
+    /// ties again (A's step is planned, B is idle): A gives TTFT 0.6.
+    #[test]
+    fn a_tiny_fleet_routes_as_worked_out_by_hand() {
+        let workers = vec![(Flavour::Sglang, params()), (Flavour::Sglang, params())];
+        let spec = |arrival_s, prompt_tokens| RequestSpec {
+            arrival_s,
+            prompt_tokens,
+            output_tokens: 1,
+            prefix_group: None,
+        };
+        let requests = vec![spec(0.0, 1000), spec(0.01, 100), spec(0.5, 100)];
+        let registry = policy_registry();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        for policy in [
+            PolicyName::LeastRequests,
+            PolicyName::LeastLoad,
+            PolicyName::Oracle,
+        ] {
+            for seed in 0..8 {
+                let cell = Cell {
+                    workers: &workers,
+                    requests: &requests,
+                    shared_prefix: None,
+                    router: router(),
+                    policy,
+                    seed,
+                };
+                let stats = run_cell(&cell, &registry).unwrap();
+                let ttft = &stats.ttft_sorted_s;
+                assert_eq!(stats.requests, 3);
+                if policy == PolicyName::Oracle {
+                    let possible = [[0.1, 0.1, 1.0], [0.1, 0.6, 1.0], [0.1, 1.0, 1.09]];
+                    assert!(
+                        possible
+                            .iter()
+                            .any(|p| p.iter().zip(ttft).all(|(x, y)| close(*x, *y))),
+                        "{policy:?} {ttft:?}"
+                    );
+                } else {
+                    let expected = [0.1, 0.1, 1.0];
+                    assert!(
+                        expected.iter().zip(ttft).all(|(x, y)| close(*x, *y)),
+                        "{policy:?} {ttft:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_cell_is_deterministic() {
+        let workers = vec![(Flavour::Sglang, EngineParams::default()); 4];
+        let traffic = crate::sim::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::sim::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::sim::workload::LengthDist::Bimodal {
+                short_tokens: 200,
+                long_tokens: 6000,
+                long_fraction: 0.1,
+                spread: 0.0,
+            }),
+            output: Some(crate::sim::workload::LengthDist::Constant { tokens: 32 }),
+            shared_prefix: None,
+        };
+        let requests = crate::sim::workload::generate(&traffic, None, 30.0, 2000, 9);
+        let registry = policy_registry();
+        for policy in PolicyName::ALL {
+            let cell = Cell {
+                workers: &workers,
+                requests: &requests,
+                shared_prefix: None,
+                router: router(),
+                policy,
+                seed: 5,
+            };
+            let a = run_cell(&cell, &registry).unwrap();
+            let b = run_cell(&cell, &registry).unwrap();
+            assert_eq!(a, b, "{policy:?}");
+            assert_eq!(a.requests, 2000);
+        }
+    }
+
+    #[test]
+    fn every_flavour_replicas_and_report_timing_run_to_completion() {
+        let flavours = [
+            Flavour::Sglang,
+            Flavour::SglangGrpc,
+            Flavour::Vllm,
+            Flavour::VllmGrpc,
+            Flavour::Tokenspeed,
+        ];
+        let workers: Vec<(Flavour, EngineParams)> = flavours
+            .iter()
+            .map(|&f| (f, EngineParams::default()))
+            .collect();
+        let traffic = crate::sim::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::sim::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::sim::workload::LengthDist::Constant { tokens: 700 }),
+            output: Some(crate::sim::workload::LengthDist::Constant { tokens: 16 }),
+            shared_prefix: Some(SharedPrefixConfig {
+                fraction: 0.5,
+                tokens: 512,
+                groups: 2,
+            }),
+        };
+        let requests = crate::sim::workload::generate(&traffic, None, 40.0, 1500, 2);
+        let registry = policy_registry();
+        for report_at in [ReportAt::Send, ReportAt::Completion] {
+            let point = RouterPoint {
+                replicas: 3,
+                replica_phase: PhaseMode::Random,
+                worker_phase: PhaseMode::Spread,
+                poll_interval_s: 0.2,
+                stale_after_s: 0.6,
+                poll_latency_s: 0.05,
+                report_at,
+                ..router()
+            };
+            for policy in [
+                PolicyName::LeastLoad,
+                PolicyName::LeastLoadSincePoll,
+                PolicyName::PowerOfTwo,
+            ] {
+                let cell = Cell {
+                    workers: &workers,
+                    requests: &requests,
+                    shared_prefix: traffic.shared_prefix,
+                    router: point,
+                    policy,
+                    seed: 11,
+                };
+                let stats = run_cell(&cell, &registry).unwrap();
+                assert_eq!(stats.requests, 1500, "{policy:?} {report_at:?}");
+                assert_eq!(stats.poll_failures, 0, "{policy:?} {report_at:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_flavour_converts_to_a_worker_load() {
+        let snapshot = EngineSnapshot {
+            running_requests: 3,
+            waiting_requests: 2,
+            queued_prefill_tokens: 900,
+            used_kv_tokens: 1000,
+            kv_capacity_tokens: 10_000,
+            max_running: 256,
+            decode_tps: 500.0,
+            generation_tokens_total: 100,
+            ..EngineSnapshot::default()
+        };
+        let now = Instant::now();
+        let mut converter = backends_vllm::VllmMetricsConverter::new();
+        for flavour in [
+            Flavour::Sglang,
+            Flavour::SglangGrpc,
+            Flavour::Vllm,
+            Flavour::VllmGrpc,
+            Flavour::Tokenspeed,
+        ] {
+            let load = convert_report(flavour, &snapshot, &mut converter, now)
+                .unwrap()
+                .unwrap();
+            assert_eq!(load.waiting_requests(), 2, "{flavour:?}");
+            assert_eq!(load.running_requests(), 3, "{flavour:?}");
+            assert!((load.kv_usage_ratio() - 0.1).abs() < 1e-12, "{flavour:?}");
+            let reports_queue = matches!(flavour, Flavour::Sglang | Flavour::SglangGrpc);
+            assert_eq!(
+                load.queued_tokens(),
+                reports_queue.then_some(900),
+                "{flavour:?}"
+            );
+            assert_eq!(
+                load.throughput_tps(),
+                reports_queue.then_some(500.0),
+                "{flavour:?}"
+            );
+        }
+        // vLLM's throughput is the counter's rate between two polls.
+        let later = EngineSnapshot {
+            generation_tokens_total: 1100,
+            ..snapshot
+        };
+        let load = convert_report(
+            Flavour::Vllm,
+            &later,
+            &mut converter,
+            now + Duration::from_secs(2),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(load.throughput_tps(), Some(500.0));
+    }
+}

@@ -1,0 +1,508 @@
+//! Writes a scenario's outputs: `report.json`, `report.md` and SVG plots.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use super::error::SimError;
+use super::metrics::CDF_POINTS;
+use super::run::{Report, ResultRow, ScenarioOutcome};
+
+const COLOURS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(0, 0, 0),
+    RGBColor(227, 119, 194),
+];
+
+/// The rows' distinct values of a key, in first-seen order.
+fn distinct<T: PartialEq + Copy>(rows: &[ResultRow], key: impl Fn(&ResultRow) -> T) -> Vec<T> {
+    let mut values = Vec::new();
+    for row in rows {
+        let value = key(row);
+        if !values.contains(&value) {
+            values.push(value);
+        }
+    }
+    values
+}
+
+fn distinct_traffic(rows: &[ResultRow]) -> Vec<String> {
+    let mut values: Vec<String> = Vec::new();
+    for row in rows {
+        if !values.contains(&row.traffic) {
+            values.push(row.traffic.clone());
+        }
+    }
+    values
+}
+
+/// A row's router-side sweep value, for headings and file names.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Sweep {
+    None,
+    Interval(f64),
+    Replicas(u32),
+}
+
+fn sweep_of(row: &ResultRow) -> Sweep {
+    match (row.poll_interval_s, row.router_replicas) {
+        (Some(interval), _) => Sweep::Interval(interval),
+        (None, Some(replicas)) => Sweep::Replicas(replicas),
+        (None, None) => Sweep::None,
+    }
+}
+
+impl Sweep {
+    fn heading(self) -> String {
+        match self {
+            Sweep::None => String::new(),
+            Sweep::Interval(interval) => format!(", poll interval {interval} s"),
+            Sweep::Replicas(replicas) => format!(", {replicas} router replicas"),
+        }
+    }
+
+    fn suffix(self) -> String {
+        match self {
+            Sweep::None => String::new(),
+            Sweep::Interval(interval) => format!("-poll{interval}s"),
+            Sweep::Replicas(replicas) => format!("-r{replicas}"),
+        }
+    }
+
+    fn value(self) -> f64 {
+        match self {
+            Sweep::None => 0.0,
+            Sweep::Interval(interval) => interval,
+            Sweep::Replicas(replicas) => f64::from(replicas),
+        }
+    }
+}
+
+/// `report.md`: one table per traffic, router setting and load level.
+pub fn markdown(report: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# {}\n", report.scenario);
+    let _ = writeln!(
+        out,
+        "seed {}, {} workers, {} requests per policy and load level, base poll interval {} s, \
+         {} router replica(s).\n",
+        report.seed,
+        report.workers,
+        report.requests_per_cell,
+        report.poll_interval_s,
+        report.router_replicas
+    );
+    for capacity in &report.capacity {
+        let rates: Vec<String> = capacity
+            .rates
+            .iter()
+            .map(|rate| format!("{} → {:.2} req/s", rate.utilization, rate.arrival_rate_rps))
+            .collect();
+        let _ = writeln!(
+            out,
+            "- traffic `{}`: mean prompt {:.1} tokens ({:.1} cached), output {:.1} tokens; capacity {:.2} req/s; {}",
+            capacity.traffic,
+            capacity.mean_prompt_tokens,
+            capacity.mean_cached_prompt_tokens,
+            capacity.mean_output_tokens,
+            capacity.capacity_rps,
+            rates.join(", ")
+        );
+    }
+    let rows = &report.results;
+    for traffic in distinct_traffic(rows) {
+        let of_traffic: Vec<ResultRow> = rows
+            .iter()
+            .filter(|r| r.traffic == traffic)
+            .cloned()
+            .collect();
+        for sweep in distinct(&of_traffic, sweep_of) {
+            for utilization in distinct(&of_traffic, |r| r.utilization) {
+                let _ = writeln!(
+                    out,
+                    "\n## {traffic}, utilization {utilization}{}\n",
+                    sweep.heading()
+                );
+                let _ = writeln!(
+                    out,
+                    "| policy | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | E2E p50 (s) | E2E p99 (s) | \
+                     queue delay mean (s) | throughput (tok/s) | preemptions | imbalance CV |"
+                );
+                let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+                for row in of_traffic
+                    .iter()
+                    .filter(|r| sweep_of(r) == sweep && r.utilization == utilization)
+                {
+                    let _ = writeln!(
+                        out,
+                        "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {} | {:.3} |",
+                        row.policy,
+                        row.ttft_p50_s,
+                        row.ttft_p90_s,
+                        row.ttft_p99_s,
+                        row.e2e_p50_s,
+                        row.e2e_p99_s,
+                        row.queue_delay_mean_s,
+                        row.throughput_tps,
+                        row.preemptions,
+                        row.imbalance_cv
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// p99 TTFT (s) per policy (columns) for each traffic, router setting and
+/// load (rows), as a Markdown table.
+pub fn summary_table(report: &Report) -> String {
+    let rows = &report.results;
+    let policies = distinct(rows, |r| r.policy);
+    let mut out = String::new();
+    let _ = write!(out, "| traffic | setting | load |");
+    for policy in &policies {
+        let _ = write!(out, " {policy} |");
+    }
+    let _ = writeln!(out);
+    let _ = write!(out, "|---|---|---:|");
+    for _ in &policies {
+        let _ = write!(out, "---:|");
+    }
+    let _ = writeln!(out);
+    for traffic in distinct_traffic(rows) {
+        let of_traffic: Vec<&ResultRow> = rows.iter().filter(|r| r.traffic == traffic).collect();
+        let mut keys: Vec<(Sweep, f64)> = Vec::new();
+        for row in &of_traffic {
+            let key = (sweep_of(row), row.utilization);
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+        for (sweep, utilization) in keys {
+            let setting = match sweep {
+                Sweep::None => "-".to_owned(),
+                Sweep::Interval(interval) => format!("poll {interval} s"),
+                Sweep::Replicas(replicas) => format!("{replicas} replicas"),
+            };
+            let _ = write!(out, "| {traffic} | {setting} | {utilization} |");
+            for policy in &policies {
+                match of_traffic.iter().find(|r| {
+                    r.policy == *policy && sweep_of(r) == sweep && r.utilization == utilization
+                }) {
+                    Some(row) => {
+                        let _ = write!(out, " {:.3} |", row.ttft_p99_s);
+                    }
+                    None => {
+                        let _ = write!(out, " - |");
+                    }
+                }
+            }
+            let _ = writeln!(out);
+        }
+    }
+    out
+}
+
+/// Writes `<out_dir>/<scenario>/report.json`, `report.md` and (with
+/// `plots`) the SVGs; returns the scenario's directory.
+pub fn write_outputs(
+    outcome: &ScenarioOutcome,
+    out_dir: &Path,
+    plots: bool,
+) -> Result<PathBuf, SimError> {
+    let report = &outcome.report;
+    let dir = out_dir.join(&report.scenario);
+    std::fs::create_dir_all(&dir).map_err(|source| SimError::Write {
+        path: dir.clone(),
+        source,
+    })?;
+    let mut json = serde_json::to_string_pretty(report)?;
+    json.push('\n');
+    write_file(&dir.join("report.json"), json.as_bytes())?;
+    write_file(&dir.join("report.md"), markdown(report).as_bytes())?;
+    if plots {
+        write_plots(outcome, &dir)?;
+    }
+    Ok(dir)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
+    std::fs::write(path, bytes).map_err(|source| SimError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn plot_error<E: std::error::Error + Send + Sync + 'static>(
+    path: &Path,
+) -> impl FnOnce(E) -> SimError + '_ {
+    move |error| SimError::Plot {
+        path: path.to_owned(),
+        source: Box::new(error),
+    }
+}
+
+fn write_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimError> {
+    let rows = &outcome.report.results;
+    for traffic in distinct_traffic(rows) {
+        let indices: Vec<usize> = (0..rows.len())
+            .filter(|&i| rows[i].traffic == traffic)
+            .collect();
+        let of_traffic: Vec<ResultRow> = indices.iter().map(|&i| rows[i].clone()).collect();
+        let sweeps = distinct(&of_traffic, sweep_of);
+        let utilizations = distinct(&of_traffic, |r| r.utilization);
+        let policies = distinct(&of_traffic, |r| r.policy);
+        for &sweep in &sweeps {
+            // TTFT CDF per policy, one plot per load.
+            for &utilization in &utilizations {
+                let series: Vec<(&str, Vec<(f64, f64)>)> = indices
+                    .iter()
+                    .filter(|&&i| sweep_of(&rows[i]) == sweep && rows[i].utilization == utilization)
+                    .map(|&i| {
+                        let cdf = &outcome.ttft_cdfs_s[i];
+                        let points = cdf
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &ttft)| (ttft.max(1e-4), k as f64 / (CDF_POINTS - 1) as f64))
+                            .collect();
+                        (rows[i].policy, points)
+                    })
+                    .collect();
+                let path = dir.join(format!(
+                    "ttft-cdf-{traffic}{}-u{utilization}.svg",
+                    sweep.suffix()
+                ));
+                let title = format!(
+                    "{traffic}: TTFT CDF at utilization {utilization}{}",
+                    sweep.heading()
+                );
+                line_plot(
+                    &path,
+                    &title,
+                    "TTFT (s)",
+                    "fraction of requests",
+                    true,
+                    false,
+                    &series,
+                )?;
+            }
+            // p99 TTFT against load.
+            let series: Vec<(&str, Vec<(f64, f64)>)> = policies
+                .iter()
+                .map(|&policy| {
+                    let points = of_traffic
+                        .iter()
+                        .filter(|r| r.policy == policy && sweep_of(r) == sweep)
+                        .map(|r| (r.utilization, r.ttft_p99_s.max(1e-4)))
+                        .collect();
+                    (policy, points)
+                })
+                .collect();
+            let path = dir.join(format!(
+                "p99-vs-utilization-{traffic}{}.svg",
+                sweep.suffix()
+            ));
+            let title = format!("{traffic}: p99 TTFT against utilization{}", sweep.heading());
+            line_plot(
+                &path,
+                &title,
+                "utilization",
+                "p99 TTFT (s)",
+                false,
+                true,
+                &series,
+            )?;
+        }
+        // p99 TTFT against the swept knob.
+        if sweeps.len() > 1 || sweeps.iter().any(|s| *s != Sweep::None) {
+            let (name, axis, log_x) = match sweeps.first() {
+                Some(Sweep::Replicas(_)) => ("replicas", "router replicas", false),
+                _ => ("poll-interval", "poll interval (s)", true),
+            };
+            for &utilization in &utilizations {
+                let series: Vec<(&str, Vec<(f64, f64)>)> = policies
+                    .iter()
+                    .map(|&policy| {
+                        let points = of_traffic
+                            .iter()
+                            .filter(|r| r.policy == policy && r.utilization == utilization)
+                            .map(|r| (sweep_of(r).value(), r.ttft_p99_s.max(1e-4)))
+                            .collect();
+                        (policy, points)
+                    })
+                    .collect();
+                let path = dir.join(format!("p99-vs-{name}-{traffic}-u{utilization}.svg"));
+                let title =
+                    format!("{traffic}: p99 TTFT against {axis} at utilization {utilization}");
+                line_plot(&path, &title, axis, "p99 TTFT (s)", log_x, true, &series)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn bounds(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
+    let (mut low, mut high) = (f64::INFINITY, f64::NEG_INFINITY);
+    for value in values {
+        low = low.min(value);
+        high = high.max(value);
+    }
+    if !low.is_finite() || !high.is_finite() {
+        return (0.1, 1.0);
+    }
+    if log {
+        (low / 1.2, high * 1.2)
+    } else if high > low {
+        let pad = (high - low) * 0.05;
+        (low - pad, high + pad)
+    } else {
+        (low - 0.5, high + 0.5)
+    }
+}
+
+fn line_plot(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    log_x: bool,
+    log_y: bool,
+    series: &[(&str, Vec<(f64, f64)>)],
+) -> Result<(), SimError> {
+    let (x_low, x_high) = bounds(
+        series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)),
+        log_x,
+    );
+    let (y_low, y_high) = if log_y {
+        bounds(series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)), true)
+    } else {
+        (0.0, 1.0)
+    };
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_error(path))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(65);
+    // One code path per axis kind (plotters types the coordinates).
+    macro_rules! draw {
+        ($x:expr, $y:expr) => {{
+            let mut chart = builder
+                .build_cartesian_2d($x, $y)
+                .map_err(plot_error(path))?;
+            chart
+                .configure_mesh()
+                .x_desc(x_desc)
+                .y_desc(y_desc)
+                .draw()
+                .map_err(plot_error(path))?;
+            for (index, (name, points)) in series.iter().enumerate() {
+                let colour = COLOURS[index % COLOURS.len()];
+                chart
+                    .draw_series(LineSeries::new(
+                        points.iter().copied(),
+                        colour.stroke_width(2),
+                    ))
+                    .map_err(plot_error(path))?
+                    .label(*name)
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2))
+                    });
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperLeft)
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(plot_error(path))?;
+        }};
+    }
+    match (log_x, log_y) {
+        (true, true) => draw!((x_low..x_high).log_scale(), (y_low..y_high).log_scale()),
+        (true, false) => draw!((x_low..x_high).log_scale(), y_low..y_high),
+        (false, true) => draw!(x_low..x_high, (y_low..y_high).log_scale()),
+        (false, false) => draw!(x_low..x_high, y_low..y_high),
+    }
+    root.present().map_err(plot_error(path))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{RunOptions, Scenario, run_scenarios};
+
+    const SCENARIO: &str = r#"
+name = "tiny"
+seed = 3
+requests = 300
+utilizations = [0.5, 0.8]
+policies = ["round_robin", "least_load", "oracle"]
+[[fleet]]
+count = 2
+flavour = "sglang"
+[router]
+sweep_poll_interval_s = [0.5, 2.0]
+[[traffic]]
+name = "size-skew"
+arrival = { process = "poisson" }
+prompt = { dist = "bimodal", short_tokens = 200, long_tokens = 2000, long_fraction = 0.1 }
+output = { dist = "constant", tokens = 8 }
+"#;
+
+    #[test]
+    fn outputs_are_written_with_a_table_per_load_and_sweep_point() {
+        let scenario =
+            Scenario::from_toml_str(SCENARIO, Path::new("tiny.toml"), PathBuf::new()).unwrap();
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        let outcomes = run_scenarios(&[scenario], &options).unwrap();
+        let report = &outcomes[0].report;
+        assert_eq!(report.results.len(), 2 * 2 * 3);
+        assert!(
+            report
+                .results
+                .iter()
+                .all(|r| r.poll_interval_s.is_some() && r.router_replicas.is_none())
+        );
+        let md = markdown(report);
+        assert_eq!(md.matches("| policy | TTFT p50 (s)").count(), 4, "{md}");
+        assert!(
+            md.contains("## size-skew, utilization 0.8, poll interval 2 s"),
+            "{md}"
+        );
+        let summary = summary_table(report);
+        assert!(
+            summary.contains("| size-skew | poll 0.5 s | 0.5 |"),
+            "{summary}"
+        );
+        let dir =
+            std::env::temp_dir().join(format!("engine-sim-report-test-{}", std::process::id()));
+        let written = write_outputs(&outcomes[0], &dir, true).unwrap();
+        for file in [
+            "report.json",
+            "report.md",
+            "ttft-cdf-size-skew-poll2s-u0.8.svg",
+            "p99-vs-utilization-size-skew-poll0.5s.svg",
+            "p99-vs-poll-interval-size-skew-u0.5.svg",
+        ] {
+            let path = written.join(file);
+            assert!(path.exists(), "{} missing", path.display());
+        }
+        let json = std::fs::read_to_string(written.join("report.json")).unwrap();
+        assert!(json.contains("\"poll_interval_s\": 2.0"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

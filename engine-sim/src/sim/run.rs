@@ -1,0 +1,390 @@
+//! Runs scenarios: derives the arrival rates from fleet capacity, generates
+//! the workloads, runs every (traffic, router setting, load, policy) cell on
+//! a few threads and assembles the reports.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::error::SimError;
+use super::fleet::{Cell, policy_registry, run_cell};
+use super::metrics::CellStats;
+use super::scenario::{Flavour, RouterPoint, Scenario};
+use super::workload::{RequestSpec, Trace, generate, mean_lengths, mix};
+use crate::EngineParams;
+
+/// How to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Worker threads (cells run independently).
+    pub threads: usize,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl Default for RunOptions {
+    fn default() -> RunOptions {
+        RunOptions {
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            progress: false,
+        }
+    }
+}
+
+/// `report.json` (`evaluation.md`, "report.json shape"), plus the capacity
+/// derivation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub scenario: String,
+    pub seed: u64,
+    pub workers: u32,
+    /// The base poll interval (a sweep reports its own per row).
+    pub poll_interval_s: f64,
+    /// The base replica count (a sweep reports its own per row).
+    pub router_replicas: u32,
+    pub requests_per_cell: u64,
+    pub capacity: Vec<TrafficCapacity>,
+    pub results: Vec<ResultRow>,
+}
+
+/// How the arrival rates were derived for one traffic mix.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrafficCapacity {
+    pub traffic: String,
+    pub mean_prompt_tokens: f64,
+    pub mean_output_tokens: f64,
+    /// Mean prompt tokens a warm prefix cache serves (shared prefixes).
+    pub mean_cached_prompt_tokens: f64,
+    /// `Σ_workers 1 / ((prompt − cached) / prefill_tps + output × decode_per_req_ms / 1000)`.
+    pub capacity_rps: f64,
+    pub rates: Vec<LoadRate>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LoadRate {
+    pub utilization: f64,
+    pub arrival_rate_rps: f64,
+}
+
+/// One (traffic, router setting, load, policy) cell.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResultRow {
+    pub traffic: String,
+    pub utilization: f64,
+    pub policy: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_interval_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_replicas: Option<u32>,
+    pub requests: usize,
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    pub ttft_p99_s: f64,
+    pub e2e_p50_s: f64,
+    pub e2e_p99_s: f64,
+    pub queue_delay_mean_s: f64,
+    pub throughput_tps: f64,
+    pub preemptions: u64,
+    pub imbalance_cv: f64,
+    pub ttft_mean_s: f64,
+    pub arrival_rate_rps: f64,
+    pub poll_failures: u64,
+}
+
+/// A scenario's report and the TTFT CDF of each row (same order), for plots.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScenarioOutcome {
+    pub report: Report,
+    pub ttft_cdfs_s: Vec<Vec<f64>>,
+}
+
+impl Report {
+    /// The row of this traffic, load, policy and router setting (`None`
+    /// matches rows without a sweep value).
+    pub fn row(
+        &self,
+        traffic: &str,
+        utilization: f64,
+        policy: &str,
+        poll_interval_s: Option<f64>,
+        router_replicas: Option<u32>,
+    ) -> Option<&ResultRow> {
+        self.results.iter().find(|row| {
+            row.traffic == traffic
+                && (row.utilization - utilization).abs() < 1e-9
+                && row.policy == policy
+                && (poll_interval_s.is_none() || row.poll_interval_s == poll_interval_s)
+                && (router_replicas.is_none() || row.router_replicas == router_replicas)
+        })
+    }
+}
+
+/// What a scenario needs at run time.
+#[derive(Debug)]
+struct Plan<'a> {
+    scenario: &'a Scenario,
+    workers: Vec<(Flavour, EngineParams)>,
+    points: Vec<RouterPoint>,
+    capacity: Vec<TrafficCapacity>,
+    /// `[traffic][utilization]`.
+    workloads: Vec<Vec<Vec<RequestSpec>>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    plan: usize,
+    traffic: usize,
+    point: usize,
+    utilization: usize,
+    policy: usize,
+}
+
+/// `Σ_workers 1 / ((prompt − cached) / prefill_tps + output × decode_per_req_ms / 1000)`:
+/// the request rate at which every worker's prefill and per-request decode
+/// work fills its time (`decode_base_ms`, a per-step cost shared by the batch,
+/// and the overlap of prefill and decode within a step are left out).
+pub fn capacity_rps(
+    workers: &[(Flavour, EngineParams)],
+    prompt: f64,
+    output: f64,
+    cached: f64,
+) -> f64 {
+    workers
+        .iter()
+        .map(|(_, params)| {
+            let work_s = (prompt - cached).max(1.0) / params.prefill_tps
+                + output * params.decode_per_req_ms / 1000.0;
+            1.0 / work_s
+        })
+        .sum()
+}
+
+fn plan(scenario: &Scenario) -> Result<Plan<'_>, SimError> {
+    let traces: Vec<Option<Trace>> = scenario.load_traces()?;
+    let workers = scenario.worker_specs();
+    let min_kv_tokens = workers
+        .iter()
+        .map(|(_, params)| params.kv_capacity_tokens)
+        .min()
+        .unwrap_or(0);
+    let count = usize::try_from(scenario.requests).unwrap_or(usize::MAX);
+    let mut capacity = Vec::new();
+    let mut workloads = Vec::new();
+    for (t, traffic) in scenario.traffic.iter().enumerate() {
+        let trace = traces.get(t).and_then(Option::as_ref);
+        if let Some(trace) = trace
+            && trace.max_tokens() > min_kv_tokens
+        {
+            return Err(SimError::Invalid {
+                scenario: scenario.name.clone(),
+                field: format!("traffic[{t}].arrival.path"),
+                message: format!(
+                    "a trace request needs {} tokens, above the smallest kv_capacity_tokens ({min_kv_tokens})",
+                    trace.max_tokens()
+                ),
+            });
+        }
+        let (prompt, output, cached) = mean_lengths(traffic, trace);
+        let fleet_rps = capacity_rps(&workers, prompt, output, cached);
+        let mut rates = Vec::new();
+        let mut per_load = Vec::new();
+        for (u, &utilization) in scenario.utilizations.iter().enumerate() {
+            let rate = utilization * fleet_rps;
+            rates.push(LoadRate {
+                utilization,
+                arrival_rate_rps: rate,
+            });
+            let seed = workload_seed(scenario.seed, t, u);
+            per_load.push(generate(traffic, trace, rate, count, seed));
+        }
+        capacity.push(TrafficCapacity {
+            traffic: traffic.name.clone(),
+            mean_prompt_tokens: prompt,
+            mean_output_tokens: output,
+            mean_cached_prompt_tokens: cached,
+            capacity_rps: fleet_rps,
+            rates,
+        });
+        workloads.push(per_load);
+    }
+    Ok(Plan {
+        scenario,
+        workers,
+        points: scenario.router_points(),
+        capacity,
+        workloads,
+    })
+}
+
+fn workload_seed(seed: u64, traffic: usize, utilization: usize) -> u64 {
+    mix(seed ^ mix(((traffic as u64) << 16) | utilization as u64))
+}
+
+/// The capacity derivation of each scenario, without running it.
+pub fn capacities(scenario: &Scenario) -> Result<Vec<TrafficCapacity>, SimError> {
+    let traces = scenario.load_traces()?;
+    let workers = scenario.worker_specs();
+    Ok(scenario
+        .traffic
+        .iter()
+        .zip(&traces)
+        .map(|(traffic, trace)| {
+            let (prompt, output, cached) = mean_lengths(traffic, trace.as_ref());
+            let fleet_rps = capacity_rps(&workers, prompt, output, cached);
+            TrafficCapacity {
+                traffic: traffic.name.clone(),
+                mean_prompt_tokens: prompt,
+                mean_output_tokens: output,
+                mean_cached_prompt_tokens: cached,
+                capacity_rps: fleet_rps,
+                rates: scenario
+                    .utilizations
+                    .iter()
+                    .map(|&utilization| LoadRate {
+                        utilization,
+                        arrival_rate_rps: utilization * fleet_rps,
+                    })
+                    .collect(),
+            }
+        })
+        .collect())
+}
+
+/// Runs every cell of every scenario, `options.threads` at a time, and
+/// returns one outcome per scenario, in order. Deterministic: the result
+/// does not depend on the thread count.
+pub fn run_scenarios(
+    scenarios: &[Scenario],
+    options: &RunOptions,
+) -> Result<Vec<ScenarioOutcome>, SimError> {
+    let plans: Vec<Plan<'_>> = scenarios.iter().map(plan).collect::<Result<_, _>>()?;
+    let mut jobs = Vec::new();
+    for (p, plan) in plans.iter().enumerate() {
+        for traffic in 0..plan.scenario.traffic.len() {
+            for point in 0..plan.points.len() {
+                for utilization in 0..plan.scenario.utilizations.len() {
+                    for policy in 0..plan.scenario.policies.len() {
+                        jobs.push(Job {
+                            plan: p,
+                            traffic,
+                            point,
+                            utilization,
+                            policy,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let progress = if options.progress {
+        let bar = ProgressBar::new(jobs.len() as u64);
+        if let Ok(style) = ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {pos}/{len} cells, eta {eta}",
+        ) {
+            bar.set_style(style);
+        }
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    let next = AtomicUsize::new(0);
+    let threads = options.threads.clamp(1, jobs.len().max(1));
+    let run_job = |job: &Job,
+                   registry: &policy_core::PolicyRegistry|
+     -> Result<CellStats, SimError> {
+        let plan = &plans[job.plan];
+        let scenario = plan.scenario;
+        let cell = Cell {
+            workers: &plan.workers,
+            requests: &plan.workloads[job.traffic][job.utilization],
+            shared_prefix: scenario.traffic[job.traffic].shared_prefix,
+            router: plan.points[job.point],
+            policy: scenario.policies[job.policy],
+            seed: mix(workload_seed(scenario.seed, job.traffic, job.utilization) ^ job.point as u64),
+        };
+        run_cell(&cell, registry)
+    };
+    let finished: Vec<Vec<(usize, CellStats)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| -> Result<Vec<(usize, CellStats)>, SimError> {
+                    let registry = policy_registry();
+                    let mut done = Vec::new();
+                    loop {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(job) = jobs.get(index) else {
+                            break;
+                        };
+                        match run_job(job, &registry) {
+                            Ok(stats) => done.push((index, stats)),
+                            Err(error) => {
+                                next.store(jobs.len(), Ordering::Relaxed);
+                                return Err(error);
+                            }
+                        }
+                        progress.inc(1);
+                    }
+                    Ok(done)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().map_err(|_| SimError::ThreadPanicked)?)
+            .collect::<Result<Vec<_>, SimError>>()
+    })?;
+    progress.finish_and_clear();
+    let mut stats: Vec<Option<CellStats>> = vec![None; jobs.len()];
+    for (index, cell) in finished.into_iter().flatten() {
+        stats[index] = Some(cell);
+    }
+    let mut outcomes: Vec<ScenarioOutcome> = plans
+        .iter()
+        .map(|plan| ScenarioOutcome {
+            report: Report {
+                scenario: plan.scenario.name.clone(),
+                seed: plan.scenario.seed,
+                workers: plan.scenario.workers(),
+                poll_interval_s: plan.scenario.router.poll_interval_s,
+                router_replicas: plan.scenario.router.replicas,
+                requests_per_cell: plan.scenario.requests,
+                capacity: plan.capacity.clone(),
+                results: Vec::new(),
+            },
+            ttft_cdfs_s: Vec::new(),
+        })
+        .collect();
+    for (job, cell) in jobs.iter().zip(stats) {
+        let Some(cell) = cell else {
+            return Err(SimError::ThreadPanicked);
+        };
+        let plan = &plans[job.plan];
+        let scenario = plan.scenario;
+        let point = plan.points[job.point];
+        let row = ResultRow {
+            traffic: scenario.traffic[job.traffic].name.clone(),
+            utilization: scenario.utilizations[job.utilization],
+            policy: scenario.policies[job.policy].as_str(),
+            poll_interval_s: point.sweeps_poll_interval.then_some(point.poll_interval_s),
+            router_replicas: point.sweeps_replicas.then_some(point.replicas),
+            requests: cell.requests,
+            ttft_p50_s: cell.ttft_p50_s,
+            ttft_p90_s: cell.ttft_p90_s,
+            ttft_p99_s: cell.ttft_p99_s,
+            e2e_p50_s: cell.e2e_p50_s,
+            e2e_p99_s: cell.e2e_p99_s,
+            queue_delay_mean_s: cell.queue_delay_mean_s,
+            throughput_tps: cell.throughput_tps,
+            preemptions: cell.preemptions,
+            imbalance_cv: cell.imbalance_cv,
+            ttft_mean_s: cell.ttft_mean_s,
+            arrival_rate_rps: plan.capacity[job.traffic].rates[job.utilization].arrival_rate_rps,
+            poll_failures: cell.poll_failures,
+        };
+        let outcome = &mut outcomes[job.plan];
+        outcome.report.results.push(row);
+        outcome.ttft_cdfs_s.push(cell.ttft_cdf_s);
+    }
+    Ok(outcomes)
+}

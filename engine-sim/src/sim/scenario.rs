@@ -1,0 +1,773 @@
+//! Scenario files: the fleet, the traffic, the router side, the policies to
+//! compare and the size of the run (`evaluation.md`, "Scenario file").
+//!
+//! Every table denies unknown keys; [`Scenario::validate`] rejects impossible
+//! values with a message naming the field.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::error::SimError;
+use super::workload::{LengthDist, Trace};
+use crate::EngineParams;
+
+/// The standard scenario names, in the order they are run and reported.
+pub const STANDARD_SCENARIOS: [&str; 9] = [
+    "uniform",
+    "size-skew",
+    "heavy-tail",
+    "hetero-fleet",
+    "bursty",
+    "mixed-backends",
+    "stale-polls",
+    "poll-jitter",
+    "replicas",
+];
+
+/// The most workers a scenario may have.
+pub const MAX_WORKERS: u32 = 4096;
+/// The most router replicas a scenario may have.
+pub const MAX_REPLICAS: u32 = 64;
+
+/// One scenario file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// The scenario's name (`size-skew`, …): the output directory.
+    pub name: String,
+    /// Seeds the workload, the engines, the policies' tie-breaking and the
+    /// oracle's: the same seed gives the same report, byte for byte.
+    pub seed: u64,
+    /// Requests per traffic, policy and load level.
+    pub requests: u64,
+    /// Target utilizations of fleet capacity.
+    pub utilizations: Vec<f64>,
+    /// Policies compared.
+    #[serde(default = "PolicyName::all")]
+    pub policies: Vec<PolicyName>,
+    /// Worker groups.
+    pub fleet: Vec<WorkerGroup>,
+    /// The router side.
+    #[serde(default)]
+    pub router: RouterConfig,
+    /// One or more traffic mixes, each run separately.
+    pub traffic: Vec<TrafficConfig>,
+    /// The directory relative paths (traces) are resolved against: the
+    /// scenario file's directory.
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+}
+
+/// The policies the simulator knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    Random,
+    RoundRobin,
+    LeastRequests,
+    PowerOfTwo,
+    LeastLoad,
+    /// `least_load` with `inflight = "since_poll"`.
+    LeastLoadSincePoll,
+    /// The spec's reference: least true uncached prefill seconds, ties at random.
+    Oracle,
+}
+
+impl PolicyName {
+    pub const ALL: [PolicyName; 7] = [
+        PolicyName::Random,
+        PolicyName::RoundRobin,
+        PolicyName::LeastRequests,
+        PolicyName::PowerOfTwo,
+        PolicyName::LeastLoad,
+        PolicyName::LeastLoadSincePoll,
+        PolicyName::Oracle,
+    ];
+
+    fn all() -> Vec<PolicyName> {
+        PolicyName::ALL.to_vec()
+    }
+
+    /// The name in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::Random => "random",
+            PolicyName::RoundRobin => "round_robin",
+            PolicyName::LeastRequests => "least_requests",
+            PolicyName::PowerOfTwo => "power_of_two",
+            PolicyName::LeastLoad => "least_load",
+            PolicyName::LeastLoadSincePoll => "least_load_since_poll",
+            PolicyName::Oracle => "oracle",
+        }
+    }
+}
+
+/// How a worker reports its load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Flavour {
+    /// SGLang `GET /v1/loads` JSON: queued uncached tokens and throughput.
+    Sglang,
+    /// SGLang gRPC `GetLoads` (proto3 presence rules).
+    SglangGrpc,
+    /// vLLM Prometheus `/metrics`: no queued tokens, throughput as a counter
+    /// rate between polls (not reported on the first poll).
+    Vllm,
+    /// vLLM gRPC `GetLoads`: no queued tokens, no throughput.
+    VllmGrpc,
+    /// TokenSpeed gRPC `GetLoads`: no queued tokens, no throughput.
+    Tokenspeed,
+}
+
+/// `count` identical workers.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerGroup {
+    pub count: u32,
+    pub flavour: Flavour,
+    /// Engine parameters; omitted keys take the spec's defaults.
+    #[serde(default)]
+    pub engine: EngineParams,
+}
+
+/// When a worker's or a replica's polls happen within the interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PhaseMode {
+    /// All at offset 0.
+    Aligned,
+    /// Evenly spread: item `i` of `n` at `i / n` of the interval.
+    #[default]
+    Spread,
+    /// Seeded uniform offsets in the interval.
+    Random,
+}
+
+/// Which moment's engine state a poll reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReportAt {
+    /// The state when the poll is sent (the report is `poll_latency_s` old
+    /// when it arrives): the conservative choice.
+    #[default]
+    Send,
+    /// The state when the poll completes.
+    Completion,
+}
+
+/// The router side.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Every replica polls every worker this often, seconds.
+    pub poll_interval_s: f64,
+    /// From sending a poll to its completion, seconds.
+    pub poll_latency_s: f64,
+    /// The policies' `stale_after`; default 3 × the poll interval.
+    pub stale_after_s: Option<f64>,
+    /// Router replicas, each with its own policy instance and poll phase.
+    pub replicas: u32,
+    /// Replica `r`'s polls are offset by this phase (default: spread).
+    pub replica_phase: PhaseMode,
+    /// Worker `w`'s polls are offset by this phase (default: aligned).
+    pub worker_phase: PhaseMode,
+    pub report_at: ReportAt,
+    /// Sweep: run every poll interval listed instead of `poll_interval_s`.
+    pub sweep_poll_interval_s: Option<Vec<f64>>,
+    /// Sweep: run every replica count listed instead of `replicas`.
+    pub sweep_replicas: Option<Vec<u32>>,
+}
+
+impl Default for RouterConfig {
+    fn default() -> RouterConfig {
+        RouterConfig {
+            poll_interval_s: 1.0,
+            poll_latency_s: 0.002,
+            stale_after_s: None,
+            replicas: 1,
+            replica_phase: PhaseMode::Spread,
+            worker_phase: PhaseMode::Aligned,
+            report_at: ReportAt::Send,
+            sweep_poll_interval_s: None,
+            sweep_replicas: None,
+        }
+    }
+}
+
+/// One router-side setting of a run (one point of a sweep).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterPoint {
+    pub poll_interval_s: f64,
+    pub stale_after_s: f64,
+    pub poll_latency_s: f64,
+    pub replicas: u32,
+    pub replica_phase: PhaseMode,
+    pub worker_phase: PhaseMode,
+    pub report_at: ReportAt,
+    /// Whether this point is part of a poll-interval sweep (report the interval per row).
+    pub sweeps_poll_interval: bool,
+    /// Whether this point is part of a replica sweep (report replicas per row).
+    pub sweeps_replicas: bool,
+}
+
+/// The arrival process.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "process", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum ArrivalConfig {
+    /// Exponential gaps at the target rate.
+    Poisson {},
+    /// On/off: Poisson at `burst_factor` × the mean rate during bursts of mean
+    /// `mean_burst_s` (exponential), silent in between (mean
+    /// `mean_burst_s × (burst_factor − 1)`), so the mean rate is the target.
+    OnOff {
+        burst_factor: f64,
+        mean_burst_s: f64,
+    },
+    /// A CSV trace (`arrival_s,prompt_tokens,output_tokens`, one request per
+    /// line, optional header), time-scaled to the target rate and repeated if
+    /// more requests are asked for than it holds. `prompt` and `output` must
+    /// then be absent.
+    Trace { path: PathBuf },
+}
+
+/// A fraction of requests that open with one of a few shared prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedPrefixConfig {
+    /// Share of requests with a shared prefix, in `[0, 1]`.
+    pub fraction: f64,
+    /// Length of each shared prefix, tokens (cut to the prompt's length).
+    pub tokens: u32,
+    /// How many distinct prefixes (chosen uniformly).
+    #[serde(default = "one")]
+    pub groups: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// One traffic mix.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrafficConfig {
+    /// The `traffic` value of the report rows (`uniform`, `size-skew`, …).
+    pub name: String,
+    pub arrival: ArrivalConfig,
+    pub prompt: Option<LengthDist>,
+    pub output: Option<LengthDist>,
+    pub shared_prefix: Option<SharedPrefixConfig>,
+}
+
+impl Scenario {
+    /// Reads, parses and validates a scenario file. Relative trace paths are
+    /// resolved against the file's directory.
+    pub fn from_path(path: &Path) -> Result<Scenario, SimError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SimError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base_dir = path.parent().map(Path::to_owned).unwrap_or_default();
+        Scenario::from_toml_str(&text, path, base_dir)
+    }
+
+    /// Parses and validates a scenario from TOML text; `origin` names it in errors.
+    pub fn from_toml_str(
+        text: &str,
+        origin: &Path,
+        base_dir: PathBuf,
+    ) -> Result<Scenario, SimError> {
+        let mut scenario: Scenario = toml::from_str(text).map_err(|source| SimError::Parse {
+            path: origin.to_owned(),
+            source: Box::new(source),
+        })?;
+        scenario.base_dir = base_dir;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    /// Multiplies the request count (at least 1 request).
+    pub fn scale_requests(&mut self, factor: f64) -> Result<(), SimError> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(self.invalid(
+                "requests_scale",
+                format!("must be finite and positive, got {factor}"),
+            ));
+        }
+        self.requests = ((self.requests as f64 * factor).round() as u64).max(1);
+        Ok(())
+    }
+
+    /// Total number of workers.
+    pub fn workers(&self) -> u32 {
+        self.fleet.iter().map(|group| group.count).sum()
+    }
+
+    /// One entry per worker: its flavour and engine parameters.
+    pub fn worker_specs(&self) -> Vec<(Flavour, EngineParams)> {
+        self.fleet
+            .iter()
+            .flat_map(|group| (0..group.count).map(|_| (group.flavour, group.engine.clone())))
+            .collect()
+    }
+
+    /// The router settings to run: one per sweep value, or just one.
+    pub fn router_points(&self) -> Vec<RouterPoint> {
+        let router = &self.router;
+        let point = |poll_interval_s: f64, replicas: u32| RouterPoint {
+            poll_interval_s,
+            stale_after_s: router.stale_after_s.unwrap_or(3.0 * poll_interval_s),
+            poll_latency_s: router.poll_latency_s,
+            replicas,
+            replica_phase: router.replica_phase,
+            worker_phase: router.worker_phase,
+            report_at: router.report_at,
+            sweeps_poll_interval: router.sweep_poll_interval_s.is_some(),
+            sweeps_replicas: router.sweep_replicas.is_some(),
+        };
+        if let Some(intervals) = &router.sweep_poll_interval_s {
+            intervals
+                .iter()
+                .map(|&i| point(i, router.replicas))
+                .collect()
+        } else if let Some(replicas) = &router.sweep_replicas {
+            replicas
+                .iter()
+                .map(|&r| point(router.poll_interval_s, r))
+                .collect()
+        } else {
+            vec![point(router.poll_interval_s, router.replicas)]
+        }
+    }
+
+    fn invalid(&self, field: &str, message: impl Into<String>) -> SimError {
+        SimError::Invalid {
+            scenario: self.name.clone(),
+            field: field.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// Checks every value's range.
+    pub fn validate(&self) -> Result<(), SimError> {
+        if self.name.trim().is_empty() {
+            return Err(self.invalid("name", "must not be empty"));
+        }
+        if self.requests == 0 {
+            return Err(self.invalid("requests", "must be at least 1"));
+        }
+        if self.utilizations.is_empty() {
+            return Err(self.invalid("utilizations", "must list at least one load level"));
+        }
+        for &u in &self.utilizations {
+            if !(u.is_finite() && u > 0.0 && u <= 1.0) {
+                return Err(
+                    self.invalid("utilizations", format!("must each be in (0, 1], got {u}"))
+                );
+            }
+        }
+        if self.policies.is_empty() {
+            return Err(self.invalid("policies", "must list at least one policy"));
+        }
+        for (i, policy) in self.policies.iter().enumerate() {
+            if self.policies[..i].contains(policy) {
+                return Err(self.invalid("policies", format!("lists {} twice", policy.as_str())));
+            }
+        }
+        self.validate_fleet()?;
+        self.validate_router()?;
+        self.validate_traffic()
+    }
+
+    fn validate_fleet(&self) -> Result<(), SimError> {
+        if self.fleet.is_empty() {
+            return Err(self.invalid("fleet", "must have at least one worker group"));
+        }
+        let mut total: u64 = 0;
+        for (i, group) in self.fleet.iter().enumerate() {
+            if group.count == 0 {
+                return Err(self.invalid(&format!("fleet[{i}].count"), "must be at least 1"));
+            }
+            total += u64::from(group.count);
+            group
+                .engine
+                .validate()
+                .map_err(|error| self.invalid(&format!("fleet[{i}].engine"), error.to_string()))?;
+        }
+        if total > u64::from(MAX_WORKERS) {
+            return Err(self.invalid(
+                "fleet",
+                format!("has {total} workers, at most {MAX_WORKERS}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_router(&self) -> Result<(), SimError> {
+        let router = &self.router;
+        let interval = |field: &str, value: f64| {
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(self.invalid(field, format!("must be finite and positive, got {value}")))
+            }
+        };
+        interval("router.poll_interval_s", router.poll_interval_s)?;
+        if !(router.poll_latency_s.is_finite() && router.poll_latency_s >= 0.0) {
+            return Err(self.invalid(
+                "router.poll_latency_s",
+                format!(
+                    "must be finite and not negative, got {}",
+                    router.poll_latency_s
+                ),
+            ));
+        }
+        let replicas = |field: &str, value: u32| {
+            if (1..=MAX_REPLICAS).contains(&value) {
+                Ok(())
+            } else {
+                Err(self.invalid(field, format!("must be in 1..={MAX_REPLICAS}, got {value}")))
+            }
+        };
+        replicas("router.replicas", router.replicas)?;
+        if router.sweep_poll_interval_s.is_some() && router.sweep_replicas.is_some() {
+            return Err(self.invalid(
+                "router",
+                "sweeps one knob at most: sweep_poll_interval_s or sweep_replicas",
+            ));
+        }
+        if let Some(intervals) = &router.sweep_poll_interval_s {
+            if intervals.is_empty() {
+                return Err(self.invalid("router.sweep_poll_interval_s", "must not be empty"));
+            }
+            for &value in intervals {
+                interval("router.sweep_poll_interval_s", value)?;
+            }
+        }
+        if let Some(counts) = &router.sweep_replicas {
+            if counts.is_empty() {
+                return Err(self.invalid("router.sweep_replicas", "must not be empty"));
+            }
+            for &value in counts {
+                replicas("router.sweep_replicas", value)?;
+            }
+        }
+        if let Some(stale) = router.stale_after_s {
+            for point in self.router_points() {
+                if !(stale.is_finite() && stale > point.poll_interval_s) {
+                    return Err(self.invalid(
+                        "router.stale_after_s",
+                        format!(
+                            "must exceed the poll interval ({} s), got {stale}",
+                            point.poll_interval_s
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_traffic(&self) -> Result<(), SimError> {
+        if self.traffic.is_empty() {
+            return Err(self.invalid("traffic", "must list at least one traffic mix"));
+        }
+        let min_kv_tokens = self
+            .fleet
+            .iter()
+            .map(|group| group.engine.kv_capacity_tokens)
+            .min()
+            .unwrap_or(0);
+        for (i, traffic) in self.traffic.iter().enumerate() {
+            let field = |name: &str| format!("traffic[{i}].{name}");
+            if traffic.name.trim().is_empty() {
+                return Err(self.invalid(&field("name"), "must not be empty"));
+            }
+            if self.traffic[..i].iter().any(|t| t.name == traffic.name) {
+                return Err(
+                    self.invalid(&field("name"), format!("{:?} is used twice", traffic.name))
+                );
+            }
+            match &traffic.arrival {
+                ArrivalConfig::Poisson {} => {}
+                ArrivalConfig::OnOff {
+                    burst_factor,
+                    mean_burst_s,
+                } => {
+                    if !(burst_factor.is_finite() && *burst_factor > 1.0) {
+                        return Err(self.invalid(
+                            &field("arrival.burst_factor"),
+                            format!("must be finite and above 1, got {burst_factor}"),
+                        ));
+                    }
+                    if !(mean_burst_s.is_finite() && *mean_burst_s > 0.0) {
+                        return Err(self.invalid(
+                            &field("arrival.mean_burst_s"),
+                            format!("must be finite and positive, got {mean_burst_s}"),
+                        ));
+                    }
+                }
+                ArrivalConfig::Trace { .. } => {
+                    if traffic.prompt.is_some() || traffic.output.is_some() {
+                        return Err(self.invalid(
+                            &field("prompt"),
+                            "and output must be absent with a trace: the trace gives the lengths",
+                        ));
+                    }
+                }
+            }
+            let is_trace = matches!(traffic.arrival, ArrivalConfig::Trace { .. });
+            let mut max_tokens = 0u64;
+            for (name, dist) in [("prompt", &traffic.prompt), ("output", &traffic.output)] {
+                match dist {
+                    Some(dist) => {
+                        dist.validate()
+                            .map_err(|message| self.invalid(&field(name), message))?;
+                        max_tokens += u64::from(dist.max_tokens());
+                    }
+                    None if !is_trace => {
+                        return Err(
+                            self.invalid(&field(name), "is required (a length distribution)")
+                        );
+                    }
+                    None => {}
+                }
+            }
+            if max_tokens > min_kv_tokens {
+                return Err(self.invalid(
+                    &field("prompt"),
+                    format!(
+                        "the longest prompt plus output ({max_tokens} tokens) exceeds the smallest \
+                         kv_capacity_tokens ({min_kv_tokens})"
+                    ),
+                ));
+            }
+            if let Some(prefix) = &traffic.shared_prefix {
+                if !(prefix.fraction.is_finite() && (0.0..=1.0).contains(&prefix.fraction)) {
+                    return Err(self.invalid(
+                        &field("shared_prefix.fraction"),
+                        format!("must be in [0, 1], got {}", prefix.fraction),
+                    ));
+                }
+                if prefix.tokens == 0 {
+                    return Err(self.invalid(&field("shared_prefix.tokens"), "must be at least 1"));
+                }
+                if prefix.groups == 0 {
+                    return Err(self.invalid(&field("shared_prefix.groups"), "must be at least 1"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the traces of the traffic mixes that use one (`None` for the others).
+    pub fn load_traces(&self) -> Result<Vec<Option<Trace>>, SimError> {
+        self.traffic
+            .iter()
+            .map(|traffic| match &traffic.arrival {
+                ArrivalConfig::Trace { path } => {
+                    let path = if path.is_absolute() {
+                        path.clone()
+                    } else {
+                        self.base_dir.join(path)
+                    };
+                    Trace::from_path(&path).map(Some)
+                }
+                _ => Ok(None),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+name = "t"
+seed = 1
+requests = 10
+utilizations = [0.5]
+[[fleet]]
+count = 2
+flavour = "sglang"
+[[traffic]]
+name = "uniform"
+arrival = { process = "poisson" }
+prompt = { dist = "constant", tokens = 200 }
+output = { dist = "constant", tokens = 10 }
+"#;
+
+    fn parse(text: &str) -> Result<Scenario, SimError> {
+        Scenario::from_toml_str(text, Path::new("test.toml"), PathBuf::new())
+    }
+
+    fn error_text(error: &SimError) -> String {
+        let mut text = error.to_string();
+        let mut source = std::error::Error::source(error);
+        while let Some(cause) = source {
+            text.push_str(": ");
+            text.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        text
+    }
+
+    #[test]
+    fn a_minimal_scenario_takes_the_defaults() {
+        let scenario = parse(MINIMAL).unwrap();
+        assert_eq!(scenario.workers(), 2);
+        assert_eq!(scenario.policies, PolicyName::ALL.to_vec());
+        assert_eq!(scenario.router, RouterConfig::default());
+        let points = scenario.router_points();
+        assert_eq!(points.len(), 1);
+        assert_eq!(points[0].stale_after_s, 3.0);
+        assert_eq!(scenario.fleet[0].engine, EngineParams::default());
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_everywhere() {
+        for (extra, key) in [
+            ("colour = 1\n", "colour"),
+            ("[router]\npoll_intervall_s = 1.0\n", "poll_intervall_s"),
+        ] {
+            let text = format!("{MINIMAL}{extra}");
+            let text = if extra.starts_with('[') {
+                text
+            } else {
+                format!("{extra}{MINIMAL}")
+            };
+            let error = parse(&text).unwrap_err();
+            let message = error_text(&error);
+            assert!(
+                message.contains(&format!("unknown field `{key}`")),
+                "{message}"
+            );
+        }
+        let text = MINIMAL.replace("count = 2", "count = 2\nspeed = 3");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown field `speed`"));
+        let text = MINIMAL.replace(
+            "flavour = \"sglang\"",
+            "flavour = \"sglang\"\n[fleet.engine]\nprefill_tpz = 1.0",
+        );
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown field `prefill_tpz`"));
+        let text = MINIMAL.replace("tokens = 200 }", "tokens = 200, mean = 3 }");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown field `mean`"));
+        let text = MINIMAL.replace("process = \"poisson\"", "process = \"poisson\", rate = 3");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown field `rate`"));
+    }
+
+    #[test]
+    fn unknown_names_are_errors() {
+        let text = MINIMAL.replace("flavour = \"sglang\"", "flavour = \"trt\"");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown variant `trt`"));
+        let text = format!("policies = [\"fastest\"]\n{MINIMAL}");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown variant `fastest`"));
+        let text = MINIMAL.replace(
+            "dist = \"constant\", tokens = 200",
+            "dist = \"zipf\", tokens = 200",
+        );
+        assert!(error_text(&parse(&text).unwrap_err()).contains("unknown variant `zipf`"));
+    }
+
+    #[test]
+    fn impossible_values_are_clear_errors() {
+        let cases: [(&str, &str, &str); 11] = [
+            (
+                "utilizations = [0.5]",
+                "utilizations = [1.5]",
+                "utilizations must each be in (0, 1], got 1.5",
+            ),
+            (
+                "utilizations = [0.5]",
+                "utilizations = []",
+                "utilizations must list at least one",
+            ),
+            (
+                "requests = 10",
+                "requests = 0",
+                "requests must be at least 1",
+            ),
+            (
+                "count = 2",
+                "count = 0",
+                "fleet[0].count must be at least 1",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 0 }",
+                "traffic[0].prompt tokens must be at least 1",
+            ),
+            (
+                "flavour = \"sglang\"",
+                "flavour = \"sglang\"\nengine = { prefill_tps = -1.0 }",
+                "fleet[0].engine invalid engine parameter prefill_tps",
+            ),
+            (
+                "flavour = \"sglang\"",
+                "flavour = \"sglang\"\nengine = { kv_capacity_tokens = 100 }",
+                "exceeds the smallest kv_capacity_tokens (100)",
+            ),
+            (
+                "process = \"poisson\"",
+                "process = \"on-off\", burst_factor = 1.0, mean_burst_s = 1.0",
+                "burst_factor must be finite and above 1, got 1",
+            ),
+            (
+                "output = { dist = \"constant\", tokens = 10 }",
+                "",
+                "traffic[0].output is required",
+            ),
+            (
+                "seed = 1",
+                "seed = 1\npolicies = [\"random\", \"random\"]",
+                "policies lists random twice",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nshared_prefix = { fraction = 1.5, tokens = 64 }",
+                "shared_prefix.fraction must be in [0, 1], got 1.5",
+            ),
+        ];
+        for (from, to, expected) in cases {
+            let text = MINIMAL.replacen(from, to, 1);
+            let error = parse(&text).unwrap_err();
+            let message = error_text(&error);
+            assert!(
+                message.contains(expected),
+                "expected {expected:?} in {message:?}"
+            );
+        }
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router]\npoll_interval_s = 2.0\nstale_after_s = 1.0\n");
+        assert!(
+            error_text(&parse(&text).unwrap_err())
+                .contains("router.stale_after_s must exceed the poll interval (2 s), got 1")
+        );
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router]\nreplicas = 0\n");
+        assert!(
+            error_text(&parse(&text).unwrap_err())
+                .contains("router.replicas must be in 1..=64, got 0")
+        );
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router]\nsweep_replicas = [1]\nsweep_poll_interval_s = [1.0]\n");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("sweeps one knob at most"));
+    }
+
+    #[test]
+    fn sweeps_make_one_router_point_each() {
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router]\nsweep_poll_interval_s = [0.05, 2.0]\n");
+        let points = parse(&text).unwrap().router_points();
+        assert_eq!(points.len(), 2);
+        assert_eq!(points[1].poll_interval_s, 2.0);
+        assert_eq!(points[1].stale_after_s, 6.0);
+        assert!(points[0].sweeps_poll_interval && !points[0].sweeps_replicas);
+        let mut scenario = parse(MINIMAL).unwrap();
+        scenario.scale_requests(2.5).unwrap();
+        assert_eq!(scenario.requests, 25);
+        assert!(scenario.scale_requests(0.0).is_err());
+    }
+}

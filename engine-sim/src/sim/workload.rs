@@ -1,0 +1,724 @@
+//! The workload generator: arrival times and prompt/output lengths, seeded.
+
+use std::path::{Path, PathBuf};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Exp, LogNormal};
+use serde::Deserialize;
+
+use super::error::SimError;
+use super::scenario::{ArrivalConfig, SharedPrefixConfig, TrafficConfig};
+
+/// The standard normal quantile at 0.99.
+const Z_99: f64 = 2.326_347_874_040_841;
+
+/// A length distribution, tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(tag = "dist", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum LengthDist {
+    /// Always `tokens`.
+    Constant { tokens: u32 },
+    /// `long_tokens` with probability `long_fraction`, else `short_tokens`;
+    /// each multiplied by `1 + spread × U(−1, 1)` (default spread 0).
+    Bimodal {
+        short_tokens: u32,
+        long_tokens: u32,
+        long_fraction: f64,
+        #[serde(default)]
+        spread: f64,
+    },
+    /// Log-normal with this median and 99th percentile, clamped to
+    /// `[min_tokens, max_tokens]`.
+    LogNormal {
+        median_tokens: f64,
+        p99_tokens: f64,
+        #[serde(default = "one_token")]
+        min_tokens: u32,
+        max_tokens: u32,
+    },
+}
+
+fn one_token() -> u32 {
+    1
+}
+
+impl LengthDist {
+    /// Checks the parameters; the message names the offending key.
+    pub fn validate(&self) -> Result<(), String> {
+        match *self {
+            LengthDist::Constant { tokens } => {
+                if tokens == 0 {
+                    return Err("tokens must be at least 1".into());
+                }
+            }
+            LengthDist::Bimodal {
+                short_tokens,
+                long_tokens,
+                long_fraction,
+                spread,
+            } => {
+                if short_tokens == 0 || long_tokens == 0 {
+                    return Err("short_tokens and long_tokens must be at least 1".into());
+                }
+                if !(long_fraction.is_finite() && (0.0..=1.0).contains(&long_fraction)) {
+                    return Err(format!(
+                        "long_fraction must be in [0, 1], got {long_fraction}"
+                    ));
+                }
+                if !(spread.is_finite() && (0.0..1.0).contains(&spread)) {
+                    return Err(format!("spread must be in [0, 1), got {spread}"));
+                }
+            }
+            LengthDist::LogNormal {
+                median_tokens,
+                p99_tokens,
+                min_tokens,
+                max_tokens,
+            } => {
+                if !(median_tokens.is_finite() && median_tokens >= 1.0) {
+                    return Err(format!(
+                        "median_tokens must be finite and at least 1, got {median_tokens}"
+                    ));
+                }
+                if !(p99_tokens.is_finite() && p99_tokens > median_tokens) {
+                    return Err(format!(
+                        "p99_tokens must be finite and above median_tokens, got {p99_tokens}"
+                    ));
+                }
+                if min_tokens == 0 || max_tokens < min_tokens {
+                    return Err(format!(
+                        "min_tokens must be at least 1 and max_tokens at least min_tokens, got \
+                         {min_tokens} and {max_tokens}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The largest value it can draw.
+    pub fn max_tokens(&self) -> u32 {
+        match *self {
+            LengthDist::Constant { tokens } => tokens,
+            LengthDist::Bimodal {
+                short_tokens,
+                long_tokens,
+                spread,
+                ..
+            } => (f64::from(short_tokens.max(long_tokens)) * (1.0 + spread)).round() as u32,
+            LengthDist::LogNormal { max_tokens, .. } => max_tokens,
+        }
+    }
+
+    /// The mean, tokens (exact for the clamped log-normal, up to rounding).
+    pub fn mean_tokens(&self) -> f64 {
+        match *self {
+            LengthDist::Constant { tokens } => f64::from(tokens),
+            LengthDist::Bimodal {
+                short_tokens,
+                long_tokens,
+                long_fraction,
+                ..
+            } => {
+                (1.0 - long_fraction) * f64::from(short_tokens)
+                    + long_fraction * f64::from(long_tokens)
+            }
+            LengthDist::LogNormal {
+                median_tokens,
+                p99_tokens,
+                min_tokens,
+                max_tokens,
+            } => {
+                let (mu, sigma) = lognormal_params(median_tokens, p99_tokens);
+                clamped_lognormal_mean(mu, sigma, f64::from(min_tokens), f64::from(max_tokens))
+            }
+        }
+    }
+
+    /// Draws one length (at least 1).
+    pub fn sample(&self, rng: &mut SmallRng) -> u32 {
+        match *self {
+            LengthDist::Constant { tokens } => tokens,
+            LengthDist::Bimodal {
+                short_tokens,
+                long_tokens,
+                long_fraction,
+                spread,
+            } => {
+                let base = if rng.random::<f64>() < long_fraction {
+                    long_tokens
+                } else {
+                    short_tokens
+                };
+                if spread > 0.0 {
+                    let factor = 1.0 + spread * (2.0 * rng.random::<f64>() - 1.0);
+                    ((f64::from(base) * factor).round() as u32).max(1)
+                } else {
+                    base
+                }
+            }
+            LengthDist::LogNormal {
+                median_tokens,
+                p99_tokens,
+                min_tokens,
+                max_tokens,
+            } => {
+                let (mu, sigma) = lognormal_params(median_tokens, p99_tokens);
+                let value = LogNormal::new(mu, sigma)
+                    .map(|dist| dist.sample(rng))
+                    .unwrap_or(median_tokens);
+                (value
+                    .round()
+                    .clamp(f64::from(min_tokens), f64::from(max_tokens))) as u32
+            }
+        }
+    }
+}
+
+/// `(mu, sigma)` of the log-normal with this median and 99th percentile.
+fn lognormal_params(median: f64, p99: f64) -> (f64, f64) {
+    let mu = median.ln();
+    (mu, (p99.ln() - mu) / Z_99)
+}
+
+/// `E[clamp(X, a, b)]` for `X ~ LogNormal(mu, sigma)`.
+fn clamped_lognormal_mean(mu: f64, sigma: f64, a: f64, b: f64) -> f64 {
+    let cdf = |x: f64| normal_cdf((x.ln() - mu) / sigma);
+    let partial = |x: f64| normal_cdf((x.ln() - mu - sigma * sigma) / sigma);
+    let body = (mu + sigma * sigma / 2.0).exp() * (partial(b) - partial(a));
+    a * cdf(a) + body + b * (1.0 - cdf(b))
+}
+
+/// The standard normal CDF (erfc by Numerical Recipes' Chebyshev fit, |ε| < 1.2e-7).
+fn normal_cdf(x: f64) -> f64 {
+    0.5 * erfc(-x / std::f64::consts::SQRT_2)
+}
+
+fn erfc(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let value = t * poly.exp();
+    if x >= 0.0 { value } else { 2.0 - value }
+}
+
+/// A recorded trace: `(arrival_s, prompt_tokens, output_tokens)` rows sorted by time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trace {
+    pub rows: Vec<(f64, u32, u32)>,
+}
+
+impl Trace {
+    pub fn from_path(path: &Path) -> Result<Trace, SimError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SimError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Trace::parse(&text, path)
+    }
+
+    /// Parses `arrival_s,prompt_tokens,output_tokens` lines; a first line
+    /// that does not start with a number is a header; `#` starts a comment.
+    pub fn parse(text: &str, path: &Path) -> Result<Trace, SimError> {
+        let error = |line: usize, message: String| SimError::Trace {
+            path: PathBuf::from(path),
+            line,
+            message,
+        };
+        let mut rows = Vec::new();
+        for (index, raw) in text.lines().enumerate() {
+            let line = raw.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            if rows.is_empty() && index == 0 && line.starts_with(|c: char| c.is_ascii_alphabetic())
+            {
+                continue;
+            }
+            let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            let [arrival, prompt, output] = fields.as_slice() else {
+                return Err(error(
+                    index + 1,
+                    format!("expected 3 fields, got {}", fields.len()),
+                ));
+            };
+            let arrival_s: f64 = arrival
+                .parse()
+                .map_err(|_| error(index + 1, format!("arrival_s {arrival:?} is not a number")))?;
+            if !(arrival_s.is_finite() && arrival_s >= 0.0) {
+                return Err(error(
+                    index + 1,
+                    format!("arrival_s must be finite and not negative, got {arrival_s}"),
+                ));
+            }
+            let tokens = |name: &str, value: &str| -> Result<u32, SimError> {
+                match value.parse::<u32>() {
+                    Ok(n) if n >= 1 => Ok(n),
+                    _ => Err(error(
+                        index + 1,
+                        format!("{name} {value:?} is not a count of at least 1"),
+                    )),
+                }
+            };
+            rows.push((
+                arrival_s,
+                tokens("prompt_tokens", prompt)?,
+                tokens("output_tokens", output)?,
+            ));
+        }
+        if rows.len() < 2 {
+            return Err(error(0, "a trace needs at least 2 requests".into()));
+        }
+        rows.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let span = rows[rows.len() - 1].0 - rows[0].0;
+        if span <= 0.0 {
+            return Err(error(0, "the trace's arrivals span no time".into()));
+        }
+        Ok(Trace { rows })
+    }
+
+    /// Mean arrival rate, requests per second.
+    pub fn rate_rps(&self) -> f64 {
+        let span = self.rows[self.rows.len() - 1].0 - self.rows[0].0;
+        (self.rows.len() - 1) as f64 / span
+    }
+
+    pub fn mean_prompt_tokens(&self) -> f64 {
+        self.rows.iter().map(|r| f64::from(r.1)).sum::<f64>() / self.rows.len() as f64
+    }
+
+    pub fn mean_output_tokens(&self) -> f64 {
+        self.rows.iter().map(|r| f64::from(r.2)).sum::<f64>() / self.rows.len() as f64
+    }
+
+    pub fn max_tokens(&self) -> u64 {
+        self.rows
+            .iter()
+            .map(|r| u64::from(r.1) + u64::from(r.2))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// One generated request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestSpec {
+    pub arrival_s: f64,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    /// The shared prefix it opens with, if any.
+    pub prefix_group: Option<u32>,
+}
+
+/// Mean prompt and output lengths of a traffic mix, tokens, and the mean
+/// prompt tokens a warm prefix cache serves.
+pub fn mean_lengths(traffic: &TrafficConfig, trace: Option<&Trace>) -> (f64, f64, f64) {
+    let (prompt, output) = match trace {
+        Some(trace) => (trace.mean_prompt_tokens(), trace.mean_output_tokens()),
+        None => (
+            traffic.prompt.map_or(0.0, |d| d.mean_tokens()),
+            traffic.output.map_or(0.0, |d| d.mean_tokens()),
+        ),
+    };
+    let cached = traffic.shared_prefix.map_or(0.0, |prefix| {
+        // Only full blocks are cached, at least one prompt token is computed;
+        // a prompt shorter than the prefix shares only its own length.
+        prefix.fraction * f64::from(prefix.tokens).min((prompt - 1.0).max(0.0))
+    });
+    (prompt, output, cached)
+}
+
+/// Generates `count` requests at a mean rate of `rate_rps`.
+pub fn generate(
+    traffic: &TrafficConfig,
+    trace: Option<&Trace>,
+    rate_rps: f64,
+    count: usize,
+    seed: u64,
+) -> Vec<RequestSpec> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut requests = Vec::with_capacity(count);
+    if let Some(trace) = trace {
+        // Scale time so that the trace's mean rate becomes the target;
+        // repeat it (one mean gap after its end) when more requests are asked for.
+        let scale = trace.rate_rps() / rate_rps;
+        let first = trace.rows[0].0;
+        let period = (trace.rows[trace.rows.len() - 1].0 - first) + 1.0 / trace.rate_rps();
+        for i in 0..count {
+            let (arrival, prompt, output) = trace.rows[i % trace.rows.len()];
+            let lap = (i / trace.rows.len()) as f64;
+            requests.push(RequestSpec {
+                arrival_s: ((arrival - first) + lap * period) * scale,
+                prompt_tokens: prompt,
+                output_tokens: output,
+                prefix_group: prefix_group(traffic.shared_prefix.as_ref(), &mut rng),
+            });
+        }
+        return requests;
+    }
+    let mut arrivals = Arrivals::new(&traffic.arrival, rate_rps);
+    let (Some(prompt), Some(output)) = (traffic.prompt, traffic.output) else {
+        return requests;
+    };
+    for _ in 0..count {
+        let arrival_s = arrivals.next(&mut rng);
+        requests.push(RequestSpec {
+            arrival_s,
+            prompt_tokens: prompt.sample(&mut rng),
+            output_tokens: output.sample(&mut rng),
+            prefix_group: prefix_group(traffic.shared_prefix.as_ref(), &mut rng),
+        });
+    }
+    requests
+}
+
+fn prefix_group(prefix: Option<&SharedPrefixConfig>, rng: &mut SmallRng) -> Option<u32> {
+    let prefix = prefix?;
+    (rng.random::<f64>() < prefix.fraction).then(|| rng.random_range(0..prefix.groups))
+}
+
+/// The block hashes of a request's shared prefix: block `i` of group `g`
+/// has content `hash(g, i)`; the engine chains them.
+pub fn prefix_hashes(
+    group: u32,
+    prefix_tokens: u32,
+    prompt_tokens: u32,
+    block_tokens: u32,
+) -> Vec<u64> {
+    let blocks = prefix_tokens.min(prompt_tokens) / block_tokens.max(1);
+    (0..blocks)
+        .map(|i| mix(0x5eed_0000_0000_0000 ^ (u64::from(group) << 32) ^ u64::from(i)))
+        .collect()
+}
+
+/// SplitMix64's finalizer: derives independent seeds and hashes.
+pub fn mix(value: u64) -> u64 {
+    let mut z = value.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Arrival-time generator.
+#[derive(Debug)]
+enum Arrivals {
+    Poisson {
+        gap: Exp<f64>,
+        now_s: f64,
+    },
+    OnOff {
+        burst_gap: Exp<f64>,
+        on: Exp<f64>,
+        off: Exp<f64>,
+        now_s: f64,
+        burst_end_s: f64,
+    },
+    Never,
+}
+
+impl Arrivals {
+    fn new(config: &ArrivalConfig, rate_rps: f64) -> Arrivals {
+        match *config {
+            ArrivalConfig::Poisson {} => match Exp::new(rate_rps) {
+                Ok(gap) => Arrivals::Poisson { gap, now_s: 0.0 },
+                Err(_) => Arrivals::Never,
+            },
+            ArrivalConfig::OnOff {
+                burst_factor,
+                mean_burst_s,
+            } => {
+                let parts = (
+                    Exp::new(rate_rps * burst_factor),
+                    Exp::new(1.0 / mean_burst_s),
+                    Exp::new(1.0 / (mean_burst_s * (burst_factor - 1.0))),
+                );
+                match parts {
+                    (Ok(burst_gap), Ok(on), Ok(off)) => Arrivals::OnOff {
+                        burst_gap,
+                        on,
+                        off,
+                        now_s: 0.0,
+                        burst_end_s: -1.0,
+                    },
+                    _ => Arrivals::Never,
+                }
+            }
+            ArrivalConfig::Trace { .. } => Arrivals::Never,
+        }
+    }
+
+    fn next(&mut self, rng: &mut SmallRng) -> f64 {
+        match self {
+            Arrivals::Poisson { gap, now_s } => {
+                *now_s += gap.sample(rng);
+                *now_s
+            }
+            Arrivals::OnOff {
+                burst_gap,
+                on,
+                off,
+                now_s,
+                burst_end_s,
+            } => {
+                if *burst_end_s < 0.0 {
+                    *burst_end_s = on.sample(rng);
+                }
+                let mut candidate = *now_s + burst_gap.sample(rng);
+                // Memorylessness: a gap that crosses the end of the burst
+                // continues after the off period.
+                while candidate > *burst_end_s {
+                    let leftover = candidate - *burst_end_s;
+                    let burst_start = *burst_end_s + off.sample(rng);
+                    *burst_end_s = burst_start + on.sample(rng);
+                    candidate = burst_start + leftover;
+                }
+                *now_s = candidate;
+                candidate
+            }
+            Arrivals::Never => f64::INFINITY,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn traffic(arrival: ArrivalConfig, prompt: LengthDist) -> TrafficConfig {
+        TrafficConfig {
+            name: "t".into(),
+            arrival,
+            prompt: Some(prompt),
+            output: Some(LengthDist::Constant { tokens: 10 }),
+            shared_prefix: None,
+        }
+    }
+
+    fn mean(values: impl Iterator<Item = f64>) -> f64 {
+        let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+        sum / n as f64
+    }
+
+    #[test]
+    fn poisson_arrivals_have_the_target_rate_and_exponential_gaps() {
+        let t = traffic(
+            ArrivalConfig::Poisson {},
+            LengthDist::Constant { tokens: 5 },
+        );
+        let requests = generate(&t, 50.0, 50_000);
+        let span = requests[requests.len() - 1].arrival_s;
+        let rate = requests.len() as f64 / span;
+        assert!((rate - 50.0).abs() < 1.0, "rate {rate}");
+        // Exponential gaps: the coefficient of variation is 1.
+        let gaps: Vec<f64> = requests
+            .windows(2)
+            .map(|w| w[1].arrival_s - w[0].arrival_s)
+            .collect();
+        let m = mean(gaps.iter().copied());
+        let sd = mean(gaps.iter().map(|g| (g - m) * (g - m))).sqrt();
+        assert!((sd / m - 1.0).abs() < 0.03, "cv {}", sd / m);
+        assert!(
+            requests
+                .iter()
+                .all(|r| r.prompt_tokens == 5 && r.output_tokens == 10)
+        );
+    }
+
+    fn generate(t: &TrafficConfig, rate: f64, count: usize) -> Vec<RequestSpec> {
+        super::generate(t, None, rate, count, 7)
+    }
+
+    #[test]
+    fn on_off_arrivals_keep_the_mean_rate_and_burst() {
+        let t = traffic(
+            ArrivalConfig::OnOff {
+                burst_factor: 4.0,
+                mean_burst_s: 2.0,
+            },
+            LengthDist::Constant { tokens: 5 },
+        );
+        let requests = generate(&t, 20.0, 100_000);
+        let span = requests[requests.len() - 1].arrival_s;
+        let rate = requests.len() as f64 / span;
+        assert!((rate - 20.0).abs() < 1.0, "rate {rate}");
+        // Counts per 0.5 s window are far more variable than Poisson's.
+        let windows = (span / 0.5) as usize;
+        let mut counts = vec![0.0f64; windows + 1];
+        for r in &requests {
+            counts[(r.arrival_s / 0.5) as usize] += 1.0;
+        }
+        let m = mean(counts.iter().copied());
+        let var = mean(counts.iter().map(|c| (c - m) * (c - m)));
+        assert!(var / m > 5.0, "index of dispersion {}", var / m);
+        assert!(
+            requests
+                .windows(2)
+                .all(|w| w[1].arrival_s >= w[0].arrival_s)
+        );
+    }
+
+    #[test]
+    fn bimodal_lengths_have_the_configured_mix() {
+        let dist = LengthDist::Bimodal {
+            short_tokens: 200,
+            long_tokens: 6000,
+            long_fraction: 0.1,
+            spread: 0.0,
+        };
+        let requests = generate(&traffic(ArrivalConfig::Poisson {}, dist), 10.0, 50_000);
+        let long = requests.iter().filter(|r| r.prompt_tokens == 6000).count() as f64;
+        assert!((long / 50_000.0 - 0.1).abs() < 0.005, "{long}");
+        assert!(
+            requests
+                .iter()
+                .all(|r| r.prompt_tokens == 200 || r.prompt_tokens == 6000)
+        );
+        assert_eq!(dist.mean_tokens(), 780.0);
+        let spread = LengthDist::Bimodal {
+            short_tokens: 200,
+            long_tokens: 6000,
+            long_fraction: 0.1,
+            spread: 0.1,
+        };
+        let requests = generate(&traffic(ArrivalConfig::Poisson {}, spread), 10.0, 10_000);
+        assert!(
+            requests
+                .iter()
+                .all(|r| (180..=220).contains(&r.prompt_tokens)
+                    || (5400..=6600).contains(&r.prompt_tokens))
+        );
+        assert_eq!(spread.max_tokens(), 6600);
+    }
+
+    #[test]
+    fn lognormal_lengths_hit_the_median_and_p99() {
+        let dist = LengthDist::LogNormal {
+            median_tokens: 500.0,
+            p99_tokens: 16_000.0,
+            min_tokens: 1,
+            max_tokens: 1_000_000,
+        };
+        let requests = generate(&traffic(ArrivalConfig::Poisson {}, dist), 10.0, 100_000);
+        let mut lengths: Vec<u32> = requests.iter().map(|r| r.prompt_tokens).collect();
+        lengths.sort_unstable();
+        let median = f64::from(lengths[50_000]);
+        let p99 = f64::from(lengths[99_000]);
+        assert!((median / 500.0 - 1.0).abs() < 0.03, "median {median}");
+        assert!((p99 / 16_000.0 - 1.0).abs() < 0.08, "p99 {p99}");
+        let sample_mean = mean(lengths.iter().map(|&l| f64::from(l)));
+        assert!(
+            (sample_mean / dist.mean_tokens() - 1.0).abs() < 0.03,
+            "{sample_mean} vs {}",
+            dist.mean_tokens()
+        );
+        // Clamping moves the analytic mean the same way as the samples.
+        let clamped = LengthDist::LogNormal {
+            median_tokens: 500.0,
+            p99_tokens: 16_000.0,
+            min_tokens: 100,
+            max_tokens: 4000,
+        };
+        let requests = generate(&traffic(ArrivalConfig::Poisson {}, clamped), 10.0, 100_000);
+        assert!(
+            requests
+                .iter()
+                .all(|r| (100..=4000).contains(&r.prompt_tokens))
+        );
+        let sample_mean = mean(requests.iter().map(|r| f64::from(r.prompt_tokens)));
+        assert!(
+            (sample_mean / clamped.mean_tokens() - 1.0).abs() < 0.02,
+            "{sample_mean} vs {}",
+            clamped.mean_tokens()
+        );
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_requests() {
+        let dist = LengthDist::LogNormal {
+            median_tokens: 500.0,
+            p99_tokens: 16_000.0,
+            min_tokens: 1,
+            max_tokens: 32_000,
+        };
+        let mut t = traffic(ArrivalConfig::Poisson {}, dist);
+        t.shared_prefix = Some(SharedPrefixConfig {
+            fraction: 0.5,
+            tokens: 256,
+            groups: 4,
+        });
+        let a = super::generate(&t, None, 10.0, 1000, 3);
+        let b = super::generate(&t, None, 10.0, 1000, 3);
+        let c = super::generate(&t, None, 10.0, 1000, 4);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let shared = a.iter().filter(|r| r.prefix_group.is_some()).count();
+        assert!((400..600).contains(&shared), "{shared}");
+        assert!(a.iter().filter_map(|r| r.prefix_group).all(|g| g < 4));
+    }
+
+    #[test]
+    fn prefix_hashes_are_shared_within_a_group_only() {
+        let a = prefix_hashes(1, 256, 1000, 16);
+        assert_eq!(a.len(), 16);
+        assert_eq!(a, prefix_hashes(1, 256, 1000, 16));
+        assert_ne!(a, prefix_hashes(2, 256, 1000, 16));
+        // A prompt shorter than the prefix shares only its own full blocks.
+        assert_eq!(prefix_hashes(1, 256, 40, 16), a[..2].to_vec());
+    }
+
+    #[test]
+    fn traces_parse_scale_and_repeat() {
+        let text = "arrival_s,prompt_tokens,output_tokens\n0.0,100,10\n0.5,200,20 # comment\n\n1.0,300,30\n";
+        let trace = Trace::parse(text, Path::new("t.csv")).unwrap();
+        assert_eq!(trace.rows.len(), 3);
+        assert_eq!(trace.rate_rps(), 2.0);
+        assert_eq!(trace.mean_prompt_tokens(), 200.0);
+        let t = TrafficConfig {
+            name: "trace".into(),
+            arrival: ArrivalConfig::Trace {
+                path: "t.csv".into(),
+            },
+            prompt: None,
+            output: None,
+            shared_prefix: None,
+        };
+        // Twice the trace's rate: half the gaps; the fourth request starts a second lap.
+        let requests = super::generate(&t, Some(&trace), 4.0, 5, 1);
+        let arrivals: Vec<f64> = requests.iter().map(|r| r.arrival_s).collect();
+        assert_eq!(arrivals, vec![0.0, 0.25, 0.5, 0.75, 1.0]);
+        assert_eq!(requests[4].prompt_tokens, 200);
+        for (bad, message) in [
+            ("0.0,100\n1.0,1,1\n", "line 1: expected 3 fields, got 2"),
+            (
+                "0.0,100,x\n1.0,1,1\n",
+                "line 1: output_tokens \"x\" is not a count of at least 1",
+            ),
+            ("0.0,0,1\n1.0,1,1\n", "prompt_tokens \"0\" is not a count"),
+            (
+                "-1.0,1,1\n1.0,1,1\n",
+                "arrival_s must be finite and not negative",
+            ),
+            ("0.0,1,1\n", "at least 2 requests"),
+        ] {
+            let error = Trace::parse(bad, Path::new("t.csv"))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(message), "{error}");
+        }
+    }
+
+    #[test]
+    fn normal_cdf_is_accurate() {
+        assert!((normal_cdf(0.0) - 0.5).abs() < 1e-7);
+        assert!((normal_cdf(Z_99) - 0.99).abs() < 1e-6);
+        assert!((normal_cdf(-1.0) - 0.158_655_25).abs() < 1e-6);
+    }
+}

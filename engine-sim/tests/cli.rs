@@ -1,0 +1,111 @@
+//! The `engine-sim serve` binary: one JSON line per engine, engines on
+//! consecutive ports, a clean stop on SIGTERM.
+
+// Test helpers (not only #[test] fns) may unwrap: a panic is a failed assertion.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// A base port with `count` free ports after it (checked by binding them).
+fn free_base_port(count: u16) -> u16 {
+    for _ in 0..100 {
+        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = probe.local_addr().unwrap().port();
+        drop(probe);
+        if base > u16::MAX - count {
+            continue;
+        }
+        let all_free = (0..count).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok());
+        if all_free {
+            return base;
+        }
+    }
+    panic!("no run of free ports found");
+}
+
+#[test]
+fn serve_prints_one_line_per_engine_and_stops_on_sigterm() {
+    let http_base = free_base_port(2);
+    let grpc_base = free_base_port(2);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args([
+            "serve",
+            "--flavour",
+            "vllm",
+            "--count",
+            "2",
+            "--base-port",
+            &http_base.to_string(),
+            "--grpc-base-port",
+            &grpc_base.to_string(),
+            "--time-scale",
+            "100",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    for index in 0..2u16 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let expected = format!(
+            "{{\"index\":{index},\"flavour\":\"vllm\",\"http\":\"http://127.0.0.1:{}\",\"grpc\":\"grpc://127.0.0.1:{}\"}}\n",
+            http_base + index,
+            grpc_base + index
+        );
+        assert_eq!(line, expected);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", http_base + 1))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(text.contains("vllm:num_requests_running{"));
+    });
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < DEADLINE, "engine-sim did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn tokenspeed_needs_a_grpc_base_port() {
+    let output = Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args([
+            "serve",
+            "--flavour",
+            "tokenspeed",
+            "--count",
+            "1",
+            "--base-port",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("grpc"), "{stderr}");
+}
