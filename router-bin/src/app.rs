@@ -198,9 +198,9 @@ impl App {
             .await;
         let change = match answer {
             Ok(response) if response.status().is_success() => {
-                worker.record_success(health.success_threshold, true)
+                worker.health_check_passed(health.success_threshold)
             }
-            _ => worker.record_failure(health.failure_threshold, true),
+            _ => worker.health_check_failed(health.failure_threshold),
         };
         self.apply_health_change(worker, change);
     }

@@ -55,6 +55,9 @@ pub struct Cli {
     /// `pending` (default) or `since_poll` (the original estimator).
     #[arg(long)]
     pub least_load_inflight: Option<String>,
+    /// Scores this close to the best are ties, won by the least recently used.
+    #[arg(long)]
+    pub least_load_tie_tolerance_secs: Option<f64>,
 
     #[arg(long)]
     pub power_of_two_kv_pressure_weight: Option<f64>,
@@ -66,6 +69,8 @@ pub struct Cli {
     pub power_of_two_max_waiting_requests: Option<u64>,
     #[arg(long)]
     pub power_of_two_inflight: Option<String>,
+    #[arg(long)]
+    pub power_of_two_tie_tolerance_secs: Option<f64>,
 }
 
 impl Cli {
@@ -110,6 +115,7 @@ impl Cli {
                     self.least_load_mean_prefill_tokens,
                     self.least_load_max_waiting_requests,
                     &self.least_load_inflight,
+                    self.least_load_tie_tolerance_secs,
                 ),
             ),
             (
@@ -120,10 +126,11 @@ impl Cli {
                     self.power_of_two_mean_prefill_tokens,
                     self.power_of_two_max_waiting_requests,
                     &self.power_of_two_inflight,
+                    self.power_of_two_tie_tolerance_secs,
                 ),
             ),
         ] {
-            let (weight, throughput, mean_prefill, max_waiting, inflight) = knobs;
+            let (weight, throughput, mean_prefill, max_waiting, inflight, tie_tolerance) = knobs;
             set(
                 &format!("policy.{policy}.kv_pressure_weight"),
                 weight.map(Into::into),
@@ -143,6 +150,10 @@ impl Cli {
             set(
                 &format!("policy.{policy}.inflight"),
                 inflight.clone().map(Into::into),
+            );
+            set(
+                &format!("policy.{policy}.tie_tolerance_secs"),
+                tie_tolerance.map(Into::into),
             );
         }
         let workers = self

@@ -197,7 +197,7 @@ async fn forward(
 }
 
 fn passive_failure(app: &App, worker: &Worker) {
-    let change = worker.record_failure(app.config.health.failure_threshold, false);
+    let change = worker.request_failed(app.config.health.failure_threshold);
     app.apply_health_change(worker, change);
 }
 
@@ -220,12 +220,6 @@ fn respond(
     if !streaming || !status.is_success() {
         // A non-streaming response's start is its first token.
         tracker.first_token();
-    }
-    let worker_success = status.is_success();
-    if worker_success {
-        tracker
-            .worker
-            .record_success(app.config.health.success_threshold, false);
     }
     let mut builder = Response::builder().status(status);
     if let Some(headers) = builder.headers_mut() {
@@ -323,7 +317,10 @@ impl Stream for TrackedBody {
                 Poll::Ready(Some(Err(std::io::Error::other(error))))
             }
             Poll::Ready(None) => {
-                self.tracker = None;
+                // A whole response: the worker's run of failures is over.
+                if let Some(tracker) = self.tracker.take() {
+                    tracker.worker.request_succeeded();
+                }
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,

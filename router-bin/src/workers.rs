@@ -23,8 +23,9 @@ pub struct Worker {
     healthy: AtomicBool,
     checked: AtomicBool,
     draining: AtomicBool,
-    consecutive_failures: AtomicU32,
-    consecutive_successes: AtomicU32,
+    check_failures: AtomicU32,
+    check_successes: AtomicU32,
+    request_failures: AtomicU32,
     poll_failures: AtomicU32,
     in_flight: AtomicU64,
     latest_load: Mutex<Option<WorkerLoad>>,
@@ -70,8 +71,9 @@ impl Worker {
             healthy: AtomicBool::new(false),
             checked: AtomicBool::new(false),
             draining: AtomicBool::new(false),
-            consecutive_failures: AtomicU32::new(0),
-            consecutive_successes: AtomicU32::new(0),
+            check_failures: AtomicU32::new(0),
+            check_successes: AtomicU32::new(0),
+            request_failures: AtomicU32::new(0),
             poll_failures: AtomicU32::new(0),
             in_flight: AtomicU64::new(0),
             latest_load: Mutex::new(None),
@@ -90,37 +92,59 @@ impl Worker {
         self.draining.load(Ordering::Acquire)
     }
 
-    /// A passed health check (or a successful request). The first check
-    /// decides at once; after that, `success_threshold` in a row bring an
-    /// unhealthy worker back.
-    pub fn record_success(&self, success_threshold: u32, from_health_check: bool) -> HealthChange {
-        self.consecutive_failures.store(0, Ordering::Release);
-        if !from_health_check {
-            return HealthChange::None;
-        }
-        let successes = self.consecutive_successes.fetch_add(1, Ordering::AcqRel) + 1;
+    /// A passed `/health` check. The first check decides at once; after
+    /// that, `success_threshold` passes in a row bring an out-of-rotation
+    /// worker back.
+    pub fn health_check_passed(&self, success_threshold: u32) -> HealthChange {
+        self.check_failures.store(0, Ordering::Release);
+        let successes = self.check_successes.fetch_add(1, Ordering::AcqRel) + 1;
         let first_check = !self.checked.swap(true, Ordering::AcqRel);
         if !self.is_healthy() && (first_check || successes >= success_threshold) {
-            self.healthy.store(true, Ordering::Release);
-            self.metrics.healthy.set(1);
-            return HealthChange::CameBack;
+            self.request_failures.store(0, Ordering::Release);
+            return self.set_healthy(true);
         }
         HealthChange::None
     }
 
-    /// A failed health check or request (connect error, 5xx, cut stream).
-    pub fn record_failure(&self, failure_threshold: u32, from_health_check: bool) -> HealthChange {
-        self.consecutive_successes.store(0, Ordering::Release);
-        if from_health_check {
-            self.checked.store(true, Ordering::Release);
-        }
-        let failures = self.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if self.is_healthy() && failures >= failure_threshold {
-            self.healthy.store(false, Ordering::Release);
-            self.metrics.healthy.set(0);
-            return HealthChange::WentOut;
+    /// A failed `/health` check; `failure_threshold` in a row take it out.
+    pub fn health_check_failed(&self, failure_threshold: u32) -> HealthChange {
+        self.checked.store(true, Ordering::Release);
+        self.check_successes.store(0, Ordering::Release);
+        let failures = self.check_failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if failures >= failure_threshold {
+            return self.set_healthy(false);
         }
         HealthChange::None
+    }
+
+    /// A whole response came back: the run of request failures is over.
+    pub fn request_succeeded(&self) {
+        self.request_failures.store(0, Ordering::Release);
+    }
+
+    /// Passive health: a connect error, a 5xx or a cut stream.
+    /// `failure_threshold` in a row take the worker out until health checks
+    /// bring it back (a passing `/health` alone does not clear this run).
+    pub fn request_failed(&self, failure_threshold: u32) -> HealthChange {
+        let failures = self.request_failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if failures >= failure_threshold {
+            return self.set_healthy(false);
+        }
+        HealthChange::None
+    }
+
+    fn set_healthy(&self, healthy: bool) -> HealthChange {
+        if self.healthy.swap(healthy, Ordering::AcqRel) == healthy {
+            return HealthChange::None;
+        }
+        self.metrics.healthy.set(i64::from(healthy));
+        if healthy {
+            HealthChange::CameBack
+        } else {
+            // Coming back needs a fresh run of passed checks.
+            self.check_successes.store(0, Ordering::Release);
+            HealthChange::WentOut
+        }
     }
 
     pub fn poll_succeeded(&self, load: Option<WorkerLoad>) -> bool {
@@ -244,5 +268,94 @@ impl WorkerRegistry {
             .map(|worker| worker.id)
             .collect();
         *self.candidates.write() = ids.into();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use policy_core::MockLoadSource;
+
+    fn worker() -> Worker {
+        let metrics = Metrics::new();
+        Worker::new(
+            WorkerId::new(0, 0),
+            "http://w:1/".into(),
+            "sglang".into(),
+            None,
+            None,
+            Arc::new(MockLoadSource::new()),
+            WorkerMetrics::new(&metrics, "http://w:1"),
+        )
+    }
+
+    #[test]
+    fn the_first_check_decides_then_thresholds_apply() {
+        let worker = worker();
+        assert_eq!(worker.url, "http://w:1", "trailing slash trimmed");
+        assert!(!worker.is_healthy(), "unchecked workers take no traffic");
+        assert_eq!(worker.health_check_passed(3), HealthChange::CameBack);
+        assert_eq!(worker.health_check_failed(2), HealthChange::None);
+        assert_eq!(worker.health_check_failed(2), HealthChange::WentOut);
+        assert_eq!(worker.health_check_passed(3), HealthChange::None);
+        assert_eq!(worker.health_check_passed(3), HealthChange::None);
+        assert_eq!(worker.health_check_passed(3), HealthChange::CameBack);
+    }
+
+    #[test]
+    fn request_failures_are_not_cleared_by_passing_checks() {
+        let worker = worker();
+        worker.health_check_passed(2);
+        assert_eq!(worker.request_failed(3), HealthChange::None);
+        // /health keeps passing while generation fails.
+        worker.health_check_passed(2);
+        assert_eq!(worker.request_failed(3), HealthChange::None);
+        assert_eq!(worker.request_failed(3), HealthChange::WentOut);
+        // Two fresh passes bring it back, with the run of failures cleared.
+        assert_eq!(worker.health_check_passed(2), HealthChange::None);
+        assert_eq!(worker.health_check_passed(2), HealthChange::CameBack);
+        assert_eq!(worker.request_failed(3), HealthChange::None);
+    }
+
+    #[test]
+    fn a_successful_request_ends_a_run_of_failures() {
+        let worker = worker();
+        worker.health_check_passed(1);
+        worker.request_failed(2);
+        worker.request_succeeded();
+        assert_eq!(worker.request_failed(2), HealthChange::None);
+        assert!(worker.is_healthy());
+    }
+
+    #[test]
+    fn the_candidate_list_follows_health_and_draining() {
+        let registry = WorkerRegistry::new();
+        let id = registry.allocate_id();
+        let metrics = Metrics::new();
+        let entry = Arc::new(Worker::new(
+            id,
+            "http://w:1".into(),
+            "sglang".into(),
+            None,
+            None,
+            Arc::new(MockLoadSource::new()),
+            WorkerMetrics::new(&metrics, "http://w:1"),
+        ));
+        registry.insert(entry.clone());
+        assert!(registry.candidates().is_empty());
+        entry.health_check_passed(1);
+        registry.refresh_candidates();
+        assert_eq!(&*registry.candidates(), &[id]);
+        registry.start_draining(id);
+        assert!(registry.candidates().is_empty());
+        assert!(registry.get(id).is_some(), "listed until forgotten");
+        registry.forget(id);
+        assert!(registry.get(id).is_none());
+        assert_eq!(
+            registry.allocate_id(),
+            WorkerId::new(0, 1),
+            "the slot is reused with a new generation"
+        );
     }
 }

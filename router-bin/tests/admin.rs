@@ -1,5 +1,8 @@
 //! The admin API end to end.
 
+// Test helpers outside #[test] functions fail loudly on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use common::upstream::Upstream;

@@ -1,5 +1,8 @@
 //! The `router` binary as a process: config errors, --print-config, SIGHUP.
 
+// Test helpers outside #[test] functions fail loudly on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::process::{Command, Stdio};

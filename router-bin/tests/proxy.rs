@@ -1,5 +1,8 @@
 //! The proxy end to end: a real router and scriptable upstreams on loopback.
 
+// Test helpers outside #[test] functions fail loudly on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::sync::atomic::Ordering;

@@ -10,9 +10,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+mod bench;
+
 const USAGE: &str = "usage: cargo xtask <task> [options]
 
 tasks:
+  bench [--only PART]...  selection cost, proxy overhead, polling: target/bench/report.md
   ci                      format check, clippy (warnings are errors), every test
   demo                    start a mixed engine-sim fleet and the router, drive
                           20 s of size-skewed streaming traffic, print per-worker
@@ -24,6 +27,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
+        Some("bench") => bench::run(&args[1..]),
         Some("demo") => demo(),
         Some("sim") => sim(&args[1..]),
         Some("-h" | "--help" | "help") => {
@@ -196,18 +200,16 @@ fn free_ports(count: u16) -> Result<u16, String> {
     Err(format!("no block of {count} free ports found"))
 }
 
-/// One engine-sim process; returns it with its engines' HTTP and gRPC URLs.
-fn start_engines(
-    flavour: &str,
-    extra: &[&str],
-) -> Result<(Process, Vec<(String, Option<String>)>), String> {
-    let http = free_ports(1)?;
-    let grpc = free_ports(1).map(|port| if port == http { port + 1 } else { port })?;
+/// One engine's HTTP URL and, for flavours that serve one, its gRPC URL.
+type EngineUrls = (String, Option<String>);
+
+/// One engine-sim process; returns it with its engines' URLs. Port 0 lets
+/// each engine bind a free port, so parallel runs never collide.
+fn start_engines(flavour: &str, extra: &[&str]) -> Result<(Process, Vec<EngineUrls>), String> {
     let mut command = Command::new(release_binary("engine-sim"));
     command
         .args(["serve", "--flavour", flavour, "--count", "1"])
-        .args(["--base-port", &http.to_string()])
-        .args(["--grpc-base-port", &grpc.to_string()])
+        .args(["--base-port", "0", "--grpc-base-port", "0"])
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

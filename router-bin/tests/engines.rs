@@ -1,0 +1,342 @@
+//! The router in front of real engine-sim servers speaking every flavour's
+//! wire format, on loopback.
+
+// Test helpers outside #[test] functions fail loudly on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fast_config, start_router, wait_until, worker};
+use engine_sim::server::{FaultMode, Flavour, ServeMode, SimEngineConfig, SimFleet};
+use futures::StreamExt;
+use router_bin::config::WorkerConfig;
+
+fn engine(flavour: Flavour, seed: u64) -> SimEngineConfig {
+    let mut config = SimEngineConfig::new(flavour);
+    config.seed = seed;
+    config.time_scale = 20.0;
+    // Distinct prompts would miss the cache anyway; turning it off keeps the
+    // prefill work exactly what the test sends.
+    config.params.prefix_cache = false;
+    config
+}
+
+async fn fleet(configs: Vec<SimEngineConfig>) -> SimFleet {
+    engine_sim::server::start(configs).await.unwrap()
+}
+
+/// A chat body whose prompt is about `tokens` tokens at 4 characters each,
+/// starting with a unique tag so no two prompts share a prefix.
+fn prompt(tag: usize, tokens: usize) -> String {
+    let mut text = format!("request {tag:06} ");
+    while text.len() < tokens * 4 {
+        text.push_str("lorem ipsum dolor sit amet ");
+    }
+    text.truncate(tokens * 4);
+    text
+}
+
+async fn stream_to_done(
+    client: &reqwest::Client,
+    url: &str,
+    body: serde_json::Value,
+) -> Result<String, String> {
+    let response = client
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|error| error.to_string())?;
+    if !response.status().is_success() {
+        return Err(format!("status {}", response.status()));
+    }
+    let mut stream = response.bytes_stream();
+    let mut text = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        text.extend_from_slice(&chunk.map_err(|error| error.to_string())?);
+    }
+    let text = String::from_utf8_lossy(&text).into_owned();
+    if text.ends_with("data: [DONE]\n\n") {
+        Ok(text)
+    } else {
+        Err(format!("stream cut short: {text:?}"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_backend_flavour_end_to_end() {
+    let engines = fleet(vec![
+        engine(Flavour::Sglang, 1),
+        engine(Flavour::Sglang, 2),
+        engine(Flavour::SglangMetrics, 3),
+        engine(Flavour::Vllm, 4),
+        engine(Flavour::Vllm, 5),
+        engine(Flavour::Tokenspeed, 6),
+    ])
+    .await;
+    let addr = engines.engines();
+    let with_loads = |backend: &str, index: usize| WorkerConfig {
+        load_url: addr[index].grpc_url(),
+        ..worker(backend, &addr[index].http_url())
+    };
+    let workers = vec![
+        worker("sglang", &addr[0].http_url()),
+        with_loads("sglang-grpc", 1),
+        worker("sglang", &addr[2].http_url()),
+        worker("vllm", &addr[3].http_url()),
+        with_loads("vllm-grpc", 4),
+        with_loads("tokenspeed", 5),
+    ];
+    let router = start_router(fast_config(workers, "")).await;
+    wait_until("every worker is healthy and reports its load", || async {
+        let listed = router.workers_json().await;
+        listed["workers"].as_array().unwrap().iter().all(|worker| {
+            worker["healthy"] == true && !worker["load"].is_null() && worker["poll_failures"] == 0
+        })
+    })
+    .await;
+    let listed = router.workers_json().await;
+    let backends: Vec<&str> = listed["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|worker| worker["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        backends,
+        [
+            "sglang",
+            "sglang-grpc",
+            "sglang",
+            "vllm",
+            "vllm-grpc",
+            "tokenspeed"
+        ]
+    );
+
+    let url = format!("{}/v1/chat/completions", router.base);
+    let requests = (0..24).map(|index| {
+        let client = router.client.clone();
+        let url = url.clone();
+        async move {
+            let body = serde_json::json!({"stream": true, "max_tokens": 8,
+                "messages": [{"role": "user", "content": prompt(index, 100)}]});
+            stream_to_done(&client, &url, body).await
+        }
+    });
+    for result in futures::future::join_all(requests).await {
+        result.unwrap();
+    }
+    // Non-streaming and the SGLang-native endpoint go through too.
+    let plain = router
+        .client
+        .post(format!("{}/generate", router.base))
+        .json(
+            &serde_json::json!({"text": prompt(99, 50), "sampling_params": {"max_new_tokens": 4}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status(), 200);
+    let models: serde_json::Value = router
+        .client
+        .get(format!("{}/v1/models", router.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        models["data"][0]["id"], "sim-model",
+        "aggregated once across six workers"
+    );
+    assert_eq!(models["data"].as_array().unwrap().len(), 1);
+    engines.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bare_workers_are_detected() {
+    let engines = fleet(vec![engine(Flavour::Sglang, 1), engine(Flavour::Vllm, 2)]).await;
+    let router = start_router(fast_config(Vec::new(), "")).await;
+    for (index, expected) in [(0, "sglang"), (1, "vllm")] {
+        let added: serde_json::Value = router
+            .client
+            .post(format!("{}/admin/workers", router.base))
+            .json(&serde_json::json!({"url": engines.engines()[index].http_url()}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(added["backend"], expected, "{added}");
+    }
+    engines.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn size_skewed_traffic_spreads_by_work() {
+    // Long and short prompts alternate. Round robin lands every long prompt
+    // on the same worker; least_load sees that worker's pending work and
+    // sends the next long prompt elsewhere.
+    let mut long_tokens_on_busiest = Vec::new();
+    for policy in ["round_robin", "least_load"] {
+        let mut configs = vec![engine(Flavour::Sglang, 1), engine(Flavour::Sglang, 2)];
+        for config in &mut configs {
+            config.time_scale = 4.0;
+        }
+        let engines = fleet(configs).await;
+        let workers = engines
+            .engines()
+            .iter()
+            .map(|engine| worker("sglang", &engine.http_url()))
+            .collect();
+        let router = start_router(fast_config(
+            workers,
+            &format!("[policy]\nkind = \"{policy}\"\n"),
+        ))
+        .await;
+        wait_until("both workers are healthy", || async {
+            router.healthy_count().await == 2
+        })
+        .await;
+        let url = format!("{}/v1/chat/completions", router.base);
+        let mut requests = Vec::new();
+        for index in 0..16 {
+            let tokens = if index % 2 == 0 { 6000 } else { 200 };
+            let body = serde_json::json!({"stream": true, "max_tokens": 4,
+                "messages": [{"role": "user", "content": prompt(index, tokens)}]});
+            let client = router.client.clone();
+            let url = url.clone();
+            requests.push(tokio::spawn(async move {
+                stream_to_done(&client, &url, body).await
+            }));
+            // Sent one after another, each while the earlier ones are still pending.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for request in requests {
+            request.await.unwrap().unwrap();
+        }
+        let prompt_tokens: Vec<u64> = (0..2)
+            .map(|index| engines.snapshot(index).unwrap().prompt_tokens_total)
+            .collect();
+        long_tokens_on_busiest.push(*prompt_tokens.iter().max().unwrap());
+        engines.shutdown().await;
+    }
+    let (round_robin, least_load) = (long_tokens_on_busiest[0], long_tokens_on_busiest[1]);
+    // Round robin: all eight 6000-token prompts on one worker.
+    assert!(
+        round_robin >= 8 * 6000,
+        "round_robin busiest worker got {round_robin} prompt tokens"
+    );
+    // least_load spreads them: the busiest worker holds at most six of eight.
+    assert!(
+        least_load <= 6 * 6000 + 8 * 200,
+        "least_load busiest worker got {least_load} prompt tokens"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_mode_leaves_the_router_serving_the_others() {
+    for fault in FaultMode::ALL
+        .into_iter()
+        .filter(|fault| *fault != FaultMode::None)
+    {
+        let mut faulty = engine(Flavour::Sglang, 1);
+        faulty.slow_loads_delay = Duration::from_secs(5);
+        let engines = fleet(vec![faulty, engine(Flavour::Sglang, 2)]).await;
+        let workers = engines
+            .engines()
+            .iter()
+            .map(|engine| worker("sglang", &engine.http_url()))
+            .collect();
+        let mut config = fast_config(workers, "[policy]\nkind = \"round_robin\"\n");
+        config.server.request_timeout_ms = 1500;
+        // Health checks pass throughout (only generation misbehaves), so a
+        // worker taken out for cut streams must stay out while this runs.
+        config.health.success_threshold = 200;
+        let router = start_router(config).await;
+        wait_until("both workers are healthy", || async {
+            router.healthy_count().await == 2
+        })
+        .await;
+        engines.set_fault(0, fault);
+
+        let url = format!("{}/v1/chat/completions", router.base);
+        let mut completed = 0;
+        let mut cut = 0;
+        for index in 0..12 {
+            let body = serde_json::json!({"stream": true, "max_tokens": 4,
+                "messages": [{"role": "user", "content": prompt(index, 50)}]});
+            match stream_to_done(&router.client, &url, body).await {
+                Ok(_) => completed += 1,
+                Err(_) => cut += 1,
+            }
+        }
+        match fault {
+            // Bytes already reached the client, so a cut stream cannot be
+            // retried; the worker leaves rotation after failure_threshold cuts.
+            FaultMode::CloseMidStream => {
+                assert!(completed >= 6, "{fault}: {completed} completed, {cut} cut");
+                assert!(cut <= 4, "{fault}: {cut} cut");
+            }
+            _ => assert_eq!(completed, 12, "{fault}: {cut} requests failed"),
+        }
+        // The router itself stays healthy and the good worker keeps serving.
+        let health = router
+            .client
+            .get(format!("{}/health", router.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200, "{fault}");
+        if matches!(
+            fault,
+            FaultMode::MalformedLoads
+                | FaultMode::NanLoads
+                | FaultMode::Loads500
+                | FaultMode::SlowLoads
+        ) {
+            wait_until(
+                "the bad load reports are counted as poll failures",
+                || async {
+                    router.workers_json().await["workers"][0]["poll_failures"]
+                        .as_u64()
+                        .unwrap_or(0)
+                        > 0
+                },
+            )
+            .await;
+        }
+        engines.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn canned_engines_serve_through_the_router() {
+    let mut config = engine(Flavour::Sglang, 1);
+    config.mode = ServeMode::Canned;
+    let engines = fleet(vec![config]).await;
+    let router = start_router(fast_config(
+        vec![worker("sglang", &engines.engines()[0].http_url())],
+        "",
+    ))
+    .await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let body = serde_json::json!({"stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    let text = stream_to_done(
+        &router.client,
+        &format!("{}/v1/chat/completions", router.base),
+        body,
+    )
+    .await
+    .unwrap();
+    assert!(text.matches("data: ").count() >= 2, "{text}");
+    engines.shutdown().await;
+}

@@ -1,0 +1,346 @@
+//! `cargo xtask bench`: selection cost and proxy overhead, measured side by
+//! side, written to `target/bench/report.json` and `target/bench/report.md`.
+//!
+//! Three parts, each its own submodule:
+//! - [`select`]: the criterion benchmarks of `policy-least-load` (and of the
+//!   baselines it runs), summarized as `select/<policy>/<workers>[/2-thread]`;
+//! - [`proxy`]: wrk against engine-sim in canned mode, directly, through the
+//!   router (round_robin, least_load) and through nginx (`least_conn`), then
+//!   the p99 of the router and of nginx at half the router's saturation
+//!   throughput;
+//! - [`fleet`]: the router in front of 256 and 1024 canned engines: its CPU per
+//!   request and its load monitor's CPU per poll round.
+//!
+//! Pinning (2 cores): wrk and engine-sim share core 0, the proxy under test
+//! (router or nginx, one worker each) has core 1 to itself. The direct runs
+//! use core 0 only; they show what core 0 can do, so a proxy whose throughput
+//! equals direct is not the bottleneck.
+
+mod fleet;
+mod proc_stat;
+mod proxy;
+mod report;
+mod select;
+mod wrk;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use report::Row;
+
+const BENCH_USAGE: &str = "usage: cargo xtask bench [--only select|proxy|fleet]... [--runs N]
+                         [--duration-s S] [--measurement-time-s S]
+
+  --only PART              run only this part (repeatable); default: all three.
+                           A partial run writes target/bench/partial/report.{md,json}
+  --runs N                 repetitions of every wrk measurement (default 3, at least 3
+                           for a report whose medians mean anything)
+  --duration-s S           length of one wrk run, seconds (default 10)
+  --measurement-time-s S   criterion measurement time per benchmark (default 3)";
+
+/// The core that load generator and upstream share.
+const LOAD_CORE: &str = "0";
+/// The core the proxy under test has to itself.
+const PROXY_CORE: &str = "1";
+
+/// Settings of one `cargo xtask bench` run.
+#[derive(Debug, Clone)]
+struct Options {
+    parts: Vec<String>,
+    runs: usize,
+    duration_s: u64,
+    measurement_time_s: u64,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Result<Options, String> {
+        let mut options = Options {
+            parts: Vec::new(),
+            runs: 3,
+            duration_s: 10,
+            measurement_time_s: 3,
+        };
+        let mut iter = args.iter();
+        while let Some(arg) = iter.next() {
+            let mut value = |name: &str| {
+                iter.next()
+                    .cloned()
+                    .ok_or_else(|| format!("{name} needs a value\n\n{BENCH_USAGE}"))
+            };
+            let number = |name: &str, text: String| {
+                text.parse::<u64>()
+                    .map_err(|_| format!("{name}: not a number: {text:?}"))
+            };
+            match arg.as_str() {
+                "--only" => {
+                    let part = value("--only")?;
+                    if !["select", "proxy", "fleet"].contains(&part.as_str()) {
+                        return Err(format!("--only: unknown part {part:?}\n\n{BENCH_USAGE}"));
+                    }
+                    options.parts.push(part);
+                }
+                "--runs" => options.runs = number("--runs", value("--runs")?)?.max(1) as usize,
+                "--duration-s" => {
+                    options.duration_s = number("--duration-s", value("--duration-s")?)?.max(1);
+                }
+                "--measurement-time-s" => {
+                    options.measurement_time_s =
+                        number("--measurement-time-s", value("--measurement-time-s")?)?.max(1);
+                }
+                "-h" | "--help" => return Err(BENCH_USAGE.to_owned()),
+                other => return Err(format!("unknown option {other:?}\n\n{BENCH_USAGE}")),
+            }
+        }
+        Ok(options)
+    }
+
+    fn wants(&self, part: &str) -> bool {
+        self.parts.is_empty() || self.parts.iter().any(|wanted| wanted == part)
+    }
+}
+
+/// `cargo xtask bench [options]`.
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let options = Options::parse(args)?;
+    let out_dir = bench_dir();
+    std::fs::create_dir_all(&out_dir)
+        .map_err(|error| format!("cannot create {}: {error}", out_dir.display()))?;
+    let started = Instant::now();
+    let mut rows: Vec<Row> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    notes.push(machine_note());
+
+    if options.wants("proxy") || options.wants("fleet") {
+        ensure_tools()?;
+        super::build_release(&["router-bin", "engine-sim"])?;
+    }
+    if options.wants("select") {
+        rows.extend(select::run(&options, &out_dir)?);
+    }
+    if options.wants("proxy") {
+        let (proxy_rows, proxy_notes) = proxy::run(&options, &out_dir)?;
+        rows.extend(proxy_rows);
+        notes.extend(proxy_notes);
+    }
+    if options.wants("fleet") {
+        let (fleet_rows, fleet_notes) = fleet::run(&options, &out_dir)?;
+        rows.extend(fleet_rows);
+        notes.extend(fleet_notes);
+    }
+    notes.push(format!(
+        "Whole run: {:.0} s.",
+        started.elapsed().as_secs_f64()
+    ));
+    // A partial run (`--only`) never overwrites the full report.
+    let report_dir = if options.parts.is_empty() {
+        out_dir
+    } else {
+        out_dir.join("partial")
+    };
+    std::fs::create_dir_all(&report_dir)
+        .map_err(|error| format!("cannot create {}: {error}", report_dir.display()))?;
+    report::write(&report_dir, &rows, &notes, &options)?;
+    Ok(())
+}
+
+/// `target/bench` under the workspace (or `CARGO_TARGET_DIR`).
+fn bench_dir() -> PathBuf {
+    target_dir().join("bench")
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|dir| {
+            if dir.is_absolute() {
+                dir
+            } else {
+                super::workspace_root().join(dir)
+            }
+        })
+        .unwrap_or_else(|| super::workspace_root().join("target"))
+}
+
+/// nginx, wrk and taskset, installed from Debian's packages when missing.
+fn ensure_tools() -> Result<(), String> {
+    let missing: Vec<&str> = [
+        ("nginx", "nginx"),
+        ("wrk", "wrk"),
+        ("taskset", "util-linux"),
+    ]
+    .into_iter()
+    .filter(|(binary, _)| !on_path(binary))
+    .map(|(_, package)| package)
+    .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut update = Command::new("apt-get");
+    update.arg("update");
+    super::run("apt-get update", update)?;
+    let mut install = Command::new("apt-get");
+    install
+        .args(["install", "-y", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive");
+    super::run(
+        &format!("apt-get install -y {}", missing.join(" ")),
+        install,
+    )?;
+    match ["nginx", "wrk", "taskset"]
+        .into_iter()
+        .find(|binary| !on_path(binary))
+    {
+        Some(binary) => Err(format!("{binary} is still missing after apt-get install")),
+        None => Ok(()),
+    }
+}
+
+fn on_path(binary: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .any(|dir| dir.join(binary).is_file())
+}
+
+/// Cores, load average and kernel at the start, for the report.
+fn machine_note() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load: Vec<&str> = load.split_whitespace().take(3).collect();
+    format!(
+        "Machine: {cores} cores, load average {} at the start (shared: other builds run beside this).",
+        load.join(" ")
+    )
+}
+
+/// `GET path` on a loopback port; the status code, if anything answered.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut head = [0u8; 64];
+    let read = stream.read(&mut head).ok()?;
+    let text = std::str::from_utf8(&head[..read]).ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Waits until `GET path` answers 200, or fails after `limit`.
+fn wait_until_ok(port: u16, path: &str, what: &str, limit: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if http_status(port, path) == Some(200) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(format!(
+        "{what} did not answer 200 on {path} within {} s",
+        limit.as_secs()
+    ))
+}
+
+/// A command run as `taskset -c CORE program`, so the pid stays the
+/// program's (taskset execs it).
+fn pinned(core: &str, program: &Path) -> Command {
+    let mut command = Command::new("taskset");
+    command.args(["-c", core]).arg(program);
+    command
+}
+
+/// Like [`pinned`], with the open-file limit raised to at least `open_files`
+/// first (up to the hard limit; never lowered). bash and taskset exec the
+/// program, so the pid is still the program's.
+fn pinned_many_files(core: &str, program: &Path, open_files: u64) -> Command {
+    let mut command = Command::new("bash");
+    command
+        .arg("-c")
+        .arg(format!(
+            "if [ \"$(ulimit -n)\" != unlimited ] && [ \"$(ulimit -n)\" -lt {open_files} ]; then \
+             ulimit -n {open_files} 2>/dev/null || ulimit -n \"$(ulimit -Hn)\"; fi; \
+             exec taskset -c {core} \"$@\""
+        ))
+        .arg("bash")
+        .arg(program);
+    command
+}
+
+/// A block of `count` consecutive free loopback ports below the kernel's
+/// ephemeral range, so the client side of thousands of connections (and their
+/// TIME-WAIT leftovers) cannot collide with it.
+fn free_port_block(count: u16) -> Result<u16, String> {
+    let range =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let ephemeral_low: u32 = range
+        .split_whitespace()
+        .next()
+        .and_then(|low| low.parse().ok())
+        .unwrap_or(32_768);
+    let count32 = u32::from(count);
+    let mut base: u32 = 10_000 + (std::process::id() % 97) * 16;
+    while base + count32 <= ephemeral_low.min(65_535) {
+        let all_free = (0..count32).all(|offset| {
+            u16::try_from(base + offset)
+                .is_ok_and(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        });
+        if all_free {
+            return u16::try_from(base).map_err(|_| "port out of range".to_owned());
+        }
+        base += count32;
+    }
+    crate::free_ports(count)
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// max / min of `values` (1.0 for a single value).
+fn spread(values: &[f64]) -> f64 {
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    if min > 0.0 { max / min } else { f64::NAN }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn spread_is_max_over_min() {
+        assert_eq!(spread(&[2.0, 4.0, 3.0]), 2.0);
+        assert_eq!(spread(&[5.0]), 1.0);
+    }
+
+    #[test]
+    fn options_parse() -> Result<(), String> {
+        let args: Vec<String> = ["--only", "proxy", "--runs", "5", "--duration-s", "4"]
+            .map(String::from)
+            .to_vec();
+        let options = Options::parse(&args)?;
+        assert!(options.wants("proxy"));
+        assert!(!options.wants("select"));
+        assert_eq!(options.runs, 5);
+        assert_eq!(options.duration_s, 4);
+        assert!(Options::parse(&["--only".to_owned(), "x".to_owned()]).is_err());
+        Ok(())
+    }
+}

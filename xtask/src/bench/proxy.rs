@@ -1,0 +1,448 @@
+//! Proxy overhead: wrk directly against 4 canned engines, through the router
+//! (round_robin, least_load) and through nginx (`least_conn`), then latency
+//! at half the router's saturation throughput.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use crate::Process;
+
+use super::report::{Row, find};
+use super::wrk::{self, Mode, STREAM_CHUNKS, Target, WrkRun};
+use super::{LOAD_CORE, Options, PROXY_CORE, median, proc_stat, spread};
+
+/// Upstream engines of the proxy comparison.
+const UPSTREAMS: u16 = 4;
+
+/// The proxies and the direct path, in the order they are measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path4 {
+    Direct,
+    RoundRobin,
+    LeastLoad,
+    Nginx,
+}
+
+impl Path4 {
+    const ALL: [Path4; 4] = [
+        Path4::Direct,
+        Path4::RoundRobin,
+        Path4::LeastLoad,
+        Path4::Nginx,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Path4::Direct => "direct",
+            Path4::RoundRobin => "round_robin",
+            Path4::LeastLoad => "least_load",
+            Path4::Nginx => "nginx",
+        }
+    }
+}
+
+/// A running proxy: its process (stopped on drop), port and how to read its CPU.
+struct Proxy {
+    process: Process,
+    port: u16,
+    with_children: bool,
+}
+
+impl Proxy {
+    fn cpu_s(&self) -> Option<f64> {
+        let pid = self.process.child.id();
+        let time = if self.with_children {
+            proc_stat::cpu_time_with_children(pid)
+        } else {
+            proc_stat::cpu_time(pid)
+        };
+        time.map(|t| t.as_secs_f64())
+    }
+}
+
+/// One canned engine-sim process with `count` engines, pinned to the load core.
+pub(crate) fn start_engines(count: u16, stream_chunks: u32) -> Result<(Process, Vec<u16>), String> {
+    let base = super::free_port_block(count)?;
+    let mut command = super::pinned_many_files(
+        LOAD_CORE,
+        &crate::release_binary("engine-sim"),
+        u64::from(count) * 8 + 4096,
+    );
+    command
+        .args(["serve", "--flavour", "sglang", "--mode", "canned"])
+        .args([
+            "--count",
+            &count.to_string(),
+            "--base-port",
+            &base.to_string(),
+        ])
+        .args(["--canned-tokens", &stream_chunks.to_string()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut process = Process::spawn("engine-sim (canned)", &mut command)?;
+    let lines = process.read_lines(usize::from(count))?;
+    let mut ports = Vec::with_capacity(lines.len());
+    for line in &lines {
+        let value: serde_json::Value = serde_json::from_str(line)
+            .map_err(|error| format!("engine-sim printed {line:?}: {error}"))?;
+        let port = value
+            .get("http")
+            .and_then(serde_json::Value::as_str)
+            .and_then(|url| url.rsplit(':').next())
+            .and_then(|port| port.trim_end_matches('/').parse::<u16>().ok())
+            .ok_or_else(|| format!("engine-sim printed no HTTP port: {line}"))?;
+        ports.push(port);
+    }
+    Ok((process, ports))
+}
+
+/// The router on the proxy core, `policy` over `ports`, ready.
+pub(crate) fn start_router(
+    policy: &str,
+    ports: &[u16],
+    config: Option<&Path>,
+) -> Result<(Process, u16), String> {
+    let port = crate::free_ports(1)?;
+    let mut command = super::pinned_many_files(
+        PROXY_CORE,
+        &crate::release_binary("router"),
+        ports.len() as u64 * 8 + 4096,
+    );
+    command
+        .args(["--port", &port.to_string(), "--policy", policy])
+        .args(["--load-interval-ms", "1000", "--stale-after-ms", "3000"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    if let Some(config) = config {
+        command.arg("--config").arg(config);
+    }
+    for upstream in ports {
+        command.args(["--worker", &format!("sglang=http://127.0.0.1:{upstream}")]);
+    }
+    let process = Process::spawn(&format!("router ({policy})"), &mut command)?;
+    super::wait_until_ok(port, "/readiness", "the router", Duration::from_secs(60))?;
+    Ok((process, port))
+}
+
+/// nginx in the foreground on the proxy core, `least_conn` over `ports`.
+fn start_nginx(dir: &Path, ports: &[u16]) -> Result<(Process, u16), String> {
+    let port = crate::free_ports(1)?;
+    let nginx_dir = dir.join("nginx");
+    std::fs::create_dir_all(nginx_dir.join("tmp"))
+        .map_err(|error| format!("cannot create {}: {error}", nginx_dir.display()))?;
+    let d = nginx_dir.display();
+    let servers: String = ports
+        .iter()
+        .map(|upstream| format!("        server 127.0.0.1:{upstream};\n"))
+        .collect();
+    // Matches the router: one worker on one core, keep-alive to the upstreams,
+    // no buffering so SSE chunks pass as they come.
+    let conf = format!(
+        "daemon off;
+master_process on;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    access_log off;
+    client_body_temp_path {d}/tmp/body;
+    proxy_temp_path {d}/tmp/proxy;
+    fastcgi_temp_path {d}/tmp/fastcgi;
+    uwsgi_temp_path {d}/tmp/uwsgi;
+    scgi_temp_path {d}/tmp/scgi;
+    keepalive_requests 1000000;
+    upstream engines {{
+        least_conn;
+{servers}        keepalive 128;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engines;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"
+    );
+    let conf_path = nginx_dir.join("nginx.conf");
+    std::fs::write(&conf_path, conf)
+        .map_err(|error| format!("cannot write {}: {error}", conf_path.display()))?;
+    let nginx = if Path::new("/usr/sbin/nginx").is_file() {
+        Path::new("/usr/sbin/nginx").to_path_buf()
+    } else {
+        "nginx".into()
+    };
+    let mut command = super::pinned(PROXY_CORE, &nginx);
+    command
+        .arg("-c")
+        .arg(&conf_path)
+        .arg("-p")
+        .arg(&nginx_dir)
+        .arg("-e")
+        .arg(nginx_dir.join("error.log"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let process = Process::spawn("nginx", &mut command)?;
+    super::wait_until_ok(port, "/health", "nginx", Duration::from_secs(20))?;
+    Ok((process, port))
+}
+
+/// Sends one streaming request and counts the `data:` events of the answer.
+fn count_sse_events(port: u16) -> Result<usize, String> {
+    let body = format!(
+        r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":{STREAM_CHUNKS},"stream":true}}"#
+    );
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream =
+        TcpStream::connect(("127.0.0.1", port)).map_err(|error| format!("port {port}: {error}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|error| error.to_string())?;
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|error| format!("port {port}: {error}"))?;
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .map_err(|error| format!("port {port}: {error}"))?;
+    let text = String::from_utf8_lossy(&answer);
+    Ok(text.matches("data: ").count())
+}
+
+struct Measured {
+    runs: Vec<WrkRun>,
+    cpu_us_per_request: Vec<f64>,
+}
+
+fn summarize(name: String, measured: &Measured) -> Row {
+    let throughput: Vec<f64> = measured.runs.iter().map(WrkRun::throughput_rps).collect();
+    let p50: Vec<f64> = measured.runs.iter().map(|r| r.p50_ms).collect();
+    let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
+    let errors: u64 = measured.runs.iter().map(|r| r.errors).sum();
+    let mut row = Row::new(name)
+        .num("throughput_rps", median(&throughput))
+        .num("p50_ms", median(&p50))
+        .num("p99_ms", median(&p99));
+    if !measured.cpu_us_per_request.is_empty() {
+        row = row.num("cpu_us_per_request", median(&measured.cpu_us_per_request));
+    }
+    row.int("errors", errors)
+        .int("runs", measured.runs.len() as u64)
+        .num("spread", spread(&throughput))
+}
+
+/// One wrk run against `path`, with the proxy's CPU per request.
+fn measure_once(
+    proxies: &[(Path4, Proxy)],
+    path: Path4,
+    target: &Target,
+    script: &Path,
+    duration_s: u64,
+    into: &mut Measured,
+) -> Result<(), String> {
+    let proxy = proxies
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map(|(_, proxy)| proxy);
+    let before = proxy.and_then(Proxy::cpu_s);
+    let run = wrk::run(script, target, duration_s)?;
+    let after = proxy.and_then(Proxy::cpu_s);
+    if let (Some(before), Some(after)) = (before, after)
+        && run.requests > 0
+    {
+        into.cpu_us_per_request
+            .push((after - before) * 1e6 / run.requests as f64);
+    }
+    eprintln!(
+        "xtask:    {:<12} {:>9.0} req/s  p50 {:>7.3} ms  p99 {:>7.3} ms  errors {}",
+        path.name(),
+        run.throughput_rps(),
+        run.p50_ms,
+        run.p99_ms,
+        run.errors
+    );
+    into.runs.push(run);
+    Ok(())
+}
+
+pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<String>), String> {
+    eprintln!("xtask: == proxy overhead: engine-sim canned ×{UPSTREAMS}, direct / router / nginx");
+    let mut notes = Vec::new();
+    let (_engines, ports) = start_engines(UPSTREAMS, STREAM_CHUNKS)?;
+    let (round_robin, rr_port) = start_router("round_robin", &ports, None)?;
+    let (least_load, ll_port) = start_router("least_load", &ports, None)?;
+    let (nginx, nginx_port) = start_nginx(out_dir, &ports)?;
+    let proxies = [
+        (
+            Path4::RoundRobin,
+            Proxy {
+                process: round_robin,
+                port: rr_port,
+                with_children: false,
+            },
+        ),
+        (
+            Path4::LeastLoad,
+            Proxy {
+                process: least_load,
+                port: ll_port,
+                with_children: false,
+            },
+        ),
+        (
+            Path4::Nginx,
+            Proxy {
+                process: nginx,
+                port: nginx_port,
+                with_children: true,
+            },
+        ),
+    ];
+    let target = |path: Path4| match proxies.iter().find(|(p, _)| *p == path) {
+        Some((_, proxy)) => Target::Port(proxy.port),
+        None => Target::Spread(ports.clone()),
+    };
+
+    // Every path streams the whole answer.
+    let mut checks = Vec::new();
+    for path in Path4::ALL {
+        let port = match target(path) {
+            Target::Port(port) => port,
+            Target::Spread(_) => ports.first().copied().ok_or("no upstream")?,
+        };
+        checks.push(format!("{} {}", path.name(), count_sse_events(port)?));
+    }
+    notes.push(format!(
+        "Upstream: one engine-sim process, `serve --flavour sglang --mode canned --count 4 --canned-tokens {STREAM_CHUNKS}`: every answer at once; a streaming answer is {STREAM_CHUNKS} token events plus the final event and `[DONE]` (`data:` events counted through each path: {}).",
+        checks.join(", ")
+    ));
+    notes.push(format!(
+        "Pinning (`taskset`): wrk and engine-sim share core {LOAD_CORE}; the proxy under test has core {PROXY_CORE} to itself (the router's tokio runtime sees one core and runs one worker thread; nginx runs one worker process). All three proxies stay up for the whole section and the runs are interleaved (direct, round_robin, least_load, nginx, then again), so drift on the shared machine hits them alike; the idle proxies only poll loads. `direct`: one wrk with one thread per upstream (4 threads × 16 connections, an even spread), so it measures what core {LOAD_CORE} alone can drive: a proxy at `vs_direct` ≈ 1 is not the bottleneck."
+    ));
+    notes.push(
+        "nginx: `least_conn` over the same 4 upstreams, `keepalive 128` upstream connections, HTTP/1.1 upstream, `proxy_buffering off` and `proxy_request_buffering off`, access log off; config under target/bench/nginx/.".to_owned(),
+    );
+
+    let mut rows = Vec::new();
+    for mode in Mode::ALL {
+        eprintln!("xtask: == saturation, {}", mode.name());
+        let mut measured: Vec<(Path4, Measured)> = Vec::new();
+        let mut scripts = Vec::new();
+        for path in Path4::ALL {
+            let target = target(path);
+            let script = wrk::script(out_dir, mode, &target, None)?;
+            // Warm-up: connections, pools, caches.
+            wrk::run(&script, &target, 1)?;
+            scripts.push((path, target, script));
+            measured.push((
+                path,
+                Measured {
+                    runs: Vec::new(),
+                    cpu_us_per_request: Vec::new(),
+                },
+            ));
+        }
+        for run in 0..options.runs {
+            eprintln!("xtask:  run {}/{}", run + 1, options.runs);
+            for ((path, target, script), (_, into)) in scripts.iter().zip(measured.iter_mut()) {
+                measure_once(&proxies, *path, target, script, options.duration_s, into)?;
+            }
+        }
+        let mode_rows: Vec<Row> = measured
+            .iter()
+            .map(|(path, m)| summarize(format!("proxy/{}/{}", path.name(), mode.name()), m))
+            .collect();
+        let throughput = |path: Path4| {
+            find(
+                &mode_rows,
+                &format!("proxy/{}/{}", path.name(), mode.name()),
+            )
+            .and_then(|row| row.get("throughput_rps"))
+            .unwrap_or(f64::NAN)
+        };
+        let direct = throughput(Path4::Direct);
+        let nginx_rps = throughput(Path4::Nginx);
+        for row in mode_rows {
+            let own = row.get("throughput_rps").unwrap_or(f64::NAN);
+            rows.push(
+                row.num("vs_direct", own / direct)
+                    .num("vs_nginx", own / nginx_rps),
+            );
+        }
+    }
+
+    // Latency at half the router's saturation throughput.
+    for mode in Mode::ALL {
+        let saturation = find(&rows, &format!("proxy/least_load/{}", mode.name()))
+            .and_then(|row| row.get("throughput_rps"))
+            .unwrap_or(f64::NAN);
+        if !saturation.is_finite() || saturation <= 0.0 {
+            continue;
+        }
+        let rate = saturation / 2.0;
+        eprintln!(
+            "xtask: == {} at {rate:.0} req/s (50% of least_load's saturation)",
+            mode.name()
+        );
+        let paths = [Path4::LeastLoad, Path4::Nginx];
+        let mut measured: Vec<(Path4, Target, std::path::PathBuf, Measured)> = Vec::new();
+        for path in paths {
+            let target = target(path);
+            let script = wrk::script(out_dir, mode, &target, Some(rate))?;
+            measured.push((
+                path,
+                target,
+                script,
+                Measured {
+                    runs: Vec::new(),
+                    cpu_us_per_request: Vec::new(),
+                },
+            ));
+        }
+        for run in 0..options.runs {
+            eprintln!("xtask:  run {}/{}", run + 1, options.runs);
+            for (path, target, script, into) in &mut measured {
+                measure_once(&proxies, *path, target, script, options.duration_s, into)?;
+            }
+        }
+        let half_rows: Vec<Row> = measured
+            .iter()
+            .map(|(path, _, _, m)| {
+                summarize(format!("half-load/{}/{}", path.name(), mode.name()), m)
+                    .num("offered_rps", rate)
+            })
+            .collect();
+        let nginx_p99 = half_rows
+            .iter()
+            .find(|row| row.name.starts_with("half-load/nginx/"))
+            .and_then(|row| row.get("p99_ms"))
+            .unwrap_or(f64::NAN);
+        for row in half_rows {
+            let own = row.get("p99_ms").unwrap_or(f64::NAN);
+            rows.push(row.num("p99_vs_nginx", own / nginx_p99));
+        }
+    }
+    notes.push(
+        "Half load: wrk2 is not packaged in Debian (bookworm has only `wrk`), so the rate is held with wrk's Lua `delay()`: each of the 64 connections waits 64/rate s (dithered to whole ms) before each request, a closed loop with think time. wrk's latency clock starts when the request is sent, after the delay, so it is the response time at that offered load; achieved req/s is reported next to the paced rate. Coordinated omission is not corrected (it matters little at 50% load).".to_owned(),
+    );
+    notes.push(
+        "`cpu_us_per_request`: the proxy's user+system CPU (`/proc/<pid>/stat`; nginx: master + worker) over the run divided by the requests; 10 ms tick resolution, so ±1% at these run lengths.".to_owned(),
+    );
+    Ok((rows, notes))
+}
