@@ -180,6 +180,8 @@ pub struct WorkerMetrics {
     pub poll_duration: Histogram,
     pub poll_failures: Counter,
     pub healthy: Gauge,
+    /// `requests_total{status="200"}`, the common case, resolved up front.
+    pub requests_ok: Counter,
 }
 
 impl WorkerMetrics {
@@ -198,10 +200,21 @@ impl WorkerMetrics {
             poll_duration: metrics.poll_duration.get_or_create(&label).clone(),
             poll_failures: metrics.poll_failures.get_or_create(&label).clone(),
             healthy: metrics.healthy.get_or_create(&label).clone(),
+            requests_ok: metrics
+                .requests
+                .get_or_create(&RequestLabels {
+                    worker: url.to_owned(),
+                    status: "200".to_owned(),
+                })
+                .clone(),
         }
     }
 
     pub fn request_status(&self, metrics: &Metrics, status: &str) {
+        if status == "200" {
+            self.requests_ok.inc();
+            return;
+        }
         metrics
             .requests
             .get_or_create(&RequestLabels {

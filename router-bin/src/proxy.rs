@@ -103,18 +103,13 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
         }
     };
     let info = request_info(&parsed, app.config.request.chars_per_token);
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(|path| path.as_str().to_owned())
-        .unwrap_or_else(|| parts.uri.path().to_owned());
     let headers = forwardable(&parts.headers);
-    forward(app, path, headers, body, info, received_at).await
+    forward(app, &parts.uri, headers, body, info, received_at).await
 }
 
 async fn forward(
     app: Arc<App>,
-    path: String,
+    uri: &axum::http::Uri,
     headers: HeaderMap,
     body: Bytes,
     info: RequestInfo,
@@ -155,10 +150,17 @@ async fn forward(
         if attempt > 0 {
             app.metrics.retries.inc();
         }
+        let Some(url) = worker.url_for(uri.path(), uri.query()) else {
+            // Config validation rejects such URLs; a worker added some other
+            // way is skipped rather than trusted.
+            tracing::warn!(worker = %worker.url, "worker URL does not parse; skipping it");
+            tried.push(worker.id);
+            continue;
+        };
         let tracker = RequestTracker::new(guard, worker.clone(), received_at);
         let mut upstream = app
             .client
-            .post(format!("{}{}", worker.url, path))
+            .post(url)
             .headers(headers.clone())
             .body(body.clone());
         if let Some(key) = &worker.api_key {
@@ -299,6 +301,7 @@ impl Stream for TrackedBody {
                 let streaming = self.streaming;
                 if streaming
                     && let Some(tracker) = self.tracker.as_mut()
+                    && !tracker.guard.first_token_seen()
                     && contains_sse_data(&chunk)
                 {
                     tracker.first_token();

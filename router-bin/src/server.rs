@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 use crate::app::App;
@@ -91,6 +92,13 @@ pub async fn serve(
         shutdown.await;
         let _ = stopping_tx.send(true);
     };
+    // Streams are many small writes: without TCP_NODELAY, Nagle holds each
+    // one back until the client's (delayed) ACK of the previous, up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted connection");
+        }
+    });
     let server = axum::serve(
         listener,
         routes(app).into_make_service_with_connect_info::<SocketAddr>(),

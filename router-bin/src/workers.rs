@@ -15,6 +15,9 @@ pub struct Worker {
     pub id: WorkerId,
     /// HTTP address requests travel to, without a trailing slash.
     pub url: String,
+    /// `url`, parsed once: the request path joins it without re-parsing the
+    /// host on every request. `None` if it does not parse.
+    base_url: Option<reqwest::Url>,
     pub backend: String,
     pub load_url: Option<String>,
     pub api_key: Option<String>,
@@ -60,9 +63,11 @@ impl Worker {
         source: Arc<dyn LoadSource>,
         metrics: WorkerMetrics,
     ) -> Worker {
+        let url = url.trim_end_matches('/').to_owned();
         Worker {
             id,
-            url: url.trim_end_matches('/').to_owned(),
+            base_url: reqwest::Url::parse(&url).ok(),
+            url,
             backend,
             load_url,
             api_key,
@@ -78,6 +83,21 @@ impl Worker {
             in_flight: AtomicU64::new(0),
             latest_load: Mutex::new(None),
         }
+    }
+
+    /// The worker's URL for a request path (`/v1/chat/completions`) and query.
+    pub fn url_for(&self, path: &str, query: Option<&str>) -> Option<reqwest::Url> {
+        let mut url = self.base_url.clone()?;
+        // A worker behind a path prefix (`http://h/engine-a`) keeps it.
+        let prefix = url.path().trim_end_matches('/');
+        if prefix.is_empty() {
+            url.set_path(path);
+        } else {
+            let joined = format!("{prefix}{path}");
+            url.set_path(&joined);
+        }
+        url.set_query(query);
+        Some(url)
     }
 
     pub fn info(&self) -> WorkerInfo {
@@ -276,6 +296,29 @@ mod tests {
     use super::*;
     use crate::metrics::Metrics;
     use policy_core::MockLoadSource;
+
+    #[test]
+    fn request_urls_join_the_worker_address() {
+        let at = |base: &str| {
+            let mut worker = worker();
+            worker.base_url = reqwest::Url::parse(base).ok();
+            worker
+        };
+        let plain = at("http://10.0.0.1:30000");
+        assert_eq!(
+            plain
+                .url_for("/v1/chat/completions", None)
+                .unwrap()
+                .as_str(),
+            "http://10.0.0.1:30000/v1/chat/completions"
+        );
+        let prefixed = at("http://h:8000/engine-a/");
+        assert_eq!(
+            prefixed.url_for("/generate", Some("x=1")).unwrap().as_str(),
+            "http://h:8000/engine-a/generate?x=1"
+        );
+        assert!(at("not a url").url_for("/generate", None).is_none());
+    }
 
     fn worker() -> Worker {
         let metrics = Metrics::new();

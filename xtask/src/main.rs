@@ -211,6 +211,7 @@ fn start_engines(flavour: &str, extra: &[&str]) -> Result<(Process, Vec<EngineUr
         .args(["serve", "--flavour", flavour, "--count", "1"])
         .args(["--base-port", "0", "--grpc-base-port", "0"])
         .args(extra)
+        .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     let mut process = Process::spawn(&format!("engine-sim ({flavour})"), &mut command)?;
