@@ -53,13 +53,6 @@ impl RankKey for i64 {
     }
 }
 
-/// A score, then a secondary key for exact ties.
-impl RankKey for (f64, i64) {
-    fn is_rankable(&self) -> bool {
-        self.0.is_finite()
-    }
-}
-
 /// Argmin over keyed items with ties broken uniformly at random (reservoir
 /// sampling), never first-index-wins. Non-finite scores never win.
 #[derive(Debug)]

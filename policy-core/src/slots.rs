@@ -5,7 +5,11 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use arc_swap::{ArcSwap, Guard};
+use parking_lot::Mutex;
 
 use crate::{PollMark, WorkerId, WorkerInfo, WorkerStats};
 
@@ -20,18 +24,27 @@ pub struct Slot<S> {
 
 /// Per-worker state in a vector indexed by [`WorkerId::slot`].
 ///
-/// Adding and removing workers take the write lock (rare); selections take the
-/// read lock, which never waits on other selections. State that selections
-/// change lives behind atomics or per-worker locks inside `S`.
+/// Selections read a published snapshot of the vector (`arc-swap`): taking
+/// one writes no memory that other threads read, so concurrent selections do
+/// not bounce a lock word between cores. Adding and removing workers (rare)
+/// copy the vector of `Arc`s, edit it and publish it; the per-worker state is
+/// shared between versions, and state that selections change lives behind
+/// atomics or per-worker locks inside `S`.
+/// One published version of the slots: index = [`WorkerId::slot`].
+type SlotVec<S> = Vec<Option<Arc<Slot<S>>>>;
+
 #[derive(Debug)]
 pub struct WorkerSlots<S> {
-    slots: RwLock<Vec<Option<Slot<S>>>>,
+    slots: ArcSwap<SlotVec<S>>,
+    /// Serializes writers, so no edit is lost between copy and publish.
+    writer: Mutex<()>,
 }
 
 impl<S> Default for WorkerSlots<S> {
     fn default() -> WorkerSlots<S> {
         WorkerSlots {
-            slots: RwLock::new(Vec::new()),
+            slots: ArcSwap::from_pointee(Vec::new()),
+            writer: Mutex::new(()),
         }
     }
 }
@@ -43,36 +56,43 @@ impl<S> WorkerSlots<S> {
 
     /// Registers a worker, replacing whatever occupied its slot.
     pub fn insert(&self, id: WorkerId, info: WorkerInfo, state: S) {
-        let mut slots = self.slots.write();
+        let _writer = self.writer.lock();
+        let mut slots = Vec::clone(&self.slots.load());
         if slots.len() <= id.slot() {
             slots.resize_with(id.slot() + 1, || None);
         }
-        slots[id.slot()] = Some(Slot { id, info, state });
+        slots[id.slot()] = Some(Arc::new(Slot { id, info, state }));
+        self.slots.store(Arc::new(slots));
     }
 
     /// Unregisters a worker; an id of an earlier generation removes nothing.
-    pub fn remove(&self, id: WorkerId) -> Option<Slot<S>> {
-        let mut slots = self.slots.write();
-        let entry = slots.get_mut(id.slot())?;
-        if entry.as_ref().is_some_and(|slot| slot.id == id) {
-            entry.take()
-        } else {
-            None
+    pub fn remove(&self, id: WorkerId) -> Option<Arc<Slot<S>>> {
+        let _writer = self.writer.lock();
+        let current = self.slots.load_full();
+        let registered = current.get(id.slot())?.as_ref()?;
+        if registered.id != id {
+            return None;
         }
+        let mut slots = Vec::clone(&current);
+        let removed = slots[id.slot()].take();
+        self.slots.store(Arc::new(slots));
+        removed
     }
 
     /// A read view for one selection (or one explain).
     pub fn read(&self) -> SlotsView<'_, S> {
         SlotsView {
-            slots: self.slots.read(),
+            slots: self.slots.load(),
+            owner: PhantomData,
         }
     }
 }
 
-/// A read-locked view of the slots.
+/// A snapshot of the slots, valid while it is held.
 #[derive(Debug)]
 pub struct SlotsView<'a, S> {
-    slots: RwLockReadGuard<'a, Vec<Option<Slot<S>>>>,
+    slots: Guard<Arc<SlotVec<S>>>,
+    owner: PhantomData<&'a WorkerSlots<S>>,
 }
 
 impl<S> SlotsView<'_, S> {
@@ -80,12 +100,12 @@ impl<S> SlotsView<'_, S> {
     pub fn get(&self, id: WorkerId) -> Option<&Slot<S>> {
         self.slots
             .get(id.slot())
-            .and_then(Option::as_ref)
+            .and_then(Option::as_deref)
             .filter(|slot| slot.id == id)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Slot<S>> {
-        self.slots.iter().flatten()
+        self.slots.iter().flatten().map(Arc::as_ref)
     }
 }
 

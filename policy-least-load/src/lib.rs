@@ -18,6 +18,16 @@
 //! - `throughput`: the reported generation rate, else `default_throughput`;
 //! - `k`: KV-cache usage, a barrier that steers away from near-full workers.
 //!
+//! Scores within `tie_tolerance_secs` (default 10 ms) of the best are ties,
+//! and a tie goes to the worker this router dispatched to least recently
+//! (never-dispatched first, then a uniform draw). The snapshot terms are up
+//! to a poll interval old, so smaller differences are noise; chasing them
+//! herds every request onto whichever worker looked emptiest at the last
+//! poll, while least-recent dispatch spaces arrivals as evenly as round robin.
+//! On uniform traffic this takes p99 TTFT from 0.059 s to 0.038 s at 0.9
+//! utilization (round robin: 0.038 s) and leaves size-skew unchanged
+//! (`cargo xtask sim`).
+//!
 //! Workers with no fresh report are scored on their pending work alone at the
 //! candidates' nominal rate; with no report anywhere the policy is
 //! join-shortest-queue on pending tokens. An optional cap

@@ -101,6 +101,57 @@ struct Scored<'v> {
     score_secs: f64,
 }
 
+/// The candidates of one selection that may be within the tie tolerance of
+/// its lowest score, on the stack: a selection allocates nothing.
+struct NearTies<'v> {
+    entries: [Option<Scored<'v>>; NearTies::CAPACITY],
+    len: usize,
+    /// More near-ties than fit: the caller scores every candidate again.
+    overflowed: bool,
+}
+
+impl Default for NearTies<'_> {
+    fn default() -> Self {
+        NearTies {
+            entries: [None; NearTies::CAPACITY],
+            len: 0,
+            overflowed: false,
+        }
+    }
+}
+
+impl<'v> NearTies<'v> {
+    const CAPACITY: usize = 32;
+
+    /// Keeps `scored` if it is within `within_secs`, the lowest score so far
+    /// plus the tolerance. The lowest score only falls, so what is outside
+    /// now stays outside; kept entries it leaves behind are dropped when room
+    /// is needed.
+    fn offer(&mut self, scored: Scored<'v>, within_secs: f64) {
+        if self.overflowed || scored.score_secs > within_secs {
+            return;
+        }
+        if self.len == Self::CAPACITY {
+            let mut kept = 0;
+            for index in 0..self.len {
+                if let Some(entry) = self.entries[index]
+                    && entry.score_secs <= within_secs
+                {
+                    self.entries[kept] = Some(entry);
+                    kept += 1;
+                }
+            }
+            self.len = kept;
+        }
+        if self.len == Self::CAPACITY {
+            self.overflowed = true;
+            return;
+        }
+        self.entries[self.len] = Some(scored);
+        self.len += 1;
+    }
+}
+
 impl LeastLoad {
     /// A policy with validated knobs.
     pub fn new(
@@ -268,6 +319,11 @@ impl LeastLoad {
     /// equal-wait workers that spaces each one's arrivals as evenly as round
     /// robin does, where chasing sub-tolerance differences in poll-borne terms
     /// would herd requests onto one worker until the next poll.
+    ///
+    /// One pass scores every candidate and keeps those that may end up within
+    /// the tolerance of the final lowest score; a second pass over only those
+    /// picks the oldest. More near-ties than [`NearTies`] holds (a large idle
+    /// fleet) fall back to scoring every candidate again.
     fn argmin<'v>(
         &self,
         view: &'v SlotsView<'_, WorkerState>,
@@ -276,10 +332,8 @@ impl LeastLoad {
     ) -> Option<Scored<'v>> {
         let tolerance_secs = self.params.tie_tolerance_secs;
         let mut fleet = None;
-        // Exact order: (score, last dispatch). With no tolerance it is the
-        // answer in one pass; otherwise it gives the lowest score, and the
-        // fallback should every candidate's score rise between the passes.
-        let mut exact = ArgMin::new();
+        let mut lowest: Option<Scored<'v>> = None;
+        let mut near = NearTies::default();
         for id in candidates {
             let Some(slot) = view.get(*id) else {
                 continue;
@@ -289,42 +343,46 @@ impl LeastLoad {
             else {
                 continue;
             };
-            exact.offer(
-                (slot, score_secs),
-                (score_secs, slot.state.last_dispatch.nanos()),
-                &self.rng,
-            );
-        }
-        let ((best_slot, best_secs), _) = exact.best()?;
-        if tolerance_secs == 0.0 {
-            return Some(Scored {
-                slot: best_slot,
-                score_secs: best_secs,
-            });
-        }
-        let within_secs = best_secs + tolerance_secs;
-        let mut oldest = ArgMin::new();
-        for id in candidates {
-            let Some(slot) = view.get(*id) else {
+            // A NaN or infinite score never wins (the scorer clamps, so this
+            // is a second line of defence).
+            if !score_secs.is_finite() {
                 continue;
-            };
-            let Some(score_secs) =
-                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
-            else {
-                continue;
-            };
-            if score_secs <= within_secs {
-                oldest.offer(
-                    (slot, score_secs),
-                    slot.state.last_dispatch.nanos(),
-                    &self.rng,
-                );
             }
+            if lowest.is_none_or(|lowest| score_secs < lowest.score_secs) {
+                lowest = Some(Scored { slot, score_secs });
+            }
+            let lowest_secs = lowest.map_or(score_secs, |lowest| lowest.score_secs);
+            near.offer(Scored { slot, score_secs }, lowest_secs + tolerance_secs);
         }
-        let (slot, score_secs) = oldest
-            .best()
-            .map_or((best_slot, best_secs), |(best, _)| best);
-        Some(Scored { slot, score_secs })
+        let lowest = lowest?;
+        let within_secs = lowest.score_secs + tolerance_secs;
+        let mut oldest = ArgMin::new();
+        let mut offer = |scored: Scored<'v>| {
+            if scored.score_secs <= within_secs {
+                oldest.offer(scored, scored.slot.state.last_dispatch.nanos(), &self.rng);
+            }
+        };
+        if near.overflowed {
+            for id in candidates {
+                let Some(slot) = view.get(*id) else {
+                    continue;
+                };
+                if let Some(score_secs) =
+                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+                {
+                    offer(Scored { slot, score_secs });
+                }
+            }
+        } else {
+            near.entries[..near.len]
+                .iter()
+                .copied()
+                .flatten()
+                .for_each(offer);
+        }
+        // Every score may have risen between the passes (concurrent credits):
+        // then the lowest of the first pass stands.
+        Some(oldest.best().map_or(lowest, |(scored, _)| scored))
     }
 
     /// Two distinct uniform samples, decided by the same scorer; the whole

@@ -559,6 +559,40 @@ fn a_zero_tolerance_keeps_the_strict_argmin() {
 }
 
 #[test]
+fn near_ties_are_exact_past_the_stack_buffer() {
+    // Scores fall along the candidate list (worker i: (39 − i) × 10 tokens at
+    // 2000 tok/s = (39 − i) × 5 ms), so every candidate is briefly a near-tie
+    // and the buffer must drop the ones the falling minimum leaves behind.
+    // Only workers 37, 38 and 39 end within 10 ms of the lowest (0 s).
+    let (policy, ids) = fleet(40);
+    let t0 = Instant::now();
+    for (index, id) in ids.iter().enumerate() {
+        let queued = (39 - index as i64) * 10;
+        report(&policy, *id, &load(Some(queued), 1, Some(2000.0), 0.0), t0);
+    }
+    let order = dispatch_order(&policy, &ids, t0, 6);
+    let mut first_round = order[..3].to_vec();
+    first_round.sort();
+    assert_eq!(first_round, ids[37..].to_vec(), "{order:?}");
+    assert_eq!(order[3..], order[..3], "{order:?}");
+}
+
+#[test]
+fn a_large_idle_fleet_is_cycled_through_whole() {
+    // 48 tied workers: more near-ties than the stack buffer holds.
+    let (policy, ids) = fleet(48);
+    let t0 = Instant::now();
+    for id in &ids {
+        report(&policy, *id, &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    }
+    let order = dispatch_order(&policy, &ids, t0, 96);
+    let mut first_round = order[..48].to_vec();
+    first_round.sort();
+    assert_eq!(first_round, ids, "each worker once before any twice");
+    assert_eq!(order[48..], order[..48], "then the same cycle");
+}
+
+#[test]
 fn a_difference_beyond_the_tolerance_is_never_a_tie() {
     let (policy, ids) = fleet(2);
     let t0 = Instant::now();
