@@ -59,6 +59,12 @@ pub struct LeastLoadParams {
     /// and chasing them herds requests onto whichever worker looked emptiest
     /// at the last poll. 0 keeps exact ties only. Finite, ≥ 0.
     pub tie_tolerance_secs: f64,
+    /// Divide by the worker's reported generation rate (the spec); `false`
+    /// divides every worker's work by `default_throughput`. The reported rate
+    /// is a decode rate that rises with a worker's batch, so under bursts a
+    /// busy worker looks fast and draws more: `cargo xtask sim` shows `false`
+    /// matching the oracle on `bursty`, where `true` trails round robin.
+    pub use_reported_throughput: bool,
 }
 
 impl Default for LeastLoadParams {
@@ -70,6 +76,7 @@ impl Default for LeastLoadParams {
             max_waiting_requests: 0,
             inflight: InflightMode::Pending,
             tie_tolerance_secs: 0.01,
+            use_reported_throughput: true,
         }
     }
 }
@@ -99,6 +106,7 @@ impl LeastLoadParams {
             "max_waiting_requests": self.max_waiting_requests,
             "inflight": self.inflight.as_str(),
             "tie_tolerance_secs": self.tie_tolerance_secs,
+            "use_reported_throughput": self.use_reported_throughput,
         })
     }
 }
@@ -115,6 +123,7 @@ struct RawParams {
     max_waiting_requests: i64,
     inflight: String,
     tie_tolerance_secs: f64,
+    use_reported_throughput: bool,
 }
 
 impl Default for RawParams {
@@ -132,6 +141,7 @@ impl From<LeastLoadParams> for RawParams {
             max_waiting_requests: i64::try_from(params.max_waiting_requests).unwrap_or(i64::MAX),
             inflight: params.inflight.as_str().to_owned(),
             tie_tolerance_secs: params.tie_tolerance_secs,
+            use_reported_throughput: params.use_reported_throughput,
         }
     }
 }
@@ -210,6 +220,7 @@ impl RawParams {
             max_waiting_requests,
             inflight,
             tie_tolerance_secs: self.tie_tolerance_secs,
+            use_reported_throughput: self.use_reported_throughput,
         })
     }
 }
@@ -233,6 +244,7 @@ mod tests {
         assert_eq!(defaults.max_waiting_requests, 0);
         assert_eq!(defaults.inflight, InflightMode::Pending);
         assert_eq!(defaults.tie_tolerance_secs, 0.01);
+        assert!(defaults.use_reported_throughput);
     }
 
     #[test]
@@ -244,6 +256,7 @@ mod tests {
             "max_waiting_requests": 8,
             "inflight": "since_poll",
             "tie_tolerance_secs": 0.0,
+            "use_reported_throughput": false,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -255,6 +268,7 @@ mod tests {
                 max_waiting_requests: 8,
                 inflight: InflightMode::SincePoll,
                 tie_tolerance_secs: 0.0,
+                use_reported_throughput: false,
             }
         );
         // The section round-trips.

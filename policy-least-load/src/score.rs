@@ -154,7 +154,11 @@ impl SnapshotTerms {
             ),
         };
         let default_tps = valid_throughput(params.default_throughput).unwrap_or(1.0);
-        let (throughput_tps, throughput) = match load.throughput_tps.and_then(valid_throughput) {
+        let reported_tps = load
+            .throughput_tps
+            .filter(|_| params.use_reported_throughput)
+            .and_then(valid_throughput);
+        let (throughput_tps, throughput) = match reported_tps {
             Some(tps) => (tps, ThroughputSource::Reported),
             None => (default_tps, ThroughputSource::Default),
         };

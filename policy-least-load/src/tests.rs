@@ -106,6 +106,26 @@ fn throughput_normalizes_the_queue() {
 }
 
 #[test]
+fn without_reported_throughput_every_worker_drains_at_the_default() {
+    let params = LeastLoadParams {
+        use_reported_throughput: false,
+        default_throughput: 1000.0,
+        ..LeastLoadParams::default()
+    };
+    let (policy, ids) = fleet_with(Pick::LeastLoad, params, 2);
+    let t0 = Instant::now();
+    // The same reports as `throughput_normalizes_the_queue`, which picks
+    // worker 0 for its rate; here both drain at 1000 tok/s: 3 s against 2 s.
+    report(&policy, ids[0], &load(Some(3000), 3, Some(3000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(2000), 2, Some(1000.0), 0.0), t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    assert_eq!(score(&table, ids[0]), 3.0, "{table}");
+    assert_eq!(score(&table, ids[1]), 2.0, "{table}");
+    assert_eq!(table.value(ids[0], "throughput_tps"), Some(1000.0));
+    assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[1]);
+}
+
+#[test]
 fn the_kv_barrier_avoids_a_near_full_worker() {
     let (policy, ids) = fleet(2);
     let t0 = Instant::now();

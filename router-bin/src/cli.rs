@@ -58,6 +58,9 @@ pub struct Cli {
     /// Scores this close to the best are ties, won by the least recently used.
     #[arg(long)]
     pub least_load_tie_tolerance_secs: Option<f64>,
+    /// `false` divides every worker's work by the default throughput.
+    #[arg(long)]
+    pub least_load_use_reported_throughput: Option<bool>,
 
     #[arg(long)]
     pub power_of_two_kv_pressure_weight: Option<f64>,
@@ -71,6 +74,8 @@ pub struct Cli {
     pub power_of_two_inflight: Option<String>,
     #[arg(long)]
     pub power_of_two_tie_tolerance_secs: Option<f64>,
+    #[arg(long)]
+    pub power_of_two_use_reported_throughput: Option<bool>,
 }
 
 impl Cli {
@@ -116,6 +121,7 @@ impl Cli {
                     self.least_load_max_waiting_requests,
                     &self.least_load_inflight,
                     self.least_load_tie_tolerance_secs,
+                    self.least_load_use_reported_throughput,
                 ),
             ),
             (
@@ -127,10 +133,19 @@ impl Cli {
                     self.power_of_two_max_waiting_requests,
                     &self.power_of_two_inflight,
                     self.power_of_two_tie_tolerance_secs,
+                    self.power_of_two_use_reported_throughput,
                 ),
             ),
         ] {
-            let (weight, throughput, mean_prefill, max_waiting, inflight, tie_tolerance) = knobs;
+            let (
+                weight,
+                throughput,
+                mean_prefill,
+                max_waiting,
+                inflight,
+                tie_tolerance,
+                use_reported_throughput,
+            ) = knobs;
             set(
                 &format!("policy.{policy}.kv_pressure_weight"),
                 weight.map(Into::into),
@@ -154,6 +169,10 @@ impl Cli {
             set(
                 &format!("policy.{policy}.tie_tolerance_secs"),
                 tie_tolerance.map(Into::into),
+            );
+            set(
+                &format!("policy.{policy}.use_reported_throughput"),
+                use_reported_throughput.map(Into::into),
             );
         }
         let workers = self

@@ -70,6 +70,10 @@ pub fn build_policy(
         PolicyName::LeastLoadSincePoll => {
             ("least_load", serde_json::json!({"inflight": "since_poll"}))
         }
+        PolicyName::LeastLoadFixedRate => (
+            "least_load",
+            serde_json::json!({"use_reported_throughput": false}),
+        ),
         other => (other.as_str(), serde_json::Value::Null),
     };
     registry

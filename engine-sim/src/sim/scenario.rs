@@ -70,18 +70,22 @@ pub enum PolicyName {
     LeastLoad,
     /// `least_load` with `inflight = "since_poll"`.
     LeastLoadSincePoll,
+    /// `least_load` with `use_reported_throughput = false`: every worker's
+    /// work divided by `default_throughput`.
+    LeastLoadFixedRate,
     /// The spec's reference: least true uncached prefill seconds, ties at random.
     Oracle,
 }
 
 impl PolicyName {
-    pub const ALL: [PolicyName; 7] = [
+    pub const ALL: [PolicyName; 8] = [
         PolicyName::Random,
         PolicyName::RoundRobin,
         PolicyName::LeastRequests,
         PolicyName::PowerOfTwo,
         PolicyName::LeastLoad,
         PolicyName::LeastLoadSincePoll,
+        PolicyName::LeastLoadFixedRate,
         PolicyName::Oracle,
     ];
 
@@ -98,6 +102,7 @@ impl PolicyName {
             PolicyName::PowerOfTwo => "power_of_two",
             PolicyName::LeastLoad => "least_load",
             PolicyName::LeastLoadSincePoll => "least_load_since_poll",
+            PolicyName::LeastLoadFixedRate => "least_load_fixed_rate",
             PolicyName::Oracle => "oracle",
         }
     }
