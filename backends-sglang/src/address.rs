@@ -1,8 +1,7 @@
-//! Address checks shared by the factories.
+//! The HTTP address check of the factories (gRPC load addresses are
+//! checked by `policy_core::grpc_authority`).
 
-use policy_core::{BackendError, BackendSpec};
-use tonic::codegen::http::Uri;
-use tonic::transport::Endpoint;
+use policy_core::BackendError;
 
 /// Checks an HTTP base address (`http://host:port[/prefix]`) and removes any
 /// trailing `/`.
@@ -32,87 +31,10 @@ pub(crate) fn http_base(raw: &str) -> Result<String, BackendError> {
     Ok(url.as_str().trim_end_matches('/').to_owned())
 }
 
-/// The separate load address a gRPC backend requires.
-pub(crate) fn required_load_url<'s>(
-    backend: &str,
-    spec: &'s BackendSpec,
-) -> Result<&'s str, BackendError> {
-    spec.load_url
-        .as_deref()
-        .ok_or_else(|| BackendError::MissingLoadUrl {
-            backend: backend.to_owned(),
-        })
-}
-
-/// The gRPC endpoint of a `grpc://host:port` load address.
-pub(crate) fn grpc_endpoint(url: &str) -> Result<Endpoint, BackendError> {
-    let invalid = |reason| BackendError::InvalidAddress {
-        url: url.to_owned(),
-        reason,
-    };
-    let authority = url
-        .strip_prefix("grpc://")
-        .ok_or_else(|| invalid("expected grpc://host:port"))?;
-    let authority = authority.strip_suffix('/').unwrap_or(authority);
-    if authority.is_empty() || authority.contains(['/', '?', '#', '@']) {
-        return Err(invalid("expected grpc://host:port"));
-    }
-    let uri: Uri = format!("http://{authority}")
-        .parse()
-        .map_err(|_| invalid("not a valid host:port"))?;
-    if uri.host().is_none_or(str::is_empty) {
-        return Err(invalid("missing host"));
-    }
-    match authority.rsplit_once(':').map(|(_, port)| port) {
-        None => return Err(invalid("missing port")),
-        Some(port) if port.contains(']') => return Err(invalid("missing port")),
-        Some(port) if port.parse::<u16>().is_err() => return Err(invalid("invalid port")),
-        Some(_) => {}
-    }
-    Ok(Endpoint::from(uri))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn grpc(url: &str) -> Result<String, BackendError> {
-        grpc_endpoint(url).map(|endpoint| endpoint.uri().to_string())
-    }
-
-    #[test]
-    fn grpc_addresses() {
-        assert_eq!(
-            grpc("grpc://10.0.0.1:30001").unwrap(),
-            "http://10.0.0.1:30001/"
-        );
-        assert!(grpc("grpc://host:1/").is_ok());
-        assert!(grpc("grpc://[::1]:50051").is_ok());
-        for (bad, reason) in [
-            ("http://host:1", "expected grpc://host:port"),
-            ("grpc://", "expected grpc://host:port"),
-            ("grpc://host", "missing port"),
-            ("grpc://host:1/path", "expected grpc://host:port"),
-            ("grpc://host:notaport", "invalid port"),
-            ("grpc://host:70000", "invalid port"),
-            ("grpc://[::1]", "missing port"),
-            ("grpc://bad host:1", "not a valid host:port"),
-        ] {
-            match grpc(bad) {
-                Err(BackendError::InvalidAddress { url, reason: got }) => {
-                    assert_eq!(url, bad);
-                    assert_eq!(got, reason, "{bad}");
-                }
-                other => panic!("{bad}: {other:?}"),
-            }
-        }
-        let spec = BackendSpec::new("http://w:1");
-        let missing = required_load_url("sglang-grpc", &spec);
-        assert!(matches!(
-            missing,
-            Err(BackendError::MissingLoadUrl { backend }) if backend == "sglang-grpc"
-        ));
-    }
+    use policy_core::BackendSpec;
 
     #[test]
     fn http_addresses() {

@@ -48,7 +48,13 @@ impl SglangGrpcLoadSource {
     /// with [`BackendError::Client`] for an API key that cannot be metadata.
     /// No connection is made here.
     pub fn new(url: &str, options: &SourceOptions) -> Result<SglangGrpcLoadSource, BackendError> {
-        let endpoint = crate::address::grpc_endpoint(url)?;
+        let authority = policy_core::grpc_authority(url)?;
+        let endpoint = Endpoint::from_shared(format!("http://{authority}")).map_err(|_| {
+            BackendError::InvalidAddress {
+                url: url.to_owned(),
+                reason: "not a valid host:port",
+            }
+        })?;
         let authorization = bearer(url, options)?;
         Ok(SglangGrpcLoadSource {
             endpoint: endpoint

@@ -101,7 +101,7 @@ pub fn register(registry: &mut BackendRegistry) {
         Ok(Arc::new(source) as Arc<dyn LoadSource>)
     });
     registry.register(GRPC_BACKEND, |spec| {
-        let url = address::required_load_url(GRPC_BACKEND, spec)?;
+        let url = spec.required_load_url(GRPC_BACKEND)?;
         let source = SglangGrpcLoadSource::new(url, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)
     });

@@ -54,7 +54,13 @@ impl TokenspeedGrpcLoadSource {
         url: &str,
         options: &SourceOptions,
     ) -> Result<TokenspeedGrpcLoadSource, BackendError> {
-        let endpoint = crate::address::grpc_endpoint(url)?;
+        let authority = policy_core::grpc_authority(url)?;
+        let endpoint = Endpoint::from_shared(format!("http://{authority}")).map_err(|_| {
+            BackendError::InvalidAddress {
+                url: url.to_owned(),
+                reason: "not a valid host:port",
+            }
+        })?;
         let authorization = options
             .api_key
             .as_ref()

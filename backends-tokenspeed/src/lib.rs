@@ -44,7 +44,6 @@
 //! # Ok::<(), policy_core::BackendError>(())
 //! ```
 
-mod address;
 mod convert;
 mod grpc;
 
@@ -73,7 +72,7 @@ pub const BACKEND: &str = "tokenspeed";
 /// Registers `tokenspeed`: the load address is required, `grpc://host:port`.
 pub fn register(registry: &mut BackendRegistry) {
     registry.register(BACKEND, |spec| {
-        let url = address::required_load_url(BACKEND, spec)?;
+        let url = spec.required_load_url(BACKEND)?;
         let source = TokenspeedGrpcLoadSource::new(url, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)
     });

@@ -87,17 +87,12 @@ impl VllmGrpcLoadSource {
     /// Builds the source for a `grpc://host:port` load address. Nothing is
     /// connected until the first poll.
     pub fn new(spec: &BackendSpec) -> Result<VllmGrpcLoadSource, BackendError> {
-        let url = spec
-            .load_url
-            .clone()
-            .ok_or_else(|| BackendError::MissingLoadUrl {
-                backend: GRPC_KIND.to_owned(),
-            })?;
-        let authority = grpc_authority(&url)?;
+        let url = spec.required_load_url(GRPC_KIND)?.to_owned();
+        let authority = policy_core::grpc_authority(&url)?;
         let endpoint = Endpoint::from_shared(format!("http://{authority}"))
             .map_err(|_| BackendError::InvalidAddress {
                 url: url.clone(),
-                reason: "expected grpc://host:port",
+                reason: "not a valid host:port",
             })?
             .connect_timeout(spec.options.deadline);
         let authorization = spec
@@ -223,71 +218,5 @@ impl LoadSource for VllmGrpcLoadSource {
 
     fn load_url(&self) -> &str {
         &self.url
-    }
-}
-
-/// `grpc://host:port[/]` → `host:port`, checked.
-fn grpc_authority(url: &str) -> Result<&str, BackendError> {
-    let invalid = |reason| BackendError::InvalidAddress {
-        url: url.to_owned(),
-        reason,
-    };
-    let authority = url
-        .strip_prefix("grpc://")
-        .ok_or_else(|| invalid("expected grpc://host:port"))?;
-    let authority = authority.strip_suffix('/').unwrap_or(authority);
-    if authority.contains(['/', '?', '#', '@']) {
-        return Err(invalid("expected grpc://host:port with no path"));
-    }
-    let (host, port) = authority
-        .rsplit_once(':')
-        .ok_or_else(|| invalid("missing port"))?;
-    if host.is_empty() || host == "[]" {
-        return Err(invalid("missing host"));
-    }
-    match port.parse::<u16>() {
-        Ok(port) if port > 0 => Ok(authority),
-        _ => Err(invalid("invalid port")),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_addresses_are_checked() {
-        assert_eq!(
-            grpc_authority("grpc://127.0.0.1:50051").unwrap(),
-            "127.0.0.1:50051"
-        );
-        assert_eq!(
-            grpc_authority("grpc://engine-0:9000/").unwrap(),
-            "engine-0:9000"
-        );
-        assert_eq!(grpc_authority("grpc://[::1]:9000").unwrap(), "[::1]:9000");
-        for (url, reason) in [
-            ("http://127.0.0.1:50051", "expected grpc://host:port"),
-            ("127.0.0.1:50051", "expected grpc://host:port"),
-            ("grpc://127.0.0.1", "missing port"),
-            ("grpc://:50051", "missing host"),
-            ("grpc://h:0", "invalid port"),
-            ("grpc://h:70000", "invalid port"),
-            ("grpc://h:port", "invalid port"),
-            (
-                "grpc://h:1/v1/loads",
-                "expected grpc://host:port with no path",
-            ),
-        ] {
-            match grpc_authority(url) {
-                Err(BackendError::InvalidAddress {
-                    url: got,
-                    reason: why,
-                }) => {
-                    assert_eq!((got.as_str(), why), (url, reason));
-                }
-                other => panic!("{url}: {other:?}"),
-            }
-        }
     }
 }

@@ -56,7 +56,7 @@ pub use dispatch::{Clock, Dispatch, DispatchGuard, PollMark, tokio_now};
 pub use error::{BackendError, BoxError, LoadError, PolicyError};
 #[cfg(any(test, feature = "mocks"))]
 pub use load_source::MockLoadSource;
-pub use load_source::{BackendSpec, LoadSource, SourceOptions};
+pub use load_source::{BackendSpec, LoadSource, SourceOptions, grpc_authority};
 #[cfg(any(test, feature = "mocks"))]
 pub use policy::MockPolicy;
 pub use policy::{Policy, PolicyContext, WorkerStats};
