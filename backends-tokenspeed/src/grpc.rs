@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use load_protocols::WorkerLoad;
-use policy_core::{BackendError, LoadError, LoadSource, SourceOptions};
-use tonic::metadata::{AsciiMetadataValue, MetadataValue};
+use policy_core::{BackendError, LoadError, LoadSource, SourceOptions, grpc};
+use tonic::Code;
+use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
 
 use crate::proto::GetLoadsRequest;
 use crate::proto::token_speed_scheduler_client::TokenSpeedSchedulerClient;
@@ -54,28 +54,8 @@ impl TokenspeedGrpcLoadSource {
         url: &str,
         options: &SourceOptions,
     ) -> Result<TokenspeedGrpcLoadSource, BackendError> {
-        let authority = policy_core::grpc_authority(url)?;
-        let endpoint = Endpoint::from_shared(format!("http://{authority}")).map_err(|_| {
-            BackendError::InvalidAddress {
-                url: url.to_owned(),
-                reason: "not a valid host:port",
-            }
-        })?;
-        let authorization = options
-            .api_key
-            .as_ref()
-            .map(|key| {
-                MetadataValue::try_from(format!("Bearer {key}")).map(|mut value| {
-                    // Kept out of Debug output and logs.
-                    value.set_sensitive(true);
-                    value
-                })
-            })
-            .transpose()
-            .map_err(|source| BackendError::Client {
-                url: url.to_owned(),
-                source: source.into(),
-            })?;
+        let endpoint = grpc::grpc_endpoint(url)?;
+        let authorization = grpc::bearer_metadata(url, options.api_key.as_deref())?;
         Ok(TokenspeedGrpcLoadSource {
             endpoint: endpoint
                 .connect_timeout(options.deadline)
@@ -95,30 +75,6 @@ impl TokenspeedGrpcLoadSource {
                     .max_decoding_message_size(self.body_limit_bytes)
             })
             .clone()
-    }
-
-    fn status_error(&self, status: Status) -> LoadError {
-        let url = self.url.clone();
-        match status.code() {
-            Code::Unimplemented => LoadError::Unsupported {
-                url,
-                what: "GetLoads",
-            },
-            Code::OutOfRange if status.message().contains("message length too large") => {
-                LoadError::BodyTooLarge {
-                    url,
-                    limit_bytes: self.body_limit_bytes,
-                }
-            }
-            Code::Unavailable if is_connect_failure(&status) => LoadError::Connect {
-                url,
-                source: status.into(),
-            },
-            _ => LoadError::Grpc {
-                url,
-                source: status.into(),
-            },
-        }
     }
 }
 
@@ -143,13 +99,20 @@ impl LoadSource for TokenspeedGrpcLoadSource {
                 });
             }
             Ok(Err(status)) if status.code() == Code::DeadlineExceeded => return Ok(None),
-            Ok(Err(status)) if is_own_timeout(&status) => {
+            Ok(Err(status)) if grpc::is_own_timeout(&status) => {
                 return Err(LoadError::Timeout {
                     url: self.url.clone(),
                     deadline: self.deadline,
                 });
             }
-            Ok(Err(status)) => return Err(self.status_error(status)),
+            Ok(Err(status)) => {
+                return Err(grpc::status_load_error(
+                    &self.url,
+                    "GetLoads",
+                    self.body_limit_bytes,
+                    status,
+                ));
+            }
             Ok(Ok(response)) => response.into_inner(),
         };
         worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
@@ -164,49 +127,5 @@ impl LoadSource for TokenspeedGrpcLoadSource {
 
     fn load_url(&self) -> &str {
         &self.url
-    }
-}
-
-/// Whether tonic made this status from a failed connection rather than
-/// receiving it from a server.
-fn is_connect_failure(status: &Status) -> bool {
-    caused_by(status, |error| {
-        error.is::<tonic::ConnectError>() || error.is::<std::io::Error>()
-    })
-}
-
-/// Whether tonic made this (`CANCELLED`) status because the endpoint's own
-/// request timeout expired.
-fn is_own_timeout(status: &Status) -> bool {
-    caused_by(status, |error| error.is::<tonic::TimeoutExpired>())
-}
-
-fn caused_by(status: &Status, test: impl Fn(&(dyn std::error::Error + 'static)) -> bool) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(error) = source {
-        if test(error) {
-            return true;
-        }
-        source = error.source();
-    }
-    false
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn statuses_made_by_tonic_are_told_from_server_statuses() {
-        let own = Status::from_error(Box::new(tonic::TimeoutExpired(())));
-        assert_eq!(own.code(), Code::Cancelled);
-        assert!(is_own_timeout(&own));
-        assert!(!is_own_timeout(&Status::cancelled("Timeout expired")));
-
-        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-        let connect = Status::from_error(Box::new(tonic::ConnectError(Box::new(refused))));
-        assert_eq!(connect.code(), Code::Unavailable);
-        assert!(is_connect_failure(&connect));
-        assert!(!is_connect_failure(&Status::unavailable("draining")));
     }
 }

@@ -8,8 +8,7 @@ use async_trait::async_trait;
 use load_protocols::{
     LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, throughput_from_proto3,
 };
-use policy_core::{BackendError, BackendSpec, LoadError, LoadSource};
-use tonic::metadata::MetadataValue;
+use policy_core::{BackendError, BackendSpec, LoadError, LoadSource, grpc};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
@@ -80,7 +79,7 @@ pub struct VllmGrpcLoadSource {
     channel: OnceLock<Channel>,
     deadline: Duration,
     body_limit_bytes: usize,
-    authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
+    authorization: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
 impl VllmGrpcLoadSource {
@@ -88,26 +87,8 @@ impl VllmGrpcLoadSource {
     /// connected until the first poll.
     pub fn new(spec: &BackendSpec) -> Result<VllmGrpcLoadSource, BackendError> {
         let url = spec.required_load_url(GRPC_KIND)?.to_owned();
-        let authority = policy_core::grpc_authority(&url)?;
-        let endpoint = Endpoint::from_shared(format!("http://{authority}"))
-            .map_err(|_| BackendError::InvalidAddress {
-                url: url.clone(),
-                reason: "not a valid host:port",
-            })?
-            .connect_timeout(spec.options.deadline);
-        let authorization = spec
-            .options
-            .api_key
-            .as_ref()
-            .map(|key| {
-                MetadataValue::try_from(format!("Bearer {key}")).map_err(|source| {
-                    BackendError::Client {
-                        url: url.clone(),
-                        source: Box::new(source),
-                    }
-                })
-            })
-            .transpose()?;
+        let endpoint = grpc::grpc_endpoint(&url)?.connect_timeout(spec.options.deadline);
+        let authorization = grpc::bearer_metadata(&url, spec.options.api_key.as_deref())?;
         Ok(VllmGrpcLoadSource {
             url,
             endpoint,
@@ -145,55 +126,21 @@ impl VllmGrpcLoadSource {
 
     fn status_error(&self, status: Status) -> LoadError {
         // tonic turns its own deadline (the `grpc-timeout` we set) into
-        // CANCELLED and a failed connection into UNAVAILABLE; the cause stays
-        // in the source chain, which tells them from statuses a server sent.
-        if status.code() == Code::DeadlineExceeded || caused_by::<tonic::TimeoutExpired>(&status) {
+        // CANCELLED; the cause stays in the source chain, which tells it from
+        // a status a server sent.
+        if status.code() == Code::DeadlineExceeded || grpc::is_own_timeout(&status) {
             return LoadError::Timeout {
                 url: self.url.clone(),
                 deadline: self.deadline,
             };
         }
-        if caused_by::<tonic::ConnectError>(&status) {
-            return LoadError::Connect {
-                url: self.url.clone(),
-                source: Box::new(status),
-            };
-        }
-        // The client's own size check (`max_decoding_message_size`), which
-        // tonic reports with this message and no source.
-        if status.code() == Code::OutOfRange
-            && status
-                .message()
-                .starts_with("Error, decoded message length too large")
-        {
-            return LoadError::BodyTooLarge {
-                url: self.url.clone(),
-                limit_bytes: self.body_limit_bytes,
-            };
-        }
-        if status.code() == Code::Unimplemented {
-            return LoadError::Unsupported {
-                url: self.url.clone(),
-                what: "vllm.grpc.engine.VllmEngine/GetLoads",
-            };
-        }
-        LoadError::Grpc {
-            url: self.url.clone(),
-            source: Box::new(status),
-        }
+        grpc::status_load_error(
+            &self.url,
+            "vllm.grpc.engine.VllmEngine/GetLoads",
+            self.body_limit_bytes,
+            status,
+        )
     }
-}
-
-/// Whether an error of type `T` is somewhere in the status's source chain.
-fn caused_by<T: std::error::Error + 'static>(status: &Status) -> bool {
-    let mut cause = std::error::Error::source(status);
-    while let Some(error) = cause {
-        if error.is::<T>() {
-            return true;
-        }
-        cause = error.source();
-    }
-    false
 }
 
 #[async_trait]

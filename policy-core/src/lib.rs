@@ -41,6 +41,8 @@
 mod baseline;
 mod dispatch;
 mod error;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 mod load_source;
 mod policy;
 mod poll;

@@ -1,0 +1,164 @@
+//! What every gRPC (tonic) load source shares, behind the `grpc` feature:
+//! the endpoint of a `grpc://` load address, the bearer token as metadata,
+//! and a failed call's status as a [`LoadError`].
+
+use tonic::metadata::{AsciiMetadataValue, MetadataValue};
+use tonic::transport::Endpoint;
+use tonic::{Code, Status};
+
+use crate::{BackendError, LoadError, grpc_authority};
+
+/// The endpoint of a `grpc://host:port` load address; no connection is made.
+pub fn grpc_endpoint(url: &str) -> Result<Endpoint, BackendError> {
+    let authority = grpc_authority(url)?;
+    Endpoint::from_shared(format!("http://{authority}")).map_err(|_| BackendError::InvalidAddress {
+        url: url.to_owned(),
+        reason: "not a valid host:port",
+    })
+}
+
+/// `Bearer <api_key>` as metadata, marked sensitive so that it stays out of
+/// Debug output and logs.
+pub fn bearer_metadata(
+    url: &str,
+    api_key: Option<&str>,
+) -> Result<Option<AsciiMetadataValue>, BackendError> {
+    api_key
+        .map(|key| {
+            MetadataValue::try_from(format!("Bearer {key}")).map(|mut value| {
+                value.set_sensitive(true);
+                value
+            })
+        })
+        .transpose()
+        .map_err(|source| BackendError::Client {
+            url: url.to_owned(),
+            source: source.into(),
+        })
+}
+
+/// A failed call as a [`LoadError`]: `UNIMPLEMENTED` is unsupported (`what`
+/// names the RPC), the client's own size check is an oversized body, a
+/// failed connection is a connect error, anything else a gRPC error.
+/// `DEADLINE_EXCEEDED` and [`is_own_timeout`] are each backend's to read.
+pub fn status_load_error(
+    url: &str,
+    what: &'static str,
+    body_limit_bytes: usize,
+    status: Status,
+) -> LoadError {
+    let url = url.to_owned();
+    match status.code() {
+        Code::Unimplemented => LoadError::Unsupported { url, what },
+        // tonic's `max_decoding_message_size` check, reported with this
+        // message and no source.
+        Code::OutOfRange if status.message().contains("message length too large") => {
+            LoadError::BodyTooLarge {
+                url,
+                limit_bytes: body_limit_bytes,
+            }
+        }
+        Code::Unavailable if is_connect_failure(&status) => LoadError::Connect {
+            url,
+            source: status.into(),
+        },
+        _ => LoadError::Grpc {
+            url,
+            source: status.into(),
+        },
+    }
+}
+
+/// Whether tonic made this status from a failed connection rather than
+/// receiving it from a server.
+fn is_connect_failure(status: &Status) -> bool {
+    caused_by(status, |error| {
+        error.is::<tonic::ConnectError>() || error.is::<std::io::Error>()
+    })
+}
+
+/// Whether tonic made this (`CANCELLED`) status because the endpoint's own
+/// request timeout expired.
+pub fn is_own_timeout(status: &Status) -> bool {
+    caused_by(status, |error| error.is::<tonic::TimeoutExpired>())
+}
+
+fn caused_by(status: &Status, test: impl Fn(&(dyn std::error::Error + 'static)) -> bool) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if test(error) {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_made_by_tonic_are_told_from_server_statuses() {
+        let own = Status::from_error(Box::new(tonic::TimeoutExpired(())));
+        assert_eq!(own.code(), Code::Cancelled);
+        assert!(is_own_timeout(&own));
+        assert!(!is_own_timeout(&Status::cancelled("Timeout expired")));
+
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let connect = Status::from_error(Box::new(tonic::ConnectError(Box::new(refused))));
+        assert_eq!(connect.code(), Code::Unavailable);
+        assert!(matches!(
+            status_load_error("grpc://h:1", "GetLoads", 10, connect),
+            LoadError::Connect { .. }
+        ));
+        assert!(matches!(
+            status_load_error(
+                "grpc://h:1",
+                "GetLoads",
+                10,
+                Status::unavailable("draining")
+            ),
+            LoadError::Grpc { .. }
+        ));
+        assert!(matches!(
+            status_load_error("grpc://h:1", "GetLoads", 10, Status::unimplemented("")),
+            LoadError::Unsupported {
+                what: "GetLoads",
+                ..
+            }
+        ));
+        let too_large = Status::out_of_range("Error, decoded message length too large: 99");
+        assert!(matches!(
+            status_load_error("grpc://h:1", "GetLoads", 10, too_large),
+            LoadError::BodyTooLarge {
+                limit_bytes: 10,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn the_bearer_token_is_sensitive_metadata() {
+        let value = bearer_metadata("grpc://h:1", Some("k")).unwrap().unwrap();
+        assert!(value.is_sensitive());
+        assert_eq!(value.to_str().unwrap(), "Bearer k");
+        assert!(bearer_metadata("grpc://h:1", None).unwrap().is_none());
+        assert!(matches!(
+            bearer_metadata("grpc://h:1", Some("bad\nkey")),
+            Err(BackendError::Client { .. })
+        ));
+    }
+
+    #[test]
+    fn endpoints_come_from_grpc_addresses() {
+        assert_eq!(
+            grpc_endpoint("grpc://10.0.0.1:30001")
+                .unwrap()
+                .uri()
+                .to_string(),
+            "http://10.0.0.1:30001/"
+        );
+        assert!(grpc_endpoint("http://10.0.0.1:30001").is_err());
+    }
+}
