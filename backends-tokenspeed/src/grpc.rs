@@ -6,7 +6,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use load_protocols::WorkerLoad;
 use policy_core::{BackendError, LoadError, LoadSource, SourceOptions, grpc};
-use tonic::Code;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
 
@@ -91,29 +90,15 @@ impl LoadSource for TokenspeedGrpcLoadSource {
                 .insert("authorization", authorization.clone());
         }
         let mut client = self.client();
-        let response = match tokio::time::timeout(self.deadline, client.get_loads(request)).await {
-            Err(_elapsed) => {
-                return Err(LoadError::Timeout {
-                    url: self.url.clone(),
-                    deadline: self.deadline,
-                });
-            }
-            Ok(Err(status)) if status.code() == Code::DeadlineExceeded => return Ok(None),
-            Ok(Err(status)) if grpc::is_own_timeout(&status) => {
-                return Err(LoadError::Timeout {
-                    url: self.url.clone(),
-                    deadline: self.deadline,
-                });
-            }
-            Ok(Err(status)) => {
-                return Err(grpc::status_load_error(
-                    &self.url,
-                    "GetLoads",
-                    self.body_limit_bytes,
-                    status,
-                ));
-            }
-            Ok(Ok(response)) => response.into_inner(),
+        let rpc = grpc::LoadRpc {
+            url: &self.url,
+            what: "GetLoads",
+            deadline: self.deadline,
+            body_limit_bytes: self.body_limit_bytes,
+            deadline_exceeded_is_no_report: true,
+        };
+        let Some(response) = rpc.call(client.get_loads(request)).await? else {
+            return Ok(None);
         };
         worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
             url: self.url.clone(),

@@ -10,7 +10,7 @@ use load_protocols::{
 };
 use policy_core::{BackendError, BackendSpec, LoadError, LoadSource, grpc};
 use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
 
 use crate::proto::vllm_engine_client::VllmEngineClient;
 use crate::proto::{GetLoadsRequest, GetLoadsResponse, SchedulerLoad};
@@ -99,7 +99,7 @@ impl VllmGrpcLoadSource {
         })
     }
 
-    async fn get_loads(&self) -> Result<GetLoadsResponse, Status> {
+    async fn get_loads(&self) -> Result<tonic::Response<GetLoadsResponse>, Status> {
         // `connect_lazy` spawns onto the runtime, so it waits for the first
         // poll rather than running in the (synchronous) factory.
         let channel = self
@@ -118,41 +118,23 @@ impl VllmGrpcLoadSource {
                 .metadata_mut()
                 .insert("authorization", value.clone());
         }
-        client
-            .get_loads(request)
-            .await
-            .map(tonic::Response::into_inner)
-    }
-
-    fn status_error(&self, status: Status) -> LoadError {
-        // tonic turns its own deadline (the `grpc-timeout` we set) into
-        // CANCELLED; the cause stays in the source chain, which tells it from
-        // a status a server sent.
-        if status.code() == Code::DeadlineExceeded || grpc::is_own_timeout(&status) {
-            return LoadError::Timeout {
-                url: self.url.clone(),
-                deadline: self.deadline,
-            };
-        }
-        grpc::status_load_error(
-            &self.url,
-            "vllm.grpc.engine.VllmEngine/GetLoads",
-            self.body_limit_bytes,
-            status,
-        )
+        client.get_loads(request).await
     }
 }
 
 #[async_trait]
 impl LoadSource for VllmGrpcLoadSource {
     async fn fetch(&self) -> Result<Option<WorkerLoad>, LoadError> {
-        let response = tokio::time::timeout(self.deadline, self.get_loads())
-            .await
-            .map_err(|_elapsed| LoadError::Timeout {
-                url: self.url.clone(),
-                deadline: self.deadline,
-            })?
-            .map_err(|status| self.status_error(status))?;
+        let rpc = grpc::LoadRpc {
+            url: &self.url,
+            what: "vllm.grpc.engine.VllmEngine/GetLoads",
+            deadline: self.deadline,
+            body_limit_bytes: self.body_limit_bytes,
+            deadline_exceeded_is_no_report: false,
+        };
+        let Some(response) = rpc.call(self.get_loads()).await? else {
+            return Ok(None);
+        };
         worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
             url: self.url.clone(),
             source,

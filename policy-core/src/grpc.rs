@@ -2,6 +2,9 @@
 //! the endpoint of a `grpc://` load address, the bearer token as metadata,
 //! and a failed call's status as a [`LoadError`].
 
+use std::future::Future;
+use std::time::Duration;
+
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
 use tonic::transport::Endpoint;
 use tonic::{Code, Status};
@@ -37,10 +40,61 @@ pub fn bearer_metadata(
         })
 }
 
+/// One load RPC's target, for [`LoadRpc::call`]'s failure handling.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadRpc<'a> {
+    pub url: &'a str,
+    /// The RPC's name in [`LoadError::Unsupported`].
+    pub what: &'static str,
+    pub deadline: Duration,
+    pub body_limit_bytes: usize,
+    /// A server-sent `DEADLINE_EXCEEDED` means "no report this time"
+    /// (TokenSpeed) rather than a timed-out poll.
+    pub deadline_exceeded_is_no_report: bool,
+}
+
+impl LoadRpc<'_> {
+    /// Awaits `call` for at most the deadline: its reply, `None` for a
+    /// server-sent `DEADLINE_EXCEEDED` when that means no report, or the
+    /// failure as a [`LoadError`] (our deadline, tonic's own timeout and a
+    /// server's `DEADLINE_EXCEEDED` are [`LoadError::Timeout`]; the rest as
+    /// [`status_load_error`]).
+    pub async fn call<T>(
+        &self,
+        call: impl Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<Option<T>, LoadError> {
+        let timeout = || LoadError::Timeout {
+            url: self.url.to_owned(),
+            deadline: self.deadline,
+        };
+        match tokio::time::timeout(self.deadline, call).await {
+            Err(_elapsed) => Err(timeout()),
+            Ok(Ok(response)) => Ok(Some(response.into_inner())),
+            Ok(Err(status))
+                if status.code() == Code::DeadlineExceeded
+                    && self.deadline_exceeded_is_no_report =>
+            {
+                Ok(None)
+            }
+            Ok(Err(status))
+                if status.code() == Code::DeadlineExceeded || is_own_timeout(&status) =>
+            {
+                Err(timeout())
+            }
+            Ok(Err(status)) => Err(status_load_error(
+                self.url,
+                self.what,
+                self.body_limit_bytes,
+                status,
+            )),
+        }
+    }
+}
+
 /// A failed call as a [`LoadError`]: `UNIMPLEMENTED` is unsupported (`what`
 /// names the RPC), the client's own size check is an oversized body, a
 /// failed connection is a connect error, anything else a gRPC error.
-/// `DEADLINE_EXCEEDED` and [`is_own_timeout`] are each backend's to read.
+/// Timeouts are [`LoadRpc::call`]'s to read.
 pub fn status_load_error(
     url: &str,
     what: &'static str,
@@ -79,7 +133,7 @@ fn is_connect_failure(status: &Status) -> bool {
 
 /// Whether tonic made this (`CANCELLED`) status because the endpoint's own
 /// request timeout expired.
-pub fn is_own_timeout(status: &Status) -> bool {
+fn is_own_timeout(status: &Status) -> bool {
     caused_by(status, |error| error.is::<tonic::TimeoutExpired>())
 }
 
@@ -135,6 +189,42 @@ mod tests {
                 limit_bytes: 10,
                 ..
             }
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_maps_deadlines_by_the_backend_s_reading() {
+        let rpc = LoadRpc {
+            url: "grpc://h:1",
+            what: "GetLoads",
+            deadline: Duration::from_millis(500),
+            body_limit_bytes: 10,
+            deadline_exceeded_is_no_report: false,
+        };
+        let reply = async { Ok(tonic::Response::new(7u8)) };
+        assert_eq!(rpc.call(reply).await.unwrap(), Some(7));
+        let never = std::future::pending::<Result<tonic::Response<u8>, Status>>();
+        assert!(matches!(
+            rpc.call(never).await,
+            Err(LoadError::Timeout { .. })
+        ));
+        let exceeded = || async { Err::<tonic::Response<u8>, _>(Status::deadline_exceeded("")) };
+        assert!(matches!(
+            rpc.call(exceeded()).await,
+            Err(LoadError::Timeout { .. })
+        ));
+        let no_report = LoadRpc {
+            deadline_exceeded_is_no_report: true,
+            ..rpc
+        };
+        assert_eq!(no_report.call(exceeded()).await.unwrap(), None);
+        let unimplemented = async { Err::<tonic::Response<u8>, _>(Status::unimplemented("")) };
+        assert!(matches!(
+            rpc.call(unimplemented).await,
+            Err(LoadError::Unsupported {
+                what: "GetLoads",
+                ..
+            })
         ));
     }
 
