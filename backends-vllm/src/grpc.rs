@@ -9,8 +9,8 @@ use load_protocols::{
     LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, throughput_from_proto3,
 };
 use policy_core::{BackendError, BackendSpec, LoadError, LoadSource, grpc};
-use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
 
 use crate::proto::vllm_engine_client::VllmEngineClient;
 use crate::proto::{GetLoadsRequest, GetLoadsResponse, SchedulerLoad};

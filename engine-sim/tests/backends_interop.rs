@@ -14,7 +14,9 @@ use load_protocols::WorkerLoad;
 use policy_core::{BackendRegistry, BackendSpec, LoadSource};
 use serde_json::json;
 
-const DEADLINE: Duration = Duration::from_secs(20);
+mod common;
+
+use common::poll_until;
 
 fn registry() -> BackendRegistry {
     let mut registry = BackendRegistry::new();
@@ -61,18 +63,8 @@ fn source(fleet: &SimFleet, backend: &str) -> Arc<dyn LoadSource> {
 
 /// Polls until a report shows waiting requests.
 async fn busy_report(source: &Arc<dyn LoadSource>) -> WorkerLoad {
-    tokio::time::timeout(DEADLINE, async {
-        loop {
-            if let Ok(Some(load)) = source.fetch().await
-                && load.waiting_requests() >= 1
-            {
-                return load;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("no busy report before the deadline")
+    let busy = |fetched: &Result<Option<WorkerLoad>, _>| matches!(fetched, Ok(Some(load)) if load.waiting_requests() >= 1);
+    poll_until(|| source.fetch(), busy).await.unwrap().unwrap()
 }
 
 async fn finish(fleet: SimFleet, requests: Vec<tokio::task::JoinHandle<()>>) {

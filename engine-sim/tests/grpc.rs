@@ -12,7 +12,9 @@ use backends_vllm::proto::vllm_engine_client::VllmEngineClient;
 use engine_sim::server::{self, FaultMode, Flavour, SimEngineConfig, SimFleet};
 use serde_json::json;
 
-const DEADLINE: Duration = Duration::from_secs(20);
+mod common;
+
+use common::{DEADLINE, poll_until};
 
 /// Starts one engine at real time (scale 1) and keeps it busy with four
 /// prompts of 10 000 tokens (1.25 s of prefill each), so that queued work is
@@ -43,24 +45,6 @@ async fn finish(fleet: SimFleet, requests: Vec<tokio::task::JoinHandle<()>>) {
     for request in requests {
         let _ = request.await;
     }
-}
-
-async fn poll_until<T, F, Fut>(mut poll: F, accept: impl Fn(&T) -> bool) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = T>,
-{
-    tokio::time::timeout(DEADLINE, async {
-        loop {
-            let value = poll().await;
-            if accept(&value) {
-                return value;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("condition not met before the deadline")
 }
 
 #[tokio::test]

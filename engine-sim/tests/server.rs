@@ -12,7 +12,9 @@ use futures::StreamExt;
 use load_protocols::WorkerLoad;
 use serde_json::{Value, json};
 
-const DEADLINE: Duration = Duration::from_secs(20);
+mod common;
+
+use common::{DEADLINE, poll_until};
 
 fn config(flavour: Flavour) -> SimEngineConfig {
     SimEngineConfig {
@@ -53,20 +55,6 @@ async fn sse_payloads(response: reqwest::Response) -> Vec<String> {
         .filter(|event| !event.is_empty())
         .map(|event| event.strip_prefix("data: ").unwrap().to_owned())
         .collect()
-}
-
-async fn wait_until<F, Fut>(mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    tokio::time::timeout(DEADLINE, async {
-        while !condition().await {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("condition not met before the deadline");
 }
 
 async fn stream_chat(client: &reqwest::Client, url: &str, max_tokens: u32) -> Vec<String> {
@@ -258,21 +246,24 @@ async fn loads_report_queued_prefill_work_while_busy() {
             .send();
         requests.push(tokio::spawn(request));
     }
-    wait_until(|| {
-        let client = client.clone();
-        let url = url.clone();
-        async move {
-            let load: WorkerLoad = client
-                .get(format!("{url}/v1/loads"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            load.queued_tokens().unwrap() > 20_000 && load.waiting_requests() >= 1
-        }
-    })
+    poll_until(
+        || {
+            let client = client.clone();
+            let url = url.clone();
+            async move {
+                let load: WorkerLoad = client
+                    .get(format!("{url}/v1/loads"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                load.queued_tokens().unwrap() > 20_000 && load.waiting_requests() >= 1
+            }
+        },
+        |ready| *ready,
+    )
     .await;
     let truth = fleet.snapshot(0).unwrap();
     assert!(truth.queued_prefill_tokens > 0);
@@ -568,11 +559,14 @@ async fn shutdown_is_clean_even_with_hung_requests() {
         }
     });
     // The request is in (the engine counts nothing: it never reached the model).
-    wait_until(|| {
-        let client = client.clone();
-        let url = url.clone();
-        async move { client.get(format!("{url}/health")).send().await.is_ok() }
-    })
+    poll_until(
+        || {
+            let client = client.clone();
+            let url = url.clone();
+            async move { client.get(format!("{url}/health")).send().await.is_ok() }
+        },
+        |ready| *ready,
+    )
     .await;
     tokio::time::timeout(DEADLINE, fleet.shutdown())
         .await

@@ -214,8 +214,16 @@ async fn size_skewed_traffic_spreads_by_work() {
             requests.push(tokio::spawn(async move {
                 stream_to_done(&client, &url, body).await
             }));
-            // Sent one after another, each while the earlier ones are still pending.
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            // One after another: the next is sent once this one is dispatched,
+            // while the earlier ones are still pending.
+            let dispatched = index as u64 + 1;
+            wait_until("the request is dispatched", || async {
+                let selections: u64 = (router.app.workers.all().iter())
+                    .map(|worker| worker.metrics.selections.get())
+                    .sum();
+                selections >= dispatched
+            })
+            .await;
         }
         for request in requests {
             request.await.unwrap().unwrap();
