@@ -415,22 +415,8 @@ impl LeastLoad {
         candidates: &[WorkerId],
         now_nanos: i64,
     ) -> Option<Scored<'v>> {
-        if let [only] = candidates {
-            // One candidate: nothing to compare, but the cap still applies
-            // (checked again under the ledger's lock when crediting).
-            let slot = view.get(*only)?;
-            let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
-            let stats = slot.state.ledger.stats();
-            let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
-            if !self.admits(others_waiting, stats) {
-                return None;
-            }
-            let fleet = self.fleet(std::iter::once(slot), now_nanos);
-            let score_secs = self
-                .breakdown(&slot.state, snapshot.as_ref(), stats, fleet)
-                .score_secs;
-            return Some(Scored { slot, score_secs });
-        }
+        // One candidate goes through the argmin too: the cap must still
+        // apply (and is checked again under the ledger's lock when crediting).
         match self.strategy {
             Strategy::LeastLoad => self.argmin(view, candidates, now_nanos),
             Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos),

@@ -89,9 +89,13 @@ impl GrpcEngine {
     }
 }
 
-/// Whether a request for `dp_rank` selects our single rank 0.
-fn wants_rank(dp_rank: Option<i32>) -> bool {
-    dp_rank.is_none_or(|rank| rank == 0)
+/// The ranks a request for `dp_rank` gets: our single rank 0, or none.
+fn requested_ranks<T>(dp_rank: Option<i32>, load: T) -> Vec<T> {
+    if dp_rank.is_none_or(|rank| rank == 0) {
+        vec![load]
+    } else {
+        Vec::new()
+    }
 }
 
 /// Malformed loads over gRPC: the bytes decode, the values are impossible.
@@ -139,11 +143,7 @@ impl sglang::sglang_scheduler_server::SglangScheduler for GrpcEngine {
             avg_throughput: load.gen_throughput,
             avg_utilization: load.utilization,
         };
-        let loads = if wants_rank(request.get_ref().dp_rank) {
-            vec![load]
-        } else {
-            Vec::new()
-        };
+        let loads = requested_ranks(request.get_ref().dp_rank, load);
         Ok(Response::new(sglang::GetLoadsResponse {
             timestamp: reports::rfc3339_now(),
             version: reports::SIM_VERSION.to_owned(),
@@ -188,11 +188,7 @@ impl vllm::vllm_engine_server::VllmEngine for GrpcEngine {
             FaultMode::NanLoads => load.token_usage = f64::NAN,
             _ => {}
         }
-        let loads = if wants_rank(request.get_ref().dp_rank) {
-            vec![load]
-        } else {
-            Vec::new()
-        };
+        let loads = requested_ranks(request.get_ref().dp_rank, load);
         Ok(Response::new(vllm::GetLoadsResponse {
             timestamp: reports::rfc3339_now(),
             version: reports::SIM_VERSION.to_owned(),
@@ -238,11 +234,7 @@ impl tokenspeed::token_speed_scheduler_server::TokenSpeedScheduler for GrpcEngin
             FaultMode::NanLoads => load.token_usage = f64::NAN,
             _ => {}
         }
-        let loads = if wants_rank(request.get_ref().dp_rank) {
-            vec![load]
-        } else {
-            Vec::new()
-        };
+        let loads = requested_ranks(request.get_ref().dp_rank, load);
         Ok(Response::new(tokenspeed::GetLoadsResponse {
             timestamp: reports::rfc3339_now(),
             version: reports::SIM_VERSION.to_owned(),
