@@ -153,9 +153,7 @@ impl App {
         tracing::info!(worker = %worker.url, in_flight = worker.in_flight(), "worker draining");
         let app = self.clone();
         tokio::spawn(async move {
-            while worker.in_flight() > 0 {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            worker.until_idle().await;
             let _topology = app.topology.lock().await;
             app.policy().remove_worker(id);
             app.workers.forget(id);

@@ -31,6 +31,8 @@ pub struct Worker {
     request_failures: AtomicU32,
     poll_failures: AtomicU32,
     in_flight: AtomicU64,
+    /// Woken when `in_flight` drops to 0, for a drain to finish.
+    idle: tokio::sync::Notify,
     latest_load: Mutex<Option<WorkerLoad>>,
 }
 
@@ -81,6 +83,7 @@ impl Worker {
             request_failures: AtomicU32::new(0),
             poll_failures: AtomicU32::new(0),
             in_flight: AtomicU64::new(0),
+            idle: tokio::sync::Notify::new(),
             latest_load: Mutex::new(None),
         }
     }
@@ -199,8 +202,23 @@ impl Worker {
     }
 
     pub fn request_ended(&self) {
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle.notify_waiters();
+        }
         self.metrics.in_flight.dec();
+    }
+
+    /// Returns once no request is in flight.
+    pub async fn until_idle(&self) {
+        loop {
+            // Registered before the check, so a request ending in between
+            // still wakes us.
+            let idle = self.idle.notified();
+            if self.in_flight() == 0 {
+                return;
+            }
+            idle.await;
+        }
     }
 }
 
@@ -296,6 +314,28 @@ mod tests {
     use super::*;
     use crate::metrics::Metrics;
     use policy_core::MockLoadSource;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_waits_for_the_last_request() {
+        let worker = Arc::new(worker());
+        worker.request_started();
+        worker.request_started();
+        let drained = tokio::spawn({
+            let worker = worker.clone();
+            async move { worker.until_idle().await }
+        });
+        tokio::task::yield_now().await;
+        worker.request_ended();
+        tokio::task::yield_now().await;
+        assert!(!drained.is_finished(), "one request is still in flight");
+        worker.request_ended();
+        tokio::time::timeout(std::time::Duration::from_secs(1), drained)
+            .await
+            .expect("the drain ends with the last request")
+            .unwrap();
+        // Already idle: returns at once.
+        worker.until_idle().await;
+    }
 
     #[test]
     fn request_urls_join_the_worker_address() {
