@@ -4,12 +4,10 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
 use load_protocols::{LoadsResponse, WorkerLoad};
 use parking_lot::Mutex;
+use policy_core::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use policy_core::{BackendError, LoadError, LoadSource, SourceOptions};
-use reqwest::StatusCode;
-use reqwest::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 
 use crate::{MetricsError, worker_load_from_loads_json, worker_load_from_metrics_text};
 
@@ -37,19 +35,19 @@ pub enum SglangHttpEndpoint {
 /// Each poll (both requests, if it falls back) runs under the deadline of
 /// [`SourceOptions`]; the body is read in chunks and abandoned past the body
 /// cap; the API key goes out as a bearer token; `/v1/loads` must answer JSON
-/// and `/metrics` text. An empty `loads` list is `Ok(None)`.
+/// and `/metrics` Prometheus text (or no content type). An empty `loads` list
+/// is `Ok(None)`. The request and its errors are
+/// [`ReportClient::get`](policy_core::http::ReportClient::get)'s.
 ///
 /// Proxies from the environment are not used: the router talks to its
 /// workers directly.
 #[derive(Debug)]
 pub struct SglangHttpLoadSource {
-    client: reqwest::Client,
+    client: ReportClient,
     base_url: String,
-    loads_url: String,
-    metrics_url: String,
+    loads_url: ReportUrl,
+    metrics_url: ReportUrl,
     deadline: Duration,
-    body_limit_bytes: usize,
-    authorization: Option<HeaderValue>,
     reprobe_every_polls: u32,
     detection: Mutex<Detection>,
 }
@@ -58,11 +56,6 @@ pub struct SglangHttpLoadSource {
 struct Detection {
     endpoint: SglangHttpEndpoint,
     polls_since_probe: u32,
-}
-
-enum Format {
-    Json,
-    Text,
 }
 
 impl SglangHttpLoadSource {
@@ -76,36 +69,23 @@ impl SglangHttpLoadSource {
         base_url: &str,
         options: &SourceOptions,
     ) -> Result<SglangHttpLoadSource, BackendError> {
-        let base_url = crate::address::http_base(base_url)?;
-        let client_error =
-            |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Client {
-                url: base_url.clone(),
-                source,
-            };
-        let authorization = options
-            .api_key
-            .as_ref()
-            .map(|key| {
-                HeaderValue::from_str(&format!("Bearer {key}")).map(|mut value| {
-                    value.set_sensitive(true);
-                    value
-                })
-            })
-            .transpose()
-            .map_err(|source| client_error(source.into()))?;
-        let client = reqwest::Client::builder()
-            .connect_timeout(options.deadline)
-            .no_proxy()
-            .build()
-            .map_err(|source| client_error(source.into()))?;
+        let base_url = http_base(base_url)?;
         Ok(SglangHttpLoadSource {
-            client,
-            loads_url: format!("{base_url}/v1/loads?include=core"),
-            metrics_url: format!("{base_url}/metrics"),
+            client: ReportClient::new(&base_url, options)?,
+            loads_url: ReportUrl::new(
+                &base_url,
+                "/v1/loads?include=core",
+                ReportFormat::Json,
+                "/v1/loads",
+            )?,
+            metrics_url: ReportUrl::new(
+                &base_url,
+                "/metrics",
+                ReportFormat::PrometheusText,
+                "/metrics",
+            )?,
             base_url,
             deadline: options.deadline,
-            body_limit_bytes: options.body_limit_bytes,
-            authorization,
             reprobe_every_polls: DEFAULT_REPROBE_EVERY_POLLS,
             detection: Mutex::new(Detection {
                 endpoint: SglangHttpEndpoint::Loads,
@@ -178,120 +158,40 @@ impl SglangHttpLoadSource {
     }
 
     async fn fetch_loads(&self) -> Result<Option<WorkerLoad>, LoadError> {
-        let body = self.get(&self.loads_url, Format::Json).await?;
+        let url = &self.loads_url;
+        let body = self.client.get(url).await?;
         let response: LoadsResponse =
             serde_json::from_slice(&body).map_err(|source| LoadError::Decode {
-                url: self.loads_url.clone(),
+                url: url.as_str().to_owned(),
                 source: source.into(),
             })?;
         worker_load_from_loads_json(response).map_err(|source| LoadError::Invalid {
-            url: self.loads_url.clone(),
+            url: url.as_str().to_owned(),
             source,
         })
     }
 
     async fn fetch_metrics(&self) -> Result<Option<WorkerLoad>, LoadError> {
-        let body = self.get(&self.metrics_url, Format::Text).await?;
+        let url = self.metrics_url.as_str();
+        let body = self.client.get(&self.metrics_url).await?;
         let text = std::str::from_utf8(&body).map_err(|source| LoadError::Decode {
-            url: self.metrics_url.clone(),
+            url: url.to_owned(),
             source: source.into(),
         })?;
         match worker_load_from_metrics_text(text) {
             Ok(load) => Ok(Some(load)),
             Err(MetricsError::Parse(source)) => Err(LoadError::Decode {
-                url: self.metrics_url.clone(),
+                url: url.to_owned(),
                 source: source.into(),
             }),
             Err(MetricsError::NoLoadGauges) => Err(LoadError::Unsupported {
-                url: self.metrics_url.clone(),
+                url: url.to_owned(),
                 what: "SGLang load gauges",
             }),
             Err(MetricsError::Invalid(source)) => Err(LoadError::Invalid {
-                url: self.metrics_url.clone(),
+                url: url.to_owned(),
                 source,
             }),
-        }
-    }
-
-    /// One GET: status, content type and a capped, streamed body.
-    async fn get(&self, url: &str, format: Format) -> Result<Bytes, LoadError> {
-        let accept = match format {
-            Format::Json => "application/json",
-            Format::Text => "text/plain",
-        };
-        let mut request = self.client.get(url).header(ACCEPT, accept);
-        if let Some(authorization) = &self.authorization {
-            request = request.header(AUTHORIZATION, authorization.clone());
-        }
-        let mut response = request
-            .send()
-            .await
-            .map_err(|error| self.error(url, error))?;
-        let status = response.status();
-        if matches!(
-            status,
-            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED | StatusCode::NOT_IMPLEMENTED
-        ) {
-            return Err(LoadError::Unsupported {
-                url: url.to_owned(),
-                what: match format {
-                    Format::Json => "/v1/loads",
-                    Format::Text => "/metrics",
-                },
-            });
-        }
-        if status != StatusCode::OK {
-            return Err(LoadError::HttpStatus {
-                url: url.to_owned(),
-                status: status.as_u16(),
-            });
-        }
-        check_content_type(url, &response, format)?;
-        let too_large = || LoadError::BodyTooLarge {
-            url: url.to_owned(),
-            limit_bytes: self.body_limit_bytes,
-        };
-        let declared = response.content_length().unwrap_or(0);
-        if usize::try_from(declared).map_or(true, |declared| declared > self.body_limit_bytes) {
-            return Err(too_large());
-        }
-        let mut body = BytesMut::new();
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|error| self.error(url, error))?
-        {
-            if body.len().saturating_add(chunk.len()) > self.body_limit_bytes {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(body.freeze())
-    }
-
-    fn error(&self, url: &str, error: reqwest::Error) -> LoadError {
-        let url = url.to_owned();
-        if error.is_timeout() {
-            LoadError::Timeout {
-                url,
-                deadline: self.deadline,
-            }
-        } else if error.is_connect() {
-            LoadError::Connect {
-                url,
-                source: error.into(),
-            }
-        } else if error.is_body() || error.is_decode() {
-            // The body ended early or broke off: a truncated report.
-            LoadError::Decode {
-                url,
-                source: error.into(),
-            }
-        } else {
-            LoadError::Transport {
-                url,
-                source: error.into(),
-            }
         }
     }
 }
@@ -315,43 +215,5 @@ impl LoadSource for SglangHttpLoadSource {
 
     fn load_url(&self) -> &str {
         &self.base_url
-    }
-}
-
-fn check_content_type(
-    url: &str,
-    response: &reqwest::Response,
-    format: Format,
-) -> Result<(), LoadError> {
-    let raw = response
-        .headers()
-        .get(CONTENT_TYPE)
-        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
-        .unwrap_or_default();
-    let essence = raw
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_ascii_lowercase();
-    let (ok, expected) = match format {
-        Format::Json => (
-            essence == "application/json"
-                || (essence.starts_with("application/") && essence.ends_with("+json")),
-            "application/json",
-        ),
-        Format::Text => (
-            essence == "text/plain" || essence == "application/openmetrics-text",
-            "text/plain",
-        ),
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(LoadError::ContentType {
-            url: url.to_owned(),
-            content_type: raw,
-            expected,
-        })
     }
 }

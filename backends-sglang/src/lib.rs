@@ -55,7 +55,6 @@
 //! # Ok::<(), load_protocols::LoadValidationError>(())
 //! ```
 
-mod address;
 mod convert;
 mod error;
 mod grpc;
@@ -105,4 +104,35 @@ pub fn register(registry: &mut BackendRegistry) {
         let source = SglangGrpcLoadSource::new(url, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use policy_core::{BackendError, BackendSpec};
+
+    #[tokio::test]
+    async fn the_http_source_polls_the_load_url_when_given() {
+        let mut registry = BackendRegistry::new();
+        register(&mut registry);
+        let build = |spec: BackendSpec| registry.build(HTTP_BACKEND, &spec);
+        let source = build(BackendSpec::new("http://127.0.0.1:30000/")).unwrap();
+        assert_eq!(source.load_url(), "http://127.0.0.1:30000");
+        let source = build(BackendSpec::new("http://w:1").with_load_url("http://m:2")).unwrap();
+        assert_eq!(source.load_url(), "http://m:2");
+        for bad in [
+            "127.0.0.1:30000",
+            "https://w:1",
+            "ftp://w:1",
+            "http://w:1/?x=1",
+        ] {
+            assert!(
+                matches!(
+                    build(BackendSpec::new(bad)),
+                    Err(BackendError::InvalidAddress { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
 }

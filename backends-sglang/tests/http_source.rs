@@ -143,13 +143,14 @@ async fn truncated_json_is_a_decode_error() {
 }
 
 #[tokio::test]
-async fn body_shorter_than_its_content_length_is_a_decode_error() {
+async fn body_shorter_than_its_content_length_is_a_transport_error() {
+    // The connection ended the report early (not the report's own bytes).
     let addr = serve_raw(
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{\"loads\": [{\"dp_rank\": 0, ",
     )
     .await;
     let err = fetch(&format!("http://{addr}")).await.unwrap_err();
-    assert!(matches!(err, LoadError::Decode { .. }), "{err:?}");
+    assert!(matches!(err, LoadError::Transport { .. }), "{err:?}");
 }
 
 #[tokio::test]

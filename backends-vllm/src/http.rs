@@ -6,20 +6,13 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use load_protocols::WorkerLoad;
 use parking_lot::Mutex;
+use policy_core::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use policy_core::{BackendError, BackendSpec, LoadError, LoadSource};
-use reqwest::StatusCode;
-use reqwest::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 
 use crate::{VllmMetricsConverter, VllmMetricsError};
 
 /// The backend name of [`VllmMetricsLoadSource`].
 pub const METRICS_KIND: &str = "vllm";
-
-/// The text exposition format, which is what [`parse_prometheus_text`]
-/// reads; OpenMetrics is not asked for.
-///
-/// [`parse_prometheus_text`]: load_protocols::parse_prometheus_text
-const ACCEPT_TEXT_FORMAT: &str = "text/plain;version=0.0.4;q=1.0,*/*;q=0.1";
 
 /// Polls `GET {load_url or worker_url}/metrics` of a vLLM server.
 ///
@@ -33,8 +26,8 @@ const ACCEPT_TEXT_FORMAT: &str = "text/plain;version=0.0.4;q=1.0,*/*;q=0.1";
 /// - connection refused → [`LoadError::Connect`];
 /// - HTTP 404, 405 or 501 → [`LoadError::Unsupported`]; any other non-200
 ///   status → [`LoadError::HttpStatus`];
-/// - a `Content-Type` other than `text/plain` → [`LoadError::ContentType`]
-///   (a response without one is read);
+/// - a `Content-Type` other than `text/plain` (or OpenMetrics text) →
+///   [`LoadError::ContentType`] (a response without one is read);
 /// - a body over the cap → [`LoadError::BodyTooLarge`];
 /// - a body cut short by the connection → [`LoadError::Transport`];
 /// - text that is not UTF-8 or not Prometheus text, or an engine missing a
@@ -46,11 +39,9 @@ const ACCEPT_TEXT_FORMAT: &str = "text/plain;version=0.0.4;q=1.0,*/*;q=0.1";
 /// System proxies are not used: workers are polled directly.
 #[derive(Debug)]
 pub struct VllmMetricsLoadSource {
-    url: String,
-    client: reqwest::Client,
+    url: ReportUrl,
+    client: ReportClient,
     deadline: Duration,
-    body_limit_bytes: usize,
-    authorization: Option<HeaderValue>,
     converter: Mutex<VllmMetricsConverter>,
 }
 
@@ -58,130 +49,28 @@ impl VllmMetricsLoadSource {
     /// Builds the source; `load_url`, when given, replaces the worker URL as
     /// the base that `/metrics` is appended to.
     pub fn new(spec: &BackendSpec) -> Result<VllmMetricsLoadSource, BackendError> {
-        let base = spec.load_url.as_deref().unwrap_or(&spec.worker_url);
-        let url = metrics_url(base)?;
-        let authorization = spec
-            .options
-            .api_key
-            .as_ref()
-            .map(|key| {
-                HeaderValue::try_from(format!("Bearer {key}"))
-                    .map(|mut value| {
-                        value.set_sensitive(true);
-                        value
-                    })
-                    .map_err(|source| BackendError::Client {
-                        url: url.clone(),
-                        source: Box::new(source),
-                    })
-            })
-            .transpose()?;
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .connect_timeout(spec.options.deadline)
-            .build()
-            .map_err(|source| BackendError::Client {
-                url: url.clone(),
-                source: Box::new(source),
-            })?;
+        let base = http_base(spec.load_url.as_deref().unwrap_or(&spec.worker_url))?;
+        let url = ReportUrl::new(
+            &base,
+            "/metrics",
+            ReportFormat::PrometheusText,
+            "vllm /metrics",
+        )?;
         Ok(VllmMetricsLoadSource {
+            client: ReportClient::new(url.as_str(), &spec.options)?,
             url,
-            client,
             deadline: spec.options.deadline,
-            body_limit_bytes: spec.options.body_limit_bytes,
-            authorization,
             converter: Mutex::new(VllmMetricsConverter::new()),
         })
     }
 
     /// Fetches the whole body as text, within the cap.
     async fn fetch_text(&self) -> Result<String, LoadError> {
-        let mut request = self
-            .client
-            .get(&self.url)
-            .header(ACCEPT, ACCEPT_TEXT_FORMAT);
-        if let Some(value) = &self.authorization {
-            request = request.header(AUTHORIZATION, value.clone());
-        }
-        let mut response = request
-            .send()
-            .await
-            .map_err(|source| self.send_error(source))?;
-        let status = response.status();
-        if matches!(
-            status,
-            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED | StatusCode::NOT_IMPLEMENTED
-        ) {
-            return Err(LoadError::Unsupported {
-                url: self.url.clone(),
-                what: "vllm /metrics",
-            });
-        }
-        if status != StatusCode::OK {
-            return Err(LoadError::HttpStatus {
-                url: self.url.clone(),
-                status: status.as_u16(),
-            });
-        }
-        if let Some(content_type) = response.headers().get(CONTENT_TYPE) {
-            let is_text = content_type
-                .to_str()
-                .ok()
-                .and_then(|value| value.split(';').next())
-                .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("text/plain"));
-            if !is_text {
-                return Err(LoadError::ContentType {
-                    url: self.url.clone(),
-                    content_type: String::from_utf8_lossy(content_type.as_bytes()).into_owned(),
-                    expected: "text/plain",
-                });
-            }
-        }
-        let too_large = || LoadError::BodyTooLarge {
-            url: self.url.clone(),
-            limit_bytes: self.body_limit_bytes,
-        };
-        let announced = response.content_length().unwrap_or(0);
-        if usize::try_from(announced).map_or(true, |len| len > self.body_limit_bytes) {
-            return Err(too_large());
-        }
-        let mut body = Vec::with_capacity(usize::try_from(announced).unwrap_or(0));
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|source| LoadError::Transport {
-                url: self.url.clone(),
-                source: Box::new(source),
-            })?
-        {
-            if body.len().saturating_add(chunk.len()) > self.body_limit_bytes {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        String::from_utf8(body).map_err(|source| LoadError::Decode {
-            url: self.url.clone(),
+        let body = self.client.get(&self.url).await?;
+        String::from_utf8(body.into()).map_err(|source| LoadError::Decode {
+            url: self.url.as_str().to_owned(),
             source: Box::new(source),
         })
-    }
-
-    fn send_error(&self, source: reqwest::Error) -> LoadError {
-        if source.is_timeout() {
-            LoadError::Timeout {
-                url: self.url.clone(),
-                deadline: self.deadline,
-            }
-        } else if source.is_connect() {
-            LoadError::Connect {
-                url: self.url.clone(),
-                source: Box::new(source),
-            }
-        } else {
-            LoadError::Transport {
-                url: self.url.clone(),
-                source: Box::new(source),
-            }
-        }
     }
 }
 
@@ -191,7 +80,7 @@ impl LoadSource for VllmMetricsLoadSource {
         let text = tokio::time::timeout(self.deadline, self.fetch_text())
             .await
             .map_err(|_elapsed| LoadError::Timeout {
-                url: self.url.clone(),
+                url: self.url.as_str().to_owned(),
                 deadline: self.deadline,
             })??;
         let observed_at = Instant::now();
@@ -199,11 +88,11 @@ impl LoadSource for VllmMetricsLoadSource {
         match converted {
             Ok(load) => Ok(Some(load)),
             Err(VllmMetricsError::Invalid(source)) => Err(LoadError::Invalid {
-                url: self.url.clone(),
+                url: self.url.as_str().to_owned(),
                 source,
             }),
             Err(error) => Err(LoadError::Decode {
-                url: self.url.clone(),
+                url: self.url.as_str().to_owned(),
                 source: Box::new(error),
             }),
         }
@@ -214,60 +103,6 @@ impl LoadSource for VllmMetricsLoadSource {
     }
 
     fn load_url(&self) -> &str {
-        &self.url
-    }
-}
-
-/// `http://host:port[/prefix][/]` → `http://host:port[/prefix]/metrics`.
-fn metrics_url(base: &str) -> Result<String, BackendError> {
-    let invalid = |reason| BackendError::InvalidAddress {
-        url: base.to_owned(),
-        reason,
-    };
-    let parsed = reqwest::Url::parse(base).map_err(|_| invalid("expected an http:// URL"))?;
-    if parsed.scheme() != "http" {
-        return Err(invalid("expected an http:// URL"));
-    }
-    if parsed.host_str().is_none_or(str::is_empty) {
-        return Err(invalid("missing host"));
-    }
-    if parsed.query().is_some() || parsed.fragment().is_some() {
-        return Err(invalid("expected no query or fragment"));
-    }
-    Ok(format!("{}/metrics", base.trim_end_matches('/')))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metrics_url_appends_the_path() {
-        assert_eq!(
-            metrics_url("http://127.0.0.1:8000").unwrap(),
-            "http://127.0.0.1:8000/metrics"
-        );
-        assert_eq!(
-            metrics_url("http://engine:8000/").unwrap(),
-            "http://engine:8000/metrics"
-        );
-        assert_eq!(
-            metrics_url("http://gw:80/vllm-0").unwrap(),
-            "http://gw:80/vllm-0/metrics"
-        );
-        for (base, reason) in [
-            ("grpc://127.0.0.1:50051", "expected an http:// URL"),
-            ("https://engine:8000", "expected an http:// URL"),
-            ("engine:8000", "expected an http:// URL"),
-            ("not a url", "expected an http:// URL"),
-            ("http://engine:8000/?x=1", "expected no query or fragment"),
-        ] {
-            match metrics_url(base) {
-                Err(BackendError::InvalidAddress { url, reason: why }) => {
-                    assert_eq!((url.as_str(), why), (base, reason));
-                }
-                other => panic!("{base}: {other:?}"),
-            }
-        }
+        self.url.as_str()
     }
 }

@@ -36,13 +36,16 @@
 //! ```
 //!
 //! With the `mocks` feature, `MockLoadSource` and `MockPolicy` (mockall) are
-//! exported for other crates' tests.
+//! exported for other crates' tests. The `http` and `grpc` features hold
+//! what the load sources over each transport share ([`http`], `grpc`).
 
 mod baseline;
 mod dispatch;
 mod error;
 #[cfg(feature = "grpc")]
 pub mod grpc;
+#[cfg(feature = "http")]
+pub mod http;
 mod load_source;
 mod policy;
 mod poll;

@@ -14,6 +14,7 @@ use policy_core::{
 use crate::config::{PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
+use crate::upstream::{UpstreamClient, upstream_client};
 use crate::workers::{HealthChange, Worker, WorkerRegistry};
 
 /// Every policy the router can run.
@@ -41,6 +42,9 @@ pub struct App {
     policy: RwLock<Arc<dyn Policy>>,
     policy_config: RwLock<PolicyConfig>,
     pub workers: WorkerRegistry,
+    /// Forwards requests to workers.
+    pub upstream: UpstreamClient,
+    /// Control-plane calls: health checks, backend detection, `/v1/models`.
     pub client: reqwest::Client,
     pub metrics: Metrics,
     /// Serializes worker additions, removals and policy swaps, so a swap
@@ -70,6 +74,7 @@ impl App {
             .tcp_nodelay(true)
             .build()
             .map_err(RouterError::HttpClient)?;
+        let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
             policy_config: RwLock::new(config.policy.clone()),
             config,
@@ -78,6 +83,7 @@ impl App {
             backends: backend_registry(),
             policy: RwLock::new(policy),
             workers: WorkerRegistry::new(),
+            upstream,
             client,
             metrics: Metrics::new(),
             topology: tokio::sync::Mutex::new(()),

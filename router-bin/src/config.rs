@@ -31,6 +31,9 @@ pub struct ServerConfig {
     pub body_limit_bytes: usize,
     /// How long to wait for a worker's response to begin.
     pub request_timeout_ms: u64,
+    /// How long a new connection to a worker may take before the request
+    /// goes to another worker.
+    pub connect_timeout_ms: u64,
     /// How long in-flight requests may run on after SIGTERM/SIGINT.
     pub shutdown_grace_ms: u64,
     /// Other workers tried when a connection fails or a worker answers 5xx
@@ -45,6 +48,7 @@ impl Default for ServerConfig {
             port: 8080,
             body_limit_bytes: 32 * 1024 * 1024,
             request_timeout_ms: 600_000,
+            connect_timeout_ms: 3_000,
             shutdown_grace_ms: 30_000,
             max_retries: 2,
         }
@@ -54,6 +58,10 @@ impl Default for ServerConfig {
 impl ServerConfig {
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
     }
 
     pub fn shutdown_grace(&self) -> Duration {
@@ -275,6 +283,9 @@ impl RouterConfig {
         if self.server.request_timeout_ms == 0 {
             return invalid("server.request_timeout_ms", "0".into(), "at least 1");
         }
+        if self.server.connect_timeout_ms == 0 {
+            return invalid("server.connect_timeout_ms", "0".into(), "at least 1");
+        }
         let chars = self.request.chars_per_token;
         if !(chars.is_finite() && chars > 0.0) {
             return invalid(
@@ -330,12 +341,20 @@ impl RouterConfig {
 
 /// Checks one worker entry; on error gives `(field, value, allowed)`.
 pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, String, &'static str)> {
-    let http = worker.url.starts_with("http://") || worker.url.starts_with("https://");
-    if !http || reqwest::Url::parse(&worker.url).is_err() {
+    if policy_core::http::http_base(&worker.url).is_err() {
         return Err((
             "url",
             format!("{:?}", worker.url),
-            "an http:// or https:// URL",
+            "an http://host:port URL without a query (this build has no TLS)",
+        ));
+    }
+    if let Some(key) = &worker.api_key
+        && policy_core::http::bearer_header(key).is_err()
+    {
+        return Err((
+            "api_key",
+            "(redacted)".into(),
+            "characters an HTTP header can hold (no control characters)",
         ));
     }
     if let Some(backend) = &worker.backend
@@ -558,7 +577,11 @@ mod tests {
             ),
             (
                 "h:1",
-                r#"invalid --worker url = "h:1": must be an http:// or https:// URL"#,
+                r#"invalid --worker url = "h:1": must be an http://host:port URL without a query (this build has no TLS)"#,
+            ),
+            (
+                "sglang=https://h:1",
+                r#"invalid --worker url = "https://h:1": must be an http://host:port URL without a query (this build has no TLS)"#,
             ),
             (
                 "sglang=http://h:1,weight=2",
@@ -576,6 +599,10 @@ mod tests {
                 "{flag}"
             );
         }
+        let mut keyed = parse_worker_flag("sglang=http://h:1").unwrap();
+        keyed.api_key = Some("sk-1\nInjected: yes".into());
+        let (field, value, _) = validate_worker(&keyed).unwrap_err();
+        assert_eq!((field, value.as_str()), ("api_key", "(redacted)"));
     }
 
     #[test]

@@ -25,6 +25,7 @@
 pub mod admin;
 pub mod app;
 pub mod cli;
+pub mod coalesce;
 pub mod config;
 pub mod error;
 pub mod estimate;
@@ -32,6 +33,7 @@ pub mod metrics;
 pub mod monitor;
 pub mod proxy;
 pub mod server;
+pub mod upstream;
 pub mod workers;
 
 pub use app::App;

@@ -6,15 +6,20 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use futures::Stream;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
 use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
 
 use crate::app::App;
+use crate::coalesce::Coalesce;
 use crate::estimate::request_info;
+use crate::monitor::error_chain;
+use crate::upstream::UpstreamBody;
 use crate::workers::Worker;
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
@@ -104,12 +109,12 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
     };
     let info = request_info(&parsed, app.config.request.chars_per_token);
     let headers = forwardable(&parts.headers);
-    forward(app, &parts.uri, headers, body, info, received_at).await
+    forward(app, &parts, headers, body, info, received_at).await
 }
 
 async fn forward(
     app: Arc<App>,
-    uri: &axum::http::Uri,
+    parts: &http::request::Parts,
     headers: HeaderMap,
     body: Bytes,
     info: RequestInfo,
@@ -150,7 +155,7 @@ async fn forward(
         if attempt > 0 {
             app.metrics.retries.inc();
         }
-        let Some(url) = worker.url_for(uri.path(), uri.query()) else {
+        let Some(upstream) = upstream_request(&worker, parts, &headers, &body) else {
             // Config validation rejects such URLs; a worker added some other
             // way is skipped rather than trusted.
             tracing::warn!(worker = %worker.url, "worker URL does not parse; skipping it");
@@ -158,16 +163,11 @@ async fn forward(
             continue;
         };
         let tracker = RequestTracker::new(guard, worker.clone(), received_at);
-        let mut upstream = app
-            .client
-            .post(url)
-            .headers(headers.clone())
-            .body(body.clone());
-        if let Some(key) = &worker.api_key {
-            upstream = upstream.bearer_auth(key);
-        }
-        let answer =
-            tokio::time::timeout(app.config.server.request_timeout(), upstream.send()).await;
+        let answer = tokio::time::timeout(
+            app.config.server.request_timeout(),
+            app.upstream.request(upstream),
+        )
+        .await;
         match answer {
             Ok(Ok(response)) if !response.status().is_server_error() => {
                 return respond(&app, tracker, response, info.streaming);
@@ -182,7 +182,7 @@ async fn forward(
             Ok(Err(error)) => {
                 worker.metrics.request_status(&app.metrics, "error");
                 last_failure = "workers could not be reached";
-                tracing::debug!(worker = %worker.url, %error, "worker unreachable; retrying");
+                tracing::debug!(worker = %worker.url, error = %error_chain(&error), "worker unreachable; retrying");
             }
             Err(_elapsed) => {
                 worker.metrics.request_status(&app.metrics, "timeout");
@@ -198,6 +198,27 @@ async fn forward(
     unavailable(last_failure)
 }
 
+/// The client's request, addressed to `worker`, with the worker's key.
+/// `None` if the worker's URL does not make a URI.
+fn upstream_request(
+    worker: &Worker,
+    parts: &http::request::Parts,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Option<http::Request<UpstreamBody>> {
+    let uri = worker.uri_for(parts.uri.path(), parts.uri.query())?;
+    let mut request = http::Request::new(UpstreamBody::new(body.clone()));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = uri;
+    *request.headers_mut() = headers.clone();
+    if let Some(authorization) = &worker.authorization {
+        request
+            .headers_mut()
+            .insert(header::AUTHORIZATION, authorization.clone());
+    }
+    Some(request)
+}
+
 fn passive_failure(app: &App, worker: &Worker) {
     let change = worker.request_failed(app.config.health.failure_threshold);
     app.apply_health_change(worker, change);
@@ -206,10 +227,10 @@ fn passive_failure(app: &App, worker: &Worker) {
 fn respond(
     app: &Arc<App>,
     mut tracker: RequestTracker,
-    response: reqwest::Response,
+    response: http::Response<Incoming>,
     streaming: bool,
 ) -> Response {
-    let status = response.status();
+    let (mut parts, inner) = response.into_parts();
     tracker
         .worker
         .metrics
@@ -218,28 +239,19 @@ fn respond(
     tracker
         .worker
         .metrics
-        .request_status(&app.metrics, status.as_str());
-    if !streaming || !status.is_success() {
+        .request_status(&app.metrics, parts.status.as_str());
+    if !streaming || !parts.status.is_success() {
         // A non-streaming response's start is its first token.
         tracker.first_token();
     }
-    let mut builder = Response::builder().status(status);
-    if let Some(headers) = builder.headers_mut() {
-        *headers = forwardable(response.headers());
-    }
+    parts.headers = forwardable(&parts.headers);
     let body = TrackedBody {
-        inner: Box::pin(response.bytes_stream()),
+        inner: Coalesce::new(inner),
         tracker: Some(tracker),
         app: app.clone(),
         streaming,
     };
-    builder.body(Body::from_stream(body)).unwrap_or_else(|_| {
-        error_response(
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
-            "bad upstream response",
-        )
-    })
+    Response::from_parts(parts, Body::new(body))
 }
 
 /// Holds a request's dispatch and in-flight count until its response ends.
@@ -281,53 +293,76 @@ impl Drop for RequestTracker {
     }
 }
 
-type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
-
-/// The worker's body, passed through chunk by chunk. Dropping it (the body
-/// ended, or the client went away) releases the dispatch.
+/// The worker's body, passed through as it arrives (joined into fewer
+/// frames by [`Coalesce`]). Dropping it (the body ended, or the client went
+/// away) releases the dispatch.
 struct TrackedBody {
-    inner: ByteStream,
+    inner: Coalesce<Incoming>,
     tracker: Option<RequestTracker>,
     app: Arc<App>,
     streaming: bool,
 }
 
-impl Stream for TrackedBody {
-    type Item = Result<Bytes, std::io::Error>;
+impl TrackedBody {
+    /// A whole response: the worker's run of failures is over, and the
+    /// dispatch is released now, not when the client's connection lets go
+    /// of this body.
+    fn succeeded(&mut self) {
+        if let Some(tracker) = self.tracker.take() {
+            tracker.worker.request_succeeded();
+        }
+    }
+}
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        match self.inner.as_mut().poll_next(cx) {
-            Poll::Ready(Some(Ok(chunk))) => {
-                let streaming = self.streaming;
-                if streaming
-                    && let Some(tracker) = self.tracker.as_mut()
+impl http_body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref()
+                    && this.streaming
+                    && let Some(tracker) = this.tracker.as_mut()
                     && !tracker.guard.first_token_seen()
-                    && contains_sse_data(&chunk)
+                    && contains_sse_data(data)
                 {
                     tracker.first_token();
                 }
-                Poll::Ready(Some(Ok(chunk)))
+                if this.inner.is_end_stream() {
+                    this.succeeded();
+                }
+                Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(error))) => {
                 // The stream broke off: count it against the worker.
-                if let Some(tracker) = self.tracker.take() {
+                if let Some(tracker) = this.tracker.take() {
                     tracker
                         .worker
                         .metrics
-                        .request_status(&self.app.metrics, "cut");
-                    passive_failure(&self.app, &tracker.worker);
+                        .request_status(&this.app.metrics, "cut");
+                    passive_failure(&this.app, &tracker.worker);
                 }
                 Poll::Ready(Some(Err(std::io::Error::other(error))))
             }
             Poll::Ready(None) => {
-                // A whole response: the worker's run of failures is over.
-                if let Some(tracker) = self.tracker.take() {
-                    tracker.worker.request_succeeded();
-                }
+                this.succeeded();
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,
         }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

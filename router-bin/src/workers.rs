@@ -4,8 +4,11 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use http::uri::{Authority, Scheme};
+use http::{HeaderValue, Uri};
 use load_protocols::WorkerLoad;
 use parking_lot::{Mutex, RwLock};
+use policy_core::http::bearer_header;
 use policy_core::{LoadSource, WorkerId, WorkerIdAllocator, WorkerInfo};
 
 use crate::metrics::WorkerMetrics;
@@ -15,12 +18,14 @@ pub struct Worker {
     pub id: WorkerId,
     /// HTTP address requests travel to, without a trailing slash.
     pub url: String,
-    /// `url`, parsed once: the request path joins it without re-parsing the
-    /// host on every request. `None` if it does not parse.
-    base_url: Option<reqwest::Url>,
+    /// `url`, parsed once: a request joins its path to this without parsing
+    /// the host again. `None` if it does not parse.
+    base: Option<UpstreamBase>,
     pub backend: String,
     pub load_url: Option<String>,
     pub api_key: Option<String>,
+    /// `Authorization: Bearer <api_key>`, built once and marked sensitive.
+    pub authorization: Option<HeaderValue>,
     pub source: Arc<dyn LoadSource>,
     pub metrics: WorkerMetrics,
     healthy: AtomicBool,
@@ -34,6 +39,44 @@ pub struct Worker {
     /// Woken when `in_flight` drops to 0, for a drain to finish.
     idle: tokio::sync::Notify,
     latest_load: Mutex<Option<WorkerLoad>>,
+}
+
+/// A worker address split once into the parts every request URI reuses.
+#[derive(Debug, Clone)]
+struct UpstreamBase {
+    scheme: Scheme,
+    authority: Authority,
+    /// A path the worker sits behind (`/engine-a`), without a trailing slash;
+    /// usually empty.
+    path_prefix: String,
+}
+
+impl UpstreamBase {
+    fn parse(url: &str) -> Option<UpstreamBase> {
+        let uri: Uri = url.parse().ok()?;
+        let parts = uri.into_parts();
+        Some(UpstreamBase {
+            scheme: parts.scheme?,
+            authority: parts.authority?,
+            path_prefix: parts
+                .path_and_query
+                .map(|path| path.path().trim_end_matches('/').to_owned())
+                .unwrap_or_default(),
+        })
+    }
+
+    fn join(&self, path: &str, query: Option<&str>) -> Option<Uri> {
+        let path_and_query = match query {
+            Some(query) => format!("{}{path}?{query}", self.path_prefix),
+            None => format!("{}{path}", self.path_prefix),
+        };
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
+            .ok()
+    }
 }
 
 impl std::fmt::Debug for Worker {
@@ -66,13 +109,16 @@ impl Worker {
         metrics: WorkerMetrics,
     ) -> Worker {
         let url = url.trim_end_matches('/').to_owned();
+        // Config validation rejects a key that cannot be a header value.
+        let authorization = api_key.as_deref().and_then(|key| bearer_header(key).ok());
         Worker {
             id,
-            base_url: reqwest::Url::parse(&url).ok(),
+            base: UpstreamBase::parse(&url),
             url,
             backend,
             load_url,
             api_key,
+            authorization,
             source,
             metrics,
             healthy: AtomicBool::new(false),
@@ -88,19 +134,9 @@ impl Worker {
         }
     }
 
-    /// The worker's URL for a request path (`/v1/chat/completions`) and query.
-    pub fn url_for(&self, path: &str, query: Option<&str>) -> Option<reqwest::Url> {
-        let mut url = self.base_url.clone()?;
-        // A worker behind a path prefix (`http://h/engine-a`) keeps it.
-        let prefix = url.path().trim_end_matches('/');
-        if prefix.is_empty() {
-            url.set_path(path);
-        } else {
-            let joined = format!("{prefix}{path}");
-            url.set_path(&joined);
-        }
-        url.set_query(query);
-        Some(url)
+    /// The worker's URI for a request path (`/v1/chat/completions`) and query.
+    pub fn uri_for(&self, path: &str, query: Option<&str>) -> Option<Uri> {
+        self.base.as_ref()?.join(path, query)
     }
 
     pub fn info(&self) -> WorkerInfo {
@@ -338,26 +374,48 @@ mod tests {
     }
 
     #[test]
-    fn request_urls_join_the_worker_address() {
+    fn request_uris_join_the_worker_address() {
         let at = |base: &str| {
             let mut worker = worker();
-            worker.base_url = reqwest::Url::parse(base).ok();
+            worker.base = UpstreamBase::parse(base);
             worker
         };
         let plain = at("http://10.0.0.1:30000");
         assert_eq!(
             plain
-                .url_for("/v1/chat/completions", None)
+                .uri_for("/v1/chat/completions", None)
                 .unwrap()
-                .as_str(),
+                .to_string(),
             "http://10.0.0.1:30000/v1/chat/completions"
         );
         let prefixed = at("http://h:8000/engine-a/");
         assert_eq!(
-            prefixed.url_for("/generate", Some("x=1")).unwrap().as_str(),
+            prefixed
+                .uri_for("/generate", Some("x=1"))
+                .unwrap()
+                .to_string(),
             "http://h:8000/engine-a/generate?x=1"
         );
-        assert!(at("not a url").url_for("/generate", None).is_none());
+        assert!(at("not a url").uri_for("/generate", None).is_none());
+        assert!(at("/relative").uri_for("/generate", None).is_none());
+    }
+
+    #[test]
+    fn the_api_key_becomes_a_sensitive_bearer_header() {
+        let metrics = Metrics::new();
+        let keyed = Worker::new(
+            WorkerId::new(0, 0),
+            "http://w:1".into(),
+            "sglang".into(),
+            None,
+            Some("sk-1".into()),
+            Arc::new(MockLoadSource::new()),
+            WorkerMetrics::new(&metrics, "http://w:1"),
+        );
+        let value = keyed.authorization.expect("a key was given");
+        assert_eq!(value, "Bearer sk-1");
+        assert!(value.is_sensitive());
+        assert!(worker().authorization.is_none(), "no key, no header");
     }
 
     fn worker() -> Worker {
