@@ -348,3 +348,73 @@ async fn canned_engines_serve_through_the_router() {
     assert!(text.matches("data: ").count() >= 2, "{text}");
     engines.shutdown().await;
 }
+
+/// The `delta.content` of every SSE event, in order, and the event count.
+fn sse_contents(text: &str) -> (Vec<String>, usize) {
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .collect();
+    let contents = events
+        .iter()
+        .filter_map(|data| serde_json::from_str::<serde_json::Value>(data).ok())
+        .filter_map(|event| {
+            event["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    (contents, events.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_events_passes_whole_and_in_order() {
+    // A canned engine writes every event at once: the router joins what
+    // arrives together, and must neither drop, reorder nor split an event.
+    let mut config = engine(Flavour::Sglang, 1);
+    config.mode = ServeMode::Canned;
+    config.canned_tokens = 500;
+    let engines = fleet(vec![config]).await;
+    let engine_url = engines.engines()[0].http_url();
+    let router = start_router(fast_config(vec![worker("sglang", &engine_url)], "")).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let body = serde_json::json!({"stream": true, "max_tokens": 500,
+        "messages": [{"role": "user", "content": "burst"}]});
+    let direct = stream_to_done(
+        &router.client,
+        &format!("{engine_url}/v1/chat/completions"),
+        body.clone(),
+    )
+    .await
+    .unwrap();
+    let routed = stream_to_done(
+        &router.client,
+        &format!("{}/v1/chat/completions", router.base),
+        body,
+    )
+    .await
+    .unwrap();
+    let (direct_contents, direct_events) = sse_contents(&direct);
+    let (routed_contents, routed_events) = sse_contents(&routed);
+    assert_eq!(direct_events, 502, "500 tokens, the final event, [DONE]");
+    assert_eq!(routed_events, direct_events);
+    assert_eq!(routed_contents, direct_contents);
+
+    // A whole answer keeps its length: the client sees Content-Length, not
+    // a chunked body.
+    let plain = router
+        .client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(&serde_json::json!({"max_tokens": 4,
+            "messages": [{"role": "user", "content": "plain"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status(), 200);
+    let announced = plain.content_length().expect("a Content-Length header");
+    assert_eq!(announced, plain.bytes().await.unwrap().len() as u64);
+    engines.shutdown().await;
+}

@@ -235,10 +235,18 @@ fn summarize(name: String, measured: &Measured) -> Row {
     let p50: Vec<f64> = measured.runs.iter().map(|r| r.p50_ms).collect();
     let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
     let errors: u64 = measured.runs.iter().map(|r| r.errors).sum();
+    let (p99_min, p99_max) = p99
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(low, high), &p| {
+            (low.min(p), high.max(p))
+        });
     let mut row = Row::new(name)
         .num("throughput_rps", median(&throughput))
         .num("p50_ms", median(&p50))
-        .num("p99_ms", median(&p99));
+        .num("p99_ms", median(&p99))
+        // A p99 is noisier than a throughput; the runs' range shows how much.
+        .num("p99_min_ms", p99_min)
+        .num("p99_max_ms", p99_max);
     if !measured.cpu_us_per_request.is_empty() {
         row = row.num("cpu_us_per_request", median(&measured.cpu_us_per_request));
     }

@@ -140,15 +140,24 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
         }
     }
     for mode in ["non-stream", "stream"] {
-        let router =
-            find(rows, &format!("half-load/least_load/{mode}")).and_then(|r| r.get("p99_ms"));
-        let nginx = find(rows, &format!("half-load/nginx/{mode}")).and_then(|r| r.get("p99_ms"));
+        let router_row = find(rows, &format!("half-load/least_load/{mode}"));
+        let nginx_row = find(rows, &format!("half-load/nginx/{mode}"));
+        let router = router_row.and_then(|r| r.get("p99_ms"));
+        let nginx = nginx_row.and_then(|r| r.get("p99_ms"));
         let met = router.zip(nginx).map(|(router, nginx)| router <= nginx);
+        let range = |row: Option<&Row>| {
+            row.and_then(|r| r.get("p99_min_ms").zip(r.get("p99_max_ms")))
+                .map_or("–".to_owned(), |(low, high)| {
+                    format!("{low:.3}–{high:.3}")
+                })
+        };
         lines.push(format!(
-            "- router (least_load, {mode}) p99 ≤ nginx p99 at 50% of the router's saturation: {} (router {} ms, nginx {} ms)",
+            "- router (least_load, {mode}) p99 ≤ nginx p99 at 50% of the router's saturation: {} (medians: router {} ms, nginx {} ms; runs' range: router {}, nginx {})",
             verdict(met),
             router.map_or("–".to_owned(), |v| format!("{v:.3}")),
             nginx.map_or("–".to_owned(), |v| format!("{v:.3}")),
+            range(router_row),
+            range(nginx_row),
         ));
     }
     let poll = find(rows, "poll/1024").and_then(|r| r.get("cpu_fraction"));
@@ -194,6 +203,8 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("throughput_rps", "achieved req/s", 0),
             ("p50_ms", "p50 ms", 3),
             ("p99_ms", "p99 ms", 3),
+            ("p99_min_ms", "p99 min", 3),
+            ("p99_max_ms", "p99 max", 3),
             ("p99_vs_nginx", "p99 vs nginx", 3),
             ("errors", "errors", 0),
             ("runs", "runs", 0),
