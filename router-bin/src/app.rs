@@ -14,7 +14,8 @@ use policy_core::{
 use crate::config::{PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
-use crate::upstream::{UpstreamClient, upstream_client};
+use crate::monitor::error_chain;
+use crate::upstream::{UpstreamClient, control_get, upstream_client};
 use crate::workers::{HealthChange, Worker, WorkerRegistry};
 
 /// Every policy the router can run.
@@ -42,10 +43,8 @@ pub struct App {
     policy: RwLock<Arc<dyn Policy>>,
     policy_config: RwLock<PolicyConfig>,
     pub workers: WorkerRegistry,
-    /// Forwards requests to workers.
+    /// Forwards requests to workers, and carries the control-plane calls.
     pub upstream: UpstreamClient,
-    /// Control-plane calls: health checks, backend detection, `/v1/models`.
-    pub client: reqwest::Client,
     pub metrics: Metrics,
     /// Serializes worker additions, removals and policy swaps, so a swap
     /// never misses a worker added while it primed.
@@ -69,11 +68,6 @@ impl App {
     ) -> Result<Arc<App>, RouterError> {
         let policies = policy_registry();
         let policy = build_policy(&policies, &config, &config.policy)?;
-        let client = reqwest::Client::builder()
-            .pool_idle_timeout(Duration::from_secs(90))
-            .tcp_nodelay(true)
-            .build()
-            .map_err(RouterError::HttpClient)?;
         let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
             policy_config: RwLock::new(config.policy.clone()),
@@ -84,7 +78,6 @@ impl App {
             policy: RwLock::new(policy),
             workers: WorkerRegistry::new(),
             upstream,
-            client,
             metrics: Metrics::new(),
             topology: tokio::sync::Mutex::new(()),
         }))
@@ -194,17 +187,19 @@ impl App {
     pub async fn check_health(&self, worker: &Worker) {
         let health = &self.config.health;
         let url = format!("{}/health", worker.url);
-        let answer = self
-            .client
-            .get(&url)
-            .timeout(Duration::from_millis(health.timeout_ms))
-            .send()
-            .await;
-        let change = match answer {
-            Ok(response) if response.status().is_success() => {
+        let timeout = Duration::from_millis(health.timeout_ms);
+        let change = match control_get(&self.upstream, &url, timeout).await {
+            Ok((status, _)) if status.is_success() => {
                 worker.health_check_passed(health.success_threshold)
             }
-            _ => worker.health_check_failed(health.failure_threshold),
+            Ok((status, _)) => {
+                tracing::debug!(worker = %worker.url, %status, "health check failed");
+                worker.health_check_failed(health.failure_threshold)
+            }
+            Err(error) => {
+                tracing::debug!(worker = %worker.url, error = %error_chain(&error), "health check failed");
+                worker.health_check_failed(health.failure_threshold)
+            }
         };
         self.apply_health_change(worker, change);
     }
@@ -227,25 +222,20 @@ impl App {
     async fn detect_backend(&self, worker: &WorkerConfig) -> Result<String, RouterError> {
         let base = worker.url.trim_end_matches('/');
         let timeout = self.config.load_monitor.timeout();
-        let loads = self
-            .client
-            .get(format!("{base}/v1/loads?include=core"))
-            .timeout(timeout)
-            .send()
-            .await;
-        if loads.is_ok_and(|response| response.status().is_success()) {
+        let loads = control_get(
+            &self.upstream,
+            &format!("{base}/v1/loads?include=core"),
+            timeout,
+        )
+        .await;
+        if loads.is_ok_and(|(status, _)| status.is_success()) {
             return Ok("sglang".into());
         }
-        let metrics = self
-            .client
-            .get(format!("{base}/metrics"))
-            .timeout(timeout)
-            .send()
-            .await;
-        if let Ok(response) = metrics
-            && response.status().is_success()
-            && let Ok(text) = response.text().await
+        let metrics = control_get(&self.upstream, &format!("{base}/metrics"), timeout).await;
+        if let Ok((status, body)) = metrics
+            && status.is_success()
         {
+            let text = String::from_utf8_lossy(&body);
             if text.contains("vllm:") {
                 return Ok("vllm".into());
             }

@@ -381,9 +381,11 @@ pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, Strin
             format!("{load_url:?}"),
             "a grpc://host:port address",
         )),
-        (Some(load_url), false) if reqwest::Url::parse(load_url).is_err() => {
-            Err(("load_url", format!("{load_url:?}"), "a URL"))
-        }
+        (Some(load_url), false) if policy_core::http::http_base(load_url).is_err() => Err((
+            "load_url",
+            format!("{load_url:?}"),
+            "an http://host:port URL without a query",
+        )),
         _ => Ok(()),
     }
 }

@@ -44,6 +44,4 @@ pub enum RouterError {
     },
     #[error("server error")]
     Serve(#[source] std::io::Error),
-    #[error("could not build the HTTP client")]
-    HttpClient(#[source] reqwest::Error),
 }

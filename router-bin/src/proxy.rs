@@ -19,7 +19,7 @@ use crate::app::App;
 use crate::coalesce::Coalesce;
 use crate::estimate::request_info;
 use crate::monitor::error_chain;
-use crate::upstream::UpstreamBody;
+use crate::upstream::{UpstreamBody, control_get};
 use crate::workers::Worker;
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
@@ -372,21 +372,31 @@ fn contains_sse_data(chunk: &[u8]) -> bool {
 
 /// `GET /v1/models`: the union of every healthy worker's models.
 pub async fn models(State(app): State<Arc<App>>) -> Response {
-    let mut seen = std::collections::BTreeMap::new();
-    for worker in app.workers.all() {
-        if !worker.is_healthy() || worker.is_draining() {
-            continue;
+    // Asked of every worker at once, each under the health-check timeout, so
+    // one hung worker costs that timeout, not the sum.
+    let timeout = std::time::Duration::from_millis(app.config.health.timeout_ms);
+    let workers: Vec<Arc<Worker>> = app
+        .workers
+        .all()
+        .into_iter()
+        .filter(|worker| worker.is_healthy() && !worker.is_draining())
+        .collect();
+    let listings = futures::future::join_all(workers.iter().map(|worker| {
+        let url = format!("{}/v1/models", worker.url);
+        let upstream = &app.upstream;
+        async move {
+            match control_get(upstream, &url, timeout).await {
+                Ok((status, body)) if status.is_success() => {
+                    serde_json::from_slice::<serde_json::Value>(&body).ok()
+                }
+                _ => None,
+            }
         }
-        let answer = app
-            .client
-            .get(format!("{}/v1/models", worker.url))
-            .timeout(app.config.server.request_timeout())
-            .send()
-            .await;
-        let Ok(response) = answer else { continue };
-        let Ok(listing) = response.json::<serde_json::Value>().await else {
-            continue;
-        };
+    }))
+    .await;
+    // Workers in registration order; the first to list a model describes it.
+    let mut seen = std::collections::BTreeMap::new();
+    for listing in listings.iter().flatten() {
         for model in listing
             .get("data")
             .and_then(serde_json::Value::as_array)

@@ -300,3 +300,42 @@ async fn five_hundred_concurrent_streams_finish_with_none_lost() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_never_lists_its_models_does_not_hold_up_the_others() {
+    let answering = Upstream::start().await;
+    let hanging = Upstream::start().await;
+    hanging.switches.hang_models.store(true, Ordering::SeqCst);
+    let router = start_router(fast_config(
+        vec![
+            worker("sglang", &hanging.url),
+            worker("sglang", &answering.url),
+        ],
+        "",
+    ))
+    .await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+
+    // The hung worker costs the health-check timeout (500 ms here); the
+    // deadline only stops the test from hanging if it costs forever.
+    let listing = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        router
+            .client
+            .get(format!("{}/v1/models", router.base))
+            .send(),
+    )
+    .await
+    .expect("/v1/models answered before the deadline")
+    .unwrap();
+    assert_eq!(listing.status(), 200);
+    let models: serde_json::Value = listing.json().await.unwrap();
+    assert_eq!(
+        models["data"],
+        serde_json::json!([{"id": "test-model", "object": "model"}]),
+        "the answering worker's models, once"
+    );
+}

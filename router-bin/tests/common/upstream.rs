@@ -25,6 +25,8 @@ pub struct Switches {
     /// After the first SSE chunk, wait for `continue_stream`.
     pub gate_after_first_chunk: AtomicBool,
     pub continue_stream: Notify,
+    /// Never answer `/v1/models` (the connection stays open).
+    pub hang_models: AtomicBool,
     pub requests: AtomicU64,
     pub prompt_chars: AtomicU64,
     pub waiting_reqs: AtomicU64,
@@ -108,6 +110,9 @@ async fn loads(State(switches): State<Arc<Switches>>) -> Response {
 }
 
 async fn models(State(switches): State<Arc<Switches>>) -> Response {
+    if switches.hang_models.load(Ordering::SeqCst) {
+        std::future::pending::<()>().await;
+    }
     axum::Json(
         serde_json::json!({"object": "list", "data": [{"id": switches.model, "object": "model"}]}),
     )
