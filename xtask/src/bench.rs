@@ -36,8 +36,8 @@ const BENCH_USAGE: &str = "usage: cargo xtask bench [--only select|proxy|fleet].
 
   --only PART              run only this part (repeatable); default: all three.
                            A partial run writes target/bench/partial/report.{md,json}
-  --runs N                 repetitions of every wrk measurement (default 3, at least 3
-                           for a report whose medians mean anything)
+  --runs N                 repetitions of every wrk measurement (default 5; with 3 a
+                           noisy neighbour in one run can still move the median)
   --duration-s S           length of one wrk run, seconds (default 10)
   --measurement-time-s S   criterion measurement time per benchmark (default 3)";
 
@@ -59,7 +59,9 @@ impl Options {
     fn parse(args: &[String]) -> Result<Options, String> {
         let mut options = Options {
             parts: Vec::new(),
-            runs: 3,
+            // Five, not three: on a shared machine the runs' throughput
+            // spreads up to 1.6×, and one bad run of three moves the median.
+            runs: 5,
             duration_s: 10,
             measurement_time_s: 3,
         };
