@@ -74,15 +74,13 @@ impl SglangGrpcLoadSource {
 #[async_trait]
 impl policy_core::LoadSource for SglangGrpcLoadSource {
     async fn fetch(&self) -> Result<Option<WorkerLoad>, LoadError> {
-        let mut request = tonic::Request::new(GetLoadsRequest {
-            dp_rank: None,
-            include: vec!["core".to_owned()],
-        });
-        if let Some(authorization) = &self.authorization {
-            request
-                .metadata_mut()
-                .insert("authorization", authorization.clone());
-        }
+        let request = grpc::authorized_request(
+            GetLoadsRequest {
+                dp_rank: None,
+                include: vec!["core".to_owned()],
+            },
+            self.authorization.as_ref(),
+        );
         let mut client = self.client();
         let rpc = grpc::LoadRpc {
             url: &self.url,

@@ -108,16 +108,14 @@ impl VllmGrpcLoadSource {
             .clone();
         let mut client =
             VllmEngineClient::new(channel).max_decoding_message_size(self.body_limit_bytes);
-        let mut request = tonic::Request::new(GetLoadsRequest {
-            dp_rank: None,
-            include: vec!["core".to_owned()],
-        });
+        let mut request = grpc::authorized_request(
+            GetLoadsRequest {
+                dp_rank: None,
+                include: vec!["core".to_owned()],
+            },
+            self.authorization.as_ref(),
+        );
         request.set_timeout(self.deadline);
-        if let Some(value) = &self.authorization {
-            request
-                .metadata_mut()
-                .insert("authorization", value.clone());
-        }
         client.get_loads(request).await
     }
 }

@@ -40,6 +40,21 @@ pub fn bearer_metadata(
         })
 }
 
+/// A request for `message`, with the source's `Authorization` metadata
+/// (from [`bearer_metadata`]) when it has a key.
+pub fn authorized_request<T>(
+    message: T,
+    authorization: Option<&AsciiMetadataValue>,
+) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(authorization) = authorization {
+        request
+            .metadata_mut()
+            .insert("authorization", authorization.clone());
+    }
+    request
+}
+
 /// One load RPC's target, for [`LoadRpc::call`]'s failure handling.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadRpc<'a> {

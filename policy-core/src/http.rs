@@ -1,7 +1,8 @@
 //! What every HTTP load source shares, behind the `http` feature: the check
 //! of an `http://` base address, and one GET of a load report (accept and
 //! bearer headers, status, content type, a capped body) with every failure
-//! as a [`LoadError`].
+//! as a [`LoadError`]. The router's own HTTP client ([`pooled_client`],
+//! [`read_capped`]) is built from the same pieces.
 //!
 //! It runs on hyper's pooled client directly: a poll parses no URL and
 //! builds no client, so polling a thousand workers every second stays a few
@@ -161,15 +162,8 @@ impl ReportClient {
                 url: url.to_owned(),
                 source: source.into(),
             })?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(options.deadline));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            .build(connector);
         Ok(ReportClient {
-            client,
+            client: pooled_client(options.deadline),
             authorization,
             body_limit_bytes: options.body_limit_bytes,
         })
@@ -231,32 +225,69 @@ impl ReportClient {
                 expected: report.format.expected(),
             });
         }
-        let too_large = || LoadError::BodyTooLarge {
-            url: report.url.clone(),
-            limit_bytes: self.body_limit_bytes,
-        };
-        let announced = hyper::body::Body::size_hint(response.body()).exact();
-        if announced
-            .is_some_and(|len| usize::try_from(len).map_or(true, |len| len > self.body_limit_bytes))
-        {
-            return Err(too_large());
-        }
-        let capacity = announced
-            .and_then(|len| usize::try_from(len).ok())
-            .unwrap_or(0);
-        let mut body = BytesMut::with_capacity(capacity);
-        let mut incoming = response.into_body();
-        while let Some(frame) = incoming.frame().await {
-            let frame = frame.map_err(|error| transport(error.into()))?;
-            if let Ok(chunk) = frame.into_data() {
-                if body.len().saturating_add(chunk.len()) > self.body_limit_bytes {
-                    return Err(too_large());
-                }
-                body.extend_from_slice(&chunk);
-            }
-        }
-        Ok(body.freeze())
+        read_capped(response.into_body(), self.body_limit_bytes)
+            .await
+            .map_err(|error| match error {
+                CappedBodyError::TooLarge { limit_bytes } => LoadError::BodyTooLarge {
+                    url: report.url.clone(),
+                    limit_bytes,
+                },
+                CappedBodyError::Broken(source) => transport(source.into()),
+            })
     }
+}
+
+/// hyper's pooled client as every HTTP caller here configures it: no Nagle
+/// delay (requests and streamed answers are small writes), `connect_timeout`
+/// on the TCP connect, idle connections kept [`POOL_IDLE_TIMEOUT`].
+pub fn pooled_client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+{
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_timer(TokioTimer::new())
+        .build(connector)
+}
+
+/// Why [`read_capped`] returned no body.
+#[derive(Debug, thiserror::Error)]
+pub enum CappedBodyError {
+    #[error("the body exceeds {limit_bytes} bytes")]
+    TooLarge { limit_bytes: usize },
+    #[error("the body broke off")]
+    Broken(#[source] hyper::Error),
+}
+
+/// A whole response body in memory, refused as soon as it (announced or
+/// read so far) exceeds `limit_bytes`.
+pub async fn read_capped(
+    mut incoming: hyper::body::Incoming,
+    limit_bytes: usize,
+) -> Result<Bytes, CappedBodyError> {
+    let too_large = CappedBodyError::TooLarge { limit_bytes };
+    let announced = hyper::body::Body::size_hint(&incoming).exact();
+    if announced.is_some_and(|len| usize::try_from(len).map_or(true, |len| len > limit_bytes)) {
+        return Err(too_large);
+    }
+    let capacity = announced
+        .and_then(|len| usize::try_from(len).ok())
+        .unwrap_or(0);
+    let mut body = BytesMut::with_capacity(capacity);
+    while let Some(frame) = incoming.frame().await {
+        let frame = frame.map_err(CappedBodyError::Broken)?;
+        if let Ok(chunk) = frame.into_data() {
+            if body.len().saturating_add(chunk.len()) > limit_bytes {
+                return Err(too_large);
+            }
+            body.extend_from_slice(&chunk);
+        }
+    }
+    Ok(body.freeze())
 }
 
 #[cfg(test)]

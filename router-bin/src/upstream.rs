@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use policy_core::http::{CappedBodyError, pooled_client, read_capped};
 
 /// A request body: the client's bytes, kept so a retry can send them again.
 pub type UpstreamBody = Full<Bytes>;
@@ -17,20 +17,10 @@ pub type UpstreamBody = Full<Bytes>;
 /// The client requests are forwarded with.
 pub type UpstreamClient = Client<HttpConnector, UpstreamBody>;
 
-/// How long an idle upstream connection stays pooled.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-
 /// Builds the forwarding client. `connect_timeout` bounds the TCP connect;
 /// the response head's deadline is the proxy's own.
 pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    // Streams are many small writes; Nagle would hold each one back.
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .pool_timer(TokioTimer::new())
-        .build(connector)
+    pooled_client(connect_timeout)
 }
 
 /// Most bytes a control-plane answer (`/health`, `/metrics`, `/v1/models`)
@@ -81,32 +71,30 @@ async fn capped_get(
     })?;
     let mut request = http::Request::new(UpstreamBody::default());
     *request.uri_mut() = uri;
-    let exchange =
-        async {
-            let response =
-                client
-                    .request(request)
-                    .await
-                    .map_err(|source| ControlGetError::Request {
-                        url: url.to_owned(),
-                        source,
-                    })?;
-            let status = response.status();
-            let limited = Limited::new(response.into_body(), limit_bytes);
-            let body = limited.collect().await.map_err(|error| {
-                match error.downcast::<hyper::Error>() {
-                    Ok(source) => ControlGetError::Body {
-                        url: url.to_owned(),
-                        source: *source,
-                    },
-                    Err(_) => ControlGetError::TooLarge {
-                        url: url.to_owned(),
-                        limit_bytes,
-                    },
-                }
+    let exchange = async {
+        let response =
+            client
+                .request(request)
+                .await
+                .map_err(|source| ControlGetError::Request {
+                    url: url.to_owned(),
+                    source,
+                })?;
+        let status = response.status();
+        let body = read_capped(response.into_body(), limit_bytes)
+            .await
+            .map_err(|error| match error {
+                CappedBodyError::TooLarge { limit_bytes } => ControlGetError::TooLarge {
+                    url: url.to_owned(),
+                    limit_bytes,
+                },
+                CappedBodyError::Broken(source) => ControlGetError::Body {
+                    url: url.to_owned(),
+                    source,
+                },
             })?;
-            Ok((status, body.to_bytes()))
-        };
+        Ok((status, body))
+    };
     tokio::time::timeout(timeout, exchange)
         .await
         .unwrap_or_else(|_elapsed| {

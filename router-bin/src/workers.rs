@@ -23,7 +23,6 @@ pub struct Worker {
     base: Option<UpstreamBase>,
     pub backend: String,
     pub load_url: Option<String>,
-    pub api_key: Option<String>,
     /// `Authorization: Bearer <api_key>`, built once and marked sensitive.
     pub authorization: Option<HeaderValue>,
     pub source: Arc<dyn LoadSource>,
@@ -117,7 +116,6 @@ impl Worker {
             url,
             backend,
             load_url,
-            api_key,
             authorization,
             source,
             metrics,
