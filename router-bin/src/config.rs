@@ -18,6 +18,7 @@ pub struct RouterConfig {
     pub policy: PolicyConfig,
     pub load_monitor: LoadMonitorConfig,
     pub health: HealthConfig,
+    pub outlier_detection: OutlierConfig,
     pub workers: Vec<WorkerConfig>,
     pub admin: AdminConfig,
 }
@@ -29,16 +30,37 @@ pub struct ServerConfig {
     pub port: u16,
     /// Largest request body accepted; larger bodies get 413.
     pub body_limit_bytes: usize,
-    /// How long to wait for a worker's response to begin.
-    pub request_timeout_ms: u64,
+    /// Per attempt: how long a worker may take to send its response head
+    /// and, for a stream, its first `data:` event. A worker that misses it
+    /// counts one failure toward ejection.
+    pub first_byte_timeout_ms: u64,
+    /// A stream that sends no event for this long is ended with an SSE error
+    /// event, and counts as a failure of its worker.
+    pub stream_idle_timeout_ms: u64,
+    /// The whole request, every attempt and the whole response included.
+    pub request_deadline_ms: u64,
     /// How long a new connection to a worker may take before the request
     /// goes to another worker.
     pub connect_timeout_ms: u64,
     /// How long in-flight requests may run on after SIGTERM/SIGINT.
     pub shutdown_grace_ms: u64,
-    /// Other workers tried when a connection fails or a worker answers 5xx
-    /// before sending anything.
+    /// Other workers tried when no generation can have started: a failed
+    /// connection, a 503 or 429 from the worker, or a stream whose worker
+    /// sent no response head within the first-byte deadline.
     pub max_retries: u32,
+    /// A client must send its whole request head within this long (also
+    /// the wait for the next request on a kept-alive connection's start).
+    pub client_header_timeout_ms: u64,
+    /// A client must send its whole request body within this long.
+    pub client_body_timeout_ms: u64,
+    /// An idle kept-alive client connection is closed after this long.
+    pub keepalive_timeout_ms: u64,
+    /// Most client connections open at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// Replaced by `first_byte_timeout_ms`, `stream_idle_timeout_ms` and
+    /// `request_deadline_ms`; kept only to explain that when it is set.
+    #[serde(default, skip_serializing)]
+    pub request_timeout_ms: Option<u64>,
 }
 
 impl Default for ServerConfig {
@@ -47,17 +69,32 @@ impl Default for ServerConfig {
             host: "127.0.0.1".into(),
             port: 8080,
             body_limit_bytes: 32 * 1024 * 1024,
-            request_timeout_ms: 600_000,
+            first_byte_timeout_ms: 30_000,
+            stream_idle_timeout_ms: 60_000,
+            request_deadline_ms: 600_000,
             connect_timeout_ms: 3_000,
             shutdown_grace_ms: 30_000,
             max_retries: 2,
+            client_header_timeout_ms: 10_000,
+            client_body_timeout_ms: 30_000,
+            keepalive_timeout_ms: 60_000,
+            max_connections: 8192,
+            request_timeout_ms: None,
         }
     }
 }
 
 impl ServerConfig {
-    pub fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.request_timeout_ms)
+    pub fn first_byte_timeout(&self) -> Duration {
+        Duration::from_millis(self.first_byte_timeout_ms)
+    }
+
+    pub fn stream_idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.stream_idle_timeout_ms)
+    }
+
+    pub fn request_deadline(&self) -> Duration {
+        Duration::from_millis(self.request_deadline_ms)
     }
 
     pub fn connect_timeout(&self) -> Duration {
@@ -66,6 +103,18 @@ impl ServerConfig {
 
     pub fn shutdown_grace(&self) -> Duration {
         Duration::from_millis(self.shutdown_grace_ms)
+    }
+
+    pub fn client_header_timeout(&self) -> Duration {
+        Duration::from_millis(self.client_header_timeout_ms)
+    }
+
+    pub fn client_body_timeout(&self) -> Duration {
+        Duration::from_millis(self.client_body_timeout_ms)
+    }
+
+    pub fn keepalive_timeout(&self) -> Duration {
+        Duration::from_millis(self.keepalive_timeout_ms)
     }
 }
 
@@ -166,6 +215,87 @@ impl Default for HealthConfig {
             failure_threshold: 3,
             success_threshold: 2,
         }
+    }
+}
+
+/// Outlier ejection: a worker whose requests fail in a row (across distinct
+/// requests) leaves rotation for a while, and comes back only when a probe
+/// that exercises generation succeeds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OutlierConfig {
+    /// Consecutive gateway failures (connect errors, first-byte timeouts,
+    /// 5xx, streams cut short or stalled) that eject a worker.
+    pub consecutive_failures: u32,
+    /// The first ejection's length; each further one doubles it.
+    pub base_ejection_ms: u64,
+    /// The longest one ejection lasts.
+    pub max_ejection_ms: u64,
+    /// Most of the fleet, in percent, ejected at once; a failure that would
+    /// eject more is logged and the worker kept, so a fleet-wide fault does
+    /// not empty the pool. At least one worker can always be ejected.
+    pub max_ejected_percent: u32,
+    /// How long a probe may take to answer.
+    pub probe_timeout_ms: u64,
+    /// How an ejected worker is probed, by backend name: `health_generate`
+    /// (GET /health_generate), `completion` (a one-token POST
+    /// /v1/completions) or `health` (GET /health only). Backends not named
+    /// use `default_probe`.
+    pub probe: BTreeMap<String, ProbeKind>,
+    pub default_probe: ProbeKind,
+}
+
+/// How an ejected worker is probed before it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeKind {
+    /// `GET /health_generate`: SGLang runs a real one-token generation.
+    HealthGenerate,
+    /// `POST /v1/completions` with `max_tokens = 1`, for the worker's first
+    /// model in `/v1/models`.
+    Completion,
+    /// `GET /health` only: proves the process answers, not that it generates.
+    Health,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> OutlierConfig {
+        OutlierConfig {
+            consecutive_failures: 3,
+            base_ejection_ms: 10_000,
+            max_ejection_ms: 300_000,
+            max_ejected_percent: 50,
+            probe_timeout_ms: 10_000,
+            probe: [
+                ("sglang".to_owned(), ProbeKind::HealthGenerate),
+                ("sglang-grpc".to_owned(), ProbeKind::HealthGenerate),
+            ]
+            .into_iter()
+            .collect(),
+            default_probe: ProbeKind::Completion,
+        }
+    }
+}
+
+impl OutlierConfig {
+    pub fn base_ejection(&self) -> Duration {
+        Duration::from_millis(self.base_ejection_ms)
+    }
+
+    pub fn max_ejection(&self) -> Duration {
+        Duration::from_millis(self.max_ejection_ms)
+    }
+
+    pub fn probe_timeout(&self) -> Duration {
+        Duration::from_millis(self.probe_timeout_ms)
+    }
+
+    /// The probe for a worker of `backend`.
+    pub fn probe_for(&self, backend: &str) -> ProbeKind {
+        self.probe
+            .get(backend)
+            .copied()
+            .unwrap_or(self.default_probe)
     }
 }
 
@@ -280,11 +410,40 @@ impl RouterConfig {
         if self.server.body_limit_bytes == 0 {
             return invalid("server.body_limit_bytes", "0".into(), "at least 1");
         }
-        if self.server.request_timeout_ms == 0 {
-            return invalid("server.request_timeout_ms", "0".into(), "at least 1");
+        if let Some(old) = self.server.request_timeout_ms {
+            return invalid(
+                "server.request_timeout_ms",
+                old.to_string(),
+                "removed: set server.first_byte_timeout_ms (per attempt), \
+                 server.stream_idle_timeout_ms and server.request_deadline_ms (overall) instead",
+            );
         }
-        if self.server.connect_timeout_ms == 0 {
-            return invalid("server.connect_timeout_ms", "0".into(), "at least 1");
+        let server = &self.server;
+        for (key, value) in [
+            ("server.first_byte_timeout_ms", server.first_byte_timeout_ms),
+            ("server.stream_idle_timeout_ms", server.stream_idle_timeout_ms),
+            ("server.request_deadline_ms", server.request_deadline_ms),
+            ("server.connect_timeout_ms", server.connect_timeout_ms),
+            ("server.client_header_timeout_ms", server.client_header_timeout_ms),
+            ("server.client_body_timeout_ms", server.client_body_timeout_ms),
+            ("server.keepalive_timeout_ms", server.keepalive_timeout_ms),
+        ] {
+            if value == 0 {
+                return invalid(key, "0".into(), "at least 1");
+            }
+        }
+        if server.max_connections == 0 {
+            return invalid("server.max_connections", "0".into(), "at least 1");
+        }
+        if server.first_byte_timeout_ms > server.request_deadline_ms {
+            return invalid(
+                "server.first_byte_timeout_ms",
+                server.first_byte_timeout_ms.to_string(),
+                &format!(
+                    "at most server.request_deadline_ms ({})",
+                    server.request_deadline_ms
+                ),
+            );
         }
         let chars = self.request.chars_per_token;
         if !(chars.is_finite() && chars > 0.0) {
@@ -322,6 +481,36 @@ impl RouterConfig {
         }
         if self.health.success_threshold == 0 {
             return invalid("health.success_threshold", "0".into(), "at least 1");
+        }
+        let outlier = &self.outlier_detection;
+        for (key, value) in [
+            (
+                "outlier_detection.consecutive_failures",
+                u64::from(outlier.consecutive_failures),
+            ),
+            ("outlier_detection.base_ejection_ms", outlier.base_ejection_ms),
+            ("outlier_detection.probe_timeout_ms", outlier.probe_timeout_ms),
+        ] {
+            if value == 0 {
+                return invalid(key, "0".into(), "at least 1");
+            }
+        }
+        if outlier.max_ejection_ms < outlier.base_ejection_ms {
+            return invalid(
+                "outlier_detection.max_ejection_ms",
+                outlier.max_ejection_ms.to_string(),
+                &format!(
+                    "at least outlier_detection.base_ejection_ms ({})",
+                    outlier.base_ejection_ms
+                ),
+            );
+        }
+        if outlier.max_ejected_percent > 100 {
+            return invalid(
+                "outlier_detection.max_ejected_percent",
+                outlier.max_ejected_percent.to_string(),
+                "a percentage from 0 to 100",
+            );
         }
         for (index, worker) in self.workers.iter().enumerate() {
             validate_worker(worker).map_err(|(field, value, allowed)| ConfigError::Invalid {

@@ -164,7 +164,7 @@ async fn forward(
         };
         let tracker = RequestTracker::new(guard, worker.clone(), received_at);
         let answer = tokio::time::timeout(
-            app.config.server.request_timeout(),
+            app.config.server.first_byte_timeout(),
             app.upstream.request(upstream),
         )
         .await;

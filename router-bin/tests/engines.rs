@@ -262,7 +262,7 @@ async fn every_fault_mode_leaves_the_router_serving_the_others() {
             .map(|engine| worker("sglang", &engine.http_url()))
             .collect();
         let mut config = fast_config(workers, "[policy]\nkind = \"round_robin\"\n");
-        config.server.request_timeout_ms = 1500;
+        config.server.first_byte_timeout_ms = 1500;
         // Health checks pass throughout (only generation misbehaves), so a
         // worker taken out for cut streams must stay out while this runs.
         config.health.success_threshold = 200;
