@@ -44,6 +44,9 @@ pub enum EngineSimError {
     /// A port computed from a base port and an index does not fit in 16 bits.
     #[error("port {base} + {index} is out of range")]
     PortOutOfRange { base: u16, index: usize },
+    /// A fleet has no engine at this index.
+    #[error("no engine {index} in the fleet")]
+    NoSuchEngine { index: usize },
     /// A listener could not be bound.
     #[error("could not bind {addr}")]
     Bind {

@@ -5,9 +5,20 @@
 //! engine-sim drive --router URL [--duration-s S] [--rate R] …  # demo traffic
 //! engine-sim serve --flavour sglang|sglang-metrics|vllm|tokenspeed --count N
 //!                  --base-port P [--grpc-base-port G] [--mode model|canned]
-//!                  [--time-scale X] [--fault MODE] [--prefill-tps …] [--decode-base-ms …]
+//!                  [--time-scale X] [--fault MODE] [--slow-loads-ms MS]
+//!                  [--slow-first-byte-ms MS] [--prefill-tps …] [--decode-base-ms …]
 //!                  [--decode-per-req-ms …] [--max-running …] [--kv-tokens …] [--seed S]
 //! ```
+//!
+//! Fault modes (`--fault`, or at run time `POST /control/fault {"mode": …}`):
+//! `none`; load-endpoint faults `slow-loads`, `malformed-loads`, `nan-loads`,
+//! `loads-500`; generation faults `hang-generation` (no answer),
+//! `hang-mid-stream` (head and first event, then silence on an open
+//! connection), `close-mid-stream` (cut after the first chunk),
+//! `generation-500` (500 while `/health` says 200), `slow-first-byte` (the
+//! head only after `--slow-first-byte-ms`); and `refuse-connections`.
+//! `GET /control/stats` counts the generation requests and `/health_generate`
+//! probes each engine received.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
@@ -60,7 +71,10 @@ struct ServeArgs {
     /// Virtual seconds per wall second.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
-    /// Fault mode at start (switchable with POST /control/fault).
+    /// Fault mode at start (switchable with POST /control/fault): none,
+    /// slow-loads, malformed-loads, nan-loads, loads-500, hang-generation,
+    /// hang-mid-stream, close-mid-stream, generation-500, slow-first-byte,
+    /// refuse-connections.
     #[arg(long, default_value = "none")]
     fault: FaultMode,
     #[arg(long)]
@@ -97,6 +111,10 @@ struct ServeArgs {
     /// How long load endpoints stall under the slow-loads fault, milliseconds.
     #[arg(long, default_value_t = 5000)]
     slow_loads_ms: u64,
+    /// How long generation requests wait before their response head under
+    /// the slow-first-byte fault, milliseconds (wall time).
+    #[arg(long, default_value_t = 5000)]
+    slow_first_byte_ms: u64,
 }
 
 fn main() -> ExitCode {
@@ -173,6 +191,7 @@ async fn serve(args: ServeArgs) -> Result<(), EngineSimError> {
         config.default_output_tokens = args.default_output_tokens;
         config.canned_tokens = args.canned_tokens;
         config.slow_loads_delay = Duration::from_millis(args.slow_loads_ms);
+        config.slow_first_byte_delay = Duration::from_millis(args.slow_first_byte_ms);
         config.http_addr = SocketAddr::new(args.host, port(args.base_port, index)?);
         config.grpc_addr = match args.grpc_base_port {
             Some(base) if args.flavour.has_grpc() => {

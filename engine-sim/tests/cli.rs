@@ -110,3 +110,113 @@ fn tokenspeed_needs_a_grpc_base_port() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("grpc"), "{stderr}");
 }
+
+#[test]
+fn serve_takes_the_new_faults_and_the_first_byte_delay() {
+    // A 1 ms first-byte delay: answered well inside a client timeout shorter
+    // than the 5 s default, so the flag reached the engine.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args([
+            "serve",
+            "--flavour",
+            "sglang-metrics",
+            "--base-port",
+            "0",
+            "--time-scale",
+            "100",
+            "--fault",
+            "slow-first-byte",
+            "--slow-first-byte-ms",
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let engine: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let url = engine["http"].as_str().unwrap().to_owned();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(4))
+            .build()
+            .unwrap();
+        let answered = client
+            .post(format!("{url}/v1/completions"))
+            .json(&serde_json::json!({"prompt": "x", "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answered.status(), 200);
+        assert_eq!(
+            client
+                .get(format!("{url}/health_generate"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+        let switched = client
+            .post(format!("{url}/control/fault"))
+            .json(&serde_json::json!({"mode": "generation-500"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(switched.status(), 200);
+        let stats: serde_json::Value = client
+            .get(format!("{url}/control/stats"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            stats,
+            serde_json::json!({
+                "generation_requests": 1,
+                "health_generate_requests": 1,
+                "fault": "generation-500",
+            })
+        );
+    });
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
+#[test]
+fn serve_refuses_an_unknown_fault_and_lists_the_new_ones_in_help() {
+    let output = Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&output.stdout);
+    for name in [
+        "hang-mid-stream",
+        "generation-500",
+        "slow-first-byte",
+        "--slow-first-byte-ms",
+    ] {
+        assert!(help.contains(name), "{help}");
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args([
+            "serve",
+            "--flavour",
+            "sglang",
+            "--base-port",
+            "0",
+            "--fault",
+            "explode",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+}

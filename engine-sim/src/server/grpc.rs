@@ -2,30 +2,41 @@
 //! flavour's own package and field numbering (the backends crates own the
 //! `.proto` files; this module implements their generated server traits).
 
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use backends_sglang::proto as sglang;
 use backends_tokenspeed::proto as tokenspeed;
 use backends_vllm::proto as vllm;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::{Request, Response, Status};
 
-use super::{EngineShared, FaultMode, Flavour};
+use super::{EngineShared, FaultMode, Flavour, Stop};
 use crate::model::EngineSnapshot;
 use crate::reports::{self, clamp_i32};
 
-/// Serves the flavour's gRPC service until shutdown. Under
+/// Serves the flavour's gRPC service until the engine stops. Under
 /// [`FaultMode::RefuseConnections`] new connections are dropped at once and
-/// calls on open ones fail with `UNAVAILABLE`.
+/// calls on open ones fail with `UNAVAILABLE`. A kill breaks every open
+/// connection (see [`KillableIo`]).
 pub(super) async fn serve(listener: TcpListener, shared: Arc<EngineShared>) {
     let refuse_shared = shared.clone();
-    let incoming = TcpListenerStream::new(listener).filter(move |connection| {
-        let refusing = refuse_shared.fault() == FaultMode::RefuseConnections;
-        // Dropping the accepted stream closes it.
-        !(refusing && connection.is_ok())
-    });
+    let stop = shared.stop.clone();
+    let incoming = TcpListenerStream::new(listener)
+        .filter(move |connection| {
+            let refusing = refuse_shared.fault() == FaultMode::RefuseConnections;
+            // Dropping the accepted stream closes it.
+            !(refusing && connection.is_ok())
+        })
+        .map(move |connection| connection.map(|stream| KillableIo::new(stream, stop.clone())));
     let service = GrpcEngine {
         shared: shared.clone(),
     };
@@ -253,5 +264,94 @@ impl tokenspeed::token_speed_scheduler_server::TokenSpeedScheduler for GrpcEngin
             healthy,
             message,
         }))
+    }
+}
+
+/// A gRPC connection that fails every read and write once its engine is
+/// killed. tonic runs connections in tasks of its own that a kill cannot
+/// reach, and its shutdown is graceful; failing the I/O ends them at once
+/// (hyper then drops the socket).
+struct KillableIo {
+    stream: TcpStream,
+    kill: Pin<Box<dyn Future<Output = ()> + Send>>,
+    killed: bool,
+}
+
+impl KillableIo {
+    fn new(stream: TcpStream, mut stop: watch::Receiver<Stop>) -> KillableIo {
+        let kill = Box::pin(async move {
+            // A dropped sender (the fleet is gone) kills too.
+            let _ = stop.wait_for(|stop| *stop == Stop::Kill).await;
+        });
+        KillableIo {
+            stream,
+            kill,
+            killed: false,
+        }
+    }
+
+    /// Whether the engine is killed; otherwise registers the task to be woken
+    /// when it is.
+    fn poll_killed(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.killed && self.kill.as_mut().poll(cx).is_ready() {
+            self.killed = true;
+        }
+        self.killed
+    }
+}
+
+fn killed_error() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "engine killed")
+}
+
+impl AsyncRead for KillableIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.poll_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for KillableIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.poll_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut this.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.poll_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut this.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.poll_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut this.stream).poll_shutdown(cx)
+    }
+}
+
+impl Connected for KillableIo {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.stream.connect_info()
     }
 }

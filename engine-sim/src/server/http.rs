@@ -1,5 +1,6 @@
 //! The HTTP side of a mock engine: health, models, generation (plain and
-//! SSE), the flavour's load endpoints and fault control.
+//! SSE), SGLang's `/health_generate`, the flavour's load endpoints, fault
+//! control and request counters.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -32,15 +33,18 @@ const SSE_CONTENT_TYPE: &str = "text/event-stream";
 /// Under `close-mid-stream`, how long the written chunks get to reach the
 /// client before the connection is cut.
 const CUT_FLUSH_DELAY: Duration = Duration::from_millis(50);
+/// `/health_generate` reads its one-token answer whole; far more than enough.
+const PROBE_BODY_LIMIT_BYTES: usize = 1 << 20;
 const WORDS: [&str; 8] = [
     " the", " engine", " sim", " says", " hello", " to", " every", " router",
 ];
 
 type Shared = Arc<EngineShared>;
 
-/// Accepts connections until shutdown, serving each with the router; under
-/// [`FaultMode::RefuseConnections`] every request but `/control/fault`
-/// closes its connection unanswered.
+/// Accepts connections until the engine stops, serving each with the router;
+/// under [`FaultMode::RefuseConnections`] every request but `/control/*`
+/// closes its connection unanswered. A kill drops every open connection at
+/// once; a graceful stop lets them finish for a while first.
 pub(super) async fn serve(listener: TcpListener, shared: Shared) {
     let router = router(shared.clone());
     let mut connections = JoinSet::new();
@@ -58,6 +62,12 @@ pub(super) async fn serve(listener: TcpListener, shared: Shared) {
         }
     }
     drop(listener);
+    if shared.killed() {
+        // Joining, not just aborting: every socket is closed on return.
+        connections.abort_all();
+        while connections.join_next().await.is_some() {}
+        return;
+    }
     let drained = tokio::time::timeout(Duration::from_secs(2), async {
         while connections.join_next().await.is_some() {}
     });
@@ -71,7 +81,7 @@ async fn serve_connection(stream: tokio::net::TcpStream, router: Router, shared:
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
         let router = router.clone();
         let refuse = service_shared.fault() == FaultMode::RefuseConnections
-            && request.uri().path() != "/control/fault";
+            && !request.uri().path().starts_with("/control/");
         async move {
             if refuse {
                 return Err(std::io::Error::new(
@@ -91,8 +101,11 @@ async fn serve_connection(stream: tokio::net::TcpStream, router: Router, shared:
     tokio::select! {
         _ = connection.as_mut() => {}
         () = shared.stopped() => {
-            connection.as_mut().graceful_shutdown();
-            let _ = connection.await;
+            // Killed: return, dropping the socket mid-whatever.
+            if !shared.killed() {
+                connection.as_mut().graceful_shutdown();
+                let _ = connection.await;
+            }
         }
     }
 }
@@ -104,14 +117,20 @@ fn router(shared: Shared) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/generate", post(generate))
-        .route("/control/fault", post(set_fault).get(get_fault));
+        .route("/control/fault", post(set_fault).get(get_fault))
+        .route("/control/stats", get(stats));
     match shared.config.flavour {
         Flavour::Sglang => {
             router = router
                 .route("/v1/loads", get(sglang_loads))
-                .route("/metrics", get(sglang_metrics));
+                .route("/metrics", get(sglang_metrics))
+                .route("/health_generate", get(health_generate));
         }
-        Flavour::SglangMetrics => router = router.route("/metrics", get(sglang_metrics)),
+        Flavour::SglangMetrics => {
+            router = router
+                .route("/metrics", get(sglang_metrics))
+                .route("/health_generate", get(health_generate));
+        }
         Flavour::Vllm => router = router.route("/metrics", get(vllm_metrics)),
         Flavour::Tokenspeed => {}
     }
@@ -157,16 +176,30 @@ async fn set_fault(State(shared): State<Shared>, body: Bytes) -> Response<Body> 
                 &json!({"mode": mode.as_str(), "previous": previous.as_str()}),
             )
         }
-        None => error_response(
-            StatusCode::BAD_REQUEST,
-            "expected {\"mode\": one of none, slow-loads, malformed-loads, nan-loads, \
-             loads-500, hang-generation, close-mid-stream, refuse-connections}",
-        ),
+        None => {
+            let names: Vec<&str> = FaultMode::ALL.iter().map(|mode| mode.as_str()).collect();
+            error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("expected {{\"mode\": one of {}}}", names.join(", ")),
+            )
+        }
     }
 }
 
 async fn get_fault(State(shared): State<Shared>) -> Response<Body> {
     json_response(StatusCode::OK, &json!({"mode": shared.fault().as_str()}))
+}
+
+async fn stats(State(shared): State<Shared>) -> Response<Body> {
+    let stats = shared.counters.stats();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "generation_requests": stats.generation_requests,
+            "health_generate_requests": stats.health_generate_requests,
+            "fault": shared.fault().as_str(),
+        }),
+    )
 }
 
 // ---------------------------------------------------------------- loads
@@ -453,6 +486,11 @@ fn prompt_text(api: Api, body: &Value) -> String {
 }
 
 async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
+    // Counted on arrival, before parsing or any fault.
+    shared
+        .counters
+        .generation_requests
+        .fetch_add(1, Ordering::Relaxed);
     let body: Value = match serde_json::from_slice(&body) {
         Ok(value) => value,
         Err(_) => return error_response(StatusCode::BAD_REQUEST, "request body is not json"),
@@ -463,9 +501,55 @@ async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
         shared.config.params.block_size_tokens,
         shared.config.default_output_tokens,
     );
-    if shared.fault() == FaultMode::HangGeneration {
-        shared.stopped().await;
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+    answer(shared, api, request).await
+}
+
+/// SGLang's deep health check: a one-token generation through [`answer`],
+/// so every generation fault applies. 200 when it completes, 500 when it
+/// fails or its answer breaks off (SGLang's body is empty either way).
+async fn health_generate(State(shared): State<Shared>) -> Response<Body> {
+    shared
+        .counters
+        .health_generate_requests
+        .fetch_add(1, Ordering::Relaxed);
+    let probe = GenerationRequest {
+        stream: false,
+        prompt_tokens: 1,
+        output_tokens: 1,
+        bounded: true,
+        prefix_block_hashes: Vec::new(),
+    };
+    let response = answer(shared, Api::Generate, probe).await;
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), PROBE_BODY_LIMIT_BYTES).await;
+    let healthy = status == StatusCode::OK && body.is_ok();
+    let mut answer = Response::new(Body::empty());
+    if !healthy {
+        *answer.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    }
+    answer
+}
+
+/// Answers a parsed generation request, applying the generation faults.
+async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Response<Body> {
+    match shared.fault() {
+        FaultMode::HangGeneration => return hang(&shared).await,
+        FaultMode::HangMidStream if !request.stream => return hang(&shared).await,
+        FaultMode::Generation500 => {
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal error (fault mode generation-500)",
+            );
+        }
+        FaultMode::SlowFirstByte => {
+            tokio::select! {
+                () = tokio::time::sleep(shared.config.slow_first_byte_delay) => {}
+                () = shared.stopped() => {
+                    return error_response(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+                }
+            }
+        }
+        _ => {}
     }
     let id = shared.next_request_id.fetch_add(1, Ordering::Relaxed);
     let meta = ResponseMeta {
@@ -506,6 +590,12 @@ async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
     } else {
         whole_response(shared, meta, progress).await
     }
+}
+
+/// Never answers; the engine stopping ends it.
+async fn hang(shared: &Shared) -> Response<Body> {
+    shared.stopped().await;
+    error_response(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
 }
 
 fn canned_record(id: u64, request: &GenerationRequest, tokens: u32) -> crate::model::RequestRecord {
@@ -752,6 +842,13 @@ fn stream_response(
     let body = stream::unfold(state, |mut state| async move {
         if state.done {
             return None;
+        }
+        if state.sent_chunks >= 1 && state.shared.fault() == FaultMode::HangMidStream {
+            // Silent from here on; the written events are flushed because
+            // the body is pending.
+            state.shared.stopped().await;
+            state.done = true;
+            return Some((Err(cut()), state));
         }
         if state.sent_chunks >= 1 && state.shared.fault() == FaultMode::CloseMidStream {
             // Let the chunks already written reach the client, then cut.

@@ -2,12 +2,15 @@
 //!
 //! [`start`] runs one server per [`SimEngineConfig`] inside the current tokio
 //! runtime and returns a [`SimFleet`]: the engines' addresses, run-time fault
-//! switching, their true state, and a clean [`SimFleet::shutdown`].
+//! switching, their true state, request counters, a hard
+//! [`SimFleet::kill`] and [`SimFleet::restart`] of one engine, and a clean
+//! [`SimFleet::shutdown`].
 //!
 //! Each engine has one HTTP port (`/health`, `/v1/models`, the generation
-//! endpoints, its flavour's load endpoints, `/control/fault`) and, when the
-//! flavour has gRPC and [`SimEngineConfig::grpc_addr`] is set, one gRPC port
-//! (`GetLoads`, `HealthCheck`).
+//! endpoints, SGLang's `/health_generate` on the SGLang flavours, its
+//! flavour's load endpoints, `/control/fault`, `/control/stats`) and, when
+//! the flavour has gRPC and [`SimEngineConfig::grpc_addr`] is set, one gRPC
+//! port (`GetLoads`, `HealthCheck`).
 //!
 //! In [`ServeMode::Model`] an [`Engine`](crate::Engine) runs in virtual time
 //! = elapsed wall time × `time_scale`. One driver task per engine advances the
@@ -28,7 +31,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -151,14 +154,26 @@ pub enum FaultMode {
     HangGeneration = 5,
     /// Generation responses are cut (connection closed) after the first chunk.
     CloseMidStream = 6,
-    /// Every request except `/control/fault` gets its connection closed
+    /// Every request except `/control/*` gets its connection closed
     /// without an answer; new gRPC connections are dropped and calls fail
     /// with `UNAVAILABLE`.
     RefuseConnections = 7,
+    /// Streaming generations send their head and first event, then go silent
+    /// with the connection open until the engine stops (even if the fault is
+    /// switched off meanwhile); non-streaming ones hang like
+    /// [`FaultMode::HangGeneration`].
+    HangMidStream = 8,
+    /// Generation requests (and `/health_generate`) answer HTTP 500 with a
+    /// JSON error body while `/health` still answers 200.
+    Generation500 = 9,
+    /// Generation requests answer normally, but only after
+    /// [`SimEngineConfig::slow_first_byte_delay`] of wall time before the
+    /// response head.
+    SlowFirstByte = 10,
 }
 
 impl FaultMode {
-    pub const ALL: [FaultMode; 8] = [
+    pub const ALL: [FaultMode; 11] = [
         FaultMode::None,
         FaultMode::SlowLoads,
         FaultMode::MalformedLoads,
@@ -167,6 +182,9 @@ impl FaultMode {
         FaultMode::HangGeneration,
         FaultMode::CloseMidStream,
         FaultMode::RefuseConnections,
+        FaultMode::HangMidStream,
+        FaultMode::Generation500,
+        FaultMode::SlowFirstByte,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -179,6 +197,9 @@ impl FaultMode {
             FaultMode::HangGeneration => "hang-generation",
             FaultMode::CloseMidStream => "close-mid-stream",
             FaultMode::RefuseConnections => "refuse-connections",
+            FaultMode::HangMidStream => "hang-mid-stream",
+            FaultMode::Generation500 => "generation-500",
+            FaultMode::SlowFirstByte => "slow-first-byte",
         }
     }
 
@@ -232,6 +253,9 @@ pub struct SimEngineConfig {
     pub canned_tokens: u32,
     /// How long load endpoints stall under [`FaultMode::SlowLoads`].
     pub slow_loads_delay: Duration,
+    /// How long generation requests wait (wall time) before their response
+    /// head under [`FaultMode::SlowFirstByte`].
+    pub slow_first_byte_delay: Duration,
 }
 
 impl SimEngineConfig {
@@ -253,6 +277,7 @@ impl SimEngineConfig {
             default_output_tokens: 16,
             canned_tokens: 8,
             slow_loads_delay: Duration::from_secs(5),
+            slow_first_byte_delay: Duration::from_secs(5),
         }
     }
 
@@ -301,14 +326,89 @@ impl SimEngineAddr {
     }
 }
 
+/// What one engine has received, counted over the fleet's lifetime (a
+/// restart keeps counting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SimEngineStats {
+    /// Generation requests (chat, completions, `/generate`) accepted, counted
+    /// on arrival before any fault applies. Requests whose connection
+    /// `refuse-connections` closes never reach the engine and are not counted.
+    pub generation_requests: u64,
+    /// `/health_generate` probes accepted (not in `generation_requests`).
+    pub health_generate_requests: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    generation_requests: AtomicU64,
+    health_generate_requests: AtomicU64,
+}
+
+impl Counters {
+    fn stats(&self) -> SimEngineStats {
+        SimEngineStats {
+            generation_requests: self.generation_requests.load(Ordering::Relaxed),
+            health_generate_requests: self.health_generate_requests.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// How an engine's tasks are told to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Running,
+    /// Close listeners, finish open connections gracefully.
+    Graceful,
+    /// Close listeners and drop every open connection at once.
+    Kill,
+}
+
+/// One running life of an engine: its stop switch and its tasks.
+#[derive(Debug)]
+struct Incarnation {
+    stop: watch::Sender<Stop>,
+    tasks: JoinSet<()>,
+}
+
+impl Incarnation {
+    /// Stops with `how` and waits until every task is gone (so the listeners
+    /// are closed), aborting whatever outlives `grace`.
+    async fn stop(mut self, how: Stop, grace: Duration) {
+        let _ = self.stop.send(how);
+        let tasks = &mut self.tasks;
+        let finished =
+            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} });
+        if finished.await.is_err() {
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
+    }
+}
+
+/// One engine of a fleet across its restarts.
+#[derive(Debug)]
+struct EngineSlot {
+    /// What it (re)starts from, with the addresses it was first bound to.
+    config: SimEngineConfig,
+    counters: Arc<Counters>,
+    /// The current (or, while killed, the last) incarnation's state.
+    shared: Mutex<Arc<EngineShared>>,
+    /// `None` while killed. An async lock: kill and restart await under it.
+    running: tokio::sync::Mutex<Option<Incarnation>>,
+}
+
 /// Running mock engines; dropping it stops them too (without waiting).
 #[derive(Debug)]
 pub struct SimFleet {
     addrs: Vec<SimEngineAddr>,
-    engines: Vec<Arc<EngineShared>>,
-    shutdown: watch::Sender<bool>,
-    tasks: JoinSet<()>,
+    slots: Vec<EngineSlot>,
 }
+
+/// How long a killed engine's tasks get to drop their connections before
+/// they are aborted (they need no I/O to do so).
+const KILL_GRACE: Duration = Duration::from_secs(1);
+/// How long a shutdown waits for open connections to finish gracefully.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 
 impl SimFleet {
     /// The engines' addresses, in the order of their configs.
@@ -316,9 +416,14 @@ impl SimFleet {
         &self.addrs
     }
 
+    fn shared(&self, index: usize) -> Option<Arc<EngineShared>> {
+        self.slots.get(index).map(|slot| slot.shared.lock().clone())
+    }
+
     /// Switches engine `index`'s fault mode; false when there is no such engine.
+    /// A restart resets it to the config's fault.
     pub fn set_fault(&self, index: usize, fault: FaultMode) -> bool {
-        match self.engines.get(index) {
+        match self.shared(index) {
             Some(engine) => {
                 engine.set_fault(fault);
                 true
@@ -329,32 +434,113 @@ impl SimFleet {
 
     /// Engine `index`'s current fault mode.
     pub fn fault(&self, index: usize) -> Option<FaultMode> {
-        self.engines.get(index).map(|engine| engine.fault())
+        self.shared(index).map(|engine| engine.fault())
     }
 
-    /// Engine `index`'s true state now (advanced to the current virtual time).
+    /// Engine `index`'s true state now (advanced to the current virtual time;
+    /// while killed, the state it died with, advanced).
     pub fn snapshot(&self, index: usize) -> Option<EngineSnapshot> {
-        self.engines.get(index).map(|engine| engine.snapshot())
+        self.shared(index).map(|engine| engine.snapshot())
+    }
+
+    /// Engine `index`'s request counters (also `GET /control/stats`).
+    pub fn stats(&self, index: usize) -> Option<SimEngineStats> {
+        self.slots.get(index).map(|slot| slot.counters.stats())
+    }
+
+    /// Generation requests engine `index` has accepted, across restarts.
+    pub fn generation_requests(&self, index: usize) -> Option<u64> {
+        self.stats(index).map(|stats| stats.generation_requests)
+    }
+
+    /// `/health_generate` probes engine `index` has accepted, across restarts.
+    pub fn health_generate_requests(&self, index: usize) -> Option<u64> {
+        self.stats(index)
+            .map(|stats| stats.health_generate_requests)
+    }
+
+    /// Whether engine `index` is serving (not killed).
+    pub async fn is_running(&self, index: usize) -> Option<bool> {
+        let slot = self.slots.get(index)?;
+        Some(slot.running.lock().await.is_some())
+    }
+
+    /// Kills engine `index` hard, like a crashed process: its listeners close
+    /// (new connections are refused) and every open connection is dropped at
+    /// once, in-flight streams cut mid-way. Returns when all of that is done;
+    /// false when there is no such engine. Killing a killed engine does
+    /// nothing.
+    pub async fn kill(&self, index: usize) -> bool {
+        let Some(slot) = self.slots.get(index) else {
+            return false;
+        };
+        let mut running = slot.running.lock().await;
+        if let Some(incarnation) = running.take() {
+            incarnation.stop(Stop::Kill, KILL_GRACE).await;
+            tracing::info!(engine = index, "engine killed");
+        }
+        true
+    }
+
+    /// Starts engine `index` again on the same HTTP (and gRPC) port with a
+    /// fresh engine (empty model, virtual time from 0, the config's fault);
+    /// its counters keep counting. A running engine is killed first.
+    pub async fn restart(&self, index: usize) -> Result<(), EngineSimError> {
+        let slot = self
+            .slots
+            .get(index)
+            .ok_or(EngineSimError::NoSuchEngine { index })?;
+        let mut running = slot.running.lock().await;
+        if let Some(incarnation) = running.take() {
+            incarnation.stop(Stop::Kill, KILL_GRACE).await;
+        }
+        let http_listener = bind(slot.config.http_addr)?;
+        let grpc_listener = match slot.config.grpc_addr {
+            Some(addr) => Some(bind(addr)?),
+            None => None,
+        };
+        let (shared, incarnation) = launch(
+            index,
+            slot.config.clone(),
+            slot.counters.clone(),
+            Instant::now(),
+            http_listener,
+            grpc_listener,
+        )?;
+        *slot.shared.lock() = shared;
+        *running = Some(incarnation);
+        tracing::info!(engine = index, "engine restarted");
+        Ok(())
     }
 
     /// Stops every server and driver: listeners close, open connections are
     /// finished gracefully (hung and streaming requests end at once), and
     /// whatever is still running after a short grace period is aborted.
     pub async fn shutdown(mut self) {
-        let _ = self.shutdown.send(true);
-        let grace = tokio::time::timeout(Duration::from_secs(3), async {
-            while self.tasks.join_next().await.is_some() {}
-        });
-        if grace.await.is_err() {
-            self.tasks.abort_all();
-            while self.tasks.join_next().await.is_some() {}
+        let incarnations: Vec<Incarnation> = self
+            .slots
+            .iter_mut()
+            .filter_map(|slot| slot.running.get_mut().take())
+            .collect();
+        for incarnation in &incarnations {
+            let _ = incarnation.stop.send(Stop::Graceful);
+        }
+        // One grace period for all engines, not one each.
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        for incarnation in incarnations {
+            let grace = deadline.saturating_duration_since(Instant::now());
+            incarnation.stop(Stop::Graceful, grace).await;
         }
     }
 }
 
 impl Drop for SimFleet {
     fn drop(&mut self) {
-        let _ = self.shutdown.send(true);
+        for slot in &mut self.slots {
+            if let Some(incarnation) = slot.running.get_mut() {
+                let _ = incarnation.stop.send(Stop::Graceful);
+            }
+        }
     }
 }
 
@@ -363,63 +549,90 @@ pub async fn start(configs: Vec<SimEngineConfig>) -> Result<SimFleet, EngineSimE
     for config in &configs {
         config.validate()?;
     }
-    let (shutdown, _) = watch::channel(false);
     let mut fleet = SimFleet {
         addrs: Vec::with_capacity(configs.len()),
-        engines: Vec::with_capacity(configs.len()),
-        shutdown,
-        tasks: JoinSet::new(),
+        slots: Vec::with_capacity(configs.len()),
     };
     let origin = Instant::now();
-    for (index, config) in configs.into_iter().enumerate() {
-        let http_listener = bind(config.http_addr).await?;
+    for (index, mut config) in configs.into_iter().enumerate() {
+        let http_listener = bind(config.http_addr)?;
         let http_addr = http_listener.local_addr()?;
         let grpc_listener = match config.grpc_addr {
-            Some(addr) => Some(bind(addr).await?),
+            Some(addr) => Some(bind(addr)?),
             None => None,
         };
         let grpc_addr = match &grpc_listener {
             Some(listener) => Some(listener.local_addr()?),
             None => None,
         };
-        let mut engine = Engine::new(config.params.clone(), config.seed)?;
-        engine.set_token_events(true);
-        let shared = Arc::new(EngineShared {
+        // A restart binds the ports the OS picked, not port 0 again.
+        config.http_addr = http_addr;
+        config.grpc_addr = grpc_addr;
+        let counters = Arc::new(Counters::default());
+        let (shared, incarnation) = launch(
             index,
-            clock: VirtualClock {
-                origin,
-                time_scale: config.time_scale,
-            },
-            fault: AtomicU8::new(config.fault as u8),
-            next_request_id: AtomicU64::new(1),
-            core: Mutex::new(Core {
-                engine,
-                waiters: HashMap::new(),
-                pending: Vec::new(),
-                scratch: Vec::new(),
-            }),
-            wake: Notify::new(),
-            shutdown: fleet.shutdown.subscribe(),
-            config,
-        });
+            config.clone(),
+            counters.clone(),
+            origin,
+            http_listener,
+            grpc_listener,
+        )?;
         fleet.addrs.push(SimEngineAddr {
             index,
-            flavour: shared.config.flavour,
+            flavour: config.flavour,
             http_addr,
             grpc_addr,
         });
-        if shared.config.mode == ServeMode::Model {
-            fleet.tasks.spawn(drive(shared.clone()));
-        }
-        fleet
-            .tasks
-            .spawn(http::serve(http_listener, shared.clone()));
-        if let Some(listener) = grpc_listener {
-            fleet.tasks.spawn(grpc::serve(listener, shared.clone()));
-        }
-        fleet.engines.push(shared);
+        fleet.slots.push(EngineSlot {
+            config,
+            counters,
+            shared: Mutex::new(shared),
+            running: tokio::sync::Mutex::new(Some(incarnation)),
+        });
     }
     Ok(fleet)
+}
+
+/// Builds a fresh engine on bound listeners and spawns its tasks.
+fn launch(
+    index: usize,
+    config: SimEngineConfig,
+    counters: Arc<Counters>,
+    origin: Instant,
+    http_listener: TcpListener,
+    grpc_listener: Option<TcpListener>,
+) -> Result<(Arc<EngineShared>, Incarnation), EngineSimError> {
+    let mut engine = Engine::new(config.params.clone(), config.seed)?;
+    engine.set_token_events(true);
+    let (stop, stop_receiver) = watch::channel(Stop::Running);
+    let shared = Arc::new(EngineShared {
+        index,
+        clock: VirtualClock {
+            origin,
+            time_scale: config.time_scale,
+        },
+        fault: AtomicU8::new(config.fault as u8),
+        next_request_id: AtomicU64::new(1),
+        core: Mutex::new(Core {
+            engine,
+            waiters: HashMap::new(),
+            pending: Vec::new(),
+            scratch: Vec::new(),
+        }),
+        wake: Notify::new(),
+        stop: stop_receiver,
+        counters,
+        config,
+    });
+    let mut tasks = JoinSet::new();
+    if shared.config.mode == ServeMode::Model {
+        tasks.spawn(drive(shared.clone()));
+    }
+    tasks.spawn(http::serve(http_listener, shared.clone()));
+    if let Some(listener) = grpc_listener {
+        tasks.spawn(grpc::serve(listener, shared.clone()));
+    }
+    Ok((shared, Incarnation { stop, tasks }))
 }
 
 /// Starts `count` engines from one template: engine `i` is seeded with
@@ -455,10 +668,22 @@ pub async fn start_many(
     start(configs).await
 }
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, EngineSimError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| EngineSimError::Bind { addr, source })
+fn bind(addr: SocketAddr) -> Result<TcpListener, EngineSimError> {
+    let listen = || {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        // A restart rebinds a port whose cut connections sit in TIME_WAIT
+        // (tokio's own bind sets this too on Unix; say it outright).
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        // The standard library's backlog: hundreds of clients may connect
+        // at once.
+        socket.listen(1024)
+    };
+    listen().map_err(|source| EngineSimError::Bind { addr, source })
 }
 
 /// Virtual time = elapsed wall time × time scale.
@@ -578,7 +803,9 @@ struct EngineShared {
     core: Mutex<Core>,
     /// Wakes the driver when a request arrives.
     wake: Notify,
-    shutdown: watch::Receiver<bool>,
+    stop: watch::Receiver<Stop>,
+    /// The slot's, shared by every incarnation.
+    counters: Arc<Counters>,
 }
 
 impl EngineShared {
@@ -600,10 +827,15 @@ impl EngineShared {
         core.engine.snapshot(now_s)
     }
 
-    /// Resolves when the fleet shuts down.
+    /// Resolves when this engine stops (fleet shutdown, kill or drop).
     async fn stopped(&self) {
-        let mut shutdown = self.shutdown.clone();
-        let _ = shutdown.wait_for(|stopped| *stopped).await;
+        let mut stop = self.stop.clone();
+        let _ = stop.wait_for(|stop| *stop != Stop::Running).await;
+    }
+
+    /// Whether the engine is being killed (connections dropped, not drained).
+    fn killed(&self) -> bool {
+        *self.stop.borrow() == Stop::Kill
     }
 }
 

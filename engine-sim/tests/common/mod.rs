@@ -2,6 +2,8 @@
 //! a loaded 2-core machine, and one way to wait for a condition under it.
 
 #![allow(clippy::expect_used)]
+// Each test binary compiles this module and uses only some of it.
+#![allow(dead_code)]
 
 use std::future::Future;
 use std::time::Duration;
