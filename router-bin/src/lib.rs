@@ -25,6 +25,7 @@
 pub mod admin;
 pub mod app;
 pub mod cli;
+pub mod client_body;
 pub mod coalesce;
 pub mod config;
 pub mod error;

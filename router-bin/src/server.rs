@@ -1,20 +1,36 @@
 //! Serving: the HTTP routes, the background tasks, signals and graceful
 //! shutdown.
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
-use tokio::net::TcpListener;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use crate::app::App;
-use crate::config::RouterConfig;
+use crate::config::{RouterConfig, ServerConfig};
 use crate::error::RouterError;
 use crate::monitor::{error_chain, run_health_checker, run_load_monitor};
 use crate::{admin, proxy};
@@ -86,36 +102,78 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
-    let grace = app.config.server.shutdown_grace();
-    let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
-    let signal = async move {
-        shutdown.await;
-        let _ = stopping_tx.send(true);
+    let server = app.config.server.clone();
+    serve_routes(routes(app), &server, listener, shutdown).await
+}
+
+/// Serves `routes` on `listener` under `server`'s client limits until
+/// `shutdown` resolves, then stops accepting, closes idle connections, lets
+/// in-flight requests finish for up to `shutdown_grace_ms` and returns.
+///
+/// - At most `max_connections` connections are open at once; more wait in
+///   the kernel's listen backlog, not accepted.
+/// - A connection's first request head must arrive within
+///   `client_header_timeout_ms` of its accept; a later one within that long
+///   of its first byte.
+/// - A kept-alive connection with no request in flight is closed after
+///   `keepalive_timeout_ms` without a byte either way.
+///
+/// Request bodies are the handlers' to bound ([`crate::client_body`]).
+/// Handlers see the peer as `ConnectInfo<SocketAddr>`.
+pub async fn serve_routes(
+    routes: Router,
+    server: &ServerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    let deadlines = Deadlines {
+        header: server.client_header_timeout(),
+        keepalive: server.keepalive_timeout(),
     };
-    // Streams are many small writes: without TCP_NODELAY, Nagle holds each
-    // one back until the client's (delayed) ACK of the previous, up to 40 ms.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(error) = tcp.set_nodelay(true) {
-            tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted connection");
-        }
-    });
-    let server = axum::serve(
-        listener,
-        routes(app).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(signal);
-    let mut stopping = stopping_rx;
-    let deadline = async move {
-        let _ = stopping.wait_for(|stopping| *stopping).await;
-        tokio::time::sleep(grace).await;
-    };
-    tokio::select! {
-        result = server => result.map_err(RouterError::Serve),
-        () = deadline => {
-            tracing::warn!(?grace, "shutdown grace period over; closing remaining requests");
-            Ok(())
+    let grace = server.shutdown_grace();
+    let slots = Arc::new(Semaphore::new(
+        server.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
+    let builder = Arc::new(connection_builder());
+    let routes = TowerToHyperService::new(routes);
+    let (stopping_tx, stopping_rx) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    let mut shutdown = pin!(shutdown);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            Some(ended) = connections.join_next() => log_connection_end(ended),
+            (stream, peer, slot) = accept_within_cap(&listener, &slots) => {
+                connections.spawn(serve_connection(Connection {
+                    builder: builder.clone(),
+                    stream,
+                    peer,
+                    routes: routes.clone(),
+                    deadlines,
+                    stopping: stopping_rx.clone(),
+                    _slot: slot,
+                }));
+            }
         }
     }
+    // New connections are refused from here on.
+    drop(listener);
+    let _ = stopping_tx.send(true);
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(ended) = connections.join_next().await {
+            log_connection_end(ended);
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            ?grace,
+            "shutdown grace period over; closing remaining requests"
+        );
+        connections.shutdown().await;
+    }
+    Ok(())
 }
 
 /// Re-reads the config file's `[policy]` section on SIGHUP and swaps the
@@ -172,5 +230,370 @@ pub async fn termination() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+// Client connections: the accept loop's cap, and one watchdog per connection
+// for the header and keep-alive deadlines.
+
+/// The connection-level deadlines.
+#[derive(Debug, Clone, Copy)]
+struct Deadlines {
+    header: Duration,
+    keepalive: Duration,
+}
+
+/// hyper's HTTP/1.1 (kept alive) and h2c, as `axum::serve` had them.
+fn connection_builder() -> Builder<TokioExecutor> {
+    let mut builder = Builder::new(TokioExecutor::new());
+    // hyper's own header_read_timeout restarts its clock whenever a
+    // connection goes idle (hyper 1.x proto/h1/conn.rs, State::idle), so it
+    // would also close kept-alive connections after the header deadline,
+    // whatever keepalive_timeout says. The watchdog enforces both instead.
+    // Set to None explicitly: hyper's 30 s default, with no timer, only logs
+    // a warning on every connection.
+    builder.http1().keep_alive(true).header_read_timeout(None);
+    builder
+}
+
+/// Takes a connection slot, then accepts: while every slot is taken, new
+/// connections wait in the listen backlog, costing the router nothing.
+async fn accept_within_cap(
+    listener: &TcpListener,
+    slots: &Arc<Semaphore>,
+) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            // The semaphore is never closed; wait for shutdown instead.
+            return std::future::pending().await;
+        };
+        match listener.accept().await {
+            Ok((stream, peer)) => return (stream, peer, slot),
+            // The client gave up while in the backlog: nothing to do.
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionRefused
+                ) => {}
+            Err(error) => {
+                // Most likely out of file descriptors: retrying at once would
+                // spin. Connections closing in the meantime free some.
+                tracing::error!(%error, "cannot accept a connection; retrying in 1 s");
+                drop(slot);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+fn log_connection_end(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = ended
+        && error.is_panic()
+    {
+        tracing::error!(%error, "a client connection's task panicked");
+    }
+}
+
+/// One accepted client connection and what serving it needs.
+struct Connection {
+    builder: Arc<Builder<TokioExecutor>>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    routes: TowerToHyperService<Router>,
+    deadlines: Deadlines,
+    stopping: watch::Receiver<bool>,
+    /// Held until the connection ends, then frees its place under the cap.
+    _slot: OwnedSemaphorePermit,
+}
+
+/// Serves one connection until it ends, misses a deadline, or the server
+/// stops. Returning drops the connection, which closes the socket.
+async fn serve_connection(connection: Connection) {
+    let Connection {
+        builder,
+        stream,
+        peer,
+        routes,
+        deadlines,
+        mut stopping,
+        _slot,
+    } = connection;
+    // Streams are many small writes: without TCP_NODELAY, Nagle holds each
+    // one back until the client's (delayed) ACK of the previous, up to 40 ms.
+    if let Err(error) = stream.set_nodelay(true) {
+        tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted connection");
+    }
+    let activity = Arc::new(Activity::new(Instant::now()));
+    let io = TokioIo::new(TrackedIo {
+        stream,
+        activity: activity.clone(),
+    });
+    let service = ConnectionService {
+        routes,
+        peer,
+        activity: activity.clone(),
+    };
+    let mut conn = pin!(builder.serve_connection(io, service));
+    let mut draining = false;
+    loop {
+        let deadline = activity.deadline(deadlines);
+        tokio::select! {
+            ended = conn.as_mut() => {
+                if let Err(error) = ended {
+                    tracing::debug!(%peer, error = %error, "client connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                // Activity since the sleep began may have moved the deadline.
+                if activity.deadline(deadlines).is_some_and(|due| due <= Instant::now()) {
+                    tracing::debug!(%peer, "closing a client connection: request head late or idle past keepalive_timeout_ms");
+                    return;
+                }
+            }
+            // A request ended: the connection may now be idle, with a deadline.
+            () = activity.idle.notified() => {}
+            true = async { stopping.wait_for(|stopping| *stopping).await.is_ok() }, if !draining => {
+                draining = true;
+                if activity.is_idle() {
+                    return;
+                }
+                // Finish the requests in flight, then close.
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+/// What a connection is doing, for its deadlines. Reads and writes update it
+/// from the connection's task; requests start and end wherever hyper polls
+/// them (their own tasks under HTTP/2).
+#[derive(Debug)]
+struct Activity {
+    state: Mutex<ActivityState>,
+    /// Signalled when the last request in flight ends.
+    idle: Notify,
+}
+
+#[derive(Debug)]
+struct ActivityState {
+    accepted: Instant,
+    in_flight: usize,
+    served_any: bool,
+    /// The last byte read or written with no request in flight.
+    idle_since: Instant,
+    /// The first byte read since the connection last went idle: a new
+    /// request head has begun.
+    head_started: Option<Instant>,
+}
+
+impl Activity {
+    fn new(now: Instant) -> Activity {
+        Activity {
+            state: Mutex::new(ActivityState {
+                accepted: now,
+                in_flight: 0,
+                served_any: false,
+                idle_since: now,
+                head_started: None,
+            }),
+            idle: Notify::new(),
+        }
+    }
+
+    /// When the connection is due to close, if nothing changes; `None`
+    /// while a request is in flight (its body and response have their own
+    /// deadlines).
+    fn deadline(&self, deadlines: Deadlines) -> Option<Instant> {
+        let state = self.state.lock();
+        if state.in_flight > 0 {
+            None
+        } else if !state.served_any {
+            // The first head is counted from the accept: a client that never
+            // sends a byte is closed after the header deadline too.
+            state.accepted.checked_add(deadlines.header)
+        } else if let Some(started) = state.head_started {
+            started.checked_add(deadlines.header)
+        } else {
+            state.idle_since.checked_add(deadlines.keepalive)
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.state.lock().in_flight == 0
+    }
+
+    fn on_read(&self) {
+        let mut state = self.state.lock();
+        // Bytes after a response are the next request's head (or the
+        // unread rest of the last body, which may take no longer).
+        if state.in_flight == 0 && state.served_any && state.head_started.is_none() {
+            state.head_started = Some(Instant::now());
+        }
+    }
+
+    fn on_write(&self) {
+        let mut state = self.state.lock();
+        // A response still flushing to a slow reader is not idleness.
+        if state.in_flight == 0 && state.served_any {
+            state.idle_since = Instant::now();
+        }
+    }
+
+    fn request_started(self: &Arc<Self>) -> RequestGuard {
+        let mut state = self.state.lock();
+        state.in_flight += 1;
+        state.served_any = true;
+        state.head_started = None;
+        RequestGuard(self.clone())
+    }
+
+    fn request_ended(&self) {
+        let mut state = self.state.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        if state.in_flight == 0 {
+            // Bytes that arrived during the request (a pipelined head) are
+            // not timed as a head: the keep-alive deadline covers them.
+            state.idle_since = Instant::now();
+            state.head_started = None;
+            drop(state);
+            self.idle.notify_one();
+        }
+    }
+}
+
+/// A request in flight, from its head to its response's last byte handed to
+/// hyper (or the request being dropped).
+#[derive(Debug)]
+struct RequestGuard(Arc<Activity>);
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.0.request_ended();
+    }
+}
+
+/// The socket, telling the connection's [`Activity`] of each read and write.
+#[derive(Debug)]
+struct TrackedIo {
+    stream: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for TrackedIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.activity.on_read();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for TrackedIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(written)) if written > 0) {
+            this.activity.on_write();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(written)) if written > 0) {
+            this.activity.on_write();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+/// The routes as one connection's hyper service: adds the peer's
+/// `ConnectInfo` and keeps each request's [`RequestGuard`] until its
+/// response body is done.
+#[derive(Debug, Clone)]
+struct ConnectionService {
+    routes: TowerToHyperService<Router>,
+    peer: SocketAddr,
+    activity: Arc<Activity>,
+}
+
+type ServiceFuture =
+    Pin<Box<dyn Future<Output = Result<http::Response<GuardedBody>, Infallible>> + Send>>;
+
+impl hyper::service::Service<http::Request<Incoming>> for ConnectionService {
+    type Response = http::Response<GuardedBody>;
+    type Error = Infallible;
+    type Future = ServiceFuture;
+
+    fn call(&self, mut request: http::Request<Incoming>) -> ServiceFuture {
+        request.extensions_mut().insert(ConnectInfo(self.peer));
+        let guard = self.activity.request_started();
+        let routed = self.routes.call(request);
+        Box::pin(async move {
+            let response = routed.await?;
+            Ok(response.map(|body| GuardedBody {
+                body,
+                _guard: guard,
+            }))
+        })
+    }
+}
+
+/// A response body that keeps its request counted as in flight until hyper
+/// has taken its last frame and dropped it.
+#[derive(Debug)]
+struct GuardedBody {
+    body: Body,
+    _guard: RequestGuard,
+}
+
+impl http_body::Body for GuardedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
