@@ -15,6 +15,7 @@ use crate::app::App;
 use crate::config::{PolicyConfig, WorkerConfig};
 use crate::monitor::error_chain;
 use crate::proxy::error_response;
+use crate::outlier::Standing;
 use crate::workers::Worker;
 
 pub fn routes(app: Arc<App>) -> Router<Arc<App>> {
@@ -61,6 +62,22 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
 
 fn worker_json(app: &App, worker: &Worker) -> serde_json::Value {
     let stats = app.policy().worker_stats(worker.id).unwrap_or_default();
+    let (ejected_for_s, consecutive_failures, ejections) = worker.with_outlier(|state| {
+        let ejected_for_s = match state.standing() {
+            Standing::InRotation => None,
+            Standing::Probing => Some(0.0),
+            Standing::Ejected { until } => Some(
+                until
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    .as_secs_f64(),
+            ),
+        };
+        (
+            ejected_for_s,
+            state.consecutive_failures(),
+            state.ejections_total(),
+        )
+    });
     let load = worker.latest_load();
     let load_age_s = load
         .as_ref()
@@ -75,6 +92,11 @@ fn worker_json(app: &App, worker: &Worker) -> serde_json::Value {
         "url": worker.url,
         "backend": worker.backend,
         "healthy": worker.is_healthy(),
+        "ejected": worker.is_ejected(),
+        "ejected_for_s": ejected_for_s,
+        "consecutive_failures": consecutive_failures,
+        "ejections": ejections,
+        "in_rotation": worker.in_rotation(),
         "draining": worker.is_draining(),
         "in_flight": worker.in_flight(),
         "pending_tokens": stats.pending_tokens,
@@ -86,8 +108,7 @@ fn worker_json(app: &App, worker: &Worker) -> serde_json::Value {
 
 async fn list_workers(State(app): State<Arc<App>>) -> Response {
     let workers: Vec<serde_json::Value> = app
-        .workers
-        .all()
+        .workers()
         .iter()
         .map(|worker| worker_json(&app, worker))
         .collect();
@@ -178,10 +199,12 @@ async fn explain(
     headers: axum::http::HeaderMap,
 ) -> Response {
     let tokens = query.tokens.map_or(TokenCount::Unknown, TokenCount::Exact);
-    let candidates = app.workers.candidates();
-    let table = app
-        .policy()
-        .explain(&candidates, &RequestInfo::new(tokens), tokio_now());
+    let snapshot = app.topology.snapshot();
+    let table = snapshot.policy.explain(
+        snapshot.candidates(),
+        &RequestInfo::new(tokens),
+        tokio_now(),
+    );
     let wants_json = headers
         .get(header::ACCEPT)
         .and_then(|value| value.to_str().ok())

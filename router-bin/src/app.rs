@@ -1,22 +1,23 @@
 //! The router's shared state and the operations that change its topology:
-//! adding and draining workers, and swapping the policy.
+//! adding and draining workers, swapping the policy, health checks and
+//! outlier ejection. Every topology change goes through [`Topology`].
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::RwLock;
 use policy_core::{
     BackendRegistry, BackendSpec, Policy, PolicyContext, PolicyRegistry, SourceOptions,
-    prime_worker, tokio_now,
 };
 
 use crate::config::{PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
 use crate::monitor::error_chain;
+use crate::outlier::Failure;
+use crate::topology::Topology;
 use crate::upstream::{UpstreamClient, control_get, upstream_client};
-use crate::workers::{HealthChange, Worker, WorkerRegistry};
+use crate::workers::{HealthChange, Worker};
 
 /// Every policy the router can run.
 pub fn policy_registry() -> PolicyRegistry {
@@ -40,22 +41,18 @@ pub struct App {
     pub config_file: Option<PathBuf>,
     pub policies: PolicyRegistry,
     pub backends: BackendRegistry,
-    policy: RwLock<Arc<dyn Policy>>,
-    policy_config: RwLock<PolicyConfig>,
-    pub workers: WorkerRegistry,
+    /// The policy, the workers and the candidates, behind one writer.
+    pub topology: Topology,
     /// Forwards requests to workers, and carries the control-plane calls.
     pub upstream: UpstreamClient,
     pub metrics: Metrics,
-    /// Serializes worker additions, removals and policy swaps, so a swap
-    /// never misses a worker added while it primed.
-    topology: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for App {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("App")
             .field("policy", &self.policy().name())
-            .field("workers", &self.workers)
+            .field("topology", &self.topology)
             .finish()
     }
 }
@@ -70,27 +67,29 @@ impl App {
         let policy = build_policy(&policies, &config, &config.policy)?;
         let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
-            policy_config: RwLock::new(config.policy.clone()),
+            topology: Topology::new(policy, config.policy.clone()),
             config,
             config_file,
             policies,
             backends: backend_registry(),
-            policy: RwLock::new(policy),
-            workers: WorkerRegistry::new(),
             upstream,
             metrics: Metrics::new(),
-            topology: tokio::sync::Mutex::new(()),
         }))
     }
 
     /// The active policy. Requests keep the `Arc` they dispatched with, so a
     /// swap lets them finish against the policy that credited them.
     pub fn policy(&self) -> Arc<dyn Policy> {
-        self.policy.read().clone()
+        self.topology.load().policy.clone()
     }
 
     pub fn policy_config(&self) -> PolicyConfig {
-        self.policy_config.read().clone()
+        self.topology.load().policy_config.clone()
+    }
+
+    /// Every worker, in slot order.
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.topology.load().workers().cloned().collect()
     }
 
     /// Adds a worker: detects its backend if none was named, builds its load
@@ -123,39 +122,35 @@ impl App {
                     url: worker.url.clone(),
                     source,
                 })?;
-        let _topology = self.topology.lock().await;
-        let id = self.workers.allocate_id();
-        let entry = Arc::new(Worker::new(
-            id,
-            worker.url.clone(),
-            backend,
-            worker.load_url.clone(),
-            worker.api_key.clone(),
-            source,
-            WorkerMetrics::new(&self.metrics, worker.url.trim_end_matches('/')),
-        ));
-        self.policy().add_worker(id, entry.info());
-        self.workers.insert(entry.clone());
+        let metrics = WorkerMetrics::new(&self.metrics, worker.url.trim_end_matches('/'));
+        let entry = self.topology.add(|id| {
+            Arc::new(Worker::new(
+                id,
+                worker.url.clone(),
+                backend,
+                worker.load_url.clone(),
+                worker.api_key.clone(),
+                source,
+                metrics,
+            ))
+        });
         // One check now, so a healthy worker takes traffic at once.
         self.check_health(&entry).await;
-        tracing::info!(worker = %entry.url, backend = %entry.backend, id = %id, healthy = entry.is_healthy(), "worker added");
+        tracing::info!(worker = %entry.url, backend = %entry.backend, id = %entry.id, healthy = entry.is_healthy(), "worker added");
         Ok(entry)
     }
 
     /// Drains a worker: no new requests go to it; in-flight ones finish, then
     /// it is forgotten. Returns false when no such worker exists.
     pub async fn remove_worker(self: &Arc<Self>, id: policy_core::WorkerId) -> bool {
-        let _topology = self.topology.lock().await;
-        let Some(worker) = self.workers.start_draining(id) else {
+        let Some(worker) = self.topology.start_draining(id) else {
             return false;
         };
         tracing::info!(worker = %worker.url, in_flight = worker.in_flight(), "worker draining");
         let app = self.clone();
         tokio::spawn(async move {
             worker.until_idle().await;
-            let _topology = app.topology.lock().await;
-            app.policy().remove_worker(id);
-            app.workers.forget(id);
+            app.topology.forget(id);
             tracing::info!(worker = %worker.url, "worker removed");
         });
         true
@@ -164,21 +159,9 @@ impl App {
     /// Builds a policy from `section`, primes it with every worker and its
     /// latest load, and swaps it in. On error the old policy stays.
     pub async fn swap_policy(&self, section: PolicyConfig) -> Result<(), RouterError> {
-        let _topology = self.topology.lock().await;
         let policy = build_policy(&self.policies, &self.config, &section)?;
-        let now = tokio_now();
-        for worker in self.workers.all() {
-            if worker.is_draining() {
-                continue;
-            }
-            policy.add_worker(worker.id, worker.info());
-            if let Some(load) = worker.latest_load() {
-                prime_worker(policy.as_ref(), worker.id, &load, now);
-            }
-        }
         let name = policy.name();
-        *self.policy.write() = policy;
-        *self.policy_config.write() = section;
+        self.topology.swap_policy(policy, section);
         tracing::info!(policy = name, "policy swapped");
         Ok(())
     }
@@ -209,11 +192,87 @@ impl App {
             HealthChange::None => {}
             HealthChange::CameBack => {
                 tracing::info!(worker = %worker.url, "worker healthy: in rotation");
-                self.workers.refresh_candidates();
+                self.topology.refresh();
             }
             HealthChange::WentOut => {
                 tracing::warn!(worker = %worker.url, "worker unhealthy: out of rotation");
-                self.workers.refresh_candidates();
+                self.topology.refresh();
+            }
+        }
+    }
+
+    /// A request on `worker` completed: its run of failures is over.
+    pub fn request_succeeded(&self, worker: &Worker) {
+        worker.with_outlier(|state| state.succeeded());
+    }
+
+    /// A gateway failure of one request on `worker`: counted toward its
+    /// ejection, which happens within the fleet-wide cap.
+    pub fn request_failed(&self, worker: &Worker, failure: Failure) {
+        let outlier = &self.config.outlier_detection;
+        let (due, failures) = worker.with_outlier(|state| {
+            let due = state.failed(outlier);
+            (due, state.consecutive_failures())
+        });
+        if !due {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        let mut ejected_for = None;
+        let ejected = self
+            .topology
+            .eject_within_cap(worker, outlier.max_ejected_percent, || {
+                ejected_for = Some(worker.with_outlier(|state| state.eject(outlier, now)));
+            });
+        if ejected {
+            worker.metrics.ejections.inc();
+            tracing::warn!(
+                worker = %worker.url,
+                ?failure,
+                failures,
+                ejected_for = ?ejected_for.unwrap_or_default(),
+                "worker ejected after consecutive failures; it returns when a generation probe passes"
+            );
+        } else if !worker.is_ejected() {
+            self.metrics.ejections_refused.inc();
+            // Logged when the run first reaches the threshold, not on every
+            // failure after it.
+            if failures == outlier.consecutive_failures {
+                tracing::warn!(
+                    worker = %worker.url,
+                    max_ejected_percent = outlier.max_ejected_percent,
+                    "worker keeps failing but is not ejected: the ejection cap is reached"
+                );
+            }
+        }
+    }
+
+    /// Probes one ejected worker whose ejection time is over: back in
+    /// rotation when the probe passes, ejected again for longer when not.
+    pub async fn probe_ejected(&self, worker: &Worker) {
+        let outlier = &self.config.outlier_detection;
+        let kind = outlier.probe_for(&worker.backend);
+        let result =
+            crate::probe::probe(&self.upstream, worker, kind, outlier.probe_timeout()).await;
+        let now = tokio::time::Instant::now();
+        let outcome = if result.is_ok() { "pass" } else { "fail" };
+        self.metrics
+            .probes
+            .get_or_create(&crate::metrics::RequestLabels {
+                worker: worker.metrics.label.clone(),
+                status: outcome.to_owned(),
+            })
+            .inc();
+        match result {
+            Ok(()) => {
+                worker.with_outlier(|state| state.probe_passed(now));
+                self.topology.refresh();
+                tracing::info!(worker = %worker.url, ?kind, "probe passed: worker back in rotation");
+            }
+            Err(error) => {
+                let again = worker.with_outlier(|state| state.probe_failed(outlier, now));
+                worker.metrics.ejections.inc();
+                tracing::info!(worker = %worker.url, ?kind, error = %error_chain(&error), ejected_for = ?again, "probe failed: worker stays out");
             }
         }
     }

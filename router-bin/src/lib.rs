@@ -32,8 +32,12 @@ pub mod error;
 pub mod estimate;
 pub mod metrics;
 pub mod monitor;
+pub mod outlier;
+pub mod probe;
 pub mod proxy;
 pub mod server;
+pub mod sse;
+pub mod topology;
 pub mod upstream;
 pub mod workers;
 

@@ -75,7 +75,7 @@ async fn run(
     let app = server::start(config, config_file).await?;
     #[cfg(unix)]
     tokio::spawn(server::reload_on_sighup(app.clone()));
-    tracing::info!(%address, policy = app.policy().name(), workers = app.workers.all().len(), "router listening");
+    tracing::info!(%address, policy = app.policy().name(), workers = app.workers().len(), "router listening");
     server::serve(app, listener, server::termination()).await?;
     tracing::info!("router stopped");
     Ok(())

@@ -46,6 +46,11 @@ pub struct Metrics {
     pub poll_failures: Family<WorkerLabel, Counter>,
     pub selected_score: Histogram,
     pub healthy: Family<WorkerLabel, Gauge>,
+    pub ejected: Family<WorkerLabel, Gauge>,
+    pub ejections: Family<WorkerLabel, Counter>,
+    pub ejections_refused: Counter,
+    pub probes: Family<RequestLabels, Counter>,
+    pub open_connections: Gauge,
 }
 
 impl Default for Metrics {
@@ -136,8 +141,38 @@ impl Metrics {
         let healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register(
             "worker_healthy",
-            "1 when the worker is in rotation",
+            "1 when the worker passes its health checks (see worker_ejected for outlier ejection)",
             healthy.clone(),
+        );
+        let ejected = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_ejected",
+            "1 while outlier detection holds the worker out of rotation",
+            ejected.clone(),
+        );
+        let ejections = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "ejections",
+            "Times outlier detection ejected each worker (consecutive failures or a failed probe)",
+            ejections.clone(),
+        );
+        let ejections_refused = Counter::default();
+        registry.register(
+            "ejections_refused",
+            "Ejections not made because outlier_detection.max_ejected_percent of the fleet was already out",
+            ejections_refused.clone(),
+        );
+        let probes = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "probes",
+            "Generation probes of ejected workers, by worker and outcome (pass, fail)",
+            probes.clone(),
+        );
+        let open_connections = Gauge::default();
+        registry.register(
+            "open_connections",
+            "Client connections open now",
+            open_connections.clone(),
         );
         Metrics {
             registry,
@@ -154,6 +189,11 @@ impl Metrics {
             poll_failures,
             selected_score,
             healthy,
+            ejected,
+            ejections,
+            ejections_refused,
+            probes,
+            open_connections,
         }
     }
 
@@ -180,6 +220,8 @@ pub struct WorkerMetrics {
     pub poll_duration: Histogram,
     pub poll_failures: Counter,
     pub healthy: Gauge,
+    pub ejected: Gauge,
+    pub ejections: Counter,
     /// `requests_total{status="200"}`, the common case, resolved up front.
     pub requests_ok: Counter,
 }
@@ -200,6 +242,8 @@ impl WorkerMetrics {
             poll_duration: metrics.poll_duration.get_or_create(&label).clone(),
             poll_failures: metrics.poll_failures.get_or_create(&label).clone(),
             healthy: metrics.healthy.get_or_create(&label).clone(),
+            ejected: metrics.ejected.get_or_create(&label).clone(),
+            ejections: metrics.ejections.get_or_create(&label).clone(),
             requests_ok: metrics
                 .requests
                 .get_or_create(&RequestLabels {

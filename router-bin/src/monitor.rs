@@ -1,4 +1,5 @@
-//! Background tasks: the load monitor and the health checker.
+//! Background tasks: the load monitor, the health checker and the prober of
+//! ejected workers.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,7 +18,7 @@ pub async fn run_load_monitor(app: Arc<App>) {
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let workers = app.workers.all();
+        let workers = app.workers();
         join_all(
             workers
                 .iter()
@@ -70,7 +71,7 @@ pub async fn run_health_checker(app: Arc<App>) {
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let workers = app.workers.all();
+        let workers = app.workers();
         join_all(
             workers
                 .iter()
@@ -78,6 +79,33 @@ pub async fn run_health_checker(app: Arc<App>) {
                 .map(|worker| app.check_health(worker)),
         )
         .await;
+    }
+}
+
+/// Starts a probe of every ejected worker whose ejection time is over. Each
+/// probe runs on its own task, so a hung worker's probe holds up no other.
+pub async fn run_outlier_prober(app: Arc<App>) {
+    // A quarter of the base ejection, so a worker is probed soon after its
+    // time is up; within [50 ms, 1 s].
+    let tick = (app.config.outlier_detection.base_ejection() / 4).clamp(
+        std::time::Duration::from_millis(50),
+        std::time::Duration::from_secs(1),
+    );
+    let mut ticker = tokio::time::interval(tick);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let now = tokio::time::Instant::now();
+        for worker in app.topology.load().workers() {
+            if worker.is_ejected()
+                && !worker.is_draining()
+                && worker.with_outlier(|state| state.start_probe(now))
+            {
+                let app = app.clone();
+                let worker = worker.clone();
+                tokio::spawn(async move { app.probe_ejected(&worker).await });
+            }
+        }
     }
 }
 

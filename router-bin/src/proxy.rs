@@ -10,15 +10,19 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use policy_core::http::read_capped;
 use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
 
 use crate::app::App;
 use crate::coalesce::Coalesce;
 use crate::estimate::request_info;
 use crate::monitor::error_chain;
+use crate::outlier::Failure;
+use crate::sse::{self, FirstDataEvent};
 use crate::upstream::{UpstreamBody, control_get};
 use crate::workers::Worker;
 
@@ -28,6 +32,13 @@ pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>
     (status, axum::Json(body)).into_response()
 }
 
+/// An error the router answers for a worker (a gateway error): no
+/// `Retry-After`, which only the router's own lack of capacity carries.
+fn gateway_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    error_response(status, kind, message)
+}
+
+/// The router itself has no capacity for the request: 503 with `Retry-After`.
 fn unavailable(message: &str) -> Response {
     let mut response = error_response(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
     response
@@ -76,6 +87,7 @@ fn forwardable(headers: &HeaderMap) -> HeaderMap {
 /// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
 pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response {
     let received_at = Instant::now();
+    let deadline = tokio::time::Instant::now() + app.config.server.request_deadline();
     let (parts, body) = request.into_parts();
     let body = match axum::body::to_bytes(body, app.config.server.body_limit_bytes).await {
         Ok(body) => body,
@@ -109,27 +121,53 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
     };
     let info = request_info(&parsed, app.config.request.chars_per_token);
     let headers = forwardable(&parts.headers);
-    forward(app, &parts, headers, body, info, received_at).await
+    let request = ClientRequest {
+        parts,
+        headers,
+        body,
+        info,
+        received_at,
+        deadline,
+    };
+    forward(app, &request).await
 }
 
-async fn forward(
-    app: Arc<App>,
-    parts: &http::request::Parts,
+/// A client's request, read and parsed, as every attempt sends it.
+struct ClientRequest {
+    parts: http::request::Parts,
     headers: HeaderMap,
     body: Bytes,
     info: RequestInfo,
     received_at: Instant,
-) -> Response {
+    /// `server.request_deadline_ms` after it arrived.
+    deadline: tokio::time::Instant,
+}
+
+/// How one attempt on one worker ended.
+enum Attempt {
+    /// The client's answer: the worker's response, or a final error.
+    Done(Response),
+    /// Nothing reached the client and no generation can have started, so
+    /// another worker may take the request. `answer` is the worker's own
+    /// (a 503 or 429), passed through if no other worker takes it.
+    Retry {
+        answer: Option<Response>,
+        reason: String,
+    },
+}
+
+async fn forward(app: Arc<App>, request: &ClientRequest) -> Response {
     let mut tried: Vec<WorkerId> = Vec::new();
-    let attempts = app.config.server.max_retries + 1;
-    let mut last_failure = "no worker is healthy";
-    for attempt in 0..attempts {
-        let all = app.workers.candidates();
+    let mut last_answer: Option<Response> = None;
+    let mut last_reason = String::new();
+    for attempt in 0..=app.config.server.max_retries {
+        let snapshot = app.topology.snapshot();
         let untried: Vec<WorkerId>;
         let candidates: &[WorkerId] = if tried.is_empty() {
-            &all
+            snapshot.candidates()
         } else {
-            untried = all
+            untried = snapshot
+                .candidates()
                 .iter()
                 .copied()
                 .filter(|id| !tried.contains(id))
@@ -139,13 +177,13 @@ async fn forward(
         if candidates.is_empty() {
             break;
         }
-        let policy = app.policy();
-        let Some(dispatch) = policy.select(candidates, &info, tokio_now()) else {
+        let policy = snapshot.policy.clone();
+        let Some(dispatch) = policy.select(candidates, &request.info, tokio_now()) else {
             app.metrics.rejected.inc();
             return unavailable("every worker is at capacity (policy cap); retry shortly");
         };
-        let guard = DispatchGuard::new(policy.clone(), dispatch);
-        let Some(worker) = app.workers.get(dispatch.worker) else {
+        let guard = DispatchGuard::new(policy, dispatch);
+        let Some(worker) = snapshot.worker(dispatch.worker).cloned() else {
             tried.push(dispatch.worker);
             continue;
         };
@@ -155,103 +193,259 @@ async fn forward(
         if attempt > 0 {
             app.metrics.retries.inc();
         }
-        let Some(upstream) = upstream_request(&worker, parts, &headers, &body) else {
+        let Some(upstream) = upstream_request(&worker, request) else {
             // Config validation rejects such URLs; a worker added some other
             // way is skipped rather than trusted.
             tracing::warn!(worker = %worker.url, "worker URL does not parse; skipping it");
             tried.push(worker.id);
             continue;
         };
-        let tracker = RequestTracker::new(guard, worker.clone(), received_at);
-        let answer = tokio::time::timeout(
-            app.config.server.first_byte_timeout(),
-            app.upstream.request(upstream),
-        )
-        .await;
-        match answer {
-            Ok(Ok(response)) if !response.status().is_server_error() => {
-                return respond(&app, tracker, response, info.streaming);
+        if tokio::time::Instant::now() >= request.deadline {
+            break;
+        }
+        let tracker = RequestTracker::new(guard, worker.clone(), request.received_at);
+        match attempt_on(&app, tracker, upstream, request).await {
+            Attempt::Done(response) => return response,
+            Attempt::Retry { answer, reason } => {
+                tracing::debug!(worker = %worker.url, %reason, "attempt failed before any generation; trying another worker");
+                if answer.is_some() {
+                    last_answer = answer;
+                }
+                last_reason = reason;
+                tried.push(worker.id);
             }
-            Ok(Ok(response)) => {
-                worker
-                    .metrics
-                    .request_status(&app.metrics, response.status().as_str());
-                last_failure = "workers answered with server errors";
-                tracing::debug!(worker = %worker.url, status = %response.status(), "worker answered 5xx; retrying");
+        }
+    }
+    if tokio::time::Instant::now() >= request.deadline {
+        return gateway_error(
+            StatusCode::GATEWAY_TIMEOUT,
+            "timeout",
+            format!(
+                "no worker answered within the request deadline (server.request_deadline_ms = {})",
+                app.config.server.request_deadline_ms
+            ),
+        );
+    }
+    if let Some(answer) = last_answer {
+        return answer;
+    }
+    app.metrics.rejected.inc();
+    if tried.is_empty() {
+        return unavailable("no worker is in rotation");
+    }
+    gateway_error(StatusCode::BAD_GATEWAY, "upstream_error", last_reason)
+}
+
+/// Sends the request to the tracker's worker and waits for its first byte:
+/// the response head, and for a stream its first `data:` event.
+async fn attempt_on(
+    app: &Arc<App>,
+    mut tracker: RequestTracker,
+    upstream: http::Request<UpstreamBody>,
+    request: &ClientRequest,
+) -> Attempt {
+    let worker = tracker.worker.clone();
+    let server = &app.config.server;
+    let streaming = request.info.streaming;
+    let first_byte_by =
+        (tokio::time::Instant::now() + server.first_byte_timeout()).min(request.deadline);
+    let response = match tokio::time::timeout_at(first_byte_by, app.upstream.request(upstream))
+        .await
+    {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            // The connection failed, or closed before any answer: the
+            // engine is not generating this request.
+            worker.metrics.request_status(&app.metrics, "error");
+            app.request_failed(&worker, Failure::Connect);
+            return Attempt::Retry {
+                answer: None,
+                reason: format!(
+                    "worker {} could not be reached: {}",
+                    worker.url,
+                    error_chain(&error)
+                ),
+            };
+        }
+        Err(_elapsed) => {
+            worker.metrics.request_status(&app.metrics, "timeout");
+            app.request_failed(&worker, Failure::FirstByteTimeout);
+            let reason = format!(
+                "worker {} sent no response head within {} ms (server.first_byte_timeout_ms)",
+                worker.url, server.first_byte_timeout_ms
+            );
+            // A streaming engine sends its head when it admits a request, so
+            // a stream without one was never admitted. A non-streaming
+            // answer's head comes with the answer: that engine may still be
+            // generating, and running it again would do the work twice.
+            if streaming {
+                return Attempt::Retry {
+                    answer: None,
+                    reason,
+                };
             }
+            return Attempt::Done(gateway_error(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout",
+                format!("{reason}; not retried, since the worker may still be generating it"),
+            ));
+        }
+    };
+    let status = response.status();
+    worker
+        .metrics
+        .time_to_first_byte
+        .observe(request.received_at.elapsed().as_secs_f64());
+    worker
+        .metrics
+        .request_status(&app.metrics, status.as_str());
+    if status.is_client_error() || status.is_server_error() {
+        if status.is_server_error() {
+            app.request_failed(&worker, Failure::ServerError(status.as_u16()));
+        }
+        let answer = worker_error(response, first_byte_by).await;
+        // Only an engine that refused the work (overloaded, rate-limited)
+        // is known not to have started it.
+        if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
+            return Attempt::Retry {
+                answer: Some(answer),
+                reason: format!("worker {} answered {status}", worker.url),
+            };
+        }
+        return Attempt::Done(answer);
+    }
+    let (mut parts, inner) = response.into_parts();
+    parts.headers = forwardable(&parts.headers);
+    let mut inner = Coalesce::new(inner);
+    let mut first_event = FirstDataEvent::default();
+    let mut held = None;
+    if streaming {
+        match tokio::time::timeout_at(first_byte_by, until_first_event(&mut inner, &mut first_event))
+            .await
+        {
+            Ok(Ok(prefix)) => held = prefix,
             Ok(Err(error)) => {
-                worker.metrics.request_status(&app.metrics, "error");
-                last_failure = "workers could not be reached";
-                tracing::debug!(worker = %worker.url, error = %error_chain(&error), "worker unreachable; retrying");
+                worker.metrics.request_status(&app.metrics, Failure::Cut.label());
+                app.request_failed(&worker, Failure::Cut);
+                return Attempt::Done(gateway_error(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    format!(
+                        "worker {} broke off its stream before the first event: {}",
+                        worker.url,
+                        error_chain(&error)
+                    ),
+                ));
             }
             Err(_elapsed) => {
                 worker.metrics.request_status(&app.metrics, "timeout");
-                last_failure = "workers did not answer in time";
+                app.request_failed(&worker, Failure::FirstByteTimeout);
+                return Attempt::Done(gateway_error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "timeout",
+                    format!(
+                        "worker {} admitted the stream but sent no event within {} ms \
+                         (server.first_byte_timeout_ms); not retried, since it may be generating",
+                        worker.url, server.first_byte_timeout_ms
+                    ),
+                ));
             }
         }
-        // Nothing reached the client yet, so another worker may take it.
-        passive_failure(&app, &worker);
-        tried.push(worker.id);
-        drop(tracker);
     }
-    app.metrics.rejected.inc();
-    unavailable(last_failure)
+    if !streaming || first_event.found() {
+        // A non-streaming response's head is its first token.
+        tracker.first_token();
+    }
+    let body = TrackedBody {
+        inner,
+        held,
+        tracker: Some(tracker),
+        first_event,
+        app: app.clone(),
+        streaming,
+        idle_timeout: server.stream_idle_timeout(),
+        idle: Box::pin(tokio::time::sleep(server.stream_idle_timeout())),
+        deadline: Box::pin(tokio::time::sleep_until(request.deadline)),
+        ended: false,
+    };
+    Attempt::Done(Response::from_parts(parts, Body::new(body)))
+}
+
+/// Reads a stream until its first `data:` field has arrived (or it ended);
+/// returns what was read, to be sent first.
+async fn until_first_event(
+    inner: &mut Coalesce<Incoming>,
+    first_event: &mut FirstDataEvent,
+) -> Result<Option<Bytes>, hyper::Error> {
+    let mut read = BytesMut::new();
+    while let Some(frame) = inner.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            read.extend_from_slice(&data);
+            if first_event.feed(&data) {
+                break;
+            }
+        }
+    }
+    Ok((!read.is_empty()).then(|| read.freeze()))
+}
+
+/// Most bytes of a worker's error answer the router reads to pass it on.
+const ERROR_BODY_LIMIT_BYTES: usize = 1024 * 1024;
+
+/// A worker's 4xx or 5xx, passed through with its status and body; a body
+/// that is not JSON is wrapped in an OpenAI-shaped error.
+async fn worker_error(response: http::Response<Incoming>, read_by: tokio::time::Instant) -> Response {
+    let (parts, body) = response.into_parts();
+    let status = parts.status;
+    let read = tokio::time::timeout_at(read_by, read_capped(body, ERROR_BODY_LIMIT_BYTES)).await;
+    let text = match read {
+        Ok(Ok(bytes)) if serde_json::from_slice::<serde_json::Value>(&bytes).is_ok() => {
+            let mut headers = forwardable(&parts.headers);
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            let mut response = Response::new(Body::from(bytes));
+            *response.status_mut() = status;
+            *response.headers_mut() = headers;
+            return response;
+        }
+        Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).trim().to_owned(),
+        Ok(Err(_)) => "(its body broke off or was too large)".to_owned(),
+        Err(_elapsed) => "(its body did not arrive in time)".to_owned(),
+    };
+    const SHOWN_CHARS: usize = 1000;
+    let shown: String = text.chars().take(SHOWN_CHARS).collect();
+    let mut response = gateway_error(
+        status,
+        "upstream_error",
+        format!("the worker answered {status}: {shown}"),
+    );
+    for (name, value) in forwardable(&parts.headers) {
+        if let Some(name) = name
+            && name != header::CONTENT_TYPE
+        {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response
 }
 
 /// The client's request, addressed to `worker`, with the worker's key.
 /// `None` if the worker's URL does not make a URI.
-fn upstream_request(
-    worker: &Worker,
-    parts: &http::request::Parts,
-    headers: &HeaderMap,
-    body: &Bytes,
-) -> Option<http::Request<UpstreamBody>> {
+fn upstream_request(worker: &Worker, request: &ClientRequest) -> Option<http::Request<UpstreamBody>> {
+    let parts = &request.parts;
     let uri = worker.uri_for(parts.uri.path(), parts.uri.query())?;
-    let mut request = http::Request::new(UpstreamBody::new(body.clone()));
-    *request.method_mut() = parts.method.clone();
-    *request.uri_mut() = uri;
-    *request.headers_mut() = headers.clone();
+    let mut upstream = http::Request::new(UpstreamBody::new(request.body.clone()));
+    *upstream.method_mut() = parts.method.clone();
+    *upstream.uri_mut() = uri;
+    *upstream.headers_mut() = request.headers.clone();
     if let Some(authorization) = &worker.authorization {
-        request
+        upstream
             .headers_mut()
             .insert(header::AUTHORIZATION, authorization.clone());
     }
-    Some(request)
-}
-
-fn passive_failure(app: &App, worker: &Worker) {
-    let change = worker.request_failed(app.config.health.failure_threshold);
-    app.apply_health_change(worker, change);
-}
-
-fn respond(
-    app: &Arc<App>,
-    mut tracker: RequestTracker,
-    response: http::Response<Incoming>,
-    streaming: bool,
-) -> Response {
-    let (mut parts, inner) = response.into_parts();
-    tracker
-        .worker
-        .metrics
-        .time_to_first_byte
-        .observe(tracker.received_at.elapsed().as_secs_f64());
-    tracker
-        .worker
-        .metrics
-        .request_status(&app.metrics, parts.status.as_str());
-    if !streaming || !parts.status.is_success() {
-        // A non-streaming response's start is its first token.
-        tracker.first_token();
-    }
-    parts.headers = forwardable(&parts.headers);
-    let body = TrackedBody {
-        inner: Coalesce::new(inner),
-        tracker: Some(tracker),
-        app: app.clone(),
-        streaming,
-    };
-    Response::from_parts(parts, Body::new(body))
+    Some(upstream)
 }
 
 /// Holds a request's dispatch and in-flight count until its response ends.
@@ -294,13 +488,23 @@ impl Drop for RequestTracker {
 }
 
 /// The worker's body, passed through as it arrives (joined into fewer
-/// frames by [`Coalesce`]). Dropping it (the body ended, or the client went
-/// away) releases the dispatch.
+/// frames by [`Coalesce`]), under the stream idle deadline and the request
+/// deadline. A stream that breaks off or stalls ends with an SSE error
+/// event, never a silent cut. Dropping it (the body ended, or the client
+/// went away) releases the dispatch.
 struct TrackedBody {
     inner: Coalesce<Incoming>,
+    /// Read before the head was sent (up to the first event); goes first.
+    held: Option<Bytes>,
     tracker: Option<RequestTracker>,
+    first_event: FirstDataEvent,
     app: Arc<App>,
     streaming: bool,
+    idle_timeout: std::time::Duration,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// The router ended the body (an error event went out).
+    ended: bool,
 }
 
 impl TrackedBody {
@@ -309,8 +513,48 @@ impl TrackedBody {
     /// of this body.
     fn succeeded(&mut self) {
         if let Some(tracker) = self.tracker.take() {
-            tracker.worker.request_succeeded();
+            self.app.request_succeeded(&tracker.worker);
         }
+    }
+
+    /// Ends the body early: a stream gets an SSE error event and a clean
+    /// end; any other body can only be cut. `failure` is the worker's.
+    fn end_early(
+        &mut self,
+        failure: Option<Failure>,
+        kind: &str,
+        message: String,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        if let Some(tracker) = self.tracker.take() {
+            if let Some(failure) = failure {
+                tracker
+                    .worker
+                    .metrics
+                    .request_status(&self.app.metrics, failure.label());
+                self.app.request_failed(&tracker.worker, failure);
+            }
+            tracing::debug!(worker = %tracker.worker.url, %message, "response ended early");
+        }
+        self.ended = true;
+        if self.streaming {
+            Poll::Ready(Some(Ok(Frame::data(sse::error_event(kind, &message)))))
+        } else {
+            Poll::Ready(Some(Err(std::io::Error::other(message))))
+        }
+    }
+
+    fn pass(&mut self, frame: Frame<Bytes>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let deadline = tokio::time::Instant::now() + self.idle_timeout;
+        self.idle.as_mut().reset(deadline);
+        if let Some(data) = frame.data_ref()
+            && self.streaming
+            && !self.first_event.found()
+            && self.first_event.feed(data)
+            && let Some(tracker) = self.tracker.as_mut()
+        {
+            tracker.first_token();
+        }
+        Poll::Ready(Some(Ok(frame)))
     }
 }
 
@@ -323,51 +567,63 @@ impl http_body::Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        if let Some(held) = this.held.take() {
+            if this.inner.is_end_stream() {
+                this.succeeded();
+            }
+            return this.pass(Frame::data(held));
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref()
-                    && this.streaming
-                    && let Some(tracker) = this.tracker.as_mut()
-                    && !tracker.guard.first_token_seen()
-                    && contains_sse_data(data)
-                {
-                    tracker.first_token();
-                }
                 if this.inner.is_end_stream() {
                     this.succeeded();
                 }
-                Poll::Ready(Some(Ok(frame)))
+                this.pass(frame)
             }
-            Poll::Ready(Some(Err(error))) => {
-                // The stream broke off: count it against the worker.
-                if let Some(tracker) = this.tracker.take() {
-                    tracker
-                        .worker
-                        .metrics
-                        .request_status(&this.app.metrics, "cut");
-                    passive_failure(&this.app, &tracker.worker);
-                }
-                Poll::Ready(Some(Err(std::io::Error::other(error))))
-            }
+            Poll::Ready(Some(Err(error))) => this.end_early(
+                Some(Failure::Cut),
+                "upstream_error",
+                format!("the worker's response broke off: {}", error_chain(&error)),
+            ),
             Poll::Ready(None) => {
                 this.succeeded();
                 Poll::Ready(None)
             }
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                if this.deadline.as_mut().poll(cx).is_ready() {
+                    let limit_ms = this.app.config.server.request_deadline_ms;
+                    return this.end_early(
+                        None,
+                        "timeout",
+                        format!("the request ran past its deadline (server.request_deadline_ms = {limit_ms})"),
+                    );
+                }
+                if this.idle.as_mut().poll(cx).is_ready() {
+                    let idle_ms = this.app.config.server.stream_idle_timeout_ms;
+                    return this.end_early(
+                        Some(Failure::Stalled),
+                        "timeout",
+                        format!("the worker sent nothing for {idle_ms} ms (server.stream_idle_timeout_ms)"),
+                    );
+                }
+                Poll::Pending
+            }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || (self.held.is_none() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.held.is_some() {
+            return SizeHint::default();
+        }
         self.inner.size_hint()
     }
-}
-
-fn contains_sse_data(chunk: &[u8]) -> bool {
-    chunk.windows(5).any(|window| window == b"data:")
 }
 
 /// `GET /v1/models`: the union of every healthy worker's models.
@@ -376,10 +632,9 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
     // one hung worker costs that timeout, not the sum.
     let timeout = std::time::Duration::from_millis(app.config.health.timeout_ms);
     let workers: Vec<Arc<Worker>> = app
-        .workers
-        .all()
+        .workers()
         .into_iter()
-        .filter(|worker| worker.is_healthy() && !worker.is_draining())
+        .filter(|worker| worker.in_rotation())
         .collect();
     let listings = futures::future::join_all(workers.iter().map(|worker| {
         let url = format!("{}/v1/models", worker.url);
@@ -438,13 +693,5 @@ mod tests {
         assert_eq!(out.len(), 2);
         assert!(out.contains_key(header::AUTHORIZATION));
         assert!(out.contains_key(header::CONTENT_TYPE));
-    }
-
-    #[test]
-    fn sse_data_is_found_in_a_chunk() {
-        assert!(contains_sse_data(b"data: {\"x\":1}\n\n"));
-        assert!(contains_sse_data(b": ping\n\ndata: {}\n\n"));
-        assert!(!contains_sse_data(b": keep-alive\n\n"));
-        assert!(!contains_sse_data(b""));
     }
 }

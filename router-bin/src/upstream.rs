@@ -57,20 +57,49 @@ pub async fn control_get(
     url: &str,
     timeout: Duration,
 ) -> Result<(http::StatusCode, Bytes), ControlGetError> {
-    capped_get(client, url, timeout, CONTROL_BODY_LIMIT_BYTES).await
+    let request = control_request(http::Method::GET, url, None, Bytes::new())?;
+    control_call(client, request, timeout, CONTROL_BODY_LIMIT_BYTES).await
 }
 
-async fn capped_get(
-    client: &UpstreamClient,
+/// A control-plane request to `url`, with the worker's `authorization`
+/// when it has one.
+pub fn control_request(
+    method: http::Method,
     url: &str,
-    timeout: Duration,
-    limit_bytes: usize,
-) -> Result<(http::StatusCode, Bytes), ControlGetError> {
+    authorization: Option<&http::HeaderValue>,
+    body: Bytes,
+) -> Result<http::Request<UpstreamBody>, ControlGetError> {
     let uri: http::Uri = url.parse().map_err(|_| ControlGetError::InvalidUri {
         url: url.to_owned(),
     })?;
-    let mut request = http::Request::new(UpstreamBody::default());
+    let has_body = !body.is_empty();
+    let mut request = http::Request::new(UpstreamBody::new(body));
+    *request.method_mut() = method;
     *request.uri_mut() = uri;
+    if let Some(authorization) = authorization {
+        request
+            .headers_mut()
+            .insert(http::header::AUTHORIZATION, authorization.clone());
+    }
+    if has_body {
+        request.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+    }
+    Ok(request)
+}
+
+/// Sends a control-plane `request`: the status and the whole body (at most
+/// `limit_bytes`), all within `timeout`.
+pub async fn control_call(
+    client: &UpstreamClient,
+    request: http::Request<UpstreamBody>,
+    timeout: Duration,
+    limit_bytes: usize,
+) -> Result<(http::StatusCode, Bytes), ControlGetError> {
+    let url = request.uri().to_string();
+    let url = url.as_str();
     let exchange = async {
         let response =
             client
@@ -141,14 +170,16 @@ mod tests {
     #[tokio::test]
     async fn a_body_over_the_cap_is_refused() {
         let base = serve(Router::new().route("/metrics", get(|| async { "x".repeat(100) }))).await;
-        let error = capped_get(
-            &client(),
+        let request = control_request(
+            http::Method::GET,
             &format!("{base}/metrics"),
-            Duration::from_secs(5),
-            10,
+            None,
+            Bytes::new(),
         )
-        .await
-        .unwrap_err();
+        .unwrap();
+        let error = control_call(&client(), request, Duration::from_secs(5), 10)
+            .await
+            .unwrap_err();
         assert!(
             matches!(
                 error,

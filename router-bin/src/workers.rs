@@ -1,5 +1,6 @@
-//! The worker registry: who the workers are, whether each is in rotation, and
-//! its latest load report.
+//! One worker: its address, whether it is in rotation (health checks,
+//! outlier ejection, draining), its in-flight count and latest load report.
+//! The list of workers lives in the [`Topology`](crate::topology::Topology).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -7,11 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Uri};
 use load_protocols::WorkerLoad;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use policy_core::http::bearer_header;
-use policy_core::{LoadSource, WorkerId, WorkerIdAllocator, WorkerInfo};
+use policy_core::{LoadSource, WorkerId, WorkerInfo};
 
 use crate::metrics::WorkerMetrics;
+use crate::outlier::OutlierState;
 
 /// One upstream engine.
 pub struct Worker {
@@ -32,7 +34,9 @@ pub struct Worker {
     draining: AtomicBool,
     check_failures: AtomicU32,
     check_successes: AtomicU32,
-    request_failures: AtomicU32,
+    /// Mirrors `outlier.is_ejected()`, so rotation is read without a lock.
+    ejected: AtomicBool,
+    outlier: Mutex<OutlierState>,
     poll_failures: AtomicU32,
     in_flight: AtomicU64,
     /// Woken when `in_flight` drops to 0, for a drain to finish.
@@ -124,7 +128,8 @@ impl Worker {
             draining: AtomicBool::new(false),
             check_failures: AtomicU32::new(0),
             check_successes: AtomicU32::new(0),
-            request_failures: AtomicU32::new(0),
+            ejected: AtomicBool::new(false),
+            outlier: Mutex::new(OutlierState::default()),
             poll_failures: AtomicU32::new(0),
             in_flight: AtomicU64::new(0),
             idle: tokio::sync::Notify::new(),
@@ -149,6 +154,30 @@ impl Worker {
         self.draining.load(Ordering::Acquire)
     }
 
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_ejected(&self) -> bool {
+        self.ejected.load(Ordering::Acquire)
+    }
+
+    /// Healthy, not ejected, not draining: a candidate for new requests.
+    pub fn in_rotation(&self) -> bool {
+        self.is_healthy() && !self.is_ejected() && !self.is_draining()
+    }
+
+    /// Runs `change` on the outlier state and mirrors its ejection flag.
+    /// The topology's writer calls this for flips that change rotation.
+    pub fn with_outlier<T>(&self, change: impl FnOnce(&mut OutlierState) -> T) -> T {
+        let mut outlier = self.outlier.lock();
+        let result = change(&mut outlier);
+        let ejected = outlier.is_ejected();
+        self.ejected.store(ejected, Ordering::Release);
+        self.metrics.ejected.set(i64::from(ejected));
+        result
+    }
+
     /// A passed `/health` check. The first check decides at once; after
     /// that, `success_threshold` passes in a row bring an out-of-rotation
     /// worker back.
@@ -157,7 +186,6 @@ impl Worker {
         let successes = self.check_successes.fetch_add(1, Ordering::AcqRel) + 1;
         let first_check = !self.checked.swap(true, Ordering::AcqRel);
         if !self.is_healthy() && (first_check || successes >= success_threshold) {
-            self.request_failures.store(0, Ordering::Release);
             return self.set_healthy(true);
         }
         HealthChange::None
@@ -168,22 +196,6 @@ impl Worker {
         self.checked.store(true, Ordering::Release);
         self.check_successes.store(0, Ordering::Release);
         let failures = self.check_failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if failures >= failure_threshold {
-            return self.set_healthy(false);
-        }
-        HealthChange::None
-    }
-
-    /// A whole response came back: the run of request failures is over.
-    pub fn request_succeeded(&self) {
-        self.request_failures.store(0, Ordering::Release);
-    }
-
-    /// Passive health: a connect error, a 5xx or a cut stream.
-    /// `failure_threshold` in a row take the worker out until health checks
-    /// bring it back (a passing `/health` alone does not clear this run).
-    pub fn request_failed(&self, failure_threshold: u32) -> HealthChange {
-        let failures = self.request_failures.fetch_add(1, Ordering::AcqRel) + 1;
         if failures >= failure_threshold {
             return self.set_healthy(false);
         }
@@ -253,93 +265,6 @@ impl Worker {
             }
             idle.await;
         }
-    }
-}
-
-/// Every worker, by slot, plus the cached list of candidates (healthy and not
-/// draining) that each selection reads.
-#[derive(Debug, Default)]
-pub struct WorkerRegistry {
-    ids: Mutex<WorkerIdAllocator>,
-    slots: RwLock<Vec<Option<Arc<Worker>>>>,
-    candidates: RwLock<Arc<[WorkerId]>>,
-}
-
-impl WorkerRegistry {
-    pub fn new() -> WorkerRegistry {
-        WorkerRegistry::default()
-    }
-
-    pub fn allocate_id(&self) -> WorkerId {
-        self.ids.lock().allocate()
-    }
-
-    pub fn insert(&self, worker: Arc<Worker>) {
-        let slot = worker.id.slot();
-        {
-            let mut slots = self.slots.write();
-            if slots.len() <= slot {
-                slots.resize_with(slot + 1, || None);
-            }
-            slots[slot] = Some(worker);
-        }
-        self.refresh_candidates();
-    }
-
-    /// Takes the worker out of rotation; it stays listed until `forget`.
-    pub fn start_draining(&self, id: WorkerId) -> Option<Arc<Worker>> {
-        let worker = self.get(id)?;
-        worker.draining.store(true, Ordering::Release);
-        self.refresh_candidates();
-        Some(worker)
-    }
-
-    /// Removes a drained worker and frees its id.
-    pub fn forget(&self, id: WorkerId) {
-        {
-            let mut slots = self.slots.write();
-            if let Some(entry) = slots.get_mut(id.slot())
-                && entry.as_ref().is_some_and(|worker| worker.id == id)
-            {
-                *entry = None;
-            }
-        }
-        self.ids.lock().release(id);
-        self.refresh_candidates();
-    }
-
-    pub fn get(&self, id: WorkerId) -> Option<Arc<Worker>> {
-        self.slots
-            .read()
-            .get(id.slot())
-            .and_then(Option::as_ref)
-            .filter(|worker| worker.id == id)
-            .cloned()
-    }
-
-    pub fn all(&self) -> Vec<Arc<Worker>> {
-        self.slots.read().iter().flatten().cloned().collect()
-    }
-
-    /// Healthy, non-draining workers: who `select` may choose.
-    pub fn candidates(&self) -> Arc<[WorkerId]> {
-        self.candidates.read().clone()
-    }
-
-    pub fn any_healthy(&self) -> bool {
-        !self.candidates.read().is_empty()
-    }
-
-    pub fn refresh_candidates(&self) {
-        let ids: Vec<WorkerId> = self
-            .slots
-            .read()
-            .iter()
-            .flatten()
-            .filter(|worker| worker.is_healthy() && !worker.is_draining())
-            .map(|worker| worker.id)
-            .collect();
-        *self.candidates.write() = ids.into();
     }
 }
 
@@ -440,61 +365,5 @@ mod tests {
         assert_eq!(worker.health_check_passed(3), HealthChange::None);
         assert_eq!(worker.health_check_passed(3), HealthChange::None);
         assert_eq!(worker.health_check_passed(3), HealthChange::CameBack);
-    }
-
-    #[test]
-    fn request_failures_are_not_cleared_by_passing_checks() {
-        let worker = worker();
-        worker.health_check_passed(2);
-        assert_eq!(worker.request_failed(3), HealthChange::None);
-        // /health keeps passing while generation fails.
-        worker.health_check_passed(2);
-        assert_eq!(worker.request_failed(3), HealthChange::None);
-        assert_eq!(worker.request_failed(3), HealthChange::WentOut);
-        // Two fresh passes bring it back, with the run of failures cleared.
-        assert_eq!(worker.health_check_passed(2), HealthChange::None);
-        assert_eq!(worker.health_check_passed(2), HealthChange::CameBack);
-        assert_eq!(worker.request_failed(3), HealthChange::None);
-    }
-
-    #[test]
-    fn a_successful_request_ends_a_run_of_failures() {
-        let worker = worker();
-        worker.health_check_passed(1);
-        worker.request_failed(2);
-        worker.request_succeeded();
-        assert_eq!(worker.request_failed(2), HealthChange::None);
-        assert!(worker.is_healthy());
-    }
-
-    #[test]
-    fn the_candidate_list_follows_health_and_draining() {
-        let registry = WorkerRegistry::new();
-        let id = registry.allocate_id();
-        let metrics = Metrics::new();
-        let entry = Arc::new(Worker::new(
-            id,
-            "http://w:1".into(),
-            "sglang".into(),
-            None,
-            None,
-            Arc::new(MockLoadSource::new()),
-            WorkerMetrics::new(&metrics, "http://w:1"),
-        ));
-        registry.insert(entry.clone());
-        assert!(registry.candidates().is_empty());
-        entry.health_check_passed(1);
-        registry.refresh_candidates();
-        assert_eq!(&*registry.candidates(), &[id]);
-        registry.start_draining(id);
-        assert!(registry.candidates().is_empty());
-        assert!(registry.get(id).is_some(), "listed until forgotten");
-        registry.forget(id);
-        assert!(registry.get(id).is_none());
-        assert_eq!(
-            registry.allocate_id(),
-            WorkerId::new(0, 1),
-            "the slot is reused with a new generation"
-        );
     }
 }

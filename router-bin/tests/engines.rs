@@ -218,7 +218,7 @@ async fn size_skewed_traffic_spreads_by_work() {
             // while the earlier ones are still pending.
             let dispatched = index as u64 + 1;
             wait_until("the request is dispatched", || async {
-                let selections: u64 = (router.app.workers.all().iter())
+                let selections: u64 = (router.app.workers().iter())
                     .map(|worker| worker.metrics.selections.get())
                     .sum();
                 selections >= dispatched
@@ -263,9 +263,9 @@ async fn every_fault_mode_leaves_the_router_serving_the_others() {
             .collect();
         let mut config = fast_config(workers, "[policy]\nkind = \"round_robin\"\n");
         config.server.first_byte_timeout_ms = 1500;
-        // Health checks pass throughout (only generation misbehaves), so a
-        // worker taken out for cut streams must stay out while this runs.
-        config.health.success_threshold = 200;
+        config.server.stream_idle_timeout_ms = 1500;
+        // Ejected workers stay out while this runs: its probes come later.
+        config.outlier_detection.base_ejection_ms = 60_000;
         let router = start_router(config).await;
         wait_until("both workers are healthy", || async {
             router.healthy_count().await == 2
@@ -284,15 +284,38 @@ async fn every_fault_mode_leaves_the_router_serving_the_others() {
                 Err(_) => cut += 1,
             }
         }
+        let failures_to_eject = router.app.config.outlier_detection.consecutive_failures;
         match fault {
-            // Bytes already reached the client, so a cut stream cannot be
-            // retried; the worker leaves rotation after failure_threshold cuts.
-            FaultMode::CloseMidStream => {
-                assert!(completed >= 6, "{fault}: {completed} completed, {cut} cut");
-                assert!(cut <= 4, "{fault}: {cut} cut");
+            // The worker answered (a 500) or bytes already reached the
+            // client (a cut or stalled stream): not retried, so these fail
+            // until the worker is ejected, and no more after.
+            FaultMode::CloseMidStream | FaultMode::HangMidStream | FaultMode::Generation500 => {
+                assert_eq!(completed + cut, 12);
+                assert!(
+                    cut <= failures_to_eject as usize,
+                    "{fault}: {cut} failed, {completed} completed"
+                );
             }
+            // No generation can have started (no head on a stream, a
+            // refused connection): retried on the good worker.
             _ => assert_eq!(completed, 12, "{fault}: {cut} requests failed"),
         }
+        let generation_fault = matches!(
+            fault,
+            FaultMode::HangGeneration
+                | FaultMode::HangMidStream
+                | FaultMode::CloseMidStream
+                | FaultMode::Generation500
+                | FaultMode::SlowFirstByte
+                | FaultMode::RefuseConnections
+        );
+        let ejected = router.workers_json().await["workers"][0]["ejected"]
+            .as_bool()
+            .unwrap_or(false);
+        assert_eq!(
+            ejected, generation_fault,
+            "{fault}: a worker is ejected exactly when its generation fails"
+        );
         // The router itself stays healthy and the good worker keeps serving.
         let health = router
             .client
