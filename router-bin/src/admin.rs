@@ -14,8 +14,8 @@ use serde::Deserialize;
 use crate::app::App;
 use crate::config::{PolicyConfig, WorkerConfig};
 use crate::monitor::error_chain;
-use crate::proxy::error_response;
 use crate::outlier::Standing;
+use crate::proxy::error_response;
 use crate::workers::Worker;
 
 pub fn routes(app: Arc<App>) -> Router<Arc<App>> {

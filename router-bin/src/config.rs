@@ -421,11 +421,20 @@ impl RouterConfig {
         let server = &self.server;
         for (key, value) in [
             ("server.first_byte_timeout_ms", server.first_byte_timeout_ms),
-            ("server.stream_idle_timeout_ms", server.stream_idle_timeout_ms),
+            (
+                "server.stream_idle_timeout_ms",
+                server.stream_idle_timeout_ms,
+            ),
             ("server.request_deadline_ms", server.request_deadline_ms),
             ("server.connect_timeout_ms", server.connect_timeout_ms),
-            ("server.client_header_timeout_ms", server.client_header_timeout_ms),
-            ("server.client_body_timeout_ms", server.client_body_timeout_ms),
+            (
+                "server.client_header_timeout_ms",
+                server.client_header_timeout_ms,
+            ),
+            (
+                "server.client_body_timeout_ms",
+                server.client_body_timeout_ms,
+            ),
             ("server.keepalive_timeout_ms", server.keepalive_timeout_ms),
         ] {
             if value == 0 {
@@ -488,8 +497,14 @@ impl RouterConfig {
                 "outlier_detection.consecutive_failures",
                 u64::from(outlier.consecutive_failures),
             ),
-            ("outlier_detection.base_ejection_ms", outlier.base_ejection_ms),
-            ("outlier_detection.probe_timeout_ms", outlier.probe_timeout_ms),
+            (
+                "outlier_detection.base_ejection_ms",
+                outlier.base_ejection_ms,
+            ),
+            (
+                "outlier_detection.probe_timeout_ms",
+                outlier.probe_timeout_ms,
+            ),
         ] {
             if value == 0 {
                 return invalid(key, "0".into(), "at least 1");

@@ -48,7 +48,9 @@ impl Failure {
 pub enum Standing {
     InRotation,
     /// Out until `until`; then probed.
-    Ejected { until: Instant },
+    Ejected {
+        until: Instant,
+    },
     /// The ejection time is over and a probe is running.
     Probing,
 }
@@ -125,7 +127,9 @@ impl OutlierState {
         }
         let length = ejection_length(config, self.level);
         self.level = self.level.saturating_add(1);
-        self.standing = Standing::Ejected { until: now + length };
+        self.standing = Standing::Ejected {
+            until: now + length,
+        };
         self.consecutive_failures = 0;
         self.ejections_total += 1;
         length
@@ -154,7 +158,9 @@ impl OutlierState {
     pub fn probe_failed(&mut self, config: &OutlierConfig, now: Instant) -> Duration {
         let length = ejection_length(config, self.level);
         self.level = self.level.saturating_add(1);
-        self.standing = Standing::Ejected { until: now + length };
+        self.standing = Standing::Ejected {
+            until: now + length,
+        };
         length
     }
 }
@@ -201,7 +207,10 @@ mod tests {
         let start = Instant::now();
         assert_eq!(state.eject(&config, start), Duration::from_secs(1));
         assert!(state.is_ejected());
-        assert!(!state.failed(&config), "an ejected worker's late failures do not count");
+        assert!(
+            !state.failed(&config),
+            "an ejected worker's late failures do not count"
+        );
         assert!(!state.start_probe(start + Duration::from_millis(999)));
         let due = start + Duration::from_secs(1);
         assert!(state.start_probe(due));

@@ -18,6 +18,7 @@ use policy_core::http::read_capped;
 use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
 
 use crate::app::App;
+use crate::client_body::read_body;
 use crate::coalesce::Coalesce;
 use crate::estimate::request_info;
 use crate::monitor::error_chain;
@@ -89,17 +90,12 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
     let received_at = Instant::now();
     let deadline = tokio::time::Instant::now() + app.config.server.request_deadline();
     let (parts, body) = request.into_parts();
-    let body = match axum::body::to_bytes(body, app.config.server.body_limit_bytes).await {
+    let server = &app.config.server;
+    let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
         Ok(body) => body,
-        Err(_) => {
-            return error_response(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                format!(
-                    "request body exceeds {} bytes (server.body_limit_bytes)",
-                    app.config.server.body_limit_bytes
-                ),
-            );
+        Err(error) => {
+            tracing::debug!(%error, "request body not read");
+            return error.into_response();
         }
     };
     let parsed: serde_json::Value = match serde_json::from_slice(&body) {
@@ -249,56 +245,53 @@ async fn attempt_on(
     let streaming = request.info.streaming;
     let first_byte_by =
         (tokio::time::Instant::now() + server.first_byte_timeout()).min(request.deadline);
-    let response = match tokio::time::timeout_at(first_byte_by, app.upstream.request(upstream))
-        .await
-    {
-        Ok(Ok(response)) => response,
-        Ok(Err(error)) => {
-            // The connection failed, or closed before any answer: the
-            // engine is not generating this request.
-            worker.metrics.request_status(&app.metrics, "error");
-            app.request_failed(&worker, Failure::Connect);
-            return Attempt::Retry {
-                answer: None,
-                reason: format!(
-                    "worker {} could not be reached: {}",
-                    worker.url,
-                    error_chain(&error)
-                ),
-            };
-        }
-        Err(_elapsed) => {
-            worker.metrics.request_status(&app.metrics, "timeout");
-            app.request_failed(&worker, Failure::FirstByteTimeout);
-            let reason = format!(
-                "worker {} sent no response head within {} ms (server.first_byte_timeout_ms)",
-                worker.url, server.first_byte_timeout_ms
-            );
-            // A streaming engine sends its head when it admits a request, so
-            // a stream without one was never admitted. A non-streaming
-            // answer's head comes with the answer: that engine may still be
-            // generating, and running it again would do the work twice.
-            if streaming {
+    let response =
+        match tokio::time::timeout_at(first_byte_by, app.upstream.request(upstream)).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => {
+                // The connection failed, or closed before any answer: the
+                // engine is not generating this request.
+                worker.metrics.request_status(&app.metrics, "error");
+                app.request_failed(&worker, Failure::Connect);
                 return Attempt::Retry {
                     answer: None,
-                    reason,
+                    reason: format!(
+                        "worker {} could not be reached: {}",
+                        worker.url,
+                        error_chain(&error)
+                    ),
                 };
             }
-            return Attempt::Done(gateway_error(
-                StatusCode::GATEWAY_TIMEOUT,
-                "timeout",
-                format!("{reason}; not retried, since the worker may still be generating it"),
-            ));
-        }
-    };
+            Err(_elapsed) => {
+                worker.metrics.request_status(&app.metrics, "timeout");
+                app.request_failed(&worker, Failure::FirstByteTimeout);
+                let reason = format!(
+                    "worker {} sent no response head within {} ms (server.first_byte_timeout_ms)",
+                    worker.url, server.first_byte_timeout_ms
+                );
+                // A streaming engine sends its head when it admits a request, so
+                // a stream without one was never admitted. A non-streaming
+                // answer's head comes with the answer: that engine may still be
+                // generating, and running it again would do the work twice.
+                if streaming {
+                    return Attempt::Retry {
+                        answer: None,
+                        reason,
+                    };
+                }
+                return Attempt::Done(gateway_error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "timeout",
+                    format!("{reason}; not retried, since the worker may still be generating it"),
+                ));
+            }
+        };
     let status = response.status();
     worker
         .metrics
         .time_to_first_byte
         .observe(request.received_at.elapsed().as_secs_f64());
-    worker
-        .metrics
-        .request_status(&app.metrics, status.as_str());
+    worker.metrics.request_status(&app.metrics, status.as_str());
     if status.is_client_error() || status.is_server_error() {
         if status.is_server_error() {
             app.request_failed(&worker, Failure::ServerError(status.as_u16()));
@@ -320,12 +313,17 @@ async fn attempt_on(
     let mut first_event = FirstDataEvent::default();
     let mut held = None;
     if streaming {
-        match tokio::time::timeout_at(first_byte_by, until_first_event(&mut inner, &mut first_event))
-            .await
+        match tokio::time::timeout_at(
+            first_byte_by,
+            until_first_event(&mut inner, &mut first_event),
+        )
+        .await
         {
             Ok(Ok(prefix)) => held = prefix,
             Ok(Err(error)) => {
-                worker.metrics.request_status(&app.metrics, Failure::Cut.label());
+                worker
+                    .metrics
+                    .request_status(&app.metrics, Failure::Cut.label());
                 app.request_failed(&worker, Failure::Cut);
                 return Attempt::Done(gateway_error(
                     StatusCode::BAD_GATEWAY,
@@ -394,7 +392,10 @@ const ERROR_BODY_LIMIT_BYTES: usize = 1024 * 1024;
 
 /// A worker's 4xx or 5xx, passed through with its status and body; a body
 /// that is not JSON is wrapped in an OpenAI-shaped error.
-async fn worker_error(response: http::Response<Incoming>, read_by: tokio::time::Instant) -> Response {
+async fn worker_error(
+    response: http::Response<Incoming>,
+    read_by: tokio::time::Instant,
+) -> Response {
     let (parts, body) = response.into_parts();
     let status = parts.status;
     let read = tokio::time::timeout_at(read_by, read_capped(body, ERROR_BODY_LIMIT_BYTES)).await;
@@ -433,7 +434,10 @@ async fn worker_error(response: http::Response<Incoming>, read_by: tokio::time::
 
 /// The client's request, addressed to `worker`, with the worker's key.
 /// `None` if the worker's URL does not make a URI.
-fn upstream_request(worker: &Worker, request: &ClientRequest) -> Option<http::Request<UpstreamBody>> {
+fn upstream_request(
+    worker: &Worker,
+    request: &ClientRequest,
+) -> Option<http::Request<UpstreamBody>> {
     let parts = &request.parts;
     let uri = worker.uri_for(parts.uri.path(), parts.uri.query())?;
     let mut upstream = http::Request::new(UpstreamBody::new(request.body.clone()));

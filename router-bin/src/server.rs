@@ -29,10 +29,12 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use prometheus_client::metrics::gauge::Gauge;
+
 use crate::app::App;
 use crate::config::{RouterConfig, ServerConfig};
 use crate::error::RouterError;
-use crate::monitor::{error_chain, run_health_checker, run_load_monitor};
+use crate::monitor::{error_chain, run_health_checker, run_load_monitor, run_outlier_prober};
 use crate::{admin, proxy};
 
 /// Every route the router serves.
@@ -55,7 +57,7 @@ async fn health() -> &'static str {
 
 /// Ready when at least one worker is healthy.
 async fn readiness(State(app): State<Arc<App>>) -> Response {
-    if app.workers.any_healthy() {
+    if !app.topology.load().candidates().is_empty() {
         (StatusCode::OK, "ready").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no healthy worker").into_response()
@@ -92,6 +94,7 @@ pub async fn start(
     }
     tokio::spawn(run_load_monitor(app.clone()));
     tokio::spawn(run_health_checker(app.clone()));
+    tokio::spawn(run_outlier_prober(app.clone()));
     Ok(app)
 }
 
@@ -103,7 +106,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
     let server = app.config.server.clone();
-    serve_routes(routes(app), &server, listener, shutdown).await
+    let open_connections = app.metrics.open_connections.clone();
+    serve_routes(routes(app), &server, listener, open_connections, shutdown).await
 }
 
 /// Serves `routes` on `listener` under `server`'s client limits until
@@ -124,6 +128,7 @@ pub async fn serve_routes(
     routes: Router,
     server: &ServerConfig,
     listener: TcpListener,
+    open_connections: Gauge,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
     let deadlines = Deadlines {
@@ -153,6 +158,7 @@ pub async fn serve_routes(
                     deadlines,
                     stopping: stopping_rx.clone(),
                     _slot: slot,
+                    _open: OpenConnection::new(&open_connections),
                 }));
             }
         }
@@ -306,6 +312,23 @@ struct Connection {
     stopping: watch::Receiver<bool>,
     /// Held until the connection ends, then frees its place under the cap.
     _slot: OwnedSemaphorePermit,
+    _open: OpenConnection,
+}
+
+/// Counts one open connection in the `open_connections` gauge while it lives.
+struct OpenConnection(Gauge);
+
+impl OpenConnection {
+    fn new(gauge: &Gauge) -> OpenConnection {
+        gauge.inc();
+        OpenConnection(gauge.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Serves one connection until it ends, misses a deadline, or the server
@@ -319,6 +342,7 @@ async fn serve_connection(connection: Connection) {
         deadlines,
         mut stopping,
         _slot,
+        _open,
     } = connection;
     // Streams are many small writes: without TCP_NODELAY, Nagle holds each
     // one back until the client's (delayed) ACK of the previous, up to 40 ms.

@@ -79,7 +79,14 @@ mod tests {
         assert!(found_in(&[b"data: {\"x\":1}\n\n"]));
         assert!(found_in(&[b": ping\n\ndata: {}\n\n"]));
         assert!(found_in(&[b"da", b"ta: {}\n\n"]));
-        assert!(found_in(&[b": ping\r\n\r\nd", b"a", b"t", b"a", b":", b" 1"]));
+        assert!(found_in(&[
+            b": ping\r\n\r\nd",
+            b"a",
+            b"t",
+            b"a",
+            b":",
+            b" 1"
+        ]));
         assert!(found_in(&[b"event: token\ndata: 1\n\n"]));
     }
 

@@ -57,7 +57,9 @@ impl Snapshot {
     /// Workers that are neither ejected nor draining, healthy or not: the
     /// fleet the ejection cap is a share of.
     fn ejectable_fleet(&self) -> usize {
-        self.workers().filter(|worker| !worker.is_draining()).count()
+        self.workers()
+            .filter(|worker| !worker.is_draining())
+            .count()
     }
 }
 
@@ -259,7 +261,10 @@ mod tests {
             worker.health_check_passed(1);
         }
         topology.refresh();
-        assert_eq!(topology.load().candidates(), &[workers[0].id, workers[1].id]);
+        assert_eq!(
+            topology.load().candidates(),
+            &[workers[0].id, workers[1].id]
+        );
         let config = crate::config::OutlierConfig::default();
         let ejected = topology.eject_within_cap(&workers[0], 100, || {
             workers[0].with_outlier(|state| state.eject(&config, tokio::time::Instant::now()));
@@ -268,7 +273,10 @@ mod tests {
         assert_eq!(topology.load().candidates(), &[workers[1].id]);
         topology.start_draining(workers[1].id);
         assert!(topology.load().candidates().is_empty());
-        assert!(topology.load().worker(workers[1].id).is_some(), "listed until forgotten");
+        assert!(
+            topology.load().worker(workers[1].id).is_some(),
+            "listed until forgotten"
+        );
         topology.forget(workers[1].id);
         assert!(topology.load().worker(workers[1].id).is_none());
         let reused = add(&topology, &metrics, 1);

@@ -171,11 +171,12 @@ async fn a_dead_worker_is_retried_around_taken_out_and_comes_back() {
     let alive = Upstream::start().await;
     let doomed = Upstream::start().await;
     let doomed_address = doomed.address;
-    let router = start_router(fast_config(
+    let mut config = fast_config(
         vec![worker("sglang", &alive.url), worker("sglang", &doomed.url)],
         "[policy]\nkind = \"round_robin\"\n",
-    ))
-    .await;
+    );
+    config.outlier_detection.base_ejection_ms = 200;
+    let router = start_router(config).await;
     wait_until("both workers are healthy", || async {
         router.healthy_count().await == 2
     })
@@ -188,14 +189,15 @@ async fn a_dead_worker_is_retried_around_taken_out_and_comes_back() {
         assert_eq!(response.status(), 200, "request {index}");
     }
     wait_until("the dead worker is out of rotation", || async {
-        router.healthy_count().await == 1
+        router.in_rotation_count().await == 1
     })
     .await;
 
-    // It recovers on the same address; health checks bring it back.
+    // It recovers on the same address; health checks and a passing
+    // generation probe bring it back.
     let revived = Upstream::start_on(&doomed_address.to_string()).await;
     wait_until("the revived worker is back in rotation", || async {
-        router.healthy_count().await == 2
+        router.in_rotation_count().await == 2
     })
     .await;
     for index in 0..10 {
@@ -211,13 +213,13 @@ async fn a_dead_worker_is_retried_around_taken_out_and_comes_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_answering_5xx_is_retried_on_another() {
-    let failing = Upstream::start().await;
-    failing.switches.fail_status.store(500, Ordering::SeqCst);
+async fn a_worker_answering_503_is_retried_on_another() {
+    let refusing = Upstream::start().await;
+    refusing.switches.fail_status.store(503, Ordering::SeqCst);
     let healthy = Upstream::start().await;
     let router = start_router(fast_config(
         vec![
-            worker("sglang", &failing.url),
+            worker("sglang", &refusing.url),
             worker("sglang", &healthy.url),
         ],
         "[policy]\nkind = \"round_robin\"\n",
@@ -242,6 +244,89 @@ async fn a_worker_answering_5xx_is_retried_on_another() {
         .await
         .unwrap();
     assert!(metrics.contains("router_retries_total"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_retry_left_the_workers_own_answer_reaches_the_client() {
+    let refusing = Upstream::start().await;
+    refusing.switches.fail_status.store(503, Ordering::SeqCst);
+    let mut config = fast_config(vec![worker("sglang", &refusing.url)], "");
+    config.server.max_retries = 0;
+    let router = start_router(config).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let response = router.chat("hello", false).await;
+    assert_eq!(
+        response.status(),
+        503,
+        "the worker's status, not the router's"
+    );
+    assert!(
+        response.headers().get("retry-after").is_none(),
+        "Retry-After is only for the router's own lack of capacity"
+    );
+    let error: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "upstream_error");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("upstream failure"),
+        "the worker's plain-text body is carried in an OpenAI-shaped error: {message}"
+    );
+    assert_eq!(refusing.requests(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_answering_500_is_passed_through_and_ejected_not_retried() {
+    let failing = Upstream::start().await;
+    failing.switches.fail_status.store(500, Ordering::SeqCst);
+    let healthy = Upstream::start().await;
+    let mut config = fast_config(
+        vec![
+            worker("sglang", &failing.url),
+            worker("sglang", &healthy.url),
+        ],
+        "[policy]\nkind = \"round_robin\"\n",
+    );
+    config.outlier_detection.base_ejection_ms = 200;
+    let router = start_router(config).await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+    let mut failed = 0;
+    for index in 0..12 {
+        let response = router.chat(&format!("r{index}"), false).await;
+        match response.status().as_u16() {
+            200 => {}
+            500 => failed += 1,
+            other => panic!("request {index}: {other}"),
+        }
+    }
+    let threshold = router.app.config.outlier_detection.consecutive_failures;
+    assert_eq!(
+        failed, threshold,
+        "the 500s pass through until the worker is ejected"
+    );
+    assert_eq!(
+        failing.requests(),
+        u64::from(threshold),
+        "a 500 is never re-run on another worker"
+    );
+    assert_eq!(healthy.requests(), 12 - u64::from(threshold));
+    // /health keeps passing, but the generation probe fails: it stays out.
+    wait_until("the failing worker was probed", || async {
+        failing.switches.probes.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    assert_eq!(router.in_rotation_count().await, 1);
+    // Fixed: the next probe passes and it takes traffic again.
+    failing.switches.fail_status.store(0, Ordering::SeqCst);
+    wait_until("the fixed worker is back in rotation", || async {
+        router.in_rotation_count().await == 2
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -72,7 +72,7 @@ async fn serve(config: RouterConfig) -> Served {
     );
     let (stop, stopped) = oneshot::channel::<()>();
     let serving = tokio::spawn(async move {
-        router_bin::server::serve_routes(routes, &server, listener, async {
+        router_bin::server::serve_routes(routes, &server, listener, Default::default(), async {
             let _ = stopped.await;
         })
         .await

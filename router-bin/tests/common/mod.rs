@@ -117,6 +117,16 @@ impl TestRouter {
             .unwrap()
     }
 
+    /// Workers healthy, not ejected and not draining.
+    pub async fn in_rotation_count(&self) -> usize {
+        self.workers_json().await["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|worker| worker["in_rotation"] == true)
+            .count()
+    }
+
     pub async fn healthy_count(&self) -> usize {
         self.workers_json().await["workers"]
             .as_array()

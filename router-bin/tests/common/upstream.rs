@@ -28,6 +28,8 @@ pub struct Switches {
     /// Never answer `/v1/models` (the connection stays open).
     pub hang_models: AtomicBool,
     pub requests: AtomicU64,
+    /// `GET /health_generate` probes received.
+    pub probes: AtomicU64,
     pub prompt_chars: AtomicU64,
     pub waiting_reqs: AtomicU64,
     pub model: &'static str,
@@ -63,6 +65,7 @@ impl Upstream {
         let address = listener.local_addr().unwrap();
         let app = Router::new()
             .route("/health", get(health))
+            .route("/health_generate", get(health_generate))
             .route("/v1/loads", get(loads))
             .route("/v1/models", get(models))
             .route("/v1/chat/completions", post(generate))
@@ -95,6 +98,15 @@ async fn health(State(switches): State<Arc<Switches>>) -> StatusCode {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+/// SGLang's generation probe: fails as generation does.
+async fn health_generate(State(switches): State<Arc<Switches>>) -> StatusCode {
+    switches.probes.fetch_add(1, Ordering::SeqCst);
+    match switches.fail_status.load(Ordering::SeqCst) {
+        0 => StatusCode::OK,
+        status => StatusCode::from_u16(status).unwrap(),
     }
 }
 
