@@ -247,7 +247,7 @@ pub struct OutlierConfig {
 
 /// How an ejected worker is probed before it returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", try_from = "String")]
 pub enum ProbeKind {
     /// `GET /health_generate`: SGLang runs a real one-token generation.
     HealthGenerate,
@@ -256,6 +256,21 @@ pub enum ProbeKind {
     Completion,
     /// `GET /health` only: proves the process answers, not that it generates.
     Health,
+}
+
+impl TryFrom<String> for ProbeKind {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<ProbeKind, String> {
+        match name.as_str() {
+            "health_generate" => Ok(ProbeKind::HealthGenerate),
+            "completion" => Ok(ProbeKind::Completion),
+            "health" => Ok(ProbeKind::Health),
+            _ => Err(format!(
+                "unknown probe {name:?}; valid probes: health_generate, completion, health"
+            )),
+        }
+    }
 }
 
 impl Default for OutlierConfig {
@@ -682,6 +697,47 @@ mod tests {
         assert_eq!(config.load_monitor.timeout_ms, 500);
         assert_eq!(config.load_monitor.stale_after_ms, 3000);
         assert_eq!(config.policy.kind, "least_load");
+        assert_eq!(config.server.first_byte_timeout_ms, 30_000);
+        assert_eq!(config.server.stream_idle_timeout_ms, 60_000);
+        assert_eq!(config.server.request_deadline_ms, 600_000);
+        assert_eq!(config.outlier_detection.consecutive_failures, 3);
+        assert_eq!(
+            config.outlier_detection.probe_for("sglang"),
+            ProbeKind::HealthGenerate
+        );
+        assert_eq!(
+            config.outlier_detection.probe_for("vllm"),
+            ProbeKind::Completion
+        );
+    }
+
+    #[test]
+    fn probe_kinds_are_set_per_backend() {
+        let toml = file("[outlier_detection.probe]\nvllm = \"health\"\n");
+        let config = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            ..Layers::default()
+        })
+        .unwrap();
+        let outlier = &config.outlier_detection;
+        assert_eq!(outlier.probe_for("vllm"), ProbeKind::Health);
+        assert_eq!(
+            outlier.probe_for("sglang"),
+            ProbeKind::HealthGenerate,
+            "defaults kept"
+        );
+        let toml = file("[outlier_detection.probe]\nvllm = \"ping\"\n");
+        let error = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            ..Layers::default()
+        })
+        .unwrap_err();
+        assert!(
+            error.to_string().contains(
+                "unknown probe \"ping\"; valid probes: health_generate, completion, health"
+            ),
+            "{error}"
+        );
     }
 
     #[test]
@@ -829,6 +885,34 @@ mod tests {
             (
                 "[health]\nfailure_threshold = 0",
                 "invalid health.failure_threshold = 0: must be at least 1",
+            ),
+            (
+                "[server]\nrequest_timeout_ms = 600000",
+                "invalid server.request_timeout_ms = 600000: must be removed: set server.first_byte_timeout_ms (per attempt), server.stream_idle_timeout_ms and server.request_deadline_ms (overall) instead",
+            ),
+            (
+                "[server]\nfirst_byte_timeout_ms = 5000\nrequest_deadline_ms = 1000",
+                "invalid server.first_byte_timeout_ms = 5000: must be at most server.request_deadline_ms (1000)",
+            ),
+            (
+                "[server]\nclient_header_timeout_ms = 0",
+                "invalid server.client_header_timeout_ms = 0: must be at least 1",
+            ),
+            (
+                "[server]\nmax_connections = 0",
+                "invalid server.max_connections = 0: must be at least 1",
+            ),
+            (
+                "[outlier_detection]\nmax_ejection_ms = 5000\nbase_ejection_ms = 10000",
+                "invalid outlier_detection.max_ejection_ms = 5000: must be at least outlier_detection.base_ejection_ms (10000)",
+            ),
+            (
+                "[outlier_detection]\nmax_ejected_percent = 101",
+                "invalid outlier_detection.max_ejected_percent = 101: must be a percentage from 0 to 100",
+            ),
+            (
+                "[outlier_detection]\nconsecutive_failures = 0",
+                "invalid outlier_detection.consecutive_failures = 0: must be at least 1",
             ),
             (
                 "[[workers]]\nurl = \"http://h:1\"\nbackend = \"tgi\"",

@@ -424,3 +424,107 @@ async fn a_worker_that_never_lists_its_models_does_not_hold_up_the_others() {
         "the answering worker's models, once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_field_split_byte_by_byte_is_still_the_first_token() {
+    let upstream = Upstream::start().await;
+    upstream
+        .switches
+        .first_chunk_bytewise
+        .store(true, Ordering::SeqCst);
+    upstream
+        .switches
+        .gate_after_first_chunk
+        .store(true, Ordering::SeqCst);
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let response = router.chat("a prompt of a few tokens", true).await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut first = Vec::new();
+    while !first.ends_with(b"\n\n") {
+        first.extend_from_slice(&body.next().await.unwrap().unwrap());
+    }
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    // The stream is held open after its first event: its prompt is no
+    // longer pending work on the worker.
+    wait_until("the first token released the pending work", || async {
+        router.workers_json().await["workers"][0]["pending_tokens"] == 0
+    })
+    .await;
+    upstream.switches.continue_stream.notify_one();
+    while let Some(chunk) = body.next().await {
+        chunk.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_its_deadline_ends_with_an_error_event() {
+    let upstream = Upstream::start().await;
+    upstream
+        .switches
+        .gate_after_first_chunk
+        .store(true, Ordering::SeqCst);
+    let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
+    config.server.first_byte_timeout_ms = 300;
+    config.server.request_deadline_ms = 600;
+    let router = start_router(config).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let response = router.chat("hello", true).await;
+    assert_eq!(response.status(), 200);
+    // The upstream never continues: the router ends the stream itself.
+    let text = String::from_utf8(response.bytes().await.unwrap().to_vec()).unwrap();
+    let last = text
+        .lines()
+        .rev()
+        .find_map(|line| line.strip_prefix("data: "))
+        .unwrap();
+    let event: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(event["error"]["type"], "timeout");
+    assert!(
+        event["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("request_deadline_ms"),
+        "{event}"
+    );
+    assert!(!text.contains("[DONE]"));
+    // Running past the client's own deadline is not the worker's failure.
+    assert_eq!(
+        router.workers_json().await["workers"][0]["consecutive_failures"],
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker() {
+    let upstream = Upstream::start().await;
+    upstream
+        .switches
+        .gate_after_first_chunk
+        .store(true, Ordering::SeqCst);
+    let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
+    config.server.stream_idle_timeout_ms = 300;
+    let router = start_router(config).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let response = router.chat("hello", true).await;
+    let text = String::from_utf8(response.bytes().await.unwrap().to_vec()).unwrap();
+    assert!(text.starts_with("data: "), "the first event passed: {text}");
+    assert!(
+        text.contains("stream_idle_timeout_ms"),
+        "then an error event: {text}"
+    );
+    assert_eq!(
+        router.workers_json().await["workers"][0]["consecutive_failures"],
+        1
+    );
+}

@@ -25,6 +25,9 @@ pub struct Switches {
     /// After the first SSE chunk, wait for `continue_stream`.
     pub gate_after_first_chunk: AtomicBool,
     pub continue_stream: Notify,
+    /// Send the first SSE chunk one byte per write, so `data:` is split
+    /// across frames.
+    pub first_chunk_bytewise: AtomicBool,
     /// Never answer `/v1/models` (the connection stays open).
     pub hang_models: AtomicBool,
     pub requests: AtomicU64,
@@ -152,6 +155,7 @@ async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Respons
         .into_response();
     }
     let gate = switches.gate_after_first_chunk.load(Ordering::SeqCst);
+    let bytewise = switches.first_chunk_bytewise.load(Ordering::SeqCst);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
     let switches = switches.clone();
     tokio::spawn(async move {
@@ -160,7 +164,15 @@ async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Respons
                 "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{index}\"}}}}]}}\n\n"
             ))
         };
-        if tx.send(Ok(chunk(0))).await.is_err() {
+        if bytewise {
+            for byte in chunk(0) {
+                if tx.send(Ok(Bytes::from(vec![byte]))).await.is_err() {
+                    return;
+                }
+                // Pace the bytes so each goes out in its own write.
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        } else if tx.send(Ok(chunk(0))).await.is_err() {
             return;
         }
         if gate {
