@@ -34,6 +34,11 @@ pub struct ServerConfig {
     /// and, for a stream, its first `data:` event. A worker that misses it
     /// counts one failure toward ejection.
     pub first_byte_timeout_ms: u64,
+    /// A non-streaming answer's head comes with the whole answer, so its
+    /// first-byte deadline is `first_byte_timeout_ms` plus the request's
+    /// `max_tokens` at this slowest decode rate (tokens per second); with
+    /// no `max_tokens`, only the request deadline bounds it.
+    pub min_decode_tokens_per_s: f64,
     /// A stream that sends no event for this long is ended with an SSE error
     /// event, and counts as a failure of its worker.
     pub stream_idle_timeout_ms: u64,
@@ -70,6 +75,7 @@ impl Default for ServerConfig {
             port: 8080,
             body_limit_bytes: 32 * 1024 * 1024,
             first_byte_timeout_ms: 30_000,
+            min_decode_tokens_per_s: 5.0,
             stream_idle_timeout_ms: 60_000,
             request_deadline_ms: 600_000,
             connect_timeout_ms: 3_000,
@@ -87,6 +93,21 @@ impl Default for ServerConfig {
 impl ServerConfig {
     pub fn first_byte_timeout(&self) -> Duration {
         Duration::from_millis(self.first_byte_timeout_ms)
+    }
+
+    /// How long one attempt may wait for the response head.
+    pub fn head_timeout(&self, streaming: bool, max_output_tokens: Option<u64>) -> Duration {
+        if streaming {
+            return self.first_byte_timeout();
+        }
+        match max_output_tokens {
+            Some(tokens) => {
+                let decode_s = tokens as f64 / self.min_decode_tokens_per_s;
+                self.first_byte_timeout()
+                    .saturating_add(Duration::try_from_secs_f64(decode_s).unwrap_or(Duration::MAX))
+            }
+            None => self.request_deadline(),
+        }
     }
 
     pub fn stream_idle_timeout(&self) -> Duration {
@@ -456,6 +477,14 @@ impl RouterConfig {
                 return invalid(key, "0".into(), "at least 1");
             }
         }
+        let floor = server.min_decode_tokens_per_s;
+        if !(floor.is_finite() && floor > 0.0) {
+            return invalid(
+                "server.min_decode_tokens_per_s",
+                floor.to_string(),
+                "a finite number > 0",
+            );
+        }
         if server.max_connections == 0 {
             return invalid("server.max_connections", "0".into(), "at least 1");
         }
@@ -708,6 +737,25 @@ mod tests {
         assert_eq!(
             config.outlier_detection.probe_for("vllm"),
             ProbeKind::Completion
+        );
+    }
+
+    #[test]
+    fn a_non_streaming_head_may_take_its_generation_time() {
+        let server = ServerConfig::default();
+        assert_eq!(
+            server.head_timeout(true, Some(4096)),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            server.head_timeout(false, Some(100)),
+            Duration::from_secs(50),
+            "30 s + 100 tokens at 5 tok/s"
+        );
+        assert_eq!(server.head_timeout(false, None), server.request_deadline());
+        assert!(
+            server.head_timeout(false, Some(u64::MAX)) > Duration::from_secs(86_400 * 365),
+            "absurd limits saturate, never panic"
         );
     }
 

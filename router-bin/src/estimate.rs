@@ -46,6 +46,16 @@ fn token_count(body: &Value, chars_per_token: f64) -> TokenCount {
     TokenCount::Estimated((chars as f64 / chars_per_token).ceil() as u64)
 }
 
+/// The most output tokens the request allows: OpenAI's `max_tokens` or
+/// `max_completion_tokens`, or SGLang's `sampling_params.max_new_tokens`.
+/// `None` when the body names no limit (or a nonsensical one).
+pub fn max_output_tokens(body: &Value) -> Option<u64> {
+    body.get("max_completion_tokens")
+        .or_else(|| body.get("max_tokens"))
+        .or_else(|| body.get("sampling_params")?.get("max_new_tokens"))
+        .and_then(Value::as_u64)
+}
+
 /// A list of integers (or a batch of such lists) counts tokens exactly.
 fn token_ids(value: Option<&Value>) -> Option<u64> {
     let items = value?.as_array()?;
@@ -108,6 +118,22 @@ mod tests {
         assert_eq!(info.tokens, TokenCount::Estimated(3));
         assert!(info.streaming);
         assert_eq!(info.model.as_deref(), Some("m"));
+    }
+
+    #[test]
+    fn the_output_limit_is_read_from_either_api() {
+        assert_eq!(max_output_tokens(&json!({"max_tokens": 64})), Some(64));
+        assert_eq!(
+            max_output_tokens(&json!({"max_completion_tokens": 32, "max_tokens": 64})),
+            Some(32)
+        );
+        assert_eq!(
+            max_output_tokens(&json!({"sampling_params": {"max_new_tokens": 16}})),
+            Some(16)
+        );
+        assert_eq!(max_output_tokens(&json!({"max_tokens": -1})), None);
+        assert_eq!(max_output_tokens(&json!({"max_tokens": "lots"})), None);
+        assert_eq!(max_output_tokens(&json!({})), None);
     }
 
     #[test]

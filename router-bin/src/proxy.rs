@@ -20,7 +20,7 @@ use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
 use crate::app::App;
 use crate::client_body::read_body;
 use crate::coalesce::Coalesce;
-use crate::estimate::request_info;
+use crate::estimate::{max_output_tokens, request_info};
 use crate::monitor::error_chain;
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
@@ -116,6 +116,10 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
         }
     };
     let info = request_info(&parsed, app.config.request.chars_per_token);
+    let head_timeout = app
+        .config
+        .server
+        .head_timeout(info.streaming, max_output_tokens(&parsed));
     let headers = forwardable(&parts.headers);
     let request = ClientRequest {
         parts,
@@ -124,6 +128,7 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
         info,
         received_at,
         deadline,
+        head_timeout,
     };
     forward(app, &request).await
 }
@@ -137,6 +142,8 @@ struct ClientRequest {
     received_at: Instant,
     /// `server.request_deadline_ms` after it arrived.
     deadline: tokio::time::Instant,
+    /// How long one attempt may wait for the response head.
+    head_timeout: std::time::Duration,
 }
 
 /// How one attempt on one worker ended.
@@ -243,8 +250,9 @@ async fn attempt_on(
     let worker = tracker.worker.clone();
     let server = &app.config.server;
     let streaming = request.info.streaming;
-    let first_byte_by =
-        (tokio::time::Instant::now() + server.first_byte_timeout()).min(request.deadline);
+    let first_byte_by = tokio::time::Instant::now()
+        .checked_add(request.head_timeout)
+        .map_or(request.deadline, |by| by.min(request.deadline));
     let response =
         match tokio::time::timeout_at(first_byte_by, app.upstream.request(upstream)).await {
             Ok(Ok(response)) => response,
