@@ -63,7 +63,7 @@ mod metrics;
 
 use std::sync::Arc;
 
-use policy_core::{BackendRegistry, LoadSource};
+use policy_core::{BackendRegistry, LoadAddress, LoadSource};
 
 pub use convert::{
     grpc_from_snapshot, snapshot_from_grpc, worker_load_from_grpc, worker_load_from_loads_json,
@@ -94,12 +94,12 @@ pub const GRPC_BACKEND: &str = "sglang-grpc";
 /// optional and defaults to the worker's URL, `http://` only) and
 /// `sglang-grpc` (the load address is required, `grpc://host:port`).
 pub fn register(registry: &mut BackendRegistry) {
-    registry.register(HTTP_BACKEND, |spec| {
+    registry.register(HTTP_BACKEND, LoadAddress::Http, |spec| {
         let base = spec.load_url.as_deref().unwrap_or(&spec.worker_url);
         let source = SglangHttpLoadSource::new(base, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)
     });
-    registry.register(GRPC_BACKEND, |spec| {
+    registry.register(GRPC_BACKEND, LoadAddress::Grpc, |spec| {
         let url = spec.required_load_url(GRPC_BACKEND)?;
         let source = SglangGrpcLoadSource::new(url, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)

@@ -16,9 +16,9 @@ use async_trait::async_trait;
 use load_protocols::{SchedulerLoadSnapshot, WorkerLoad};
 use parking_lot::Mutex;
 use policy_core::{
-    BackendError, BackendRegistry, BackendSpec, LoadError, LoadSource, MockLoadSource, Policy,
-    PolicyContext, PolicyRegistry, PollOutcome, RequestInfo, TokenCount, WorkerId, WorkerInfo,
-    poll_worker, tokio_now,
+    BackendError, BackendRegistry, BackendSpec, LoadAddress, LoadError, LoadSource, MockLoadSource,
+    Policy, PolicyContext, PolicyRegistry, PollOutcome, RequestInfo, TokenCount, WorkerId,
+    WorkerInfo, poll_worker, tokio_now,
 };
 
 /// Step 1: a backend is a type implementing `LoadSource`. This one reads a
@@ -60,7 +60,7 @@ impl LoadSource for GaugeSource {
 fn backends(gauges: BTreeMap<String, Arc<AtomicI64>>) -> BackendRegistry {
     let mut registry = BackendRegistry::new();
     backends_sglang::register(&mut registry);
-    registry.register("gauge", move |spec: &BackendSpec| {
+    registry.register("gauge", LoadAddress::Http, move |spec: &BackendSpec| {
         let queued_tokens =
             gauges
                 .get(&spec.worker_url)
@@ -220,7 +220,7 @@ async fn a_scripted_failing_source_through_the_registry() {
         ),
     ]));
     let mut registry = BackendRegistry::new();
-    registry.register("scripted", move |spec: &BackendSpec| {
+    registry.register("scripted", LoadAddress::Http, move |spec: &BackendSpec| {
         mocks
             .lock()
             .remove(&spec.worker_url)

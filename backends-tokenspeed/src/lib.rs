@@ -49,7 +49,7 @@ mod grpc;
 
 use std::sync::Arc;
 
-use policy_core::{BackendRegistry, LoadSource};
+use policy_core::{BackendRegistry, LoadAddress, LoadSource};
 
 pub use convert::{grpc_from_snapshot, snapshot_from_grpc, worker_load_from_grpc};
 pub use grpc::TokenspeedGrpcLoadSource;
@@ -71,7 +71,7 @@ pub const BACKEND: &str = "tokenspeed";
 
 /// Registers `tokenspeed`: the load address is required, `grpc://host:port`.
 pub fn register(registry: &mut BackendRegistry) {
-    registry.register(BACKEND, |spec| {
+    registry.register(BACKEND, LoadAddress::Grpc, |spec| {
         let url = spec.required_load_url(BACKEND)?;
         let source = TokenspeedGrpcLoadSource::new(url, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)

@@ -1,6 +1,6 @@
 //! vLLM load sources: Prometheus `/metrics` and gRPC `GetLoads`.
 //!
-//! Two [`LoadSource`](policy_core::LoadSource)s report a vLLM server's
+//! Two [`LoadSource`]s report a vLLM server's
 //! scheduler load as a [`WorkerLoad`](load_protocols::WorkerLoad):
 //!
 //! - [`VllmMetricsLoadSource`] (backend `vllm`) reads stock vLLM's
@@ -63,7 +63,7 @@ pub mod proto {
 
 use std::sync::Arc;
 
-use policy_core::{BackendRegistry, LoadSource};
+use policy_core::{BackendRegistry, LoadAddress, LoadSource};
 
 pub use error::VllmMetricsError;
 pub use grpc::{GRPC_KIND, VllmGrpcLoadSource, snapshot_from_grpc, worker_load_from_grpc};
@@ -79,10 +79,10 @@ pub use metrics::{
 /// else the worker URL) and `vllm-grpc` (`GetLoads` at the load URL, which
 /// must be `grpc://host:port`).
 pub fn register(registry: &mut BackendRegistry) {
-    registry.register(METRICS_KIND, |spec| {
+    registry.register(METRICS_KIND, LoadAddress::Http, |spec| {
         VllmMetricsLoadSource::new(spec).map(|source| Arc::new(source) as Arc<dyn LoadSource>)
     });
-    registry.register(GRPC_KIND, |spec| {
+    registry.register(GRPC_KIND, LoadAddress::Grpc, |spec| {
         VllmGrpcLoadSource::new(spec).map(|source| Arc::new(source) as Arc<dyn LoadSource>)
     });
 }

@@ -66,7 +66,9 @@ pub use load_source::{BackendSpec, LoadSource, SourceOptions, grpc_authority};
 pub use policy::MockPolicy;
 pub use policy::{Policy, PolicyContext, WorkerStats};
 pub use poll::{PollOutcome, poll_worker, prime_worker};
-pub use registry::{BackendFactory, BackendRegistry, PolicyFactory, PolicyRegistry, parse_section};
+pub use registry::{
+    BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,
+};
 pub use request::{RequestInfo, TokenCount};
 pub use rng::{ArgMin, RankKey, TieBreaker};
 pub use score_table::{ScoreRow, ScoreTable, format_value};

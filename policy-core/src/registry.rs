@@ -82,10 +82,32 @@ impl fmt::Debug for PolicyRegistry {
     }
 }
 
-/// Backends by name. Backend crates add theirs with a `register` function.
+/// Where a backend reads a worker's load, declared when it registers, so a
+/// router checks a worker's `load_url` without knowing backends by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadAddress {
+    /// Over HTTP: at the worker's own address, or at an optional separate
+    /// `http://host:port` load address.
+    Http,
+    /// Over gRPC: a separate `grpc://host:port` load address is required.
+    Grpc,
+}
+
+impl LoadAddress {
+    /// What a worker's `load_url` must be, in words, for error messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            LoadAddress::Http => "an http://host:port URL without a query, or none",
+            LoadAddress::Grpc => "a grpc://host:port address (required by this backend)",
+        }
+    }
+}
+
+/// Backends by name, each with the load address it needs. Backend crates
+/// add theirs with a `register` function.
 #[derive(Clone, Default)]
 pub struct BackendRegistry {
-    factories: BTreeMap<String, BackendFactory>,
+    factories: BTreeMap<String, (LoadAddress, BackendFactory)>,
 }
 
 impl BackendRegistry {
@@ -93,15 +115,18 @@ impl BackendRegistry {
         BackendRegistry::default()
     }
 
+    /// Registers backend `name`, whose sources read load at `address`.
     pub fn register(
         &mut self,
         name: &str,
+        address: LoadAddress,
         factory: impl Fn(&BackendSpec) -> Result<Arc<dyn LoadSource>, BackendError>
         + Send
         + Sync
         + 'static,
     ) {
-        self.factories.insert(name.to_owned(), Arc::new(factory));
+        self.factories
+            .insert(name.to_owned(), (address, Arc::new(factory)));
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -112,18 +137,23 @@ impl BackendRegistry {
         self.factories.contains_key(name)
     }
 
+    /// The load address backend `name` declared, `None` for an unknown name.
+    pub fn load_address(&self, name: &str) -> Option<LoadAddress> {
+        self.factories.get(name).map(|(address, _)| *address)
+    }
+
     pub fn build(
         &self,
         name: &str,
         spec: &BackendSpec,
     ) -> Result<Arc<dyn LoadSource>, BackendError> {
-        let factory = self
-            .factories
-            .get(name)
-            .ok_or_else(|| BackendError::UnknownBackend {
-                name: name.to_owned(),
-                valid: self.names().join(", "),
-            })?;
+        let (_, factory) =
+            self.factories
+                .get(name)
+                .ok_or_else(|| BackendError::UnknownBackend {
+                    name: name.to_owned(),
+                    valid: self.names().join(", "),
+                })?;
         factory(spec)
     }
 }
@@ -199,23 +229,31 @@ mod tests {
     #[test]
     fn unknown_backend_lists_the_valid_ones() {
         let mut registry = BackendRegistry::new();
-        registry.register("b", |_spec| {
+        registry.register("b", LoadAddress::Http, |_spec| {
             Err(BackendError::MissingLoadUrl {
                 backend: "b".into(),
             })
         });
-        registry.register("a", |_spec| {
+        registry.register("a", LoadAddress::Http, |_spec| {
             Err(BackendError::MissingLoadUrl {
                 backend: "a".into(),
             })
         });
+        registry.register("g", LoadAddress::Grpc, |_spec| {
+            Err(BackendError::MissingLoadUrl {
+                backend: "g".into(),
+            })
+        });
+        assert_eq!(registry.load_address("g"), Some(LoadAddress::Grpc));
+        assert_eq!(registry.load_address("a"), Some(LoadAddress::Http));
+        assert_eq!(registry.load_address("c"), None);
         let err = registry
             .build("c", &BackendSpec::new("http://h:1"))
             .err()
             .unwrap();
         assert_eq!(
             err.to_string(),
-            r#"unknown backend "c"; valid backends: a, b"#
+            r#"unknown backend "c"; valid backends: a, b, g"#
         );
         assert!(registry.contains("a"));
         let err = registry

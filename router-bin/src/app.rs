@@ -19,22 +19,6 @@ use crate::topology::Topology;
 use crate::upstream::{UpstreamClient, control_get, upstream_client};
 use crate::workers::{HealthChange, Worker};
 
-/// Every policy the router can run.
-pub fn policy_registry() -> PolicyRegistry {
-    let mut registry = PolicyRegistry::with_baselines();
-    policy_least_load::register(&mut registry);
-    registry
-}
-
-/// Every backend the router can poll.
-pub fn backend_registry() -> BackendRegistry {
-    let mut registry = BackendRegistry::new();
-    backends_sglang::register(&mut registry);
-    backends_tokenspeed::register(&mut registry);
-    backends_vllm::register(&mut registry);
-    registry
-}
-
 /// The state every request handler and background task shares.
 pub struct App {
     pub config: RouterConfig,
@@ -62,8 +46,9 @@ impl App {
     pub fn new(
         config: RouterConfig,
         config_file: Option<PathBuf>,
+        policies: PolicyRegistry,
+        backends: BackendRegistry,
     ) -> Result<Arc<App>, RouterError> {
-        let policies = policy_registry();
         let policy = build_policy(&policies, &config, &config.policy)?;
         let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
@@ -71,7 +56,7 @@ impl App {
             config,
             config_file,
             policies,
-            backends: backend_registry(),
+            backends,
             upstream,
             metrics: Metrics::new(),
         }))
@@ -95,11 +80,11 @@ impl App {
     /// Adds a worker: detects its backend if none was named, builds its load
     /// source, checks its health once, and registers it with the policy.
     pub async fn add_worker(&self, worker: WorkerConfig) -> Result<Arc<Worker>, RouterError> {
-        validate_worker(&worker).map_err(|(field, value, allowed)| {
+        validate_worker(&worker, &self.backends).map_err(|(field, value, allowed)| {
             RouterError::Config(ConfigError::Invalid {
                 key: format!("worker.{field}"),
                 value,
-                allowed: allowed.to_owned(),
+                allowed,
             })
         })?;
         let backend = match worker.backend.clone() {
@@ -350,9 +335,11 @@ pub fn build_policy(
 /// Validates every policy section by building its policy, and writes each
 /// policy's effective knobs back into the config, so `--print-config` shows
 /// every knob with its value. Policies without knobs get no section.
-pub fn complete_policy_sections(config: &mut RouterConfig) -> Result<(), ConfigError> {
-    let registry = policy_registry();
-    build_policy(&registry, config, &config.policy)?;
+pub fn complete_policy_sections(
+    registry: &PolicyRegistry,
+    config: &mut RouterConfig,
+) -> Result<(), ConfigError> {
+    build_policy(registry, config, &config.policy)?;
     let context = policy_context(config);
     for name in registry.names() {
         let section = config

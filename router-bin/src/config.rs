@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::Duration;
 
+use policy_core::{BackendRegistry, LoadAddress};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
@@ -358,9 +359,6 @@ pub struct AdminConfig {
     pub api_key: Option<String>,
 }
 
-/// The backend names a worker may name.
-pub const BACKENDS: [&str; 5] = ["sglang", "sglang-grpc", "tokenspeed", "vllm", "vllm-grpc"];
-
 /// The layers above the defaults.
 #[derive(Debug, Default)]
 pub struct Layers<'a> {
@@ -572,10 +570,28 @@ impl RouterConfig {
             );
         }
         for (index, worker) in self.workers.iter().enumerate() {
-            validate_worker(worker).map_err(|(field, value, allowed)| ConfigError::Invalid {
-                key: format!("workers[{index}].{field}"),
-                value,
-                allowed: allowed.to_owned(),
+            validate_worker_address(worker).map_err(|(field, value, allowed)| {
+                ConfigError::Invalid {
+                    key: format!("workers[{index}].{field}"),
+                    value,
+                    allowed,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Checks each worker's backend and load address against the backends
+    /// the router was built with: the registry knows the names, and each
+    /// backend declared the load address it needs.
+    pub fn validate_workers(&self, backends: &BackendRegistry) -> Result<(), ConfigError> {
+        for (index, worker) in self.workers.iter().enumerate() {
+            validate_worker(worker, backends).map_err(|(field, value, allowed)| {
+                ConfigError::Invalid {
+                    key: format!("workers[{index}].{field}"),
+                    value,
+                    allowed,
+                }
             })?;
         }
         Ok(())
@@ -587,13 +603,16 @@ impl RouterConfig {
     }
 }
 
-/// Checks one worker entry; on error gives `(field, value, allowed)`.
-pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, String, &'static str)> {
+/// Why a worker entry is invalid: `(field, value, allowed)`.
+pub type WorkerProblem = (&'static str, String, String);
+
+/// Checks what needs no backend knowledge: the worker's URL and API key.
+pub fn validate_worker_address(worker: &WorkerConfig) -> Result<(), WorkerProblem> {
     if policy_core::http::http_base(&worker.url).is_err() {
         return Err((
             "url",
             format!("{:?}", worker.url),
-            "an http://host:port URL without a query (this build has no TLS)",
+            "an http://host:port URL without a query (this build has no TLS)".into(),
         ));
     }
     if let Some(key) = &worker.api_key
@@ -602,40 +621,53 @@ pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, Strin
         return Err((
             "api_key",
             "(redacted)".into(),
-            "characters an HTTP header can hold (no control characters)",
+            "characters an HTTP header can hold (no control characters)".into(),
         ));
     }
-    if let Some(backend) = &worker.backend
-        && !BACKENDS.contains(&backend.as_str())
-    {
+    Ok(())
+}
+
+/// Checks one worker entry against the registered backends: its address,
+/// its backend's name, and the load address that backend declared.
+pub fn validate_worker(
+    worker: &WorkerConfig,
+    backends: &BackendRegistry,
+) -> Result<(), WorkerProblem> {
+    validate_worker_address(worker)?;
+    let Some(backend) = &worker.backend else {
+        // Detected when the worker is added; only an HTTP load address can
+        // be checked before then.
+        return match &worker.load_url {
+            Some(load_url) if policy_core::http::http_base(load_url).is_err() => Err((
+                "load_url",
+                format!("{load_url:?}"),
+                "an http://host:port URL without a query (name the backend for a grpc:// one)"
+                    .into(),
+            )),
+            _ => Ok(()),
+        };
+    };
+    let Some(address) = backends.load_address(backend) else {
         return Err((
             "backend",
             format!("{backend:?}"),
-            "one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc",
+            format!("one of {}", backends.names().join(", ")),
         ));
+    };
+    let fits = match (address, &worker.load_url) {
+        (LoadAddress::Http, None) => true,
+        (LoadAddress::Http, Some(load_url)) => policy_core::http::http_base(load_url).is_ok(),
+        (LoadAddress::Grpc, None) => false,
+        (LoadAddress::Grpc, Some(load_url)) => policy_core::grpc_authority(load_url).is_ok(),
+    };
+    if fits {
+        return Ok(());
     }
-    let grpc = matches!(
-        worker.backend.as_deref(),
-        Some("sglang-grpc" | "tokenspeed" | "vllm-grpc")
-    );
-    match (&worker.load_url, grpc) {
-        (None, true) => Err((
-            "load_url",
-            "none".into(),
-            "a grpc://host:port address (required by the gRPC backends)",
-        )),
-        (Some(load_url), true) if !load_url.starts_with("grpc://") => Err((
-            "load_url",
-            format!("{load_url:?}"),
-            "a grpc://host:port address",
-        )),
-        (Some(load_url), false) if policy_core::http::http_base(load_url).is_err() => Err((
-            "load_url",
-            format!("{load_url:?}"),
-            "an http://host:port URL without a query",
-        )),
-        _ => Ok(()),
-    }
+    let shown = worker
+        .load_url
+        .as_ref()
+        .map_or_else(|| "none".to_owned(), |url| format!("{url:?}"));
+    Err(("load_url", shown, address.describe().to_owned()))
 }
 
 /// Parses a `--worker [BACKEND=]URL[,loads=LOAD_URL]` flag.
@@ -664,10 +696,10 @@ pub fn parse_worker_flag(flag: &str) -> Result<WorkerConfig, ConfigError> {
         load_url,
         api_key: None,
     };
-    validate_worker(&worker).map_err(|(field, value, allowed)| ConfigError::Invalid {
+    validate_worker_address(&worker).map_err(|(field, value, allowed)| ConfigError::Invalid {
         key: format!("--worker {field}"),
         value,
-        allowed: allowed.to_owned(),
+        allowed,
     })?;
     Ok(worker)
 }
@@ -878,14 +910,6 @@ mod tests {
         );
         let cases = [
             (
-                "tokenspeed=http://h:8000",
-                r#"invalid --worker load_url = none: must be a grpc://host:port address (required by the gRPC backends)"#,
-            ),
-            (
-                "nginx=http://h:1",
-                r#"invalid --worker backend = "nginx": must be one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc"#,
-            ),
-            (
                 "h:1",
                 r#"invalid --worker url = "h:1": must be an http://host:port URL without a query (this build has no TLS)"#,
             ),
@@ -897,10 +921,6 @@ mod tests {
                 "sglang=http://h:1,weight=2",
                 r#"invalid --worker = "sglang=http://h:1,weight=2": must be [BACKEND=]URL[,loads=LOAD_URL]"#,
             ),
-            (
-                "vllm-grpc=http://h:1,loads=http://h:2",
-                r#"invalid --worker load_url = "http://h:2": must be a grpc://host:port address"#,
-            ),
         ];
         for (flag, message) in cases {
             assert_eq!(
@@ -909,9 +929,48 @@ mod tests {
                 "{flag}"
             );
         }
+        // Backend names and load addresses are the registry's to judge.
+        let backends = crate::RouterBuilder::with_builtins().backends().clone();
+        let against_registry = [
+            (
+                "tokenspeed=http://h:8000",
+                "invalid workers[0].load_url = none: must be a grpc://host:port address (required by this backend)",
+            ),
+            (
+                "nginx=http://h:1",
+                r#"invalid workers[0].backend = "nginx": must be one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc"#,
+            ),
+            (
+                "vllm-grpc=http://h:1,loads=http://h:2",
+                r#"invalid workers[0].load_url = "http://h:2": must be a grpc://host:port address (required by this backend)"#,
+            ),
+            (
+                "vllm=http://h:1,loads=grpc://h:2",
+                r#"invalid workers[0].load_url = "grpc://h:2": must be an http://host:port URL without a query, or none"#,
+            ),
+        ];
+        for (flag, message) in against_registry {
+            let config = RouterConfig {
+                workers: vec![parse_worker_flag(flag).unwrap()],
+                ..RouterConfig::default()
+            };
+            assert_eq!(
+                config.validate_workers(&backends).unwrap_err().to_string(),
+                message,
+                "{flag}"
+            );
+        }
+        let fine = RouterConfig {
+            workers: vec![
+                parse_worker_flag("tokenspeed=http://h:8000,loads=grpc://h:19000").unwrap(),
+                parse_worker_flag("http://h:30000").unwrap(),
+            ],
+            ..RouterConfig::default()
+        };
+        fine.validate_workers(&backends).unwrap();
         let mut keyed = parse_worker_flag("sglang=http://h:1").unwrap();
         keyed.api_key = Some("sk-1\nInjected: yes".into());
-        let (field, value, _) = validate_worker(&keyed).unwrap_err();
+        let (field, value, _) = validate_worker(&keyed, &backends).unwrap_err();
         assert_eq!((field, value.as_str()), ("api_key", "(redacted)"));
     }
 
@@ -961,10 +1020,6 @@ mod tests {
             (
                 "[outlier_detection]\nconsecutive_failures = 0",
                 "invalid outlier_detection.consecutive_failures = 0: must be at least 1",
-            ),
-            (
-                "[[workers]]\nurl = \"http://h:1\"\nbackend = \"tgi\"",
-                r#"invalid workers[0].backend = "tgi": must be one of sglang, sglang-grpc, tokenspeed, vllm, vllm-grpc"#,
             ),
         ];
         for (text, message) in cases {

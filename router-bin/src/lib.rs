@@ -7,16 +7,21 @@
 //! SGLang-native requests with unbuffered SSE streaming ([`proxy`]), and serves
 //! an admin API, `/metrics`, `/health` and `/readiness` ([`server`]).
 //!
+//! The [`RouterBuilder`] is the router as a library: register policies and
+//! backends of your own, then run exactly what the `router` binary runs.
+//!
 //! ```no_run
-//! use router_bin::config::{Layers, RouterConfig, parse_worker_flag};
+//! use router_bin::RouterBuilder;
+//! use router_bin::config::{Layers, parse_worker_flag};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let config = RouterConfig::load(Layers {
+//! let builder = RouterBuilder::with_builtins();
+//! let config = builder.load_config(Layers {
 //!     workers: vec![parse_worker_flag("sglang=http://127.0.0.1:30000")?],
 //!     ..Layers::default()
 //! })?;
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
-//! let app = router_bin::server::start(config, None).await?;
+//! let app = builder.start(config, None).await?;
 //! router_bin::server::serve(app, listener, router_bin::server::termination()).await?;
 //! # Ok(())
 //! # }
@@ -24,6 +29,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod builder;
 pub mod cli;
 pub mod client_body;
 pub mod coalesce;
@@ -42,5 +48,6 @@ pub mod upstream;
 pub mod workers;
 
 pub use app::App;
+pub use builder::RouterBuilder;
 pub use config::RouterConfig;
 pub use error::{ConfigError, RouterError};

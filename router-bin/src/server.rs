@@ -82,13 +82,9 @@ pub struct Running {
     pub address: SocketAddr,
 }
 
-/// Builds the state, adds the configured workers (a worker that cannot be
-/// added is an error: the operator named it), and starts the background tasks.
-pub async fn start(
-    config: RouterConfig,
-    config_file: Option<std::path::PathBuf>,
-) -> Result<Arc<App>, RouterError> {
-    let app = App::new(config, config_file)?;
+/// Adds the configured workers to `app` (a worker that cannot be added is
+/// an error: the operator named it), and starts the background tasks.
+pub async fn start(app: Arc<App>) -> Result<Arc<App>, RouterError> {
     for worker in app.config.workers.clone() {
         app.add_worker(worker).await?;
     }

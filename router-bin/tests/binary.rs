@@ -55,7 +55,7 @@ fn invalid_config_files_and_flags_give_the_exact_error() {
     assert_eq!(code, 2);
     assert_eq!(
         stderr.trim(),
-        "router: invalid --worker load_url = none: must be a grpc://host:port address (required by the gRPC backends)"
+        "router: invalid workers[0].load_url = none: must be a grpc://host:port address (required by this backend)"
     );
 
     let (code, stderr) = stderr_of(router().args(["--policy", "fastest", "--print-config"]));

@@ -51,7 +51,10 @@ async fn serve(config: RouterConfig) -> Served {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let server = config.server.clone();
-    let app = router_bin::server::start(config, None).await.unwrap();
+    let app = router_bin::RouterBuilder::with_builtins()
+        .start(config, None)
+        .await
+        .unwrap();
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let limit = server.body_limit_bytes;
     let deadline = server.client_body_timeout();

@@ -68,7 +68,10 @@ pub fn worker(backend: &str, url: &str) -> WorkerConfig {
 pub async fn start_router(config: RouterConfig) -> TestRouter {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let app = router_bin::server::start(config, None).await.unwrap();
+    let app = router_bin::RouterBuilder::with_builtins()
+        .start(config, None)
+        .await
+        .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let served = app.clone();
     tokio::spawn(async move {
