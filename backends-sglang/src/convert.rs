@@ -9,8 +9,8 @@ use crate::proto;
 
 /// One gRPC `SchedulerLoad` as a snapshot.
 ///
-/// proto3 gives scalars no presence, so the gRPC rules of `least-load.md`
-/// decide what was reported: `num_waiting_uncached_tokens` counts when it is
+/// proto3 gives scalars no presence, so the gRPC rules of
+/// `docs/wire-formats.md` decide what was reported: `num_waiting_uncached_tokens` counts when it is
 /// positive or nothing is waiting, and a zero `gen_throughput` is "not
 /// reported".
 pub fn snapshot_from_grpc(load: &proto::SchedulerLoad) -> SchedulerLoadSnapshot {

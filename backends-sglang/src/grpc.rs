@@ -29,7 +29,7 @@ use crate::worker_load_from_grpc;
 /// - `UNAVAILABLE` from a failed connection → [`LoadError::Connect`];
 /// - a reply over the body cap → [`LoadError::BodyTooLarge`];
 /// - any other status (a server's own `UNAVAILABLE` included) →
-///   [`LoadError::Grpc`] with the [`Status`] as its source.
+///   [`LoadError::Grpc`] with the [`Status`](tonic::Status) as its source.
 #[derive(Debug)]
 pub struct SglangGrpcLoadSource {
     url: String,

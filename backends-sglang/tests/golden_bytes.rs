@@ -1,5 +1,6 @@
 //! The generated messages encode with SGLang's field numbers. The expected
-//! bytes are written by hand from the spec, so a wrong number fails here
+//! bytes are written by hand from the field numbers (`docs/wire-formats.md`),
+//! so a wrong number fails here
 //! (round-tripping through the same generated type would prove nothing).
 
 // Helpers outside #[test] functions may unwrap too: a panic is a failed test.

@@ -10,7 +10,7 @@ use crate::proto;
 /// One TokenSpeed `SchedulerLoad` as a snapshot.
 ///
 /// Released TokenSpeed servers fill running, waiting, total, used tokens, max
-/// tokens and `token_usage` only. The proto3 rules of `least-load.md` decide
+/// tokens and `token_usage` only. The proto3 rules of `docs/wire-formats.md` decide
 /// what was reported: `num_waiting_uncached_tokens` (field 14) counts when it
 /// is positive or nothing is waiting, so a released server's 0 next to waiting
 /// requests is "not reported" (kept as `None`; the policy then estimates the

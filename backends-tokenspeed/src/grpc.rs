@@ -24,7 +24,7 @@ use crate::worker_load_from_grpc;
 /// Outcomes:
 /// - an empty `loads` list (encode-only worker) → `Ok(None)`;
 /// - `DEADLINE_EXCEEDED` from the server → `Ok(None)`: no snapshot this time,
-///   not an error that takes the worker out (wire-formats.md);
+///   not an error that takes the worker out (`docs/wire-formats.md`);
 /// - no answer within our own deadline → [`LoadError::Timeout`]: a server
 ///   that does not answer at all is a failed poll, unlike one that reports
 ///   `DEADLINE_EXCEEDED`;
@@ -32,7 +32,7 @@ use crate::worker_load_from_grpc;
 /// - `UNAVAILABLE` from a failed connection → [`LoadError::Connect`];
 /// - a reply over the body cap → [`LoadError::BodyTooLarge`];
 /// - any other status (a server's own `UNAVAILABLE` included) →
-///   [`LoadError::Grpc`] with the [`Status`] as its source.
+///   [`LoadError::Grpc`] with the [`Status`](tonic::Status) as its source.
 #[derive(Debug)]
 pub struct TokenspeedGrpcLoadSource {
     url: String,

@@ -1,6 +1,6 @@
 //! A continuous-batching engine model, the fleet simulator and mock engine servers.
 //!
-//! - [`model`]: an [`Engine`] is one simulated replica (`engine-model.md`):
+//! - [`model`]: an [`Engine`] is one simulated replica (`docs/engine-model.md`):
 //!   FIFO admission bounded by `max_running` and KV room, chunked prefill
 //!   with a shared per-step budget, one decode token per running request,
 //!   step time = max(prefill cost, decode cost), KV accounting with

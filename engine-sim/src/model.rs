@@ -1,4 +1,4 @@
-//! The continuous-batching engine model (`engine-model.md`).
+//! The continuous-batching engine model (`docs/engine-model.md`).
 //!
 //! An [`Engine`] is a deterministic state machine advanced one scheduler step
 //! at a time by its caller, with explicit virtual time in seconds: the fleet
@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::EngineSimError;
 
-/// Per-worker engine parameters. Every field has the spec's default; serde
-/// accepts the spec's short names (`prefill_chunk`, `block_size`,
+/// Per-worker engine parameters. Every field has a default; serde
+/// accepts the short names (`prefill_chunk`, `block_size`,
 /// `kv_capacity`) as aliases and rejects unknown keys.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -450,7 +450,7 @@ pub fn chain_block_hash(previous: u64, content: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// One continuous-batching engine (see the module docs and `engine-model.md`).
+/// One continuous-batching engine (see the module docs and `docs/engine-model.md`).
 ///
 /// Protocol: [`submit`](Engine::submit) requests (each with its arrival time);
 /// while [`next_step_start_s`](Engine::next_step_start_s) is `Some(t)`, call

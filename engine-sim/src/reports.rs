@@ -1,6 +1,6 @@
 //! Load reports built from an engine's true state, in the shape each real
-//! engine reports it (`engine-model.md`, "What it reports";
-//! `wire-formats.md`). Each flavour carries only the signals its real engine
+//! engine reports it (`docs/engine-model.md`, "What the engine knows about
+//! itself"; `docs/wire-formats.md`). Each flavour carries only the signals its real engine
 //! reports.
 
 use std::fmt::Write as _;

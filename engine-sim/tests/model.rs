@@ -1,4 +1,4 @@
-//! The engine model against values derived by hand (`engine-model.md`).
+//! The engine model against values derived by hand (`docs/engine-model.md`).
 
 // Test helpers (not only #[test] fns) may unwrap: a panic is a failed assertion.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

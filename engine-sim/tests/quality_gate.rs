@@ -1,4 +1,4 @@
-//! The routing-quality gate (issue 7, `evaluation.md`): the shipped
+//! The routing-quality gate (issue 7, `docs/engine-model.md`): the shipped
 //! `size-skew.toml`, `uniform.toml` and `poll-jitter.toml`, unchanged except
 //! for the request count (5,000 per policy and load level), at 0.8 and 0.9
 //! utilization with 1 s polls:

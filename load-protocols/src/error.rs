@@ -3,7 +3,7 @@ use thiserror::Error;
 /// Why a load report was rejected by [`WorkerLoad::from_ranks`](crate::WorkerLoad::from_ranks).
 ///
 /// A rejected report is treated by the router like a failed poll: the worker
-/// keeps serving, scored without a fresh snapshot (`least-load.md`, rule 3).
+/// keeps serving, scored without a fresh snapshot (`docs/least-load.md`, rule 3).
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum LoadValidationError {
     /// The report held no DP rank at all (an encode-only worker, say).

@@ -1,7 +1,7 @@
 use serde::{Deserialize, Serialize};
 
 /// One DP rank's scheduler load, field for field as SGLang's `/v1/loads`
-/// reports it (`wire-formats.md`).
+/// reports it (`docs/wire-formats.md`).
 ///
 /// Counts are `i64` so that every wire format converts into this type without
 /// loss; [`WorkerLoad::from_ranks`](crate::WorkerLoad::from_ranks) rejects the

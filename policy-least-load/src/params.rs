@@ -36,8 +36,8 @@ impl fmt::Display for InflightMode {
 
 /// The knobs, each settable from the policy's config section.
 ///
-/// The field names are the config keys the spec fixes; their units are in the
-/// docs. Build one through [`LeastLoadParams::from_section`] or
+/// The field names are the config keys; their units and ranges are in
+/// `docs/least-load.md` ("Settings"). Build one through [`LeastLoadParams::from_section`] or
 /// [`LeastLoadParams::validate`]: deserializing runs the same checks.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "RawParams")]
@@ -59,7 +59,7 @@ pub struct LeastLoadParams {
     /// and chasing them herds requests onto whichever worker looked emptiest
     /// at the last poll. 0 keeps exact ties only. Finite, ≥ 0.
     pub tie_tolerance_secs: f64,
-    /// Divide by the worker's reported generation rate (the spec); `false`
+    /// Divide by the worker's reported generation rate (the default); `false`
     /// divides every worker's work by `default_throughput`. The reported rate
     /// is a decode rate that rises with a worker's batch, so under bursts a
     /// busy worker looks fast and draws more: `cargo xtask sim` shows `false`

@@ -204,9 +204,8 @@ fn backoff(spins: u32) -> u32 {
 }
 
 /// The original estimator's tally: tokens dispatched to the worker since its
-/// last report was received. (The spec's tally also counts requests; nothing
-/// reads that count, the cap uses the ledger in both modes, so it is not
-/// kept.)
+/// last report was received. (It counts no requests: nothing would read
+/// them, since the cap uses the ledger in both modes.)
 #[derive(Debug, Default)]
 pub(crate) struct SincePollTally {
     tokens: AtomicU64,

@@ -1,4 +1,4 @@
-//! Unit tests of the policies, one per rule of the spec, with the expected
+//! Unit tests of the policies, one per rule of `docs/least-load.md`, with the expected
 //! values worked out by hand.
 
 use std::time::{Duration, Instant};

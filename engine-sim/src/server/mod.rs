@@ -12,7 +12,7 @@
 //! the flavour has gRPC and [`SimEngineConfig::grpc_addr`] is set, one gRPC
 //! port (`GetLoads`, `HealthCheck`).
 //!
-//! In [`ServeMode::Model`] an [`Engine`](crate::Engine) runs in virtual time
+//! In [`ServeMode::Model`] an [`Engine`] runs in virtual time
 //! = elapsed wall time × `time_scale`. One driver task per engine advances the
 //! model to "now" in as many virtual steps as fit, hands each waiting request
 //! its tokens, and sleeps until the next event is due (or a request arrives):

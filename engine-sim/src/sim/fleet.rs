@@ -85,7 +85,7 @@ pub fn build_policy(
         })
 }
 
-/// The oracle (`evaluation.md`): the worker whose true uncached prefill work
+/// The oracle (`docs/engine-model.md`, "The policies compared"): the worker whose true uncached prefill work
 /// (waiting plus unfinished chunked prefill) divided by its `prefill_tps` is
 /// least, ties broken uniformly at random (reservoir sampling).
 pub fn oracle_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {

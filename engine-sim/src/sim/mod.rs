@@ -1,5 +1,5 @@
 //! The virtual-time fleet simulator that measures routing quality
-//! (`evaluation.md`).
+//! (`docs/engine-model.md`, "The fleet simulator").
 //!
 //! A scenario file names a fleet of [`Engine`](crate::Engine)s, one or more
 //! traffic mixes, the router side (poll interval and latency, replicas and
@@ -74,7 +74,7 @@ pub struct SimArgs {
     pub quiet: bool,
 }
 
-/// The standard scenario files, in the spec's order.
+/// The standard scenario files, in [`STANDARD_SCENARIOS`] order.
 pub fn standard_scenario_paths(dir: &Path) -> Vec<PathBuf> {
     STANDARD_SCENARIOS
         .iter()

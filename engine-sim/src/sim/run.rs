@@ -32,7 +32,8 @@ impl Default for RunOptions {
     }
 }
 
-/// `report.json` (`evaluation.md`, "report.json shape"), plus the capacity
+/// `report.json` (`docs/engine-model.md`, "Running it and reading the
+/// output"), plus the capacity
 /// derivation.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Report {

@@ -1,5 +1,5 @@
 //! Scenario files: the fleet, the traffic, the router side, the policies to
-//! compare and the size of the run (`evaluation.md`, "Scenario file").
+//! compare and the size of the run (`docs/engine-model.md`, "Scenario files").
 //!
 //! Every table denies unknown keys; [`Scenario::validate`] rejects impossible
 //! values with a message naming the field.
@@ -73,7 +73,7 @@ pub enum PolicyName {
     /// `least_load` with `use_reported_throughput = false`: every worker's
     /// work divided by `default_throughput`.
     LeastLoadFixedRate,
-    /// The spec's reference: least true uncached prefill seconds, ties at random.
+    /// The reference: least true uncached prefill seconds, ties at random.
     Oracle,
 }
 
@@ -131,7 +131,7 @@ pub enum Flavour {
 pub struct WorkerGroup {
     pub count: u32,
     pub flavour: Flavour,
-    /// Engine parameters; omitted keys take the spec's defaults.
+    /// Engine parameters; omitted keys take their defaults.
     #[serde(default)]
     pub engine: EngineParams,
 }
