@@ -1,7 +1,7 @@
 //! Measures engine steps per second for a 16-worker fleet at full load.
 //!
 //! ```text
-//! cargo run --release -p engine-sim --example fleet_steps [-- STEPS]
+//! cargo run --release -p engine-model --example fleet_steps [-- STEPS]
 //! ```
 //!
 //! Every worker (default parameters, prefix cache on) is kept saturated: its
@@ -13,12 +13,12 @@
 
 use std::time::Instant;
 
-use engine_sim::{Engine, EngineEvent, EngineParams, EngineRequest, EngineSimError};
+use engine_model::{Engine, EngineError, EngineEvent, EngineParams, EngineRequest, SplitMix64};
 
 const WORKERS: usize = 16;
 const MIN_WAITING: u32 = 64;
 
-fn main() -> Result<(), EngineSimError> {
+fn main() -> Result<(), EngineError> {
     let total_steps: u64 = std::env::args()
         .nth(1)
         .and_then(|arg| arg.parse().ok())
@@ -26,14 +26,8 @@ fn main() -> Result<(), EngineSimError> {
     let mut engines = (0..WORKERS)
         .map(|index| Engine::new(EngineParams::default(), index as u64))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut rng = 0x1234_5678_u64;
-    let mut next_u64 = move || {
-        rng = rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut rng = SplitMix64::new(0x1234_5678);
+    let mut next_u64 = move || rng.next_u64();
     let shared_prefix: Vec<u64> = (0..32).collect();
     let mut next_id = 0u64;
     let mut events = Vec::with_capacity(1024);

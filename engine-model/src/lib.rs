@@ -1,4 +1,8 @@
-//! A continuous-batching engine model, the fleet simulator and mock engine servers.
+//! The continuous-batching engine model: one simulated inference engine as a
+//! deterministic state machine, and its state as each real engine reports it.
+//! No I/O: no sockets, no files, no sleeping, and the model never reads a clock. The mock servers (`mock-engines`)
+//! drive it from the wall clock, the fleet simulator (`fleet-sim`) from its
+//! event queue.
 //!
 //! - [`model`]: an [`Engine`] is one simulated replica (`docs/engine-model.md`):
 //!   FIFO admission bounded by `max_running` and KV room, chunked prefill
@@ -10,12 +14,11 @@
 //!   time, so the simulator and the mock servers drive the same code.
 //! - [`reports`]: the engine's true state as each real engine reports it
 //!   (SGLang `/v1/loads` and `/metrics`, vLLM `/metrics`, gRPC fields).
-//! - [`server`]: N simulated engines behind real sockets on loopback, in the
-//!   flavours `sglang`, `sglang-metrics`, `vllm` and `tokenspeed`, paced by the
-//!   model (wall time × a time-scale factor) or canned, with fault modes.
+//! - [`mix`] and [`SplitMix64`]: the one seeded generator and mixer behind
+//!   every seed and hash of the model and the simulator.
 //!
 //! ```
-//! use engine_sim::{Engine, EngineEvent, EngineParams, EngineRequest};
+//! use engine_model::{Engine, EngineEvent, EngineParams, EngineRequest};
 //!
 //! let mut engine = Engine::new(EngineParams::default(), 7)?;
 //! // Two 2048-token prompts at t = 0: each fills a whole prefill chunk.
@@ -46,17 +49,16 @@
 //! // waits for the first one's prefill.
 //! assert!((ttfts[0] - 0.256).abs() < 1e-9);
 //! assert!((ttfts[1] - 0.512).abs() < 1e-9);
-//! # Ok::<(), engine_sim::EngineSimError>(())
+//! # Ok::<(), engine_model::EngineError>(())
 //! ```
 
 mod error;
 pub mod model;
+pub mod reports;
+mod splitmix;
 
-pub use error::EngineSimError;
+pub use error::EngineError;
 pub use model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, StepSummary,
 };
-pub mod drive;
-pub mod reports;
-pub mod server;
-pub mod sim;
+pub use splitmix::{SplitMix64, mix};

@@ -12,7 +12,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::EngineSimError;
+use crate::error::EngineError;
+use crate::splitmix::{SplitMix64, finalize};
 
 /// Per-worker engine parameters. Every field has a default; serde
 /// accepts the short names (`prefill_chunk`, `block_size`,
@@ -71,23 +72,23 @@ impl Default for EngineParams {
 
 impl EngineParams {
     /// Checks every parameter's range.
-    pub fn validate(&self) -> Result<(), EngineSimError> {
-        fn positive(name: &'static str, value: f64) -> Result<(), EngineSimError> {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        fn positive(name: &'static str, value: f64) -> Result<(), EngineError> {
             if value.is_finite() && value > 0.0 {
                 Ok(())
             } else {
-                Err(EngineSimError::InvalidParam {
+                Err(EngineError::InvalidParam {
                     name,
                     value,
                     rule: "must be finite and positive",
                 })
             }
         }
-        fn non_negative(name: &'static str, value: f64) -> Result<(), EngineSimError> {
+        fn non_negative(name: &'static str, value: f64) -> Result<(), EngineError> {
             if value.is_finite() && value >= 0.0 {
                 Ok(())
             } else {
-                Err(EngineSimError::InvalidParam {
+                Err(EngineError::InvalidParam {
                     name,
                     value,
                     rule: "must be finite and not negative",
@@ -103,7 +104,7 @@ impl EngineParams {
         positive("block_size_tokens", f64::from(self.block_size_tokens))?;
         positive("cache_high_watermark", self.cache_high_watermark)?;
         if self.cache_high_watermark > 1.0 {
-            return Err(EngineSimError::InvalidParam {
+            return Err(EngineError::InvalidParam {
                 name: "cache_high_watermark",
                 value: self.cache_high_watermark,
                 rule: "must be at most 1",
@@ -113,7 +114,7 @@ impl EngineParams {
         positive("throughput_window_s", self.throughput_window_s)?;
         non_negative("step_jitter", self.step_jitter)?;
         if self.step_jitter >= 1.0 {
-            return Err(EngineSimError::InvalidParam {
+            return Err(EngineError::InvalidParam {
                 name: "step_jitter",
                 value: self.step_jitter,
                 rule: "must be below 1",
@@ -423,31 +424,9 @@ impl PrefixCache {
     }
 }
 
-/// SplitMix64: a tiny seeded generator, so a seed replays the same trace.
-#[derive(Debug, Clone)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn next_unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Chains content hashes: block `i`'s key depends on every block before it.
 pub fn chain_block_hash(previous: u64, content: u64) -> u64 {
-    let mut z = previous ^ content.rotate_left(29) ^ 0x243f_6a88_85a3_08d3;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    finalize(previous ^ content.rotate_left(29) ^ 0x243f_6a88_85a3_08d3)
 }
 
 /// One continuous-batching engine (see the module docs and `docs/engine-model.md`).
@@ -492,7 +471,7 @@ pub struct Engine {
 
 impl Engine {
     /// A new idle engine at virtual time 0.
-    pub fn new(params: EngineParams, seed: u64) -> Result<Engine, EngineSimError> {
+    pub fn new(params: EngineParams, seed: u64) -> Result<Engine, EngineError> {
         params.validate()?;
         Ok(Engine {
             params,
@@ -502,7 +481,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             cache: PrefixCache::default(),
-            rng: SplitMix64(seed),
+            rng: SplitMix64::new(seed),
             token_events: false,
             clock_s: 0.0,
             last_step_end_s: 0.0,
@@ -611,19 +590,19 @@ impl Engine {
     ///
     /// Fails when its id is already in the engine, or when prompt + output
     /// could never fit in the KV cache.
-    pub fn submit(&mut self, request: EngineRequest) -> Result<(), EngineSimError> {
+    pub fn submit(&mut self, request: EngineRequest) -> Result<(), EngineError> {
         let prompt_tokens = request.prompt_tokens.max(1);
         let output_tokens = request.output_tokens.max(1);
         let needed_tokens = u64::from(prompt_tokens) + u64::from(output_tokens);
         if needed_tokens > self.params.kv_capacity_tokens {
-            return Err(EngineSimError::RequestTooLarge {
+            return Err(EngineError::RequestTooLarge {
                 id: request.id,
                 needed_tokens,
                 capacity_tokens: self.params.kv_capacity_tokens,
             });
         }
         if self.by_id.contains_key(&request.id) {
-            return Err(EngineSimError::DuplicateRequest { id: request.id });
+            return Err(EngineError::DuplicateRequest { id: request.id });
         }
         if !self.has_work() {
             self.clock_s = self.clock_s.max(request.arrival_s);

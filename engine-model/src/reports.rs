@@ -247,7 +247,7 @@ fn utilization(snapshot: &EngineSnapshot) -> f64 {
 }
 
 /// A Prometheus sample value: `1.0`, `0.25`, `NaN`, `+Inf`.
-pub(crate) fn prom_value(value: f64) -> String {
+fn prom_value(value: f64) -> String {
     if value.is_nan() {
         "NaN".to_owned()
     } else if value.is_infinite() {
@@ -270,7 +270,8 @@ fn clamp_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
-pub(crate) fn clamp_i32(value: u64) -> i32 {
+/// Saturates a count into the `int32` fields of the gRPC load reports.
+pub fn clamp_i32(value: u64) -> i32 {
     i32::try_from(value).unwrap_or(i32::MAX)
 }
 

@@ -3,8 +3,8 @@
 // Test helpers (not only #[test] fns) may unwrap: a panic is a failed assertion.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use engine_sim::reports::sglang_loads;
-use engine_sim::{Engine, EngineEvent, EngineParams, EngineRequest, RequestRecord};
+use engine_model::reports::sglang_loads;
+use engine_model::{Engine, EngineEvent, EngineParams, EngineRequest, RequestRecord, SplitMix64};
 
 const EPS: f64 = 1e-9;
 
@@ -313,14 +313,8 @@ fn same_seed_gives_an_identical_trace() {
         let mut engine = Engine::new(params, seed).unwrap();
         // A workload drawn from the same seed: prompts 1..4096, outputs 1..256,
         // arrivals every 10 ms, a shared prefix on every third request.
-        let mut state = seed;
-        let mut next = || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
+        let mut rng = SplitMix64::new(seed);
+        let mut next = || rng.next_u64();
         let mut arrivals: Vec<EngineRequest> = (0..300)
             .map(|id| EngineRequest {
                 id,

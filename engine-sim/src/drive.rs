@@ -13,7 +13,13 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
 
-use crate::error::EngineSimError;
+/// A drive argument, or the router it names, is unusable.
+#[derive(Debug, thiserror::Error)]
+#[error("{name}: {reason}")]
+pub struct DriveError {
+    name: &'static str,
+    reason: String,
+}
 
 /// What to send.
 #[derive(Debug, Clone, clap::Args)]
@@ -47,10 +53,10 @@ struct Tally {
 }
 
 /// Sends the traffic, then prints the summary.
-pub async fn drive(args: DriveArgs) -> Result<(), EngineSimError> {
+pub async fn drive(args: DriveArgs) -> Result<(), DriveError> {
     let positive = |value: f64| value.is_finite() && value > 0.0;
     if !positive(args.rate) || !positive(args.duration_s) {
-        return Err(EngineSimError::InvalidArgument {
+        return Err(DriveError {
             name: "--rate/--duration-s",
             reason: "must be finite and > 0".into(),
         });
@@ -60,7 +66,7 @@ pub async fn drive(args: DriveArgs) -> Result<(), EngineSimError> {
     wait_ready(&client, &router).await?;
 
     let mut rng = SmallRng::seed_from_u64(args.seed);
-    let gaps = Exp::new(args.rate).map_err(|error| EngineSimError::InvalidArgument {
+    let gaps = Exp::new(args.rate).map_err(|error| DriveError {
         name: "--rate",
         reason: error.to_string(),
     })?;
@@ -121,7 +127,7 @@ pub async fn drive(args: DriveArgs) -> Result<(), EngineSimError> {
     print_summary(&client, &router).await
 }
 
-async fn wait_ready(client: &reqwest::Client, router: &str) -> Result<(), EngineSimError> {
+async fn wait_ready(client: &reqwest::Client, router: &str) -> Result<(), DriveError> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let ready = client
@@ -133,7 +139,7 @@ async fn wait_ready(client: &reqwest::Client, router: &str) -> Result<(), Engine
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(EngineSimError::InvalidArgument {
+            return Err(DriveError {
                 name: "--router",
                 reason: format!("{router} was not ready within 60 s"),
             });
@@ -164,13 +170,12 @@ async fn stream_one(client: &reqwest::Client, url: &str, body: &serde_json::Valu
 
 /// Per-worker requests, token-work and TTFT p50/p99 from the router's
 /// `/metrics`, then its explain table.
-async fn print_summary(client: &reqwest::Client, router: &str) -> Result<(), EngineSimError> {
+async fn print_summary(client: &reqwest::Client, router: &str) -> Result<(), DriveError> {
     let text = fetch_text(client, &format!("{router}/metrics")).await?;
-    let samples =
-        parse_prometheus_text(&text).map_err(|error| EngineSimError::InvalidArgument {
-            name: "/metrics",
-            reason: error.to_string(),
-        })?;
+    let samples = parse_prometheus_text(&text).map_err(|error| DriveError {
+        name: "/metrics",
+        reason: error.to_string(),
+    })?;
     let per_worker = |name: &str| -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
         for sample in samples.iter().filter(|sample| sample.name == name) {
@@ -205,23 +210,15 @@ async fn print_summary(client: &reqwest::Client, router: &str) -> Result<(), Eng
     Ok(())
 }
 
-async fn fetch_text(client: &reqwest::Client, url: &str) -> Result<String, EngineSimError> {
-    let response =
-        client
-            .get(url)
-            .send()
-            .await
-            .map_err(|error| EngineSimError::InvalidArgument {
-                name: "--router",
-                reason: format!("GET {url}: {error}"),
-            })?;
-    response
-        .text()
-        .await
-        .map_err(|error| EngineSimError::InvalidArgument {
-            name: "--router",
-            reason: format!("GET {url}: {error}"),
-        })
+async fn fetch_text(client: &reqwest::Client, url: &str) -> Result<String, DriveError> {
+    let response = client.get(url).send().await.map_err(|error| DriveError {
+        name: "--router",
+        reason: format!("GET {url}: {error}"),
+    })?;
+    response.text().await.map_err(|error| DriveError {
+        name: "--router",
+        reason: format!("GET {url}: {error}"),
+    })
 }
 
 /// A quantile from cumulative histogram buckets, interpolated linearly inside

@@ -24,9 +24,10 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
+mod drive;
+
 use clap::{Parser, Subcommand};
-use engine_sim::EngineSimError;
-use engine_sim::server::{self, FaultMode, Flavour, ServeMode, SimEngineConfig};
+use mock_engines::{EngineSimError, FaultMode, Flavour, ServeMode, SimEngineConfig};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -44,10 +45,10 @@ enum Command {
     /// Serve N simulated engines of one flavour on consecutive ports.
     Serve(ServeArgs),
     /// Run the virtual-time fleet simulator over scenario files.
-    Sim(engine_sim::sim::SimArgs),
+    Sim(fleet_sim::SimArgs),
     /// Send size-skewed streaming traffic through a running router and print
     /// the per-worker outcome.
-    Drive(engine_sim::drive::DriveArgs),
+    Drive(drive::DriveArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -138,11 +139,9 @@ fn main() -> ExitCode {
     };
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         // The simulator is CPU-bound virtual time: no runtime needed.
-        Command::Sim(args) => engine_sim::sim::run_cli(args).map_err(Into::into),
+        Command::Sim(args) => fleet_sim::run_cli(args).map_err(Into::into),
         Command::Serve(args) => runtime.block_on(serve(args)).map_err(Into::into),
-        Command::Drive(args) => runtime
-            .block_on(engine_sim::drive::drive(args))
-            .map_err(Into::into),
+        Command::Drive(args) => runtime.block_on(drive::drive(args)).map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -223,7 +222,7 @@ async fn serve(args: ServeArgs) -> Result<(), EngineSimError> {
         }
         configs.push(config);
     }
-    let fleet = server::start(configs).await?;
+    let fleet = mock_engines::start(configs).await?;
     for engine in fleet.engines() {
         let line = EngineLine {
             index: engine.index,

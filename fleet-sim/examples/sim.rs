@@ -1,8 +1,8 @@
-//! Runs the fleet simulator as `engine-sim sim` will:
-//! `cargo run --release -p engine-sim --example sim -- [--scenario PATH] [--out-dir DIR]`.
+//! Runs the fleet simulator as `engine-sim sim` does, without the mock servers:
+//! `cargo run --release -p fleet-sim --example sim -- [--scenario PATH] [--out-dir DIR]`.
 
 use clap::Parser;
-use engine_sim::sim::{SimArgs, run_cli};
+use fleet_sim::{SimArgs, run_cli};
 
 #[derive(Debug, Parser)]
 #[command(about = "Virtual-time fleet simulator: routing quality against baselines and an oracle")]

@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-use crate::EngineSimError;
+use engine_model::EngineError;
 
 /// Everything that can go wrong loading a scenario, simulating it or writing
 /// its report.
@@ -39,7 +39,7 @@ pub enum SimError {
     },
     /// An engine rejected its parameters or a request.
     #[error("engine error")]
-    Engine(#[from] EngineSimError),
+    Engine(#[from] EngineError),
     /// A policy could not be built.
     #[error("could not build policy {policy}")]
     Policy {

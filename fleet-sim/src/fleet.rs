@@ -6,7 +6,7 @@
 //! - **arrival**: a router replica (uniform at random, seeded: the same
 //!   assignment for every policy) routes the request with `select`, and the
 //!   chosen engine receives it. The oracle instead reads every engine's true
-//!   [`queued_prefill_s`](crate::Engine::queued_prefill_s) at that instant.
+//!   [`queued_prefill_s`](engine_model::Engine::queued_prefill_s) at that instant.
 //! - **step end**: an engine's step is computed when it starts (its
 //!   admissions and prefill chunk leave the queue then, as a real scheduler's
 //!   do when it plans the batch); its events are delivered at its end, where
@@ -34,11 +34,10 @@ use rand::{Rng, SeedableRng};
 use super::error::SimError;
 use super::metrics::{CellStats, summarize};
 use super::scenario::{Flavour, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig};
-use super::workload::{RequestSpec, mix, prefix_hashes};
-use crate::model::{
-    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord,
+use super::workload::{RequestSpec, prefix_hashes};
+use engine_model::{
+    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
 };
-use crate::reports;
 
 /// Everything one cell needs.
 #[derive(Debug, Clone, Copy)]
@@ -540,7 +539,7 @@ fn start_step(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::scenario::RouterPoint;
+    use crate::scenario::RouterPoint;
 
     fn router() -> RouterPoint {
         RouterPoint {
@@ -672,19 +671,19 @@ mod tests {
     #[test]
     fn a_cell_is_deterministic() {
         let workers = vec![(Flavour::Sglang, EngineParams::default()); 4];
-        let traffic = crate::sim::scenario::TrafficConfig {
+        let traffic = crate::scenario::TrafficConfig {
             name: "t".into(),
-            arrival: crate::sim::scenario::ArrivalConfig::Poisson {},
-            prompt: Some(crate::sim::workload::LengthDist::Bimodal {
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::workload::LengthDist::Bimodal {
                 short_tokens: 200,
                 long_tokens: 6000,
                 long_fraction: 0.1,
                 spread: 0.0,
             }),
-            output: Some(crate::sim::workload::LengthDist::Constant { tokens: 32 }),
+            output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
             shared_prefix: None,
         };
-        let requests = crate::sim::workload::generate(&traffic, None, 30.0, 2000, 9);
+        let requests = crate::workload::generate(&traffic, None, 30.0, 2000, 9);
         let registry = policy_registry();
         for policy in PolicyName::ALL {
             let cell = Cell {
@@ -715,18 +714,18 @@ mod tests {
             .iter()
             .map(|&f| (f, EngineParams::default()))
             .collect();
-        let traffic = crate::sim::scenario::TrafficConfig {
+        let traffic = crate::scenario::TrafficConfig {
             name: "t".into(),
-            arrival: crate::sim::scenario::ArrivalConfig::Poisson {},
-            prompt: Some(crate::sim::workload::LengthDist::Constant { tokens: 700 }),
-            output: Some(crate::sim::workload::LengthDist::Constant { tokens: 16 }),
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::workload::LengthDist::Constant { tokens: 700 }),
+            output: Some(crate::workload::LengthDist::Constant { tokens: 16 }),
             shared_prefix: Some(SharedPrefixConfig {
                 fraction: 0.5,
                 tokens: 512,
                 groups: 2,
             }),
         };
-        let requests = crate::sim::workload::generate(&traffic, None, 40.0, 1500, 2);
+        let requests = crate::workload::generate(&traffic, None, 40.0, 1500, 2);
         let registry = policy_registry();
         for report_at in [ReportAt::Send, ReportAt::Completion] {
             let point = RouterPoint {

@@ -1,7 +1,7 @@
 //! The virtual-time fleet simulator that measures routing quality
 //! (`docs/engine-model.md`, "The fleet simulator").
 //!
-//! A scenario file names a fleet of [`Engine`](crate::Engine)s, one or more
+//! A scenario file names a fleet of [`Engine`](engine_model::Engine)s, one or more
 //! traffic mixes, the router side (poll interval and latency, replicas and
 //! their phases) and the policies to compare. For every traffic mix, router
 //! setting, load level and policy, the simulator runs one independent cell:
@@ -11,15 +11,15 @@
 //! Results go to `<out_dir>/<scenario>/report.json`, `report.md` and SVG plots.
 //!
 //! ```no_run
-//! use engine_sim::sim::{RunOptions, Scenario, run_scenarios};
+//! use fleet_sim::{RunOptions, Scenario, run_scenarios};
 //!
-//! let mut scenario = Scenario::from_path("engine-sim/scenarios/size-skew.toml".as_ref())?;
+//! let mut scenario = Scenario::from_path("fleet-sim/scenarios/size-skew.toml".as_ref())?;
 //! scenario.scale_requests(0.25)?;
 //! let outcomes = run_scenarios(&[scenario], &RunOptions::default())?;
 //! let report = &outcomes[0].report;
 //! let row = report.row("size-skew", 0.8, "least_load", None, None).expect("a row");
 //! println!("least_load p99 TTFT at 0.8: {:.3} s", row.ttft_p99_s);
-//! # Ok::<(), engine_sim::sim::SimError>(())
+//! # Ok::<(), fleet_sim::SimError>(())
 //! ```
 
 mod error;
@@ -60,7 +60,7 @@ pub struct SimArgs {
     /// Multiplies every scenario's request count (per policy and load level).
     #[arg(long)]
     pub requests_scale: Option<f64>,
-    /// Where the standard scenario files are (default: this crate's `scenarios/`).
+    /// Where the standard scenario files are (default: `fleet-sim/scenarios/`).
     #[arg(long)]
     pub scenarios_dir: Option<PathBuf>,
     /// Simulation threads (default: the available parallelism).

@@ -1,6 +1,6 @@
 //! Per-cell metrics: percentiles, means, throughput, imbalance.
 
-use crate::model::RequestRecord;
+use engine_model::RequestRecord;
 
 /// Points of the TTFT CDF kept per cell (quantiles 0, 1/N, …, 1).
 pub const CDF_POINTS: usize = 201;

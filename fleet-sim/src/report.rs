@@ -440,7 +440,7 @@ fn line_plot(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::{RunOptions, Scenario, run_scenarios};
+    use crate::{RunOptions, Scenario, run_scenarios};
 
     const SCENARIO: &str = r#"
 name = "tiny"
@@ -489,7 +489,7 @@ output = { dist = "constant", tokens = 8 }
             "{summary}"
         );
         let dir =
-            std::env::temp_dir().join(format!("engine-sim-report-test-{}", std::process::id()));
+            std::env::temp_dir().join(format!("fleet-sim-report-test-{}", std::process::id()));
         let written = write_outputs(&outcomes[0], &dir, true).unwrap();
         for file in [
             "report.json",

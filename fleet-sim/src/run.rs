@@ -11,8 +11,8 @@ use super::error::SimError;
 use super::fleet::{Cell, policy_registry, run_cell};
 use super::metrics::CellStats;
 use super::scenario::{Flavour, RouterPoint, Scenario};
-use super::workload::{RequestSpec, Trace, generate, mean_lengths, mix};
-use crate::EngineParams;
+use super::workload::{RequestSpec, Trace, generate, mean_lengths};
+use engine_model::{EngineParams, mix};
 
 /// How to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use super::error::SimError;
 use super::workload::{LengthDist, Trace};
-use crate::EngineParams;
+use engine_model::EngineParams;
 
 /// The standard scenario names, in the order they are run and reported.
 pub const STANDARD_SCENARIOS: [&str; 9] = [

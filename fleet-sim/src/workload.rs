@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use engine_model::mix;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
@@ -397,14 +398,6 @@ pub fn prefix_hashes(
     (0..blocks)
         .map(|i| mix(0x5eed_0000_0000_0000 ^ (u64::from(group) << 32) ^ u64::from(i)))
         .collect()
-}
-
-/// SplitMix64's finalizer: derives independent seeds and hashes.
-pub fn mix(value: u64) -> u64 {
-    let mut z = value.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Arrival-time generator.

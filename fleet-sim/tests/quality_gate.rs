@@ -15,9 +15,7 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use engine_sim::sim::{
-    Report, RunOptions, Scenario, ScenarioOutcome, run_scenarios, summary_table,
-};
+use fleet_sim::{Report, RunOptions, Scenario, ScenarioOutcome, run_scenarios, summary_table};
 
 const REQUESTS_PER_CELL: f64 = 5000.0;
 const LOADS: [f64; 2] = [0.8, 0.9];
@@ -183,7 +181,7 @@ fn the_same_seed_gives_a_byte_identical_report() {
 #[test]
 fn every_shipped_scenario_loads_and_states_its_capacity() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-    for path in engine_sim::sim::standard_scenario_paths(&dir) {
+    for path in fleet_sim::standard_scenario_paths(&dir) {
         let scenario = Scenario::from_path(&path).unwrap();
         assert_eq!(
             scenario.utilizations,

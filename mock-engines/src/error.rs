@@ -1,28 +1,15 @@
 use std::net::SocketAddr;
 
+use engine_model::EngineError;
 use thiserror::Error;
 
-/// Everything that can go wrong in this crate: building an engine, submitting
-/// to it, or starting and running the mock servers.
+/// Everything that can go wrong starting and running the mock servers,
+/// including an engine refusing its parameters or a request.
 #[derive(Debug, Error)]
 pub enum EngineSimError {
-    /// An engine parameter is out of its range.
-    #[error("invalid engine parameter {name}: {value} ({rule})")]
-    InvalidParam {
-        name: &'static str,
-        value: f64,
-        rule: &'static str,
-    },
-    /// A request that could never fit in the KV cache, even alone.
-    #[error("request {id} needs {needed_tokens} kv tokens but the engine holds {capacity_tokens}")]
-    RequestTooLarge {
-        id: u64,
-        needed_tokens: u64,
-        capacity_tokens: u64,
-    },
-    /// A request id that is already queued or running.
-    #[error("request {id} is already in the engine")]
-    DuplicateRequest { id: u64 },
+    /// An engine refused its parameters or a request.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
     /// A flavour name that is not one of `sglang`, `sglang-metrics`, `vllm`, `tokenspeed`.
     #[error("unknown engine flavour {name:?}")]
     UnknownFlavour { name: String },
@@ -57,9 +44,6 @@ pub enum EngineSimError {
     /// Other I/O failures (signals, local addresses, stdout).
     #[error("i/o error")]
     Io(#[from] std::io::Error),
-    /// A command-line argument or the target it names is unusable.
-    #[error("{name}: {reason}")]
-    InvalidArgument { name: &'static str, reason: String },
     /// A JSON encoding failure.
     #[error("json encoding failed")]
     Json(#[from] serde_json::Error),

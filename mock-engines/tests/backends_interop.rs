@@ -9,8 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine_sim::server::{self, FaultMode, Flavour, SimEngineConfig, SimFleet};
 use load_protocols::WorkerLoad;
+use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use policy_core::{BackendRegistry, BackendSpec, LoadSource};
 use serde_json::json;
 
@@ -28,7 +28,7 @@ fn registry() -> BackendRegistry {
 
 /// One engine at real time, kept busy by four 10 000-token prompts.
 async fn busy(flavour: Flavour) -> (SimFleet, Vec<tokio::task::JoinHandle<()>>) {
-    let fleet = server::start(vec![SimEngineConfig {
+    let fleet = mock_engines::start(vec![SimEngineConfig {
         slow_loads_delay: Duration::from_secs(3600),
         ..SimEngineConfig::new(flavour)
     }])

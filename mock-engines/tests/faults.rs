@@ -11,9 +11,9 @@ use std::time::Duration;
 use backends_sglang::proto::HealthCheckRequest;
 use backends_sglang::proto::sglang_scheduler_client::SglangSchedulerClient;
 use bytes::Bytes;
-use engine_sim::server::{self, FaultMode, Flavour, SimEngineConfig, SimEngineStats, SimFleet};
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimEngineStats, SimFleet};
 use serde_json::{Value, json};
 
 mod common;
@@ -32,7 +32,7 @@ fn config(flavour: Flavour) -> SimEngineConfig {
 }
 
 async fn start_one(config: SimEngineConfig) -> (SimFleet, String) {
-    let fleet = server::start(vec![config]).await.unwrap();
+    let fleet = mock_engines::start(vec![config]).await.unwrap();
     let url = fleet.engines()[0].http_url();
     (fleet, url)
 }
@@ -240,7 +240,7 @@ async fn generation_500_fails_every_generation_while_health_says_ok() {
 #[tokio::test]
 async fn slow_first_byte_answers_normally_after_its_delay() {
     // Engine 0 waits an hour before its head, engine 1 a moment.
-    let fleet = server::start(vec![
+    let fleet = mock_engines::start(vec![
         SimEngineConfig {
             fault: FaultMode::SlowFirstByte,
             slow_first_byte_delay: Duration::from_secs(3600),
@@ -455,7 +455,7 @@ async fn counters_count_each_generation_on_arrival() {
 async fn kill_cuts_open_streams_and_refuses_and_restart_serves_on_the_same_ports() {
     // Real time: a 50 000-token answer streams for minutes, so every stream
     // is still open when the engine dies.
-    let fleet = server::start(vec![
+    let fleet = mock_engines::start(vec![
         SimEngineConfig::new(Flavour::Sglang),
         SimEngineConfig::new(Flavour::Sglang),
     ])

@@ -9,7 +9,7 @@ use std::time::Duration;
 use backends_sglang::proto::sglang_scheduler_client::SglangSchedulerClient;
 use backends_tokenspeed::proto::token_speed_scheduler_client::TokenSpeedSchedulerClient;
 use backends_vllm::proto::vllm_engine_client::VllmEngineClient;
-use engine_sim::server::{self, FaultMode, Flavour, SimEngineConfig, SimFleet};
+use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use serde_json::json;
 
 mod common;
@@ -20,7 +20,7 @@ use common::{DEADLINE, poll_until};
 /// prompts of 10 000 tokens (1.25 s of prefill each), so that queued work is
 /// visible for seconds.
 async fn busy_engine(flavour: Flavour) -> (SimFleet, String, Vec<tokio::task::JoinHandle<()>>) {
-    let fleet = server::start(vec![SimEngineConfig::new(flavour)])
+    let fleet = mock_engines::start(vec![SimEngineConfig::new(flavour)])
         .await
         .unwrap();
     let http = fleet.engines()[0].http_url();
@@ -170,7 +170,7 @@ async fn tokenspeed_get_loads_has_no_queued_tokens_or_throughput() {
 
 #[tokio::test]
 async fn grpc_load_faults_behave_as_named() {
-    let fleet = server::start(vec![SimEngineConfig {
+    let fleet = mock_engines::start(vec![SimEngineConfig {
         slow_loads_delay: Duration::from_secs(3600),
         ..SimEngineConfig::new(Flavour::Sglang)
     }])

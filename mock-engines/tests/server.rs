@@ -7,9 +7,9 @@
 
 use std::time::Duration;
 
-use engine_sim::server::{self, FaultMode, Flavour, ServeMode, SimEngineConfig, SimFleet};
 use futures::StreamExt;
 use load_protocols::WorkerLoad;
+use mock_engines::{FaultMode, Flavour, ServeMode, SimEngineConfig, SimFleet};
 use serde_json::{Value, json};
 
 mod common;
@@ -24,7 +24,7 @@ fn config(flavour: Flavour) -> SimEngineConfig {
 }
 
 async fn start_one(config: SimEngineConfig) -> (SimFleet, String) {
-    let fleet = server::start(vec![config]).await.unwrap();
+    let fleet = mock_engines::start(vec![config]).await.unwrap();
     let url = fleet.engines()[0].http_url();
     (fleet, url)
 }
@@ -284,7 +284,7 @@ async fn canned_mode_answers_at_once_on_many_ports() {
         time_scale: 1.0,
         ..SimEngineConfig::new(Flavour::Vllm)
     };
-    let fleet = server::start_many(&template, 3).await.unwrap();
+    let fleet = mock_engines::start_many(&template, 3).await.unwrap();
     assert_eq!(fleet.engines().len(), 3);
     let client = client();
     for engine in fleet.engines() {
@@ -594,9 +594,9 @@ fn names_parse_both_ways() {
     runtime.block_on(async {
         let mut tokenspeed = SimEngineConfig::new(Flavour::Tokenspeed);
         tokenspeed.grpc_addr = None;
-        assert!(server::start(vec![tokenspeed]).await.is_err());
+        assert!(mock_engines::start(vec![tokenspeed]).await.is_err());
         let mut metrics = SimEngineConfig::new(Flavour::SglangMetrics);
         metrics.grpc_addr = SimEngineConfig::new(Flavour::Sglang).grpc_addr;
-        assert!(server::start(vec![metrics]).await.is_err());
+        assert!(mock_engines::start(vec![metrics]).await.is_err());
     });
 }

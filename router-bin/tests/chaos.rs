@@ -1,7 +1,8 @@
-//! Chaos on loopback: the `router` binary as a process in front of
-//! engine-sim servers that misbehave in every way an LLM engine does (hang
-//! before or during a stream, fail generation while `/health` passes, cut
-//! streams, answer late, refuse connections), or die and come back.
+//! Chaos on loopback: the `router` binary as a process in front of mock
+//! engine servers (`mock-engines`) that misbehave in every way an LLM engine
+//! does (hang before or during a stream, fail generation while `/health`
+//! passes, cut streams, answer late, refuse connections), or die and come
+//! back.
 
 // Test helpers outside #[test] functions fail loudly on purpose.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -14,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::wait_until;
-use engine_sim::server::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use futures::StreamExt;
+use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
@@ -247,7 +248,7 @@ async fn a_fleet_with_every_fault_serves_99_percent_and_ejects_the_bad_engines()
         bad.slow_first_byte_delay = Duration::from_secs(30);
         configs.push(bad);
     }
-    let engines = engine_sim::server::start(configs).await.unwrap();
+    let engines = mock_engines::start(configs).await.unwrap();
     let urls: Vec<String> = engines
         .engines()
         .iter()
@@ -374,7 +375,7 @@ async fn five_hundred_streams_ride_out_an_engine_killed_and_restarted() {
         // Slow enough that streams last seconds and overlap the kill.
         config.time_scale = 0.5;
     }
-    let engines = Arc::new(engine_sim::server::start(configs).await.unwrap());
+    let engines = Arc::new(mock_engines::start(configs).await.unwrap());
     let urls: Vec<String> = engines
         .engines()
         .iter()
@@ -464,7 +465,7 @@ async fn five_hundred_streams_ride_out_an_engine_killed_and_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_non_streaming_request_is_not_run_again() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let engines = engine_sim::server::start(vec![engine(1), engine(2)])
+    let engines = mock_engines::start(vec![engine(1), engine(2)])
         .await
         .unwrap();
     let urls: Vec<String> = engines

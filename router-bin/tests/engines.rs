@@ -1,5 +1,5 @@
-//! The router in front of real engine-sim servers speaking every flavour's
-//! wire format, on loopback.
+//! The router in front of mock engine servers (`mock-engines`) speaking every
+//! flavour's wire format, on loopback.
 
 // Test helpers outside #[test] functions fail loudly on purpose.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -9,8 +9,8 @@ mod common;
 use std::time::Duration;
 
 use common::{fast_config, start_router, wait_until, worker};
-use engine_sim::server::{FaultMode, Flavour, ServeMode, SimEngineConfig, SimFleet};
 use futures::StreamExt;
+use mock_engines::{FaultMode, Flavour, ServeMode, SimEngineConfig, SimFleet};
 use router_bin::config::WorkerConfig;
 
 fn engine(flavour: Flavour, seed: u64) -> SimEngineConfig {
@@ -24,7 +24,7 @@ fn engine(flavour: Flavour, seed: u64) -> SimEngineConfig {
 }
 
 async fn fleet(configs: Vec<SimEngineConfig>) -> SimFleet {
-    engine_sim::server::start(configs).await.unwrap()
+    mock_engines::start(configs).await.unwrap()
 }
 
 /// A chat body whose prompt is about `tokens` tokens at 4 characters each,

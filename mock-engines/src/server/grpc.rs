@@ -20,8 +20,8 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::{Request, Response, Status};
 
 use super::{EngineShared, FaultMode, Flavour, Stop};
-use crate::model::EngineSnapshot;
-use crate::reports::{self, clamp_i32};
+use engine_model::EngineSnapshot;
+use engine_model::reports::{self, clamp_i32};
 
 /// Serves the flavour's gRPC service until the engine stops. Under
 /// [`FaultMode::RefuseConnections`] new connections are dropped at once and

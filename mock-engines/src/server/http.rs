@@ -25,8 +25,7 @@ use tower::ServiceExt;
 
 use super::{EngineShared, FaultMode, Flavour, Progress, ServeMode};
 use crate::error::EngineSimError;
-use crate::model::{EngineRequest, EngineSnapshot};
-use crate::reports;
+use engine_model::{EngineRequest, EngineSnapshot, reports};
 
 const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 const SSE_CONTENT_TYPE: &str = "text/event-stream";
@@ -598,8 +597,8 @@ async fn hang(shared: &Shared) -> Response<Body> {
     error_response(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
 }
 
-fn canned_record(id: u64, request: &GenerationRequest, tokens: u32) -> crate::model::RequestRecord {
-    crate::model::RequestRecord {
+fn canned_record(id: u64, request: &GenerationRequest, tokens: u32) -> engine_model::RequestRecord {
+    engine_model::RequestRecord {
         id,
         prompt_tokens: request.prompt_tokens,
         output_tokens: tokens,

@@ -37,7 +37,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::error::EngineSimError;
-use crate::model::{Engine, EngineEvent, EngineParams, EngineSnapshot, RequestRecord};
+use engine_model::{Engine, EngineEvent, EngineParams, EngineSnapshot, RequestRecord};
 
 /// Which real engine a mock server impersonates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,4 +1,4 @@
-//! What the engine-sim integration tests share: one deadline, generous for
+//! What the mock-engines integration tests share: one deadline, generous for
 //! a loaded 2-core machine, and one way to wait for a condition under it.
 
 #![allow(clippy::expect_used)]
