@@ -33,7 +33,9 @@ use rand::{Rng, SeedableRng};
 
 use super::error::SimError;
 use super::metrics::{CellStats, summarize};
-use super::scenario::{Flavour, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig};
+use super::scenario::{
+    LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
+};
 use super::workload::{RequestSpec, prefix_hashes};
 use engine_model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
@@ -42,7 +44,7 @@ use engine_model::{
 /// Everything one cell needs.
 #[derive(Debug, Clone, Copy)]
 pub struct Cell<'a> {
-    pub workers: &'a [(Flavour, EngineParams)],
+    pub workers: &'a [(LoadReport, EngineParams)],
     pub requests: &'a [RequestSpec],
     pub shared_prefix: Option<SharedPrefixConfig>,
     pub router: RouterPoint,
@@ -114,17 +116,17 @@ pub fn oracle_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
 /// A worker's report, converted exactly as the router's load monitor does
 /// for its backend. `Err` is a rejected report (the poll fails).
 pub fn convert_report(
-    flavour: Flavour,
+    report: LoadReport,
     snapshot: &EngineSnapshot,
     vllm_metrics: &mut backends_vllm::VllmMetricsConverter,
     observed_at: Instant,
 ) -> Result<Option<WorkerLoad>, Box<dyn std::error::Error + Send + Sync>> {
-    match flavour {
-        Flavour::Sglang => {
+    match report {
+        LoadReport::Sglang => {
             let body = reports::sglang_loads(snapshot, String::new());
             Ok(backends_sglang::worker_load_from_loads_json(body)?)
         }
-        Flavour::SglangGrpc => {
+        LoadReport::SglangGrpc => {
             let rank = backends_sglang::grpc_from_snapshot(&reports::sglang_rank(snapshot));
             let response = backends_sglang::proto::GetLoadsResponse {
                 dp_rank_count: 1,
@@ -133,11 +135,11 @@ pub fn convert_report(
             };
             Ok(backends_sglang::worker_load_from_grpc(response)?)
         }
-        Flavour::Vllm => {
+        LoadReport::Vllm => {
             let text = reports::vllm_metrics_text(snapshot, "sim", 0);
             Ok(Some(vllm_metrics.convert_text(&text, observed_at)?))
         }
-        Flavour::VllmGrpc => {
+        LoadReport::VllmGrpc => {
             let load = reports::vllm_load(snapshot);
             let response = backends_vllm::proto::GetLoadsResponse {
                 loads: vec![backends_vllm::proto::SchedulerLoad {
@@ -151,7 +153,7 @@ pub fn convert_report(
             };
             Ok(backends_vllm::worker_load_from_grpc(response)?)
         }
-        Flavour::Tokenspeed => {
+        LoadReport::Tokenspeed => {
             // A released TokenSpeed server: no queued tokens, no throughput
             // (sent as 0, read back as "not reported" by the proto3 rules).
             let load = reports::tokenspeed_load(snapshot);
@@ -171,16 +173,6 @@ pub fn convert_report(
             };
             Ok(backends_tokenspeed::worker_load_from_grpc(response)?)
         }
-    }
-}
-
-fn backend_name(flavour: Flavour) -> &'static str {
-    match flavour {
-        Flavour::Sglang => "sglang",
-        Flavour::SglangGrpc => "sglang-grpc",
-        Flavour::Vllm => "vllm",
-        Flavour::VllmGrpc => "vllm-grpc",
-        Flavour::Tokenspeed => "tokenspeed",
     }
 }
 
@@ -288,7 +280,7 @@ pub fn run_cell(cell: &Cell<'_>, registry: &PolicyRegistry) -> Result<CellStats,
                 let url = format!("http://sim-worker-{index}:30000");
                 policy.add_worker(
                     *id,
-                    WorkerInfo::new(url, backend_name(cell.workers[index].0)),
+                    WorkerInfo::new(url, cell.workers[index].0.backend_name()),
                 );
             }
             policies.push(policy);
@@ -622,7 +614,10 @@ mod tests {
     /// ties again (A's step is planned, B is idle): A gives TTFT 0.6.
     #[test]
     fn a_tiny_fleet_routes_as_worked_out_by_hand() {
-        let workers = vec![(Flavour::Sglang, params()), (Flavour::Sglang, params())];
+        let workers = vec![
+            (LoadReport::Sglang, params()),
+            (LoadReport::Sglang, params()),
+        ];
         let spec = |arrival_s, prompt_tokens| RequestSpec {
             arrival_s,
             prompt_tokens,
@@ -670,7 +665,7 @@ mod tests {
 
     #[test]
     fn a_cell_is_deterministic() {
-        let workers = vec![(Flavour::Sglang, EngineParams::default()); 4];
+        let workers = vec![(LoadReport::Sglang, EngineParams::default()); 4];
         let traffic = crate::scenario::TrafficConfig {
             name: "t".into(),
             arrival: crate::scenario::ArrivalConfig::Poisson {},
@@ -702,17 +697,10 @@ mod tests {
     }
 
     #[test]
-    fn every_flavour_replicas_and_report_timing_run_to_completion() {
-        let flavours = [
-            Flavour::Sglang,
-            Flavour::SglangGrpc,
-            Flavour::Vllm,
-            Flavour::VllmGrpc,
-            Flavour::Tokenspeed,
-        ];
-        let workers: Vec<(Flavour, EngineParams)> = flavours
+    fn every_load_report_replicas_and_report_timing_run_to_completion() {
+        let workers: Vec<(LoadReport, EngineParams)> = LoadReport::ALL
             .iter()
-            .map(|&f| (f, EngineParams::default()))
+            .map(|&report| (report, EngineParams::default()))
             .collect();
         let traffic = crate::scenario::TrafficConfig {
             name: "t".into(),
@@ -759,7 +747,7 @@ mod tests {
     }
 
     #[test]
-    fn every_flavour_converts_to_a_worker_load() {
+    fn every_load_report_converts_to_a_worker_load() {
         let snapshot = EngineSnapshot {
             running_requests: 3,
             waiting_requests: 2,
@@ -773,29 +761,23 @@ mod tests {
         };
         let now = Instant::now();
         let mut converter = backends_vllm::VllmMetricsConverter::new();
-        for flavour in [
-            Flavour::Sglang,
-            Flavour::SglangGrpc,
-            Flavour::Vllm,
-            Flavour::VllmGrpc,
-            Flavour::Tokenspeed,
-        ] {
-            let load = convert_report(flavour, &snapshot, &mut converter, now)
+        for report in LoadReport::ALL {
+            let load = convert_report(report, &snapshot, &mut converter, now)
                 .unwrap()
                 .unwrap();
-            assert_eq!(load.waiting_requests(), 2, "{flavour:?}");
-            assert_eq!(load.running_requests(), 3, "{flavour:?}");
-            assert!((load.kv_usage_ratio() - 0.1).abs() < 1e-12, "{flavour:?}");
-            let reports_queue = matches!(flavour, Flavour::Sglang | Flavour::SglangGrpc);
+            assert_eq!(load.waiting_requests(), 2, "{report:?}");
+            assert_eq!(load.running_requests(), 3, "{report:?}");
+            assert!((load.kv_usage_ratio() - 0.1).abs() < 1e-12, "{report:?}");
+            let reports_queue = matches!(report, LoadReport::Sglang | LoadReport::SglangGrpc);
             assert_eq!(
                 load.queued_tokens(),
                 reports_queue.then_some(900),
-                "{flavour:?}"
+                "{report:?}"
             );
             assert_eq!(
                 load.throughput_tps(),
                 reports_queue.then_some(500.0),
-                "{flavour:?}"
+                "{report:?}"
             );
         }
         // vLLM's throughput is the counter's rate between two polls.
@@ -804,7 +786,7 @@ mod tests {
             ..snapshot
         };
         let load = convert_report(
-            Flavour::Vllm,
+            LoadReport::Vllm,
             &later,
             &mut converter,
             now + Duration::from_secs(2),

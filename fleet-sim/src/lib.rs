@@ -42,7 +42,7 @@ pub use run::{
     capacity_rps, run_scenarios,
 };
 pub use scenario::{
-    ArrivalConfig, Flavour, PhaseMode, PolicyName, ReportAt, RouterConfig, RouterPoint,
+    ArrivalConfig, LoadReport, PhaseMode, PolicyName, ReportAt, RouterConfig, RouterPoint,
     STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, TrafficConfig, WorkerGroup,
 };
 pub use workload::{LengthDist, RequestSpec, Trace, generate};

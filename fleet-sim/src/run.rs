@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::error::SimError;
 use super::fleet::{Cell, policy_registry, run_cell};
 use super::metrics::CellStats;
-use super::scenario::{Flavour, RouterPoint, Scenario};
+use super::scenario::{LoadReport, RouterPoint, Scenario};
 use super::workload::{RequestSpec, Trace, generate, mean_lengths};
 use engine_model::{EngineParams, mix};
 
@@ -125,7 +125,7 @@ impl Report {
 #[derive(Debug)]
 struct Plan<'a> {
     scenario: &'a Scenario,
-    workers: Vec<(Flavour, EngineParams)>,
+    workers: Vec<(LoadReport, EngineParams)>,
     points: Vec<RouterPoint>,
     capacity: Vec<TrafficCapacity>,
     /// `[traffic][utilization]`.
@@ -146,7 +146,7 @@ struct Job {
 /// work fills its time (`decode_base_ms`, a per-step cost shared by the batch,
 /// and the overlap of prefill and decode within a step are left out).
 pub fn capacity_rps(
-    workers: &[(Flavour, EngineParams)],
+    workers: &[(LoadReport, EngineParams)],
     prompt: f64,
     output: f64,
     cached: f64,

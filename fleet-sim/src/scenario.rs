@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 use super::error::SimError;
 use super::workload::{LengthDist, Trace};
@@ -108,10 +108,12 @@ impl PolicyName {
     }
 }
 
-/// How a worker reports its load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Flavour {
+/// How a worker reports its load: which of the router's backends reads it.
+/// Not the engine: one SGLang engine (`mock_engines::Flavour::Sglang`)
+/// reports over `/v1/loads` and over gRPC alike. Scenario files name it by
+/// the backend's registry name (`flavour = "sglang-grpc"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadReport {
     /// SGLang `GET /v1/loads` JSON: queued uncached tokens and throughput.
     Sglang,
     /// SGLang gRPC `GetLoads` (proto3 presence rules).
@@ -125,12 +127,57 @@ pub enum Flavour {
     Tokenspeed,
 }
 
+impl LoadReport {
+    pub const ALL: [LoadReport; 5] = [
+        LoadReport::Sglang,
+        LoadReport::SglangGrpc,
+        LoadReport::Vllm,
+        LoadReport::VllmGrpc,
+        LoadReport::Tokenspeed,
+    ];
+
+    /// [`backend_name`](LoadReport::backend_name) of each of [`ALL`](LoadReport::ALL).
+    const NAMES: [&'static str; 5] = {
+        let mut names = [""; 5];
+        let mut index = 0;
+        while index < names.len() {
+            names[index] = LoadReport::ALL[index].backend_name();
+            index += 1;
+        }
+        names
+    };
+
+    /// The name the backend that reads this report registers under, taken
+    /// from the backend crates so it cannot drift from the router's.
+    pub const fn backend_name(self) -> &'static str {
+        match self {
+            LoadReport::Sglang => backends_sglang::HTTP_BACKEND,
+            LoadReport::SglangGrpc => backends_sglang::GRPC_BACKEND,
+            LoadReport::Vllm => backends_vllm::METRICS_KIND,
+            LoadReport::VllmGrpc => backends_vllm::GRPC_KIND,
+            LoadReport::Tokenspeed => backends_tokenspeed::BACKEND,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LoadReport {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<LoadReport, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        LoadReport::ALL
+            .into_iter()
+            .find(|report| report.backend_name() == name)
+            .ok_or_else(|| serde::de::Error::unknown_variant(&name, &LoadReport::NAMES))
+    }
+}
+
 /// `count` identical workers.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerGroup {
     pub count: u32,
-    pub flavour: Flavour,
+    /// How these workers report load; the scenario key is `flavour`.
+    #[serde(rename = "flavour")]
+    pub load_report: LoadReport,
     /// Engine parameters; omitted keys take their defaults.
     #[serde(default)]
     pub engine: EngineParams,
@@ -309,11 +356,11 @@ impl Scenario {
         self.fleet.iter().map(|group| group.count).sum()
     }
 
-    /// One entry per worker: its flavour and engine parameters.
-    pub fn worker_specs(&self) -> Vec<(Flavour, EngineParams)> {
+    /// One entry per worker: how it reports load and its engine parameters.
+    pub fn worker_specs(&self) -> Vec<(LoadReport, EngineParams)> {
         self.fleet
             .iter()
-            .flat_map(|group| (0..group.count).map(|_| (group.flavour, group.engine.clone())))
+            .flat_map(|group| (0..group.count).map(|_| (group.load_report, group.engine.clone())))
             .collect()
     }
 
@@ -661,6 +708,20 @@ output = { dist = "constant", tokens = 10 }
         assert!(error_text(&parse(&text).unwrap_err()).contains("unknown field `mean`"));
         let text = MINIMAL.replace("process = \"poisson\"", "process = \"poisson\", rate = 3");
         assert!(error_text(&parse(&text).unwrap_err()).contains("unknown field `rate`"));
+    }
+
+    #[test]
+    fn every_load_report_is_a_registered_backend_and_parses_by_its_name() {
+        let mut registry = policy_core::BackendRegistry::new();
+        backends_sglang::register(&mut registry);
+        backends_vllm::register(&mut registry);
+        backends_tokenspeed::register(&mut registry);
+        for report in LoadReport::ALL {
+            let name = report.backend_name();
+            assert!(registry.contains(name), "{name}");
+            let text = MINIMAL.replace("flavour = \"sglang\"", &format!("flavour = \"{name}\""));
+            assert_eq!(parse(&text).unwrap().fleet[0].load_report, report);
+        }
     }
 
     #[test]
