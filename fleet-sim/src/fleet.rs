@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    Dispatch, Policy, PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId, WorkerInfo,
+    Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, RequestInfo, TokenCount, WorkerId,
+    WorkerInfo,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -189,7 +190,7 @@ enum Kind {
     PollDone {
         replica: u32,
         worker: u32,
-        mark: policy_core::PollMark,
+        mark: PollMark,
         snapshot: Option<EngineSnapshot>,
     },
 }
@@ -255,276 +256,413 @@ fn offsets(mode: PhaseMode, count: usize, interval_s: f64, rng: &mut SmallRng) -
 
 /// Runs one cell to the last request's completion.
 pub fn run_cell(cell: &Cell<'_>, registry: &PolicyRegistry) -> Result<CellStats, SimError> {
-    let workers = cell.workers.len();
-    let replicas = cell.router.replicas as usize;
-    let base = Instant::now();
-    let at = |time_s: f64| base + Duration::from_secs_f64(time_s.max(0.0));
+    let mut run = CellRun::new(cell, registry)?;
+    run.run_events()?;
+    run.results()
+}
 
-    let mut engines = Vec::with_capacity(workers);
-    for (index, (_, params)) in cell.workers.iter().enumerate() {
-        let mut engine = Engine::new(params.clone(), mix(cell.seed ^ 0xe6_0000 ^ index as u64))?;
-        engine.set_token_events(false);
-        engines.push(engine);
+/// Virtual seconds as the `Instant`s the policies take.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    base: Instant,
+}
+
+impl Clock {
+    fn at(self, time_s: f64) -> Instant {
+        self.base + Duration::from_secs_f64(time_s.max(0.0))
     }
-    let ids: Vec<WorkerId> = (0..workers).map(|i| WorkerId::new(i as u32, 0)).collect();
+}
 
-    let mut policies: Vec<Box<dyn Policy>> = Vec::with_capacity(replicas);
-    for replica in 0..replicas {
-        let context = PolicyContext {
-            poll_interval: Duration::from_secs_f64(cell.router.poll_interval_s),
-            stale_after: Duration::from_secs_f64(cell.router.stale_after_s),
-            rng_seed: mix(cell.seed ^ 0x90_11c7 ^ replica as u64),
-        };
-        if let Some(policy) = build_policy(registry, cell.policy, &context)? {
-            for (index, id) in ids.iter().enumerate() {
-                let url = format!("http://sim-worker-{index}:30000");
-                policy.add_worker(
-                    *id,
-                    WorkerInfo::new(url, cell.workers[index].0.backend_name()),
-                );
-            }
-            policies.push(policy);
+/// The engines, each with the step it is running.
+#[derive(Debug)]
+struct Fleet {
+    engines: Vec<Engine>,
+    /// Each engine's events of its running step, delivered at the step's end.
+    in_step: Vec<Vec<EngineEvent>>,
+    stepping: Vec<bool>,
+    busy_engines: usize,
+}
+
+impl Fleet {
+    fn new(cell: &Cell<'_>) -> Result<Fleet, SimError> {
+        let workers = cell.workers.len();
+        let mut engines = Vec::with_capacity(workers);
+        for (index, (_, params)) in cell.workers.iter().enumerate() {
+            let mut engine =
+                Engine::new(params.clone(), mix(cell.seed ^ 0xe6_0000 ^ index as u64))?;
+            engine.set_token_events(false);
+            engines.push(engine);
         }
+        Ok(Fleet {
+            engines,
+            in_step: vec![Vec::new(); workers],
+            stepping: vec![false; workers],
+            busy_engines: 0,
+        })
     }
-    let oracle = policies.is_empty();
-    let mut oracle_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x0000_ac1e));
-    let mut replica_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x4e_911ca));
-    let mut converters: Vec<backends_vllm::VllmMetricsConverter> = (0..replicas * workers)
-        .map(|_| Default::default())
-        .collect();
 
-    let mut queue = Queue::default();
-    let interval_s = cell.router.poll_interval_s;
-    if !oracle {
-        let mut phase_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x9a_5e));
-        let replica_offsets = offsets(
-            cell.router.replica_phase,
-            replicas,
-            interval_s,
-            &mut phase_rng,
-        );
-        let worker_offsets = offsets(
-            cell.router.worker_phase,
-            workers,
-            interval_s,
-            &mut phase_rng,
-        );
-        for (replica, replica_offset) in replica_offsets.iter().enumerate() {
-            for (worker, worker_offset) in worker_offsets.iter().enumerate() {
-                let first_s = (replica_offset + worker_offset) % interval_s;
-                queue.push(
-                    first_s,
-                    Kind::PollSend {
-                        replica: replica as u32,
-                        worker: worker as u32,
-                    },
-                );
-            }
+    /// Starts the engine's next step if it has work; its events are held until
+    /// the step's end.
+    fn start_step(&mut self, worker: usize, now_s: f64, queue: &mut Queue) {
+        if let Some(summary) = self.engines[worker].step(now_s, &mut self.in_step[worker]) {
+            self.stepping[worker] = true;
+            self.busy_engines += 1;
+            queue.push(
+                summary.end_s,
+                Kind::StepEnd {
+                    worker: worker as u32,
+                },
+            );
         }
     }
 
-    let total = cell.requests.len();
-    let mut next_arrival = 0usize;
-    if let Some(first) = cell.requests.first() {
-        queue.push(first.arrival_s, Kind::Arrival);
+    /// Ends the engine's step, moving its events into `events`.
+    fn end_step(&mut self, worker: usize, events: &mut Vec<EngineEvent>) {
+        self.stepping[worker] = false;
+        self.busy_engines -= 1;
+        std::mem::swap(events, &mut self.in_step[worker]);
     }
-    let mut dispatches: Vec<Option<(u32, Dispatch)>> = vec![None; total];
-    let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
-    let mut in_step: Vec<Vec<EngineEvent>> = vec![Vec::new(); workers];
-    let mut stepping = vec![false; workers];
-    let mut busy_engines = 0usize;
-    let mut scratch: Vec<EngineEvent> = Vec::new();
-    let mut routed_work_s = vec![0.0f64; workers];
-    let mut poll_failures = 0u64;
+}
 
-    while records.len() < total {
-        let Some(event) = queue.heap.pop() else {
-            break;
-        };
-        let now_s = event.time_s;
-        match event.kind {
-            Kind::Arrival => {
-                let id = next_arrival;
-                let spec = cell.requests[id];
-                next_arrival += 1;
-                if let Some(next) = cell.requests.get(next_arrival) {
-                    queue.push(next.arrival_s.max(now_s), Kind::Arrival);
-                }
-                let worker = if oracle {
-                    oracle_pick(&engines, &mut oracle_rng)
-                } else {
-                    let replica = if replicas > 1 {
-                        replica_rng.random_range(0..replicas)
-                    } else {
-                        0
-                    };
-                    let request =
-                        RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)));
-                    let dispatch = policies[replica].select(&ids, &request, at(now_s)).ok_or(
-                        SimError::NoWorker {
-                            policy: cell.policy.as_str(),
-                            request: id as u64,
-                        },
-                    )?;
-                    dispatches[id] = Some((replica as u32, dispatch));
-                    dispatch.worker.slot().min(workers - 1)
-                };
-                let params = engines[worker].params();
-                routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
-                    + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
-                let prefix_block_hashes = match (spec.prefix_group, cell.shared_prefix) {
-                    (Some(group), Some(prefix)) => prefix_hashes(
-                        group,
-                        prefix.tokens,
-                        spec.prompt_tokens,
-                        params.block_size_tokens,
-                    ),
-                    _ => Vec::new(),
-                };
-                engines[worker].submit(EngineRequest {
-                    id: id as u64,
-                    prompt_tokens: spec.prompt_tokens,
-                    output_tokens: spec.output_tokens,
-                    arrival_s: now_s,
-                    prefix_block_hashes,
-                })?;
-                if !stepping[worker] {
-                    start_step(
-                        worker,
-                        now_s,
-                        &mut engines,
-                        &mut in_step,
-                        &mut queue,
-                        &mut stepping,
-                        &mut busy_engines,
+/// The router side: one policy per replica (none for the oracle), what each
+/// replica has dispatched, and its view of every worker's reports.
+struct Router {
+    ids: Vec<WorkerId>,
+    policies: Vec<Box<dyn Policy>>,
+    oracle_rng: SmallRng,
+    replica_rng: SmallRng,
+    /// One per (replica, worker): vLLM's throughput is a counter's rate
+    /// between one replica's polls.
+    converters: Vec<backends_vllm::VllmMetricsConverter>,
+    /// The replica and dispatch of each request a policy routed, by id.
+    dispatches: Vec<Option<(u32, Dispatch)>>,
+}
+
+impl Router {
+    fn new(cell: &Cell<'_>, registry: &PolicyRegistry) -> Result<Router, SimError> {
+        let workers = cell.workers.len();
+        let replicas = cell.router.replicas as usize;
+        let ids: Vec<WorkerId> = (0..workers).map(|i| WorkerId::new(i as u32, 0)).collect();
+        let mut policies: Vec<Box<dyn Policy>> = Vec::with_capacity(replicas);
+        for replica in 0..replicas {
+            let context = PolicyContext {
+                poll_interval: Duration::from_secs_f64(cell.router.poll_interval_s),
+                stale_after: Duration::from_secs_f64(cell.router.stale_after_s),
+                rng_seed: mix(cell.seed ^ 0x90_11c7 ^ replica as u64),
+            };
+            if let Some(policy) = build_policy(registry, cell.policy, &context)? {
+                for (index, id) in ids.iter().enumerate() {
+                    let url = format!("http://sim-worker-{index}:30000");
+                    policy.add_worker(
+                        *id,
+                        WorkerInfo::new(url, cell.workers[index].0.backend_name()),
                     );
                 }
+                policies.push(policy);
             }
-            Kind::StepEnd { worker } => {
-                let worker = worker as usize;
-                stepping[worker] = false;
-                busy_engines -= 1;
-                std::mem::swap(&mut scratch, &mut in_step[worker]);
-                for engine_event in scratch.drain(..) {
-                    match engine_event {
-                        EngineEvent::FirstToken { id, .. } => {
-                            if let Some(Some((replica, dispatch))) = dispatches.get(id as usize) {
-                                policies[*replica as usize].first_token(dispatch, at(now_s));
-                            }
-                        }
-                        EngineEvent::Finished(record) => {
-                            if let Some(Some((replica, dispatch))) =
-                                dispatches.get(record.id as usize)
-                            {
-                                policies[*replica as usize].finish(dispatch, at(now_s));
-                            }
-                            records.push(record);
-                        }
-                        EngineEvent::Token { .. } => {}
+        }
+        Ok(Router {
+            ids,
+            policies,
+            oracle_rng: SmallRng::seed_from_u64(mix(cell.seed ^ 0x0000_ac1e)),
+            replica_rng: SmallRng::seed_from_u64(mix(cell.seed ^ 0x4e_911ca)),
+            converters: (0..replicas * workers)
+                .map(|_| Default::default())
+                .collect(),
+            dispatches: vec![None; cell.requests.len()],
+        })
+    }
+
+    fn is_oracle(&self) -> bool {
+        self.policies.is_empty()
+    }
+
+    /// Picks request `id`'s worker: the policy of a replica drawn at random
+    /// (the same draw for every policy), or the oracle.
+    fn route(
+        &mut self,
+        policy: PolicyName,
+        id: usize,
+        prompt_tokens: u32,
+        engines: &[Engine],
+        now: Instant,
+    ) -> Result<usize, SimError> {
+        if self.is_oracle() {
+            return Ok(oracle_pick(engines, &mut self.oracle_rng));
+        }
+        let replicas = self.policies.len();
+        let replica = if replicas > 1 {
+            self.replica_rng.random_range(0..replicas)
+        } else {
+            0
+        };
+        let request = RequestInfo::new(TokenCount::Exact(u64::from(prompt_tokens)));
+        let dispatch = self.policies[replica]
+            .select(&self.ids, &request, now)
+            .ok_or(SimError::NoWorker {
+                policy: policy.as_str(),
+                request: id as u64,
+            })?;
+        self.dispatches[id] = Some((replica as u32, dispatch));
+        Ok(dispatch.worker.slot().min(self.ids.len() - 1))
+    }
+
+    /// The policy that dispatched request `id` and its dispatch (none for the oracle).
+    fn dispatch(&self, id: u64) -> Option<(&dyn Policy, &Dispatch)> {
+        let (replica, dispatch) = self.dispatches.get(id as usize)?.as_ref()?;
+        Some((self.policies[*replica as usize].as_ref(), dispatch))
+    }
+}
+
+/// Every replica's first poll of every worker, at its phase in the interval.
+fn schedule_first_polls(cell: &Cell<'_>, queue: &mut Queue) {
+    let interval_s = cell.router.poll_interval_s;
+    let mut phase_rng = SmallRng::seed_from_u64(mix(cell.seed ^ 0x9a_5e));
+    let replica_offsets = offsets(
+        cell.router.replica_phase,
+        cell.router.replicas as usize,
+        interval_s,
+        &mut phase_rng,
+    );
+    let worker_offsets = offsets(
+        cell.router.worker_phase,
+        cell.workers.len(),
+        interval_s,
+        &mut phase_rng,
+    );
+    for (replica, replica_offset) in replica_offsets.iter().enumerate() {
+        for (worker, worker_offset) in worker_offsets.iter().enumerate() {
+            let first_s = (replica_offset + worker_offset) % interval_s;
+            queue.push(
+                first_s,
+                Kind::PollSend {
+                    replica: replica as u32,
+                    worker: worker as u32,
+                },
+            );
+        }
+    }
+}
+
+/// One cell in progress: the event queue, what its events act on, and what
+/// it measures.
+struct CellRun<'a> {
+    cell: Cell<'a>,
+    clock: Clock,
+    queue: Queue,
+    fleet: Fleet,
+    router: Router,
+    /// The next request to arrive.
+    next_arrival: usize,
+    records: Vec<RequestRecord>,
+    /// Work routed to each worker, in that worker's own seconds.
+    routed_work_s: Vec<f64>,
+    poll_failures: u64,
+    /// Reused for each step's events.
+    scratch: Vec<EngineEvent>,
+}
+
+impl<'a> CellRun<'a> {
+    /// Engines, policies, and the first events: every poll's first round,
+    /// then the first arrival.
+    fn new(cell: &Cell<'a>, registry: &PolicyRegistry) -> Result<CellRun<'a>, SimError> {
+        let clock = Clock {
+            base: Instant::now(),
+        };
+        let fleet = Fleet::new(cell)?;
+        let router = Router::new(cell, registry)?;
+        let mut queue = Queue::default();
+        if !router.is_oracle() {
+            schedule_first_polls(cell, &mut queue);
+        }
+        if let Some(first) = cell.requests.first() {
+            queue.push(first.arrival_s, Kind::Arrival);
+        }
+        Ok(CellRun {
+            cell: *cell,
+            clock,
+            queue,
+            fleet,
+            router,
+            next_arrival: 0,
+            records: Vec::with_capacity(cell.requests.len()),
+            routed_work_s: vec![0.0; cell.workers.len()],
+            poll_failures: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Handles events in time order until every request has finished, or
+    /// none is left.
+    fn run_events(&mut self) -> Result<(), SimError> {
+        while self.records.len() < self.cell.requests.len() {
+            let Some(event) = self.queue.heap.pop() else {
+                break;
+            };
+            let now_s = event.time_s;
+            match event.kind {
+                Kind::Arrival => self.arrive(now_s)?,
+                Kind::StepEnd { worker } => self.end_step(worker as usize, now_s),
+                Kind::PollSend { replica, worker } => self.send_poll(replica, worker, now_s)?,
+                Kind::PollDone {
+                    replica,
+                    worker,
+                    mark,
+                    snapshot,
+                } => self.complete_poll(replica as usize, worker as usize, mark, snapshot, now_s),
+            }
+        }
+        Ok(())
+    }
+
+    /// Dispatch: routes the arriving request and queues it at its engine
+    /// (which starts a step if idle); schedules the next arrival.
+    fn arrive(&mut self, now_s: f64) -> Result<(), SimError> {
+        let id = self.next_arrival;
+        let spec = self.cell.requests[id];
+        self.next_arrival += 1;
+        if let Some(next) = self.cell.requests.get(self.next_arrival) {
+            self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
+        }
+        let worker = self.router.route(
+            self.cell.policy,
+            id,
+            spec.prompt_tokens,
+            &self.fleet.engines,
+            self.clock.at(now_s),
+        )?;
+        let engine = &mut self.fleet.engines[worker];
+        let params = engine.params();
+        self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
+            + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
+        let prefix_block_hashes = match (spec.prefix_group, self.cell.shared_prefix) {
+            (Some(group), Some(prefix)) => prefix_hashes(
+                group,
+                prefix.tokens,
+                spec.prompt_tokens,
+                params.block_size_tokens,
+            ),
+            _ => Vec::new(),
+        };
+        engine.submit(EngineRequest {
+            id: id as u64,
+            prompt_tokens: spec.prompt_tokens,
+            output_tokens: spec.output_tokens,
+            arrival_s: now_s,
+            prefix_block_hashes,
+        })?;
+        if !self.fleet.stepping[worker] {
+            self.fleet.start_step(worker, now_s, &mut self.queue);
+        }
+        Ok(())
+    }
+
+    /// A step's end: the dispatching policies see first tokens and finishes,
+    /// finished requests are recorded, and the engine starts its next step.
+    fn end_step(&mut self, worker: usize, now_s: f64) {
+        self.fleet.end_step(worker, &mut self.scratch);
+        let now = self.clock.at(now_s);
+        for engine_event in self.scratch.drain(..) {
+            match engine_event {
+                EngineEvent::FirstToken { id, .. } => {
+                    if let Some((policy, dispatch)) = self.router.dispatch(id) {
+                        policy.first_token(dispatch, now);
                     }
                 }
-                start_step(
-                    worker,
-                    now_s,
-                    &mut engines,
-                    &mut in_step,
-                    &mut queue,
-                    &mut stepping,
-                    &mut busy_engines,
-                );
-            }
-            Kind::PollSend { replica, worker } => {
-                if next_arrival >= total && busy_engines == 0 {
-                    return Err(SimError::Stalled {
-                        finished: records.len(),
-                        total,
-                    });
+                EngineEvent::Finished(record) => {
+                    if let Some((policy, dispatch)) = self.router.dispatch(record.id) {
+                        policy.finish(dispatch, now);
+                    }
+                    self.records.push(record);
                 }
-                let r = replica as usize;
-                let w = worker as usize;
-                let mark = policies[r].poll_started(ids[w], at(now_s));
-                let snapshot = match cell.router.report_at {
-                    ReportAt::Send => Some(engines[w].snapshot(now_s)),
-                    ReportAt::Completion => None,
-                };
-                queue.push(
-                    now_s + cell.router.poll_latency_s,
-                    Kind::PollDone {
-                        replica,
-                        worker,
-                        mark,
-                        snapshot,
-                    },
-                );
-                queue.push(now_s + interval_s, Kind::PollSend { replica, worker });
+                EngineEvent::Token { .. } => {}
             }
+        }
+        self.fleet.start_step(worker, now_s, &mut self.queue);
+    }
+
+    /// A replica polls a worker: its policy notes the poll, the report is
+    /// taken now (or at completion) and arrives `poll_latency_s` later, and
+    /// the next poll is scheduled. Polls go on forever, so a poll with no
+    /// request left to arrive and no engine busy means the cell is stuck.
+    fn send_poll(&mut self, replica: u32, worker: u32, now_s: f64) -> Result<(), SimError> {
+        let total = self.cell.requests.len();
+        if self.next_arrival >= total && self.fleet.busy_engines == 0 {
+            return Err(SimError::Stalled {
+                finished: self.records.len(),
+                total,
+            });
+        }
+        let (r, w) = (replica as usize, worker as usize);
+        let mark = self.router.policies[r].poll_started(self.router.ids[w], self.clock.at(now_s));
+        let snapshot = match self.cell.router.report_at {
+            ReportAt::Send => Some(self.fleet.engines[w].snapshot(now_s)),
+            ReportAt::Completion => None,
+        };
+        self.queue.push(
+            now_s + self.cell.router.poll_latency_s,
             Kind::PollDone {
                 replica,
                 worker,
                 mark,
                 snapshot,
-            } => {
-                let r = replica as usize;
-                let w = worker as usize;
-                let snapshot = snapshot.unwrap_or_else(|| engines[w].snapshot(now_s));
-                let observed = at(now_s);
-                match convert_report(
-                    cell.workers[w].0,
-                    &snapshot,
-                    &mut converters[r * workers + w],
-                    observed,
-                ) {
-                    Ok(Some(load)) => {
-                        let load = load.observed_at(observed);
-                        policies[r].poll_completed(mark, Some(&load), observed);
-                    }
-                    Ok(None) => policies[r].poll_completed(mark, None, observed),
-                    Err(_) => {
-                        poll_failures += 1;
-                        policies[r].poll_failed(mark, observed);
-                    }
-                }
+            },
+        );
+        self.queue.push(
+            now_s + self.cell.router.poll_interval_s,
+            Kind::PollSend { replica, worker },
+        );
+        Ok(())
+    }
+
+    /// A poll completes: the report, converted by the worker's backend,
+    /// reaches the replica's policy, or the poll fails.
+    fn complete_poll(
+        &mut self,
+        replica: usize,
+        worker: usize,
+        mark: PollMark,
+        snapshot: Option<EngineSnapshot>,
+        now_s: f64,
+    ) {
+        let snapshot = snapshot.unwrap_or_else(|| self.fleet.engines[worker].snapshot(now_s));
+        let observed = self.clock.at(now_s);
+        let policy = &self.router.policies[replica];
+        let converter = &mut self.router.converters[replica * self.cell.workers.len() + worker];
+        match convert_report(self.cell.workers[worker].0, &snapshot, converter, observed) {
+            Ok(Some(load)) => {
+                let load = load.observed_at(observed);
+                policy.poll_completed(mark, Some(&load), observed);
+            }
+            Ok(None) => policy.poll_completed(mark, None, observed),
+            Err(_) => {
+                self.poll_failures += 1;
+                policy.poll_failed(mark, observed);
             }
         }
     }
-    if records.len() < total {
-        return Err(SimError::Stalled {
-            finished: records.len(),
-            total,
-        });
-    }
-    let preemptions = engines
-        .iter()
-        .map(|engine| engine.snapshot(0.0).preemptions_total)
-        .sum();
-    Ok(summarize(
-        &records,
-        &routed_work_s,
-        preemptions,
-        poll_failures,
-    ))
-}
 
-/// Starts the engine's next step if it has work; its events are held until
-/// the step's end.
-fn start_step(
-    worker: usize,
-    now_s: f64,
-    engines: &mut [Engine],
-    in_step: &mut [Vec<EngineEvent>],
-    queue: &mut Queue,
-    stepping: &mut [bool],
-    busy_engines: &mut usize,
-) {
-    if let Some(summary) = engines[worker].step(now_s, &mut in_step[worker]) {
-        stepping[worker] = true;
-        *busy_engines += 1;
-        queue.push(
-            summary.end_s,
-            Kind::StepEnd {
-                worker: worker as u32,
-            },
-        );
+    /// The cell's statistics, once every request has finished.
+    fn results(self) -> Result<CellStats, SimError> {
+        let total = self.cell.requests.len();
+        if self.records.len() < total {
+            return Err(SimError::Stalled {
+                finished: self.records.len(),
+                total,
+            });
+        }
+        let preemptions = self
+            .fleet
+            .engines
+            .iter()
+            .map(|engine| engine.snapshot(0.0).preemptions_total)
+            .sum();
+        Ok(summarize(
+            &self.records,
+            &self.routed_work_s,
+            preemptions,
+            self.poll_failures,
+        ))
     }
 }
 
