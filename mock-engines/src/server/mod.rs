@@ -19,8 +19,11 @@
 //! never once per step. In [`ServeMode::Canned`] every generation request is
 //! answered at once with `canned_tokens` tokens.
 
+mod control;
+mod generation;
 mod grpc;
 mod http;
+mod loads;
 
 use std::collections::HashMap;
 use std::fmt;

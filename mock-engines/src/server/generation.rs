@@ -1,0 +1,585 @@
+//! Generation: OpenAI chat and completions and SGLang's `/generate`, plain
+//! or SSE, paced by the engine model or canned, with the generation faults;
+//! and SGLang's `/health_generate`, a one-token generation.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, Response, StatusCode, header};
+use engine_model::EngineRequest;
+use futures::StreamExt;
+use futures::stream::{self, BoxStream};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::http::{Shared, error_response, json_response, with_content_type};
+use super::{FaultMode, Progress, ServeMode};
+use crate::error::EngineSimError;
+
+const SSE_CONTENT_TYPE: &str = "text/event-stream";
+/// Under `close-mid-stream`, how long the written chunks get to reach the
+/// client before the connection is cut.
+const CUT_FLUSH_DELAY: Duration = Duration::from_millis(50);
+/// `/health_generate` reads its one-token answer whole; far more than enough.
+const PROBE_BODY_LIMIT_BYTES: usize = 1 << 20;
+const WORDS: [&str; 8] = [
+    " the", " engine", " sim", " says", " hello", " to", " every", " router",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completions,
+    Generate,
+}
+
+pub(super) async fn chat_completions(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
+    generation(shared, Api::Chat, body).await
+}
+
+pub(super) async fn completions(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
+    generation(shared, Api::Completions, body).await
+}
+
+pub(super) async fn generate(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
+    generation(shared, Api::Generate, body).await
+}
+
+/// What a generation request asks for.
+#[derive(Debug, Clone, PartialEq)]
+struct GenerationRequest {
+    stream: bool,
+    prompt_tokens: u32,
+    output_tokens: u32,
+    /// Whether `max_tokens` (or its equivalent) bounded the output.
+    bounded: bool,
+    /// Content hashes of the prompt's full prefix-cache blocks.
+    prefix_block_hashes: Vec<u64>,
+}
+
+fn parse_generation(
+    api: Api,
+    body: &Value,
+    block_size_tokens: u32,
+    default_output: u32,
+) -> GenerationRequest {
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let max_tokens = body
+        .get("max_tokens")
+        .or_else(|| body.get("max_completion_tokens"))
+        .or_else(|| body.pointer("/sampling_params/max_new_tokens"))
+        .and_then(Value::as_u64);
+    let output_tokens = max_tokens.map_or(default_output, |n| clamp_u32(n.max(1)));
+    let block = block_size_tokens.max(1) as usize;
+    let input_ids = body.get("input_ids").and_then(Value::as_array).map(|ids| {
+        // A batch (array of arrays) counts its first sequence.
+        match ids.first().and_then(Value::as_array) {
+            Some(first) => first.clone(),
+            None => ids.clone(),
+        }
+    });
+    let (prompt_tokens, prefix_block_hashes) = match input_ids {
+        Some(ids) => {
+            let hashes = ids
+                .chunks_exact(block)
+                .map(|chunk| {
+                    chunk.iter().fold(FNV_OFFSET, |hash, id| {
+                        fnv1a(hash, &id.as_u64().unwrap_or(0).to_le_bytes())
+                    })
+                })
+                .collect();
+            (clamp_u32(ids.len() as u64).max(1), hashes)
+        }
+        None => {
+            let text = prompt_text(api, body);
+            let chars = text.chars().count() as u64;
+            // chars / 4 (rounded up); a block of tokens is 4 × block chars.
+            let hashes = text
+                .as_bytes()
+                .chunks_exact(block * 4)
+                .map(|chunk| fnv1a(FNV_OFFSET, chunk))
+                .collect();
+            (clamp_u32(chars.div_ceil(4)).max(1), hashes)
+        }
+    };
+    GenerationRequest {
+        stream,
+        prompt_tokens,
+        output_tokens,
+        bounded: max_tokens.is_some(),
+        prefix_block_hashes,
+    }
+}
+
+/// The prompt's text: chat messages' contents, a completion prompt, or
+/// SGLang's `text`.
+fn prompt_text(api: Api, body: &Value) -> String {
+    let mut text = String::new();
+    let mut push = |value: &Value| match value {
+        Value::String(s) => text.push_str(s),
+        Value::Array(parts) => {
+            for part in parts {
+                match part {
+                    Value::String(s) => text.push_str(s),
+                    other => {
+                        if let Some(s) = other.get("text").and_then(Value::as_str) {
+                            text.push_str(s);
+                        }
+                    }
+                }
+            }
+        }
+        _ => {}
+    };
+    match api {
+        Api::Chat => {
+            if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+                for message in messages {
+                    if let Some(content) = message.get("content") {
+                        push(content);
+                    }
+                }
+            }
+        }
+        Api::Completions => {
+            if let Some(prompt) = body.get("prompt") {
+                push(prompt);
+            }
+        }
+        Api::Generate => {
+            if let Some(prompt) = body.get("text") {
+                push(prompt);
+            }
+        }
+    }
+    text
+}
+
+async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
+    // Counted on arrival, before parsing or any fault.
+    shared
+        .counters
+        .generation_requests
+        .fetch_add(1, Ordering::Relaxed);
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(value) => value,
+        Err(_) => return error_response(StatusCode::BAD_REQUEST, "request body is not json"),
+    };
+    let request = parse_generation(
+        api,
+        &body,
+        shared.config.params.block_size_tokens,
+        shared.config.default_output_tokens,
+    );
+    answer(shared, api, request).await
+}
+
+/// SGLang's deep health check: a one-token generation through [`answer`],
+/// so every generation fault applies. 200 when it completes, 500 when it
+/// fails or its answer breaks off (SGLang's body is empty either way).
+pub(super) async fn health_generate(State(shared): State<Shared>) -> Response<Body> {
+    shared
+        .counters
+        .health_generate_requests
+        .fetch_add(1, Ordering::Relaxed);
+    let probe = GenerationRequest {
+        stream: false,
+        prompt_tokens: 1,
+        output_tokens: 1,
+        bounded: true,
+        prefix_block_hashes: Vec::new(),
+    };
+    let response = answer(shared, Api::Generate, probe).await;
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), PROBE_BODY_LIMIT_BYTES).await;
+    let healthy = status == StatusCode::OK && body.is_ok();
+    let mut answer = Response::new(Body::empty());
+    if !healthy {
+        *answer.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    }
+    answer
+}
+
+/// Answers a parsed generation request, applying the generation faults.
+async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Response<Body> {
+    match shared.fault() {
+        FaultMode::HangGeneration => return hang(&shared).await,
+        FaultMode::HangMidStream if !request.stream => return hang(&shared).await,
+        FaultMode::Generation500 => {
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal error (fault mode generation-500)",
+            );
+        }
+        FaultMode::SlowFirstByte => {
+            tokio::select! {
+                () = tokio::time::sleep(shared.config.slow_first_byte_delay) => {}
+                () = shared.stopped() => {
+                    return error_response(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+                }
+            }
+        }
+        _ => {}
+    }
+    let id = shared.next_request_id.fetch_add(1, Ordering::Relaxed);
+    let meta = ResponseMeta {
+        id,
+        api,
+        model: shared.config.model_name.clone(),
+        created_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        prompt_tokens: request.prompt_tokens,
+        finish_reason: if request.bounded { "length" } else { "stop" },
+    };
+    let progress: BoxStream<'static, Progress> = match shared.config.mode {
+        ServeMode::Canned => {
+            let tokens = shared.config.canned_tokens.max(1);
+            stream::iter(
+                (1..=tokens)
+                    .map(|generated_tokens| Progress::Token { generated_tokens })
+                    .chain(std::iter::once(Progress::Finished(canned_record(
+                        id, &request, tokens,
+                    )))),
+            )
+            .boxed()
+        }
+        ServeMode::Model => match submit(&shared, id, &request) {
+            Ok(receiver) => progress_stream(
+                receiver,
+                RequestGuard {
+                    shared: shared.clone(),
+                    id,
+                },
+            ),
+            Err(error) => return error_response(StatusCode::BAD_REQUEST, &error.to_string()),
+        },
+    };
+    if request.stream {
+        stream_response(shared, meta, progress)
+    } else {
+        whole_response(shared, meta, progress).await
+    }
+}
+
+/// Never answers; the engine stopping ends it.
+async fn hang(shared: &Shared) -> Response<Body> {
+    shared.stopped().await;
+    error_response(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+}
+
+fn canned_record(id: u64, request: &GenerationRequest, tokens: u32) -> engine_model::RequestRecord {
+    engine_model::RequestRecord {
+        id,
+        prompt_tokens: request.prompt_tokens,
+        output_tokens: tokens,
+        cached_tokens: 0,
+        arrival_s: 0.0,
+        admitted_s: 0.0,
+        first_token_s: 0.0,
+        finish_s: 0.0,
+        preemptions: 0,
+    }
+}
+
+/// Queues the request in the model and registers its waiter.
+fn submit(
+    shared: &Shared,
+    id: u64,
+    request: &GenerationRequest,
+) -> Result<mpsc::UnboundedReceiver<Progress>, EngineSimError> {
+    let (sender, receiver) = mpsc::unbounded_channel();
+    {
+        let now_s = shared.clock.now_s();
+        let mut core = shared.core.lock();
+        // Catch the model up first, so the request joins at the right step.
+        core.advance(now_s);
+        let submitted = core.engine.submit(EngineRequest {
+            id,
+            prompt_tokens: request.prompt_tokens,
+            output_tokens: request.output_tokens,
+            arrival_s: now_s,
+            prefix_block_hashes: request.prefix_block_hashes.clone(),
+        });
+        submitted?;
+        core.waiters.insert(id, sender);
+    }
+    shared.wake.notify_one();
+    Ok(receiver)
+}
+
+/// Aborts the request in the model if its response is dropped early.
+#[derive(Debug)]
+struct RequestGuard {
+    shared: Shared,
+    id: u64,
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        let mut core = self.shared.core.lock();
+        core.waiters.remove(&self.id);
+        core.engine.abort(self.id);
+    }
+}
+
+fn progress_stream(
+    receiver: mpsc::UnboundedReceiver<Progress>,
+    guard: RequestGuard,
+) -> BoxStream<'static, Progress> {
+    stream::unfold((receiver, guard), |(mut receiver, guard)| async move {
+        let progress = receiver.recv().await?;
+        Some((progress, (receiver, guard)))
+    })
+    .boxed()
+}
+
+#[derive(Debug, Clone)]
+struct ResponseMeta {
+    id: u64,
+    api: Api,
+    model: String,
+    created_s: u64,
+    prompt_tokens: u32,
+    finish_reason: &'static str,
+}
+
+impl ResponseMeta {
+    fn response_id(&self) -> String {
+        match self.api {
+            Api::Chat => format!("chatcmpl-sim-{}", self.id),
+            Api::Completions => format!("cmpl-sim-{}", self.id),
+            Api::Generate => format!("sim-{}", self.id),
+        }
+    }
+
+    fn usage(&self, completion_tokens: u32) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": u64::from(self.prompt_tokens) + u64::from(completion_tokens),
+        })
+    }
+
+    /// One SSE chunk carrying `token` (the `generated_tokens`-th); `finish`
+    /// marks the final chunk.
+    fn chunk(&self, generated_tokens: u32, text_so_far: &str, finish: bool) -> Value {
+        let token = word(generated_tokens);
+        let finish_reason = if finish {
+            json!(self.finish_reason)
+        } else {
+            Value::Null
+        };
+        match self.api {
+            Api::Chat => {
+                let delta = if finish {
+                    json!({})
+                } else if generated_tokens == 1 {
+                    json!({"role": "assistant", "content": token})
+                } else {
+                    json!({"content": token})
+                };
+                json!({
+                    "id": self.response_id(), "object": "chat.completion.chunk",
+                    "created": self.created_s, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+                })
+            }
+            Api::Completions => json!({
+                "id": self.response_id(), "object": "text_completion",
+                "created": self.created_s, "model": self.model,
+                "choices": [{"index": 0, "text": if finish { "" } else { token },
+                             "logprobs": null, "finish_reason": finish_reason}],
+            }),
+            Api::Generate => json!({
+                "text": text_so_far,
+                "meta_info": self.generate_meta(generated_tokens, finish),
+            }),
+        }
+    }
+
+    fn generate_meta(&self, completion_tokens: u32, finish: bool) -> Value {
+        json!({
+            "id": self.response_id(),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": 0,
+            "finish_reason": if finish {
+                json!({"type": self.finish_reason, "length": completion_tokens})
+            } else {
+                Value::Null
+            },
+        })
+    }
+
+    fn whole(&self, completion_tokens: u32, text: &str) -> Value {
+        match self.api {
+            Api::Chat => json!({
+                "id": self.response_id(), "object": "chat.completion",
+                "created": self.created_s, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": self.finish_reason}],
+                "usage": self.usage(completion_tokens),
+            }),
+            Api::Completions => json!({
+                "id": self.response_id(), "object": "text_completion",
+                "created": self.created_s, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null,
+                             "finish_reason": self.finish_reason}],
+                "usage": self.usage(completion_tokens),
+            }),
+            Api::Generate => json!({
+                "text": text,
+                "meta_info": self.generate_meta(completion_tokens, true),
+            }),
+        }
+    }
+}
+
+fn word(generated_tokens: u32) -> &'static str {
+    WORDS[generated_tokens as usize % WORDS.len()]
+}
+
+/// The connection error that cuts a response under `close-mid-stream`.
+fn cut() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionReset,
+        "closing mid-stream (fault mode)",
+    )
+}
+
+async fn whole_response(
+    shared: Shared,
+    meta: ResponseMeta,
+    mut progress: BoxStream<'static, Progress>,
+) -> Response<Body> {
+    let mut text = String::new();
+    let mut generated = 0;
+    loop {
+        let next = tokio::select! {
+            next = progress.next() => next,
+            () = shared.stopped() => None,
+        };
+        match next {
+            Some(Progress::Token { generated_tokens }) => {
+                generated = generated_tokens;
+                text.push_str(word(generated_tokens));
+            }
+            Some(Progress::Finished(record)) => {
+                generated = generated.max(record.output_tokens);
+                break;
+            }
+            None => return error_response(StatusCode::SERVICE_UNAVAILABLE, "engine stopped"),
+        }
+    }
+    if shared.fault() == FaultMode::CloseMidStream {
+        // Headers, then a body that breaks off.
+        let head = stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"{\"id\": "))]);
+        let tail = stream::once(async move {
+            tokio::select! {
+                () = tokio::time::sleep(CUT_FLUSH_DELAY) => {}
+                () = shared.stopped() => {}
+            }
+            Err(cut())
+        });
+        let body = Body::from_stream(head.chain(tail));
+        return with_content_type(Response::new(body), "application/json");
+    }
+    json_response(StatusCode::OK, &meta.whole(generated, &text))
+}
+
+fn stream_response(
+    shared: Shared,
+    meta: ResponseMeta,
+    progress: BoxStream<'static, Progress>,
+) -> Response<Body> {
+    struct State {
+        progress: BoxStream<'static, Progress>,
+        shared: Shared,
+        meta: ResponseMeta,
+        text: String,
+        sent_chunks: u32,
+        done: bool,
+    }
+    let state = State {
+        progress,
+        shared,
+        meta,
+        text: String::new(),
+        sent_chunks: 0,
+        done: false,
+    };
+    let body = stream::unfold(state, |mut state| async move {
+        if state.done {
+            return None;
+        }
+        if state.sent_chunks >= 1 && state.shared.fault() == FaultMode::HangMidStream {
+            // Silent from here on; the written events are flushed because
+            // the body is pending.
+            state.shared.stopped().await;
+            state.done = true;
+            return Some((Err(cut()), state));
+        }
+        if state.sent_chunks >= 1 && state.shared.fault() == FaultMode::CloseMidStream {
+            // Let the chunks already written reach the client, then cut.
+            tokio::select! {
+                () = tokio::time::sleep(CUT_FLUSH_DELAY) => {}
+                () = state.shared.stopped() => {}
+            }
+            state.done = true;
+            return Some((Err(cut()), state));
+        }
+        let next = tokio::select! {
+            next = state.progress.next() => next,
+            () = state.shared.stopped() => None,
+        };
+        let bytes = match next {
+            Some(Progress::Token { generated_tokens }) => {
+                state.text.push_str(word(generated_tokens));
+                sse(&state.meta.chunk(generated_tokens, &state.text, false))
+            }
+            Some(Progress::Finished(record)) => {
+                state.done = true;
+                let last = state.meta.chunk(record.output_tokens, &state.text, true);
+                let mut bytes = sse(&last);
+                bytes.extend_from_slice(b"data: [DONE]\n\n");
+                bytes
+            }
+            None => {
+                state.done = true;
+                return Some((Err(cut()), state));
+            }
+        };
+        state.sent_chunks += 1;
+        Some((Ok(Bytes::from(bytes)), state))
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    with_content_type(response, SSE_CONTENT_TYPE)
+}
+
+fn sse(value: &Value) -> Vec<u8> {
+    let mut bytes = b"data: ".to_vec();
+    // Serializing a Value cannot fail.
+    bytes.extend_from_slice(value.to_string().as_bytes());
+    bytes.extend_from_slice(b"\n\n");
+    bytes
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+fn clamp_u32(value: u64) -> u32 {
+    u32::try_from(value).unwrap_or(u32::MAX)
+}
