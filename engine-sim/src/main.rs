@@ -18,7 +18,10 @@
 //! `generation-500` (500 while `/health` says 200), `slow-first-byte` (the
 //! head only after `--slow-first-byte-ms`); and `refuse-connections`.
 //! `GET /control/stats` counts the generation requests and `/health_generate`
-//! probes each engine received.
+//! probes each engine received; `GET /control/admitted` lists the
+//! `x-request-id`s of the generation requests that got past every pre-model
+//! fault into the engine (the newest 100 000), so a duplicate generation
+//! shows as an id admitted twice.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::ExitCode;

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
-use axum::http::{HeaderValue, Request, Response, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
@@ -118,7 +118,8 @@ fn router(shared: Shared) -> Router {
         .route("/v1/completions", post(completions))
         .route("/generate", post(generate))
         .route("/control/fault", post(set_fault).get(get_fault))
-        .route("/control/stats", get(stats));
+        .route("/control/stats", get(stats))
+        .route("/control/admitted", get(admitted));
     match shared.config.flavour {
         Flavour::Sglang => {
             router = router
@@ -198,6 +199,17 @@ async fn stats(State(shared): State<Shared>) -> Response<Body> {
             "generation_requests": stats.generation_requests,
             "health_generate_requests": stats.health_generate_requests,
             "fault": shared.fault().as_str(),
+        }),
+    )
+}
+
+async fn admitted(State(shared): State<Shared>) -> Response<Body> {
+    let admitted = shared.counters.admitted();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "admitted_request_ids": admitted.ids,
+            "admitted_total": admitted.total,
         }),
     )
 }
@@ -363,17 +375,28 @@ enum Api {
     Generate,
 }
 
-async fn chat_completions(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
-    generation(shared, Api::Chat, body).await
+async fn chat_completions(
+    State(shared): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
+    generation(shared, Api::Chat, &headers, body).await
 }
 
-async fn completions(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
-    generation(shared, Api::Completions, body).await
+async fn completions(
+    State(shared): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
+    generation(shared, Api::Completions, &headers, body).await
 }
 
-async fn generate(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
-    generation(shared, Api::Generate, body).await
+async fn generate(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    generation(shared, Api::Generate, &headers, body).await
 }
+
+/// The header whose value `/control/admitted` records.
+const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// What a generation request asks for.
 #[derive(Debug, Clone, PartialEq)]
@@ -485,7 +508,7 @@ fn prompt_text(api: Api, body: &Value) -> String {
     text
 }
 
-async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
+async fn generation(shared: Shared, api: Api, headers: &HeaderMap, body: Bytes) -> Response<Body> {
     // Counted on arrival, before parsing or any fault.
     shared
         .counters
@@ -501,7 +524,11 @@ async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
         shared.config.params.block_size_tokens,
         shared.config.default_output_tokens,
     );
-    answer(shared, api, request).await
+    let request_id = headers
+        .get(REQUEST_ID_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    answer(shared, api, request, request_id).await
 }
 
 /// SGLang's deep health check: a one-token generation through [`answer`],
@@ -519,7 +546,7 @@ async fn health_generate(State(shared): State<Shared>) -> Response<Body> {
         bounded: true,
         prefix_block_hashes: Vec::new(),
     };
-    let response = answer(shared, Api::Generate, probe).await;
+    let response = answer(shared, Api::Generate, probe, None).await;
     let status = response.status();
     let body = axum::body::to_bytes(response.into_body(), PROBE_BODY_LIMIT_BYTES).await;
     let healthy = status == StatusCode::OK && body.is_ok();
@@ -530,8 +557,14 @@ async fn health_generate(State(shared): State<Shared>) -> Response<Body> {
     answer
 }
 
-/// Answers a parsed generation request, applying the generation faults.
-async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Response<Body> {
+/// Answers a parsed generation request, applying the generation faults;
+/// `request_id` is recorded as admitted once the request gets past them.
+async fn answer(
+    shared: Shared,
+    api: Api,
+    request: GenerationRequest,
+    request_id: Option<String>,
+) -> Response<Body> {
     match shared.fault() {
         FaultMode::HangGeneration => return hang(&shared).await,
         FaultMode::HangMidStream if !request.stream => return hang(&shared).await,
@@ -562,8 +595,16 @@ async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Respons
         prompt_tokens: request.prompt_tokens,
         finish_reason: if request.bounded { "length" } else { "stop" },
     };
+    // Recorded only once generation really starts: a request dropped during
+    // a pre-model hang or delay, or refused, was never generated.
+    let admit = |shared: &Shared| {
+        if let Some(request_id) = &request_id {
+            shared.counters.admit(request_id);
+        }
+    };
     let progress: BoxStream<'static, Progress> = match shared.config.mode {
         ServeMode::Canned => {
+            admit(&shared);
             let tokens = shared.config.canned_tokens.max(1);
             stream::iter(
                 (1..=tokens)
@@ -575,13 +616,16 @@ async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Respons
             .boxed()
         }
         ServeMode::Model => match submit(&shared, id, &request) {
-            Ok(receiver) => progress_stream(
-                receiver,
-                RequestGuard {
-                    shared: shared.clone(),
-                    id,
-                },
-            ),
+            Ok(receiver) => {
+                admit(&shared);
+                progress_stream(
+                    receiver,
+                    RequestGuard {
+                        shared: shared.clone(),
+                        id,
+                    },
+                )
+            }
             Err(error) => return error_response(StatusCode::BAD_REQUEST, &error.to_string()),
         },
     };
