@@ -11,11 +11,14 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 mod bench;
+mod chaos;
 
 const USAGE: &str = "usage: cargo xtask <task> [options]
 
 tasks:
   bench [--only PART]...  selection cost, proxy overhead, polling: target/bench/report.md
+  chaos [--rate R] [--duration-s S]  a fleet with one engine per fault mode vs good
+                          engines only: target/chaos/report.md
   ci                      format check, clippy (warnings are errors), every test
   demo                    start a mixed engine-sim fleet and the router, drive
                           20 s of size-skewed streaming traffic, print per-worker
@@ -28,6 +31,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("bench") => bench::run(&args[1..]),
+        Some("chaos") => chaos::run(&args[1..]),
         Some("demo") => demo(),
         Some("sim") => sim(&args[1..]),
         Some("-h" | "--help" | "help") => {
