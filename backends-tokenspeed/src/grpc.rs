@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use load_protocols::WorkerLoad;
-use policy_core::{BackendError, LoadError, LoadSource, SourceOptions, grpc};
+use load_transport::grpc;
+use policy_core::{BackendError, LoadError, LoadSource, SourceOptions};
 use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
 

@@ -8,7 +8,8 @@ use async_trait::async_trait;
 use load_protocols::{
     LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, throughput_from_proto3,
 };
-use policy_core::{BackendError, BackendSpec, LoadError, LoadSource, grpc};
+use load_transport::grpc;
+use policy_core::{BackendError, BackendSpec, LoadError, LoadSource};
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 

@@ -589,7 +589,7 @@ impl RouterConfig {
 
 /// Checks one worker entry; on error gives `(field, value, allowed)`.
 pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, String, &'static str)> {
-    if policy_core::http::http_base(&worker.url).is_err() {
+    if load_transport::http::http_base(&worker.url).is_err() {
         return Err((
             "url",
             format!("{:?}", worker.url),
@@ -597,7 +597,7 @@ pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, Strin
         ));
     }
     if let Some(key) = &worker.api_key
-        && policy_core::http::bearer_header(key).is_err()
+        && load_transport::http::bearer_header(key).is_err()
     {
         return Err((
             "api_key",
@@ -629,7 +629,7 @@ pub fn validate_worker(worker: &WorkerConfig) -> Result<(), (&'static str, Strin
             format!("{load_url:?}"),
             "a grpc://host:port address",
         )),
-        (Some(load_url), false) if policy_core::http::http_base(load_url).is_err() => Err((
+        (Some(load_url), false) if load_transport::http::http_base(load_url).is_err() => Err((
             "load_url",
             format!("{load_url:?}"),
             "an http://host:port URL without a query",

@@ -14,7 +14,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use policy_core::http::read_capped;
+use load_transport::http::read_capped;
 use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
 
 use crate::app::App;
