@@ -1,6 +1,8 @@
 //! What every gRPC (tonic) load source shares, behind the `grpc` feature:
 //! the endpoint of a `grpc://` load address, the bearer token as metadata,
-//! and a failed call's status as a [`LoadError`].
+//! a failed call's status as a [`LoadError`], and [`GrpcLoadSource`], the
+//! whole source for a backend that only says how to call its `GetLoads`
+//! ([`GetLoads`]).
 
 use std::future::Future;
 use std::time::Duration;
@@ -9,6 +11,10 @@ use policy_core::{BackendError, LoadError};
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
 use tonic::transport::Endpoint;
 use tonic::{Code, Status};
+
+mod source;
+
+pub use source::{GetLoads, GrpcLoadSource};
 
 /// The `host:port` of a gRPC load address, `grpc://host:port` with an
 /// optional trailing `/`, checked the same way for every gRPC backend.

@@ -9,8 +9,10 @@
 //!   header, status, content type, capped body), and the pieces the
 //!   router's own forwarding client is built from ([`http::pooled_client`],
 //!   [`http::read_capped`]).
-//! - [`grpc`] (feature `grpc`): the `grpc://` endpoint, bearer metadata, and
-//!   a failed call's status as a `LoadError`.
+//! - [`grpc`] (feature `grpc`): the `grpc://` endpoint, bearer metadata, a
+//!   failed call's status as a `LoadError`, and
+//!   [`GrpcLoadSource`](grpc::GrpcLoadSource), the whole `GetLoads` source
+//!   for a backend that implements [`GetLoads`](grpc::GetLoads).
 //!
 //! Both features are on by default; an HTTP-only user turns them off and
 //! asks for `http`, which keeps tonic out of its build.
