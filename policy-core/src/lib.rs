@@ -54,7 +54,7 @@ mod worker;
 
 pub use baseline::{BaselineKind, BaselineParams, BaselinePolicy, describe_request};
 pub use dispatch::{Clock, Dispatch, DispatchGuard, PollMark, tokio_now};
-pub use error::{BackendError, BoxError, LoadError, PolicyError};
+pub use error::{BackendError, BoxError, LoadError, PolicyError, error_chain};
 #[cfg(any(test, feature = "mocks"))]
 pub use load_source::MockLoadSource;
 pub use load_source::{BackendSpec, LoadSource, SourceOptions};

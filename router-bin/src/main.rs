@@ -3,9 +3,9 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use policy_core::error_chain;
 use router_bin::cli::Cli;
 use router_bin::config::RouterConfig;
-use router_bin::monitor::error_chain;
 use router_bin::server;
 use tracing_subscriber::EnvFilter;
 
