@@ -30,6 +30,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use engine_sim::EngineSimError;
 use engine_sim::server::{self, FaultMode, Flavour, ServeMode, SimEngineConfig};
+use policy_core::error_chain;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -154,17 +155,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Port `base + index`; base 0 lets the OS pick a free port for every engine

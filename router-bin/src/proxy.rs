@@ -14,14 +14,13 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use policy_core::http::{CappedBodyError, read_capped};
-use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
+use load_transport::http::{CappedBodyError, read_capped};
+use policy_core::{DispatchGuard, RequestInfo, WorkerId, error_chain, tokio_now};
 
 use crate::app::App;
 use crate::client_body::read_body;
 use crate::coalesce::Coalesce;
 use crate::estimate::{max_output_tokens, request_info};
-use crate::monitor::error_chain;
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
 use crate::upstream::{UpstreamBody, control_get};

@@ -83,6 +83,29 @@ fn ci() -> Result<(), String> {
     fmt.args(["fmt", "--all", "--check"]);
     run("cargo fmt --all --check", fmt)?;
 
+    // A declared dependency no code uses fails CI. cargo-machete is the one
+    // tool CI needs beyond the toolchain: installed from crates.io on first
+    // use, so a fresh machine needs nothing but this repository. It knows it
+    // runs as `cargo machete` only when CARGO_PKG_NAME is unset (`cargo
+    // xtask` sets it; then machete reads its own name as a path to check).
+    let machete = || {
+        let mut command = cargo();
+        command.arg("machete").env_remove("CARGO_PKG_NAME");
+        command
+    };
+    let machete_installed = machete()
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if !machete_installed {
+        let mut install = cargo();
+        install.args(["install", "cargo-machete", "--locked"]);
+        run("cargo install cargo-machete --locked", install)?;
+    }
+    run("cargo machete", machete())?;
+
     let mut clippy = cargo();
     clippy.args([
         "clippy",

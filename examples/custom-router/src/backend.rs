@@ -21,7 +21,7 @@ use async_trait::async_trait;
 use load_protocols::{LoadValidationError, SchedulerLoadSnapshot, WorkerLoad};
 // The HTTP helpers every built-in HTTP source uses: the address check, the
 // pooled GET with bearer header, status, content type and body cap.
-use policy_core::http::{ReportClient, ReportFormat, ReportUrl, http_base};
+use load_transport::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use policy_core::{
     BackendError, BackendRegistry, LoadAddress, LoadError, LoadSource, SourceOptions,
 };
@@ -187,7 +187,7 @@ pub fn worker_load_from_stats(stats: &JsonStats) -> Result<WorkerLoad, JsonStats
 
 /// Polls one `jsonstats` engine: `GET {base}/stats`, JSON only.
 ///
-/// Built on `policy_core::http`, so addresses, the API key, statuses,
+/// Built on `load_transport::http`, so addresses, the API key, statuses,
 /// content types and the body cap are checked exactly as for the built-in
 /// HTTP backends; the whole poll runs under the deadline of
 /// [`SourceOptions`].

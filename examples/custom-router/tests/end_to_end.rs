@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use custom_router::{JsonStats, KvCacheStats, QueueStats, StatsEngine, serve_stats_engine};
+use policy_core::error_chain;
 use router_bin::config::Layers;
-use router_bin::monitor::error_chain;
 use router_bin::{App, ConfigError, RouterBuilder};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
