@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use load_protocols::{LoadsResponse, WorkerLoad};
+use load_transport::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use parking_lot::Mutex;
-use policy_core::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use policy_core::{BackendError, LoadError, LoadSource, SourceOptions};
 
 use crate::{MetricsError, worker_load_from_loads_json, worker_load_from_metrics_text};
@@ -37,7 +37,7 @@ pub enum SglangHttpEndpoint {
 /// cap; the API key goes out as a bearer token; `/v1/loads` must answer JSON
 /// and `/metrics` Prometheus text (or no content type). An empty `loads` list
 /// is `Ok(None)`. The request and its errors are
-/// [`ReportClient::get`](policy_core::http::ReportClient::get)'s.
+/// [`ReportClient::get`](load_transport::http::ReportClient::get)'s.
 ///
 /// Proxies from the environment are not used: the router talks to its
 /// workers directly.

@@ -69,7 +69,7 @@ pub use convert::{
     grpc_from_snapshot, snapshot_from_grpc, worker_load_from_grpc, worker_load_from_loads_json,
 };
 pub use error::MetricsError;
-pub use grpc::SglangGrpcLoadSource;
+pub use grpc::{SglangGetLoads, SglangGrpcLoadSource};
 pub use http::{DEFAULT_REPROBE_EVERY_POLLS, SglangHttpEndpoint, SglangHttpLoadSource};
 pub use metrics::{METRIC_PREFIXES, worker_load_from_metrics, worker_load_from_metrics_text};
 
@@ -99,11 +99,7 @@ pub fn register(registry: &mut BackendRegistry) {
         let source = SglangHttpLoadSource::new(base, &spec.options)?;
         Ok(Arc::new(source) as Arc<dyn LoadSource>)
     });
-    registry.register(GRPC_BACKEND, LoadAddress::Grpc, |spec| {
-        let url = spec.required_load_url(GRPC_BACKEND)?;
-        let source = SglangGrpcLoadSource::new(url, &spec.options)?;
-        Ok(Arc::new(source) as Arc<dyn LoadSource>)
-    });
+    SglangGrpcLoadSource::register(registry);
 }
 
 #[cfg(test)]

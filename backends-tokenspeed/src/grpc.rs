@@ -1,114 +1,52 @@
 //! `TokenspeedGrpcLoadSource`: `TokenSpeedScheduler/GetLoads` over gRPC.
 
-use std::sync::OnceLock;
-use std::time::Duration;
+use load_protocols::{LoadValidationError, WorkerLoad};
+use load_transport::grpc::{GetLoads, GrpcLoadSource};
+use tonic::transport::Channel;
 
-use async_trait::async_trait;
-use load_protocols::WorkerLoad;
-use policy_core::{BackendError, LoadError, LoadSource, SourceOptions, grpc};
-use tonic::metadata::AsciiMetadataValue;
-use tonic::transport::{Channel, Endpoint};
-
-use crate::proto::GetLoadsRequest;
 use crate::proto::token_speed_scheduler_client::TokenSpeedSchedulerClient;
+use crate::proto::{GetLoadsRequest, GetLoadsResponse};
 use crate::worker_load_from_grpc;
 
-/// TokenSpeed's load over gRPC: `GetLoads` with `include = ["core"]`.
+/// TokenSpeed's load over gRPC: `GetLoads` with `include = ["core"]`, on
+/// [`GrpcLoadSource`] (connection, deadline, key, body cap and outcomes are
+/// its).
 ///
-/// The channel is made with `Endpoint::connect_lazy` on the first poll (so a
-/// source can be built outside a Tokio runtime) and reconnects by itself. The
-/// deadline of [`SourceOptions`] is the connect timeout and the request
-/// timeout, and bounds the whole call; replies larger than the body cap are
-/// refused; the API key goes out as `authorization: Bearer …`.
+/// An empty `loads` list (an encode-only worker) and a server-sent
+/// `DEADLINE_EXCEEDED` are both `Ok(None)`: no snapshot this time, not an
+/// error that takes the worker out (wire-formats.md). A server that does not
+/// answer within our own deadline is still a failed poll
+/// ([`LoadError::Timeout`](policy_core::LoadError::Timeout)).
 ///
-/// Outcomes:
-/// - an empty `loads` list (encode-only worker) → `Ok(None)`;
-/// - `DEADLINE_EXCEEDED` from the server → `Ok(None)`: no snapshot this time,
-///   not an error that takes the worker out (`docs/wire-formats.md`);
-/// - no answer within our own deadline → [`LoadError::Timeout`]: a server
-///   that does not answer at all is a failed poll, unlike one that reports
-///   `DEADLINE_EXCEEDED`;
-/// - `UNIMPLEMENTED` → [`LoadError::Unsupported`];
-/// - `UNAVAILABLE` from a failed connection → [`LoadError::Connect`];
-/// - a reply over the body cap → [`LoadError::BodyTooLarge`];
-/// - any other status (a server's own `UNAVAILABLE` included) →
-///   [`LoadError::Grpc`] with the [`Status`](tonic::Status) as its source.
+/// Build one with `TokenspeedGrpcLoadSource::new(url, &options)`.
+pub type TokenspeedGrpcLoadSource = GrpcLoadSource<TokenspeedGetLoads>;
+
+/// TokenSpeed's `GetLoads`, as [`GrpcLoadSource`] calls it.
 #[derive(Debug)]
-pub struct TokenspeedGrpcLoadSource {
-    url: String,
-    endpoint: Endpoint,
-    client: OnceLock<TokenSpeedSchedulerClient<Channel>>,
-    deadline: Duration,
-    body_limit_bytes: usize,
-    authorization: Option<AsciiMetadataValue>,
-}
+pub struct TokenspeedGetLoads;
 
-impl TokenspeedGrpcLoadSource {
-    /// A source calling the scheduler at `url` (`grpc://host:port`).
-    ///
-    /// Fails with [`BackendError::InvalidAddress`] for any other address and
-    /// with [`BackendError::Client`] for an API key that cannot be metadata.
-    /// No connection is made here.
-    pub fn new(
-        url: &str,
-        options: &SourceOptions,
-    ) -> Result<TokenspeedGrpcLoadSource, BackendError> {
-        let endpoint = grpc::grpc_endpoint(url)?;
-        let authorization = grpc::bearer_metadata(url, options.api_key.as_deref())?;
-        Ok(TokenspeedGrpcLoadSource {
-            endpoint: endpoint
-                .connect_timeout(options.deadline)
-                .timeout(options.deadline),
-            url: url.to_owned(),
-            client: OnceLock::new(),
-            deadline: options.deadline,
-            body_limit_bytes: options.body_limit_bytes,
-            authorization,
-        })
+impl GetLoads for TokenspeedGetLoads {
+    type Reply = GetLoadsResponse;
+
+    const KIND: &'static str = crate::BACKEND;
+    const DEADLINE_EXCEEDED_IS_NO_REPORT: bool = true;
+
+    async fn call(
+        channel: Channel,
+        body_limit_bytes: usize,
+        request: tonic::Request<()>,
+    ) -> Result<tonic::Response<GetLoadsResponse>, tonic::Status> {
+        let request = request.map(|()| GetLoadsRequest {
+            dp_rank: None,
+            include: vec!["core".to_owned()],
+        });
+        TokenSpeedSchedulerClient::new(channel)
+            .max_decoding_message_size(body_limit_bytes)
+            .get_loads(request)
+            .await
     }
 
-    fn client(&self) -> TokenSpeedSchedulerClient<Channel> {
-        self.client
-            .get_or_init(|| {
-                TokenSpeedSchedulerClient::new(self.endpoint.connect_lazy())
-                    .max_decoding_message_size(self.body_limit_bytes)
-            })
-            .clone()
-    }
-}
-
-#[async_trait]
-impl LoadSource for TokenspeedGrpcLoadSource {
-    async fn fetch(&self) -> Result<Option<WorkerLoad>, LoadError> {
-        let request = grpc::authorized_request(
-            GetLoadsRequest {
-                dp_rank: None,
-                include: vec!["core".to_owned()],
-            },
-            self.authorization.as_ref(),
-        );
-        let mut client = self.client();
-        let rpc = grpc::LoadRpc {
-            url: &self.url,
-            what: "GetLoads",
-            deadline: self.deadline,
-            body_limit_bytes: self.body_limit_bytes,
-            deadline_exceeded_is_no_report: true,
-        };
-        let Some(response) = rpc.call(client.get_loads(request)).await? else {
-            return Ok(None);
-        };
-        worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
-            url: self.url.clone(),
-            source,
-        })
-    }
-
-    fn kind(&self) -> &'static str {
-        crate::BACKEND
-    }
-
-    fn load_url(&self) -> &str {
-        &self.url
+    fn worker_load(reply: GetLoadsResponse) -> Result<Option<WorkerLoad>, LoadValidationError> {
+        worker_load_from_grpc(reply)
     }
 }

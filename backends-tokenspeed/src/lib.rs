@@ -47,12 +47,10 @@
 mod convert;
 mod grpc;
 
-use std::sync::Arc;
-
-use policy_core::{BackendRegistry, LoadAddress, LoadSource};
+use policy_core::BackendRegistry;
 
 pub use convert::{grpc_from_snapshot, snapshot_from_grpc, worker_load_from_grpc};
-pub use grpc::TokenspeedGrpcLoadSource;
+pub use grpc::{TokenspeedGetLoads, TokenspeedGrpcLoadSource};
 
 /// Code generated from `proto/tokenspeed_scheduler.proto` (package
 /// `tokenspeed.grpc.scheduler`): messages, client and server.
@@ -71,9 +69,5 @@ pub const BACKEND: &str = "tokenspeed";
 
 /// Registers `tokenspeed`: the load address is required, `grpc://host:port`.
 pub fn register(registry: &mut BackendRegistry) {
-    registry.register(BACKEND, LoadAddress::Grpc, |spec| {
-        let url = spec.required_load_url(BACKEND)?;
-        let source = TokenspeedGrpcLoadSource::new(url, &spec.options)?;
-        Ok(Arc::new(source) as Arc<dyn LoadSource>)
-    });
+    TokenspeedGrpcLoadSource::register(registry);
 }

@@ -1,16 +1,11 @@
 //! vLLM gRPC `GetLoads` → [`WorkerLoad`]: the pure conversion and the
-//! [`LoadSource`] that calls it.
+//! load source that calls it.
 
-use std::sync::OnceLock;
-use std::time::Duration;
-
-use async_trait::async_trait;
 use load_protocols::{
     LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, throughput_from_proto3,
 };
-use policy_core::{BackendError, BackendSpec, LoadError, LoadSource, grpc};
-use tonic::Status;
-use tonic::transport::{Channel, Endpoint};
+use load_transport::grpc::{GetLoads, GrpcLoadSource};
+use tonic::transport::Channel;
 
 use crate::proto::vllm_engine_client::VllmEngineClient;
 use crate::proto::{GetLoadsRequest, GetLoadsResponse, SchedulerLoad};
@@ -56,94 +51,43 @@ pub fn snapshot_from_grpc(load: SchedulerLoad) -> SchedulerLoadSnapshot {
     }
 }
 
-/// Polls vLLM's `vllm.grpc.engine.VllmEngine/GetLoads`.
+/// Polls vLLM's `vllm.grpc.engine.VllmEngine/GetLoads` with
+/// `include = ["core"]`, on [`GrpcLoadSource`] (connection, deadline, key,
+/// body cap and outcomes are its). Each poll also carries its deadline to
+/// the server as `grpc-timeout`; a server-sent `DEADLINE_EXCEEDED` is a
+/// timed-out poll.
 ///
-/// The channel connects lazily on the first poll and reconnects by itself.
-/// The API key, when set, is sent as `authorization: Bearer <key>` metadata.
-/// Each poll is bounded by the deadline (connection included) and carries it
-/// as `grpc-timeout`. Errors:
-///
-/// - no answer within the deadline, or `DEADLINE_EXCEEDED` →
-///   [`LoadError::Timeout`];
-/// - connection refused (tonic's `UNAVAILABLE` caused by a
-///   [`tonic::ConnectError`]) → [`LoadError::Connect`];
-/// - `UNIMPLEMENTED` → [`LoadError::Unsupported`];
-/// - a response larger than `body_limit_bytes` → [`LoadError::BodyTooLarge`];
-/// - any other status, a server-sent `UNAVAILABLE` included →
-///   [`LoadError::Grpc`], whose source is the [`tonic::Status`];
-/// - impossible values → [`LoadError::Invalid`].
+/// Build one with `VllmGrpcLoadSource::from_spec(&spec)` (the spec's load
+/// address is required) or `VllmGrpcLoadSource::new(url, &options)`.
+pub type VllmGrpcLoadSource = GrpcLoadSource<VllmGetLoads>;
+
+/// vLLM's `GetLoads`, as [`GrpcLoadSource`] calls it.
 #[derive(Debug)]
-pub struct VllmGrpcLoadSource {
-    url: String,
-    endpoint: Endpoint,
-    channel: OnceLock<Channel>,
-    deadline: Duration,
-    body_limit_bytes: usize,
-    authorization: Option<tonic::metadata::AsciiMetadataValue>,
-}
+pub struct VllmGetLoads;
 
-impl VllmGrpcLoadSource {
-    /// Builds the source for a `grpc://host:port` load address. Nothing is
-    /// connected until the first poll.
-    pub fn new(spec: &BackendSpec) -> Result<VllmGrpcLoadSource, BackendError> {
-        let url = spec.required_load_url(GRPC_KIND)?.to_owned();
-        let endpoint = grpc::grpc_endpoint(&url)?.connect_timeout(spec.options.deadline);
-        let authorization = grpc::bearer_metadata(&url, spec.options.api_key.as_deref())?;
-        Ok(VllmGrpcLoadSource {
-            url,
-            endpoint,
-            channel: OnceLock::new(),
-            deadline: spec.options.deadline,
-            body_limit_bytes: spec.options.body_limit_bytes,
-            authorization,
-        })
+impl GetLoads for VllmGetLoads {
+    type Reply = GetLoadsResponse;
+
+    const KIND: &'static str = GRPC_KIND;
+    const WHAT: &'static str = "vllm.grpc.engine.VllmEngine/GetLoads";
+    const SENDS_DEADLINE: bool = true;
+
+    async fn call(
+        channel: Channel,
+        body_limit_bytes: usize,
+        request: tonic::Request<()>,
+    ) -> Result<tonic::Response<GetLoadsResponse>, tonic::Status> {
+        let request = request.map(|()| GetLoadsRequest {
+            dp_rank: None,
+            include: vec!["core".to_owned()],
+        });
+        VllmEngineClient::new(channel)
+            .max_decoding_message_size(body_limit_bytes)
+            .get_loads(request)
+            .await
     }
 
-    async fn get_loads(&self) -> Result<tonic::Response<GetLoadsResponse>, Status> {
-        // `connect_lazy` spawns onto the runtime, so it waits for the first
-        // poll rather than running in the (synchronous) factory.
-        let channel = self
-            .channel
-            .get_or_init(|| self.endpoint.connect_lazy())
-            .clone();
-        let mut client =
-            VllmEngineClient::new(channel).max_decoding_message_size(self.body_limit_bytes);
-        let mut request = grpc::authorized_request(
-            GetLoadsRequest {
-                dp_rank: None,
-                include: vec!["core".to_owned()],
-            },
-            self.authorization.as_ref(),
-        );
-        request.set_timeout(self.deadline);
-        client.get_loads(request).await
-    }
-}
-
-#[async_trait]
-impl LoadSource for VllmGrpcLoadSource {
-    async fn fetch(&self) -> Result<Option<WorkerLoad>, LoadError> {
-        let rpc = grpc::LoadRpc {
-            url: &self.url,
-            what: "vllm.grpc.engine.VllmEngine/GetLoads",
-            deadline: self.deadline,
-            body_limit_bytes: self.body_limit_bytes,
-            deadline_exceeded_is_no_report: false,
-        };
-        let Some(response) = rpc.call(self.get_loads()).await? else {
-            return Ok(None);
-        };
-        worker_load_from_grpc(response).map_err(|source| LoadError::Invalid {
-            url: self.url.clone(),
-            source,
-        })
-    }
-
-    fn kind(&self) -> &'static str {
-        GRPC_KIND
-    }
-
-    fn load_url(&self) -> &str {
-        &self.url
+    fn worker_load(reply: GetLoadsResponse) -> Result<Option<WorkerLoad>, LoadValidationError> {
+        worker_load_from_grpc(reply)
     }
 }

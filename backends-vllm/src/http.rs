@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use load_protocols::WorkerLoad;
+use load_transport::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use parking_lot::Mutex;
-use policy_core::http::{ReportClient, ReportFormat, ReportUrl, http_base};
 use policy_core::{BackendError, BackendSpec, LoadError, LoadSource};
 
 use crate::{VllmMetricsConverter, VllmMetricsError};

@@ -66,7 +66,9 @@ use std::sync::Arc;
 use policy_core::{BackendRegistry, LoadAddress, LoadSource};
 
 pub use error::VllmMetricsError;
-pub use grpc::{GRPC_KIND, VllmGrpcLoadSource, snapshot_from_grpc, worker_load_from_grpc};
+pub use grpc::{
+    GRPC_KIND, VllmGetLoads, VllmGrpcLoadSource, snapshot_from_grpc, worker_load_from_grpc,
+};
 pub use http::{METRICS_KIND, VllmMetricsLoadSource};
 pub use metrics::{
     ENGINE_LABEL, GENERATION_TOKENS, GENERATION_TOKENS_TOTAL, GPU_CACHE_USAGE_PERC,
@@ -82,7 +84,5 @@ pub fn register(registry: &mut BackendRegistry) {
     registry.register(METRICS_KIND, LoadAddress::Http, |spec| {
         VllmMetricsLoadSource::new(spec).map(|source| Arc::new(source) as Arc<dyn LoadSource>)
     });
-    registry.register(GRPC_KIND, LoadAddress::Grpc, |spec| {
-        VllmGrpcLoadSource::new(spec).map(|source| Arc::new(source) as Arc<dyn LoadSource>)
-    });
+    VllmGrpcLoadSource::register(registry);
 }

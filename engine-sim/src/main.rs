@@ -18,7 +18,10 @@
 //! `generation-500` (500 while `/health` says 200), `slow-first-byte` (the
 //! head only after `--slow-first-byte-ms`); and `refuse-connections`.
 //! `GET /control/stats` counts the generation requests and `/health_generate`
-//! probes each engine received.
+//! probes each engine received; `GET /control/admitted` lists the
+//! `x-request-id`s of the generation requests that got past every pre-model
+//! fault into the engine (the newest 100 000), so a duplicate generation
+//! shows as an id admitted twice.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
@@ -28,6 +31,7 @@ mod drive;
 
 use clap::{Parser, Subcommand};
 use mock_engines::{EngineSimError, FaultMode, Flavour, ServeMode, SimEngineConfig};
+use policy_core::error_chain;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -150,17 +154,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Port `base + index`; base 0 lets the OS pick a free port for every engine

@@ -40,6 +40,6 @@ mod server;
 
 pub use error::EngineSimError;
 pub use server::{
-    FaultMode, Flavour, ServeMode, SimEngineAddr, SimEngineConfig, SimEngineStats, SimFleet, start,
-    start_many,
+    ADMITTED_ID_MAX_BYTES, AdmittedRequestIds, FaultMode, Flavour, ServeMode, SimEngineAddr,
+    SimEngineConfig, SimEngineStats, SimFleet, start, start_many,
 };

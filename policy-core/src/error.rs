@@ -103,3 +103,36 @@ pub enum BackendError {
         source: BoxError,
     },
 }
+
+/// An error and its sources, joined, for one log line: `could not connect
+/// to http://h:1: Connection refused`. The error types here keep their
+/// causes as sources rather than in their messages, so a log line that
+/// printed only the top would lose them.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_joins_every_source() {
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let error = LoadError::Connect {
+            url: "http://h:1".into(),
+            source: refused.into(),
+        };
+        assert_eq!(
+            error_chain(&error),
+            "could not connect to http://h:1: refused"
+        );
+    }
+}

@@ -36,16 +36,12 @@
 //! ```
 //!
 //! With the `mocks` feature, `MockLoadSource` and `MockPolicy` (mockall) are
-//! exported for other crates' tests. The `http` and `grpc` features hold
-//! what the load sources over each transport share ([`http`], `grpc`).
+//! exported for other crates' tests. The clients load sources fetch with
+//! (HTTP, gRPC) are the `load-transport` crate's.
 
 mod baseline;
 mod dispatch;
 mod error;
-#[cfg(feature = "grpc")]
-pub mod grpc;
-#[cfg(feature = "http")]
-pub mod http;
 mod load_source;
 mod policy;
 mod poll;
@@ -58,10 +54,10 @@ mod worker;
 
 pub use baseline::{BaselineKind, BaselineParams, BaselinePolicy, describe_request};
 pub use dispatch::{Clock, Dispatch, DispatchGuard, PollMark, tokio_now};
-pub use error::{BackendError, BoxError, LoadError, PolicyError};
+pub use error::{BackendError, BoxError, LoadError, PolicyError, error_chain};
 #[cfg(any(test, feature = "mocks"))]
 pub use load_source::MockLoadSource;
-pub use load_source::{BackendSpec, LoadSource, SourceOptions, grpc_authority};
+pub use load_source::{BackendSpec, LoadSource, SourceOptions};
 #[cfg(any(test, feature = "mocks"))]
 pub use policy::MockPolicy;
 pub use policy::{Policy, PolicyContext, WorkerStats};

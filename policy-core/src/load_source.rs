@@ -110,73 +110,9 @@ impl BackendSpec {
     }
 }
 
-/// The `host:port` of a gRPC load address, `grpc://host:port` with an
-/// optional trailing `/`, checked the same way for every gRPC backend.
-pub fn grpc_authority(url: &str) -> Result<&str, BackendError> {
-    let invalid = |reason| BackendError::InvalidAddress {
-        url: url.to_owned(),
-        reason,
-    };
-    let authority = url
-        .strip_prefix("grpc://")
-        .ok_or_else(|| invalid("expected grpc://host:port"))?;
-    let authority = authority.strip_suffix('/').unwrap_or(authority);
-    if authority.is_empty() || authority.contains(['/', '?', '#', '@']) {
-        return Err(invalid("expected grpc://host:port"));
-    }
-    // `[::1]` has colons but no port: the port follows the last `]`.
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((host, port)) if !port.contains(']') => (host, port),
-        _ => return Err(invalid("missing port")),
-    };
-    if host.is_empty() || host == "[]" {
-        return Err(invalid("missing host"));
-    }
-    if host.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(invalid("not a valid host:port"));
-    }
-    match port.parse::<u16>() {
-        Ok(port) if port > 0 => Ok(authority),
-        _ => Err(invalid("invalid port")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn grpc_addresses_are_checked() {
-        assert_eq!(
-            grpc_authority("grpc://10.0.0.1:30001").unwrap(),
-            "10.0.0.1:30001"
-        );
-        assert_eq!(
-            grpc_authority("grpc://engine-0:9000/").unwrap(),
-            "engine-0:9000"
-        );
-        assert_eq!(grpc_authority("grpc://[::1]:50051").unwrap(), "[::1]:50051");
-        for (bad, reason) in [
-            ("http://host:1", "expected grpc://host:port"),
-            ("127.0.0.1:50051", "expected grpc://host:port"),
-            ("grpc://", "expected grpc://host:port"),
-            ("grpc://host:1/v1/loads", "expected grpc://host:port"),
-            ("grpc://host", "missing port"),
-            ("grpc://[::1]", "missing port"),
-            ("grpc://:50051", "missing host"),
-            ("grpc://bad host:1", "not a valid host:port"),
-            ("grpc://host:notaport", "invalid port"),
-            ("grpc://host:0", "invalid port"),
-            ("grpc://host:70000", "invalid port"),
-        ] {
-            match grpc_authority(bad) {
-                Err(BackendError::InvalidAddress { url, reason: got }) => {
-                    assert_eq!((url.as_str(), got), (bad, reason));
-                }
-                other => panic!("{bad}: {other:?}"),
-            }
-        }
-    }
 
     #[test]
     fn a_missing_load_url_names_the_backend() {

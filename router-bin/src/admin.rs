@@ -8,12 +8,11 @@ use axum::http::{Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router, routing::get};
-use policy_core::{RequestInfo, TokenCount, WorkerId, tokio_now};
+use policy_core::{RequestInfo, TokenCount, WorkerId, error_chain, tokio_now};
 use serde::Deserialize;
 
 use crate::app::App;
 use crate::config::{PolicyConfig, WorkerConfig};
-use crate::monitor::error_chain;
 use crate::outlier::Standing;
 use crate::proxy::error_response;
 use crate::workers::Worker;

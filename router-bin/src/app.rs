@@ -7,13 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use policy_core::{
-    BackendRegistry, BackendSpec, Policy, PolicyContext, PolicyRegistry, SourceOptions,
+    BackendRegistry, BackendSpec, Policy, PolicyContext, PolicyRegistry, SourceOptions, error_chain,
 };
 
 use crate::config::{PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
-use crate::monitor::error_chain;
 use crate::outlier::Failure;
 use crate::topology::Topology;
 use crate::upstream::{UpstreamClient, control_get, upstream_client};

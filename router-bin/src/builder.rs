@@ -27,8 +27,8 @@ use crate::app::{App, complete_policy_sections};
 use crate::cli::Cli;
 use crate::config::{Layers, RouterConfig};
 use crate::error::{ConfigError, RouterError};
-use crate::monitor::error_chain;
 use crate::server;
+use policy_core::error_chain;
 
 /// The policies and backends a router is built from. See the module
 /// documentation.

@@ -608,7 +608,7 @@ pub type WorkerProblem = (&'static str, String, String);
 
 /// Checks what needs no backend knowledge: the worker's URL and API key.
 pub fn validate_worker_address(worker: &WorkerConfig) -> Result<(), WorkerProblem> {
-    if policy_core::http::http_base(&worker.url).is_err() {
+    if load_transport::http::http_base(&worker.url).is_err() {
         return Err((
             "url",
             format!("{:?}", worker.url),
@@ -616,7 +616,7 @@ pub fn validate_worker_address(worker: &WorkerConfig) -> Result<(), WorkerProble
         ));
     }
     if let Some(key) = &worker.api_key
-        && policy_core::http::bearer_header(key).is_err()
+        && load_transport::http::bearer_header(key).is_err()
     {
         return Err((
             "api_key",
@@ -638,7 +638,7 @@ pub fn validate_worker(
         // Detected when the worker is added; only an HTTP load address can
         // be checked before then.
         return match &worker.load_url {
-            Some(load_url) if policy_core::http::http_base(load_url).is_err() => Err((
+            Some(load_url) if load_transport::http::http_base(load_url).is_err() => Err((
                 "load_url",
                 format!("{load_url:?}"),
                 "an http://host:port URL without a query (name the backend for a grpc:// one)"
@@ -656,9 +656,11 @@ pub fn validate_worker(
     };
     let fits = match (address, &worker.load_url) {
         (LoadAddress::Http, None) => true,
-        (LoadAddress::Http, Some(load_url)) => policy_core::http::http_base(load_url).is_ok(),
+        (LoadAddress::Http, Some(load_url)) => load_transport::http::http_base(load_url).is_ok(),
         (LoadAddress::Grpc, None) => false,
-        (LoadAddress::Grpc, Some(load_url)) => policy_core::grpc_authority(load_url).is_ok(),
+        (LoadAddress::Grpc, Some(load_url)) => {
+            load_transport::grpc::grpc_authority(load_url).is_ok()
+        }
     };
     if fits {
         return Ok(());

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::join_all;
-use policy_core::{PollOutcome, poll_worker, tokio_now};
+use policy_core::{PollOutcome, error_chain, poll_worker, tokio_now};
 use tokio::time::MissedTickBehavior;
 
 use crate::app::App;
@@ -107,16 +107,4 @@ pub async fn run_outlier_prober(app: Arc<App>) {
             }
         }
     }
-}
-
-/// An error and its sources, joined, for one log line.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

@@ -14,14 +14,13 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use policy_core::http::read_capped;
-use policy_core::{DispatchGuard, RequestInfo, WorkerId, tokio_now};
+use load_transport::http::{CappedBodyError, read_capped};
+use policy_core::{DispatchGuard, RequestInfo, WorkerId, error_chain, tokio_now};
 
 use crate::app::App;
 use crate::client_body::read_body;
 use crate::coalesce::Coalesce;
 use crate::estimate::{max_output_tokens, request_info};
-use crate::monitor::error_chain;
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
 use crate::upstream::{UpstreamBody, control_get};
@@ -317,49 +316,50 @@ async fn attempt_on(
     }
     let (mut parts, inner) = response.into_parts();
     parts.headers = forwardable(&parts.headers);
+    if !streaming {
+        // A non-streaming response's head is its first token.
+        tracker.first_token();
+        return Attempt::Done(whole_answer(app, tracker, parts, inner, request).await);
+    }
     let mut inner = Coalesce::new(inner);
     let mut first_event = FirstDataEvent::default();
-    let mut held = None;
-    if streaming {
-        match tokio::time::timeout_at(
-            first_byte_by,
-            until_first_event(&mut inner, &mut first_event),
-        )
-        .await
-        {
-            Ok(Ok(prefix)) => held = prefix,
-            Ok(Err(error)) => {
-                worker
-                    .metrics
-                    .request_status(&app.metrics, Failure::Cut.label());
-                app.request_failed(&worker, Failure::Cut);
-                return Attempt::Done(gateway_error(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    format!(
-                        "worker {} broke off its stream before the first event: {}",
-                        worker.url,
-                        error_chain(&error)
-                    ),
-                ));
-            }
-            Err(_elapsed) => {
-                worker.metrics.request_status(&app.metrics, "timeout");
-                app.request_failed(&worker, Failure::FirstByteTimeout);
-                return Attempt::Done(gateway_error(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "timeout",
-                    format!(
-                        "worker {} admitted the stream but sent no event within {} ms \
-                         (server.first_byte_timeout_ms); not retried, since it may be generating",
-                        worker.url, server.first_byte_timeout_ms
-                    ),
-                ));
-            }
+    let held = match tokio::time::timeout_at(
+        first_byte_by,
+        until_first_event(&mut inner, &mut first_event),
+    )
+    .await
+    {
+        Ok(Ok(prefix)) => prefix,
+        Ok(Err(error)) => {
+            worker
+                .metrics
+                .request_status(&app.metrics, Failure::Cut.label());
+            app.request_failed(&worker, Failure::Cut);
+            return Attempt::Done(gateway_error(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                format!(
+                    "worker {} broke off its stream before the first event: {}",
+                    worker.url,
+                    error_chain(&error)
+                ),
+            ));
         }
-    }
-    if !streaming || first_event.found() {
-        // A non-streaming response's head is its first token.
+        Err(_elapsed) => {
+            worker.metrics.request_status(&app.metrics, "timeout");
+            app.request_failed(&worker, Failure::FirstByteTimeout);
+            return Attempt::Done(gateway_error(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout",
+                format!(
+                    "worker {} admitted the stream but sent no event within {} ms \
+                         (server.first_byte_timeout_ms); not retried, since it may be generating",
+                    worker.url, server.first_byte_timeout_ms
+                ),
+            ));
+        }
+    };
+    if first_event.found() {
         tracker.first_token();
     }
     let body = TrackedBody {
@@ -368,13 +368,72 @@ async fn attempt_on(
         tracker: Some(tracker),
         first_event,
         app: app.clone(),
-        streaming,
         idle_timeout: server.stream_idle_timeout(),
         idle: Box::pin(tokio::time::sleep(server.stream_idle_timeout())),
         deadline: Box::pin(tokio::time::sleep_until(request.deadline)),
         ended: false,
     };
     Attempt::Done(Response::from_parts(parts, Body::new(body)))
+}
+
+/// Most bytes of a non-streaming answer the router holds to pass on whole.
+const WHOLE_ANSWER_LIMIT_BYTES: usize = 64 * 1024 * 1024;
+
+/// A non-streaming answer, read whole before its head goes to the client:
+/// one JSON document, so an engine that breaks off mid-way becomes a clear
+/// 502 instead of a cut the client cannot tell from a short answer.
+async fn whole_answer(
+    app: &Arc<App>,
+    tracker: RequestTracker,
+    parts: http::response::Parts,
+    inner: Incoming,
+    request: &ClientRequest,
+) -> Response {
+    let worker = tracker.worker.clone();
+    let server = &app.config.server;
+    let read_by =
+        (tokio::time::Instant::now() + server.stream_idle_timeout()).min(request.deadline);
+    let failure = match tokio::time::timeout_at(
+        read_by,
+        read_capped(inner, WHOLE_ANSWER_LIMIT_BYTES),
+    )
+    .await
+    {
+        Ok(Ok(answer)) => {
+            app.request_succeeded(&worker);
+            return Response::from_parts(parts, Body::from(answer));
+        }
+        Ok(Err(CappedBodyError::TooLarge { limit_bytes })) => {
+            // Not the worker's fault; the router's own limit.
+            return gateway_error(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                format!("the worker's answer exceeds {limit_bytes} bytes"),
+            );
+        }
+        Ok(Err(CappedBodyError::Broken(error))) => (
+            Failure::Cut,
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "worker {} broke off its answer: {}",
+                worker.url,
+                error_chain(&error)
+            ),
+        ),
+        Err(_elapsed) => (
+            Failure::Stalled,
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "worker {} sent its head but not the rest of its answer within {} ms \
+                 (server.stream_idle_timeout_ms)",
+                worker.url, server.stream_idle_timeout_ms
+            ),
+        ),
+    };
+    let (failure, status, message) = failure;
+    worker.metrics.request_status(&app.metrics, failure.label());
+    app.request_failed(&worker, failure);
+    gateway_error(status, "upstream_error", message)
 }
 
 /// Reads a stream until its first `data:` field has arrived (or it ended);
@@ -499,10 +558,10 @@ impl Drop for RequestTracker {
     }
 }
 
-/// The worker's body, passed through as it arrives (joined into fewer
+/// A worker's stream, passed through as it arrives (joined into fewer
 /// frames by [`Coalesce`]), under the stream idle deadline and the request
 /// deadline. A stream that breaks off or stalls ends with an SSE error
-/// event, never a silent cut. Dropping it (the body ended, or the client
+/// event, never a silent cut. Dropping it (the stream ended, or the client
 /// went away) releases the dispatch.
 struct TrackedBody {
     inner: Coalesce<Incoming>,
@@ -511,7 +570,6 @@ struct TrackedBody {
     tracker: Option<RequestTracker>,
     first_event: FirstDataEvent,
     app: Arc<App>,
-    streaming: bool,
     idle_timeout: std::time::Duration,
     idle: Pin<Box<tokio::time::Sleep>>,
     deadline: Pin<Box<tokio::time::Sleep>>,
@@ -529,8 +587,8 @@ impl TrackedBody {
         }
     }
 
-    /// Ends the body early: a stream gets an SSE error event and a clean
-    /// end; any other body can only be cut. `failure` is the worker's.
+    /// Ends the stream early with an SSE error event and a clean end.
+    /// `failure` is the worker's.
     fn end_early(
         &mut self,
         failure: Option<Failure>,
@@ -548,18 +606,13 @@ impl TrackedBody {
             tracing::debug!(worker = %tracker.worker.url, %message, "response ended early");
         }
         self.ended = true;
-        if self.streaming {
-            Poll::Ready(Some(Ok(Frame::data(sse::error_event(kind, &message)))))
-        } else {
-            Poll::Ready(Some(Err(std::io::Error::other(message))))
-        }
+        Poll::Ready(Some(Ok(Frame::data(sse::error_event(kind, &message)))))
     }
 
     fn pass(&mut self, frame: Frame<Bytes>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         let deadline = tokio::time::Instant::now() + self.idle_timeout;
         self.idle.as_mut().reset(deadline);
         if let Some(data) = frame.data_ref()
-            && self.streaming
             && !self.first_event.found()
             && self.first_event.feed(data)
             && let Some(tracker) = self.tracker.as_mut()

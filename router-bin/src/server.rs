@@ -29,12 +29,13 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use policy_core::error_chain;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::app::App;
 use crate::config::{RouterConfig, ServerConfig};
 use crate::error::RouterError;
-use crate::monitor::{error_chain, run_health_checker, run_load_monitor, run_outlier_prober};
+use crate::monitor::{run_health_checker, run_load_monitor, run_outlier_prober};
 use crate::{admin, proxy};
 
 /// Every route the router serves.

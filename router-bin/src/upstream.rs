@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use policy_core::http::{CappedBodyError, pooled_client, read_capped};
+use load_transport::http::{CappedBodyError, pooled_client, read_capped};
 
 /// A request body: the client's bytes, kept so a retry can send them again.
 pub type UpstreamBody = Full<Bytes>;

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Uri};
 use load_protocols::WorkerLoad;
+use load_transport::http::bearer_header;
 use parking_lot::Mutex;
-use policy_core::http::bearer_header;
 use policy_core::{LoadSource, WorkerId, WorkerInfo};
 
 use crate::metrics::WorkerMetrics;

@@ -441,3 +441,37 @@ async fn a_burst_of_events_passes_whole_and_in_order() {
     assert_eq!(announced, plain.bytes().await.unwrap().len() as u64);
     engines.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_answer_cut_short_is_a_clear_502() {
+    let engines = fleet(vec![engine(Flavour::Sglang, 1)]).await;
+    let router = start_router(fast_config(
+        vec![worker("sglang", &engines.engines()[0].http_url())],
+        "",
+    ))
+    .await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    engines.set_fault(0, FaultMode::CloseMidStream);
+    let response = router
+        .client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(&serde_json::json!({"max_tokens": 8,
+            "messages": [{"role": "user", "content": prompt(1, 50)}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let error: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "upstream_error");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("broke off its answer"),
+        "{error}"
+    );
+    engines.shutdown().await;
+}

@@ -461,19 +461,31 @@ async fn a_data_field_split_byte_by_byte_is_still_the_first_token() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_past_its_deadline_ends_with_an_error_event() {
+/// One upstream that holds every stream after its first event, and a
+/// healthy router in front of it with `tweak` applied to `[server]`.
+async fn held_stream_router(
+    tweak: impl FnOnce(&mut router_bin::config::ServerConfig),
+) -> (Upstream, common::TestRouter) {
     let upstream = Upstream::start().await;
     upstream
         .switches
         .gate_after_first_chunk
         .store(true, Ordering::SeqCst);
     let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
-    config.server.first_byte_timeout_ms = 300;
-    config.server.request_deadline_ms = 600;
+    tweak(&mut config.server);
     let router = start_router(config).await;
     wait_until("the worker is healthy", || async {
         router.healthy_count().await == 1
+    })
+    .await;
+    (upstream, router)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_its_deadline_ends_with_an_error_event() {
+    let (_upstream, router) = held_stream_router(|server| {
+        server.first_byte_timeout_ms = 300;
+        server.request_deadline_ms = 600;
     })
     .await;
     let response = router.chat("hello", true).await;
@@ -504,16 +516,8 @@ async fn a_stream_past_its_deadline_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker() {
-    let upstream = Upstream::start().await;
-    upstream
-        .switches
-        .gate_after_first_chunk
-        .store(true, Ordering::SeqCst);
-    let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
-    config.server.stream_idle_timeout_ms = 300;
-    let router = start_router(config).await;
-    wait_until("the worker is healthy", || async {
-        router.healthy_count().await == 1
+    let (_upstream, router) = held_stream_router(|server| {
+        server.stream_idle_timeout_ms = 300;
     })
     .await;
     let response = router.chat("hello", true).await;

@@ -1,5 +1,6 @@
-//! Fault control and request counters: `/control/fault` and
-//! `/control/stats`, which keep answering under every fault.
+//! Fault control and request counters: `/control/fault`,
+//! `/control/stats` and `/control/admitted`, which keep answering under
+//! every fault.
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -51,6 +52,19 @@ pub(super) async fn stats(State(shared): State<Shared>) -> Response<Body> {
             "generation_requests": stats.generation_requests,
             "health_generate_requests": stats.health_generate_requests,
             "fault": shared.fault().as_str(),
+        }),
+    )
+}
+
+/// The request ids that reached the engine model (`x-request-id`), for
+/// spotting a generation run twice.
+pub(super) async fn admitted(State(shared): State<Shared>) -> Response<Body> {
+    let admitted = shared.counters.admitted();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "admitted_request_ids": admitted.ids,
+            "admitted_total": admitted.total,
         }),
     )
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, Response, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use engine_model::EngineRequest;
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
@@ -35,17 +35,28 @@ enum Api {
     Generate,
 }
 
-pub(super) async fn chat_completions(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
-    generation(shared, Api::Chat, body).await
+pub(super) async fn chat_completions(
+    State(shared): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
+    generation(shared, Api::Chat, &headers, body).await
 }
 
-pub(super) async fn completions(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
-    generation(shared, Api::Completions, body).await
+pub(super) async fn completions(
+    State(shared): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
+    generation(shared, Api::Completions, &headers, body).await
 }
 
-pub(super) async fn generate(State(shared): State<Shared>, body: Bytes) -> Response<Body> {
-    generation(shared, Api::Generate, body).await
+pub(super) async fn generate(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    generation(shared, Api::Generate, &headers, body).await
 }
+
+/// The header whose value `/control/admitted` records.
+const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// What a generation request asks for.
 #[derive(Debug, Clone, PartialEq)]
@@ -157,7 +168,7 @@ fn prompt_text(api: Api, body: &Value) -> String {
     text
 }
 
-async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
+async fn generation(shared: Shared, api: Api, headers: &HeaderMap, body: Bytes) -> Response<Body> {
     // Counted on arrival, before parsing or any fault.
     shared
         .counters
@@ -173,7 +184,11 @@ async fn generation(shared: Shared, api: Api, body: Bytes) -> Response<Body> {
         shared.config.params.block_size_tokens,
         shared.config.default_output_tokens,
     );
-    answer(shared, api, request).await
+    let request_id = headers
+        .get(REQUEST_ID_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    answer(shared, api, request, request_id).await
 }
 
 /// SGLang's deep health check: a one-token generation through [`answer`],
@@ -191,7 +206,7 @@ pub(super) async fn health_generate(State(shared): State<Shared>) -> Response<Bo
         bounded: true,
         prefix_block_hashes: Vec::new(),
     };
-    let response = answer(shared, Api::Generate, probe).await;
+    let response = answer(shared, Api::Generate, probe, None).await;
     let status = response.status();
     let body = axum::body::to_bytes(response.into_body(), PROBE_BODY_LIMIT_BYTES).await;
     let healthy = status == StatusCode::OK && body.is_ok();
@@ -202,8 +217,14 @@ pub(super) async fn health_generate(State(shared): State<Shared>) -> Response<Bo
     answer
 }
 
-/// Answers a parsed generation request, applying the generation faults.
-async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Response<Body> {
+/// Answers a parsed generation request, applying the generation faults;
+/// `request_id` is recorded as admitted once the request gets past them.
+async fn answer(
+    shared: Shared,
+    api: Api,
+    request: GenerationRequest,
+    request_id: Option<String>,
+) -> Response<Body> {
     match shared.fault() {
         FaultMode::HangGeneration => return hang(&shared).await,
         FaultMode::HangMidStream if !request.stream => return hang(&shared).await,
@@ -234,8 +255,16 @@ async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Respons
         prompt_tokens: request.prompt_tokens,
         finish_reason: if request.bounded { "length" } else { "stop" },
     };
+    // Recorded only once generation really starts: a request dropped during
+    // a pre-model hang or delay, or refused, was never generated.
+    let admit = |shared: &Shared| {
+        if let Some(request_id) = &request_id {
+            shared.counters.admit(request_id);
+        }
+    };
     let progress: BoxStream<'static, Progress> = match shared.config.mode {
         ServeMode::Canned => {
+            admit(&shared);
             let tokens = shared.config.canned_tokens.max(1);
             stream::iter(
                 (1..=tokens)
@@ -247,13 +276,16 @@ async fn answer(shared: Shared, api: Api, request: GenerationRequest) -> Respons
             .boxed()
         }
         ServeMode::Model => match submit(&shared, id, &request) {
-            Ok(receiver) => progress_stream(
-                receiver,
-                RequestGuard {
-                    shared: shared.clone(),
-                    id,
-                },
-            ),
+            Ok(receiver) => {
+                admit(&shared);
+                progress_stream(
+                    receiver,
+                    RequestGuard {
+                        shared: shared.clone(),
+                        id,
+                    },
+                )
+            }
             Err(error) => return error_response(StatusCode::BAD_REQUEST, &error.to_string()),
         },
     };

@@ -19,7 +19,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tower::ServiceExt;
 
-use super::control::{get_fault, set_fault, stats};
+use super::control::{admitted, get_fault, set_fault, stats};
 use super::generation::{chat_completions, completions, generate, health_generate};
 use super::loads::{sglang_loads, sglang_metrics, vllm_metrics};
 use super::{EngineShared, FaultMode, Flavour};
@@ -103,7 +103,8 @@ fn router(shared: Shared) -> Router {
         .route("/v1/completions", post(completions))
         .route("/generate", post(generate))
         .route("/control/fault", post(set_fault).get(get_fault))
-        .route("/control/stats", get(stats));
+        .route("/control/stats", get(stats))
+        .route("/control/admitted", get(admitted));
     match shared.config.flavour {
         Flavour::Sglang => {
             router = router

@@ -8,9 +8,10 @@
 //!
 //! Each engine has one HTTP port (`/health`, `/v1/models`, the generation
 //! endpoints, SGLang's `/health_generate` on the SGLang flavours, its
-//! flavour's load endpoints, `/control/fault`, `/control/stats`) and, when
-//! the flavour has gRPC and [`SimEngineConfig::grpc_addr`] is set, one gRPC
-//! port (`GetLoads`, `HealthCheck`).
+//! flavour's load endpoints, `/control/fault`, `/control/stats`,
+//! `/control/admitted`) and, when the flavour has gRPC and
+//! [`SimEngineConfig::grpc_addr`] is set, one gRPC port (`GetLoads`,
+//! `HealthCheck`).
 //!
 //! In [`ServeMode::Model`] an [`Engine`] runs in virtual time
 //! = elapsed wall time × `time_scale`. One driver task per engine advances the
@@ -25,7 +26,7 @@ mod grpc;
 mod http;
 mod loads;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
@@ -341,10 +342,36 @@ pub struct SimEngineStats {
     pub health_generate_requests: u64,
 }
 
+/// How many admitted request ids an engine keeps (the newest); older ones
+/// are forgotten so a long run's memory stays bounded.
+pub const ADMITTED_IDS_KEPT: usize = 100_000;
+/// Longer `x-request-id`s are not recorded: with the count capped, this caps
+/// the log's memory too.
+pub const ADMITTED_ID_MAX_BYTES: usize = 256;
+
+/// The `x-request-id`s of the generation requests that entered the engine
+/// (submitted to the model, or a canned answer started), oldest first.
+/// Arrival counts cannot tell a duplicate generation from the retry of a
+/// request a hung engine never started; this can.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AdmittedRequestIds {
+    /// The newest [`ADMITTED_IDS_KEPT`] ids, oldest first.
+    pub ids: Vec<String>,
+    /// Every id ever recorded, including those no longer kept.
+    pub total: u64,
+}
+
+#[derive(Debug, Default)]
+struct AdmittedLog {
+    ids: VecDeque<String>,
+    total: u64,
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     generation_requests: AtomicU64,
     health_generate_requests: AtomicU64,
+    admitted: Mutex<AdmittedLog>,
 }
 
 impl Counters {
@@ -352,6 +379,27 @@ impl Counters {
         SimEngineStats {
             generation_requests: self.generation_requests.load(Ordering::Relaxed),
             health_generate_requests: self.health_generate_requests.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Records that the request with this id entered the engine.
+    fn admit(&self, request_id: &str) {
+        if request_id.len() > ADMITTED_ID_MAX_BYTES {
+            return;
+        }
+        let mut log = self.admitted.lock();
+        if log.ids.len() >= ADMITTED_IDS_KEPT {
+            log.ids.pop_front();
+        }
+        log.ids.push_back(request_id.to_owned());
+        log.total += 1;
+    }
+
+    fn admitted(&self) -> AdmittedRequestIds {
+        let log = self.admitted.lock();
+        AdmittedRequestIds {
+            ids: log.ids.iter().cloned().collect(),
+            total: log.total,
         }
     }
 }
@@ -449,6 +497,13 @@ impl SimFleet {
     /// Engine `index`'s request counters (also `GET /control/stats`).
     pub fn stats(&self, index: usize) -> Option<SimEngineStats> {
         self.slots.get(index).map(|slot| slot.counters.stats())
+    }
+
+    /// The `x-request-id`s of the generation requests that entered engine
+    /// `index`'s model (past every pre-model fault), across restarts (also
+    /// `GET /control/admitted`).
+    pub fn admitted_request_ids(&self, index: usize) -> Option<AdmittedRequestIds> {
+        self.slots.get(index).map(|slot| slot.counters.admitted())
     }
 
     /// Generation requests engine `index` has accepted, across restarts.

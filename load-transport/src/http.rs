@@ -18,7 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::{BackendError, LoadError, SourceOptions};
+use policy_core::{BackendError, LoadError, SourceOptions};
 
 /// How long an idle poll connection stays open. Longer than any sane poll
 /// interval, so a worker polled every few seconds keeps one connection.

@@ -1,15 +1,51 @@
 //! What every gRPC (tonic) load source shares, behind the `grpc` feature:
 //! the endpoint of a `grpc://` load address, the bearer token as metadata,
-//! and a failed call's status as a [`LoadError`].
+//! a failed call's status as a [`LoadError`], and [`GrpcLoadSource`], the
+//! whole source for a backend that only says how to call its `GetLoads`
+//! ([`GetLoads`]).
 
 use std::future::Future;
 use std::time::Duration;
 
+use policy_core::{BackendError, LoadError};
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
 use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
-use crate::{BackendError, LoadError, grpc_authority};
+mod source;
+
+pub use source::{GetLoads, GrpcLoadSource};
+
+/// The `host:port` of a gRPC load address, `grpc://host:port` with an
+/// optional trailing `/`, checked the same way for every gRPC backend.
+pub fn grpc_authority(url: &str) -> Result<&str, BackendError> {
+    let invalid = |reason| BackendError::InvalidAddress {
+        url: url.to_owned(),
+        reason,
+    };
+    let authority = url
+        .strip_prefix("grpc://")
+        .ok_or_else(|| invalid("expected grpc://host:port"))?;
+    let authority = authority.strip_suffix('/').unwrap_or(authority);
+    if authority.is_empty() || authority.contains(['/', '?', '#', '@']) {
+        return Err(invalid("expected grpc://host:port"));
+    }
+    // `[::1]` has colons but no port: the port follows the last `]`.
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((host, port)) if !port.contains(']') => (host, port),
+        _ => return Err(invalid("missing port")),
+    };
+    if host.is_empty() || host == "[]" {
+        return Err(invalid("missing host"));
+    }
+    if host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(invalid("not a valid host:port"));
+    }
+    match port.parse::<u16>() {
+        Ok(port) if port > 0 => Ok(authority),
+        _ => Err(invalid("invalid port")),
+    }
+}
 
 /// The endpoint of a `grpc://host:port` load address; no connection is made.
 pub fn grpc_endpoint(url: &str) -> Result<Endpoint, BackendError> {
@@ -253,6 +289,39 @@ mod tests {
             bearer_metadata("grpc://h:1", Some("bad\nkey")),
             Err(BackendError::Client { .. })
         ));
+    }
+
+    #[test]
+    fn grpc_addresses_are_checked() {
+        assert_eq!(
+            grpc_authority("grpc://10.0.0.1:30001").unwrap(),
+            "10.0.0.1:30001"
+        );
+        assert_eq!(
+            grpc_authority("grpc://engine-0:9000/").unwrap(),
+            "engine-0:9000"
+        );
+        assert_eq!(grpc_authority("grpc://[::1]:50051").unwrap(), "[::1]:50051");
+        for (bad, reason) in [
+            ("http://host:1", "expected grpc://host:port"),
+            ("127.0.0.1:50051", "expected grpc://host:port"),
+            ("grpc://", "expected grpc://host:port"),
+            ("grpc://host:1/v1/loads", "expected grpc://host:port"),
+            ("grpc://host", "missing port"),
+            ("grpc://[::1]", "missing port"),
+            ("grpc://:50051", "missing host"),
+            ("grpc://bad host:1", "not a valid host:port"),
+            ("grpc://host:notaport", "invalid port"),
+            ("grpc://host:0", "invalid port"),
+            ("grpc://host:70000", "invalid port"),
+        ] {
+            match grpc_authority(bad) {
+                Err(BackendError::InvalidAddress { url, reason: got }) => {
+                    assert_eq!((url.as_str(), got), (bad, reason));
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
     }
 
     #[test]
