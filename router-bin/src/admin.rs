@@ -96,6 +96,8 @@ fn worker_json(app: &App, worker: &Worker) -> serde_json::Value {
         "consecutive_failures": consecutive_failures,
         "ejections": ejections,
         "in_rotation": worker.in_rotation(),
+        "held_back": worker.is_held_back(),
+        "silent_streams": worker.silent_streams(),
         "draining": worker.is_draining(),
         "in_flight": worker.in_flight(),
         "pending_tokens": stats.pending_tokens,

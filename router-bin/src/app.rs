@@ -190,6 +190,19 @@ impl App {
         worker.with_outlier(|state| state.succeeded());
     }
 
+    /// One of `worker`'s streams went silent: held back from new requests
+    /// while any such mark lives.
+    fn stream_went_silent(&self, worker: &Worker) {
+        if worker.stream_went_silent() {
+            tracing::warn!(
+                worker = %worker.url,
+                silent_stream_ms = self.config.outlier_detection.silent_stream_ms,
+                "a stream on the worker went silent: held back from new requests until it sends again"
+            );
+            self.topology.refresh();
+        }
+    }
+
     /// A gateway failure of one request on `worker`: counted toward its
     /// ejection, which happens within the fleet-wide cap.
     pub fn request_failed(&self, worker: &Worker, failure: Failure) {
@@ -353,4 +366,33 @@ pub fn complete_policy_sections(
         }
     }
     Ok(())
+}
+
+/// A stream whose worker has sent nothing on it for
+/// `outlier_detection.silent_stream_ms`. While any lives, the worker is
+/// held back from new requests (unless every worker is); dropping the last
+/// one (the stream sent again, or ended) lets it back.
+#[derive(Debug)]
+pub struct SilentStream {
+    app: Arc<App>,
+    worker: Arc<Worker>,
+}
+
+impl SilentStream {
+    pub fn new(app: &Arc<App>, worker: &Arc<Worker>) -> SilentStream {
+        app.stream_went_silent(worker);
+        SilentStream {
+            app: app.clone(),
+            worker: worker.clone(),
+        }
+    }
+}
+
+impl Drop for SilentStream {
+    fn drop(&mut self) {
+        if self.worker.silent_stream_ended() {
+            tracing::info!(worker = %self.worker.url, "no stream on the worker is silent now: back in selection");
+            self.app.topology.refresh();
+        }
+    }
 }

@@ -259,6 +259,13 @@ pub struct OutlierConfig {
     pub max_ejected_percent: u32,
     /// How long a probe may take to answer.
     pub probe_timeout_ms: u64,
+    /// A stream that has sent nothing for this long holds its worker back
+    /// from new requests until it sends again (or the stream ends). A hung
+    /// engine's streams have passed their first token, so its pending work
+    /// is gone and it looks idle: without this it draws new requests for the
+    /// whole `server.stream_idle_timeout_ms`. Held-back workers still serve
+    /// when every worker is held back. 0 turns this off.
+    pub silent_stream_ms: u64,
     /// How an ejected worker is probed, by backend name: `health_generate`
     /// (GET /health_generate), `completion` (a one-token POST
     /// /v1/completions) or `health` (GET /health only). Backends not named
@@ -303,6 +310,7 @@ impl Default for OutlierConfig {
             max_ejection_ms: 300_000,
             max_ejected_percent: 50,
             probe_timeout_ms: 10_000,
+            silent_stream_ms: 5_000,
             probe: [
                 ("sglang".to_owned(), ProbeKind::HealthGenerate),
                 ("sglang-grpc".to_owned(), ProbeKind::HealthGenerate),
@@ -325,6 +333,11 @@ impl OutlierConfig {
 
     pub fn probe_timeout(&self) -> Duration {
         Duration::from_millis(self.probe_timeout_ms)
+    }
+
+    /// `silent_stream_ms`, or `None` when it is off.
+    pub fn silent_stream(&self) -> Option<Duration> {
+        (self.silent_stream_ms > 0).then(|| Duration::from_millis(self.silent_stream_ms))
     }
 
     /// The probe for a worker of `backend`.

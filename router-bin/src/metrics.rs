@@ -48,6 +48,7 @@ pub struct Metrics {
     pub healthy: Family<WorkerLabel, Gauge>,
     pub ejected: Family<WorkerLabel, Gauge>,
     pub ejections: Family<WorkerLabel, Counter>,
+    pub silent_streams: Family<WorkerLabel, Gauge>,
     pub ejections_refused: Counter,
     pub probes: Family<RequestLabels, Counter>,
     pub open_connections: Gauge,
@@ -156,6 +157,12 @@ impl Metrics {
             "Times outlier detection ejected each worker (consecutive failures or a failed probe)",
             ejections.clone(),
         );
+        let silent_streams = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_silent_streams",
+            "Open streams silent for outlier_detection.silent_stream_ms; above 0 the worker gets no new requests while others can take them",
+            silent_streams.clone(),
+        );
         let ejections_refused = Counter::default();
         registry.register(
             "ejections_refused",
@@ -191,6 +198,7 @@ impl Metrics {
             healthy,
             ejected,
             ejections,
+            silent_streams,
             ejections_refused,
             probes,
             open_connections,
@@ -222,6 +230,7 @@ pub struct WorkerMetrics {
     pub healthy: Gauge,
     pub ejected: Gauge,
     pub ejections: Counter,
+    pub silent_streams: Gauge,
     /// `requests_total{status="200"}`, the common case, resolved up front.
     pub requests_ok: Counter,
 }
@@ -244,6 +253,7 @@ impl WorkerMetrics {
             healthy: metrics.healthy.get_or_create(&label).clone(),
             ejected: metrics.ejected.get_or_create(&label).clone(),
             ejections: metrics.ejections.get_or_create(&label).clone(),
+            silent_streams: metrics.silent_streams.get_or_create(&label).clone(),
             requests_ok: metrics
                 .requests
                 .get_or_create(&RequestLabels {

@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 use load_transport::http::{CappedBodyError, read_capped};
 use policy_core::{DispatchGuard, RequestInfo, WorkerId, error_chain, tokio_now};
 
-use crate::app::App;
+use crate::app::{App, SilentStream};
 use crate::client_body::read_body;
 use crate::coalesce::Coalesce;
 use crate::estimate::{max_output_tokens, request_info};
@@ -362,14 +362,27 @@ async fn attempt_on(
     if first_event.found() {
         tracker.first_token();
     }
+    let idle_timeout = server.stream_idle_timeout();
+    // Past the idle deadline the stream ends anyway, so no hold-back then.
+    let silent_after = app
+        .config
+        .outlier_detection
+        .silent_stream()
+        .filter(|silent_after| *silent_after < idle_timeout);
+    let now = tokio::time::Instant::now();
     let body = TrackedBody {
         inner,
         held,
         tracker: Some(tracker),
         first_event,
         app: app.clone(),
-        idle_timeout: server.stream_idle_timeout(),
-        idle: Box::pin(tokio::time::sleep(server.stream_idle_timeout())),
+        idle_timeout,
+        silent_after,
+        last_frame_at: now,
+        silent: None,
+        idle: Box::pin(tokio::time::sleep_until(
+            now + silent_after.unwrap_or(idle_timeout),
+        )),
         deadline: Box::pin(tokio::time::sleep_until(request.deadline)),
         ended: false,
     };
@@ -571,6 +584,14 @@ struct TrackedBody {
     first_event: FirstDataEvent,
     app: Arc<App>,
     idle_timeout: std::time::Duration,
+    /// `outlier_detection.silent_stream_ms`, when shorter than the idle
+    /// deadline.
+    silent_after: Option<std::time::Duration>,
+    last_frame_at: tokio::time::Instant,
+    /// Held while the stream is silent: its worker gets no new requests.
+    silent: Option<SilentStream>,
+    /// Fires at `silent_after` past the last frame (the stream goes
+    /// silent), then at `idle_timeout` (it has stalled).
     idle: Pin<Box<tokio::time::Sleep>>,
     deadline: Pin<Box<tokio::time::Sleep>>,
     /// The router ended the body (an error event went out).
@@ -605,13 +626,31 @@ impl TrackedBody {
             }
             tracing::debug!(worker = %tracker.worker.url, %message, "response ended early");
         }
+        self.silent = None;
         self.ended = true;
         Poll::Ready(Some(Ok(Frame::data(sse::error_event(kind, &message)))))
     }
 
+    /// The stream has sent nothing for `silent_after`: holds its worker
+    /// back and re-arms the timer for the idle deadline. False when it was
+    /// already held back (or hold-back is off): the stream has stalled.
+    fn went_silent(&mut self) -> bool {
+        let (Some(_), None, Some(tracker)) = (self.silent_after, &self.silent, &self.tracker)
+        else {
+            return false;
+        };
+        self.silent = Some(SilentStream::new(&self.app, &tracker.worker));
+        let stalled_at = self.last_frame_at + self.idle_timeout;
+        self.idle.as_mut().reset(stalled_at);
+        true
+    }
+
     fn pass(&mut self, frame: Frame<Bytes>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        let deadline = tokio::time::Instant::now() + self.idle_timeout;
-        self.idle.as_mut().reset(deadline);
+        let now = tokio::time::Instant::now();
+        self.last_frame_at = now;
+        self.silent = None;
+        let next_check = now + self.silent_after.unwrap_or(self.idle_timeout);
+        self.idle.as_mut().reset(next_check);
         if let Some(data) = frame.data_ref()
             && !self.first_event.found()
             && self.first_event.feed(data)
@@ -667,6 +706,11 @@ impl http_body::Body for TrackedBody {
                     );
                 }
                 if this.idle.as_mut().poll(cx).is_ready() {
+                    // Silent, not yet stalled: wait on, with the worker held
+                    // back (polled again so the re-armed timer wakes us).
+                    if this.went_silent() && this.idle.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
                     let idle_ms = this.app.config.server.stream_idle_timeout_ms;
                     return this.end_early(
                         Some(Failure::Stalled),

@@ -204,9 +204,18 @@ impl Topology {
         change(&mut next);
         next.candidates = next
             .workers()
-            .filter(|worker| worker.in_rotation())
+            .filter(|worker| worker.in_rotation() && !worker.is_held_back())
             .map(|worker| worker.id)
             .collect();
+        // Held back is a preference, not an ejection: with no other worker
+        // in rotation, the held-back ones still serve.
+        if next.candidates.is_empty() {
+            next.candidates = next
+                .workers()
+                .filter(|worker| worker.in_rotation())
+                .map(|worker| worker.id)
+                .collect();
+        }
         self.current.store(Arc::new(next));
     }
 }
@@ -284,6 +293,37 @@ mod tests {
             reused[0].id,
             WorkerId::new(1, 1),
             "the slot is reused with a new generation"
+        );
+    }
+
+    #[test]
+    fn a_held_back_worker_serves_only_when_no_other_can() {
+        let metrics = Metrics::new();
+        let topology = topology();
+        let workers = add(&topology, &metrics, 2);
+        for worker in &workers {
+            worker.health_check_passed(1);
+        }
+        assert!(workers[0].stream_went_silent(), "the first is a flip");
+        assert!(!workers[0].stream_went_silent(), "the second is not");
+        topology.refresh();
+        assert_eq!(topology.load().candidates(), &[workers[1].id]);
+        assert!(workers[1].stream_went_silent());
+        topology.refresh();
+        assert_eq!(
+            topology.load().candidates(),
+            &[workers[0].id, workers[1].id],
+            "all held back: all serve"
+        );
+        assert!(workers[1].silent_stream_ended());
+        assert!(!workers[0].silent_stream_ended(), "one silent stream left");
+        topology.refresh();
+        assert_eq!(topology.load().candidates(), &[workers[1].id]);
+        assert!(workers[0].silent_stream_ended());
+        topology.refresh();
+        assert_eq!(
+            topology.load().candidates(),
+            &[workers[0].id, workers[1].id]
         );
     }
 

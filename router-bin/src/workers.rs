@@ -39,6 +39,10 @@ pub struct Worker {
     outlier: Mutex<OutlierState>,
     poll_failures: AtomicU32,
     in_flight: AtomicU64,
+    /// Open streams that have sent nothing for
+    /// `outlier_detection.silent_stream_ms`; while any, the worker is held
+    /// back from new requests.
+    silent_streams: AtomicU32,
     /// Woken when `in_flight` drops to 0, for a drain to finish.
     idle: tokio::sync::Notify,
     latest_load: Mutex<Option<WorkerLoad>>,
@@ -132,6 +136,7 @@ impl Worker {
             outlier: Mutex::new(OutlierState::default()),
             poll_failures: AtomicU32::new(0),
             in_flight: AtomicU64::new(0),
+            silent_streams: AtomicU32::new(0),
             idle: tokio::sync::Notify::new(),
             latest_load: Mutex::new(None),
         }
@@ -165,6 +170,28 @@ impl Worker {
     /// Healthy, not ejected, not draining: a candidate for new requests.
     pub fn in_rotation(&self) -> bool {
         self.is_healthy() && !self.is_ejected() && !self.is_draining()
+    }
+
+    /// A stream on this worker is silent: new requests go elsewhere while
+    /// another worker can take them.
+    pub fn is_held_back(&self) -> bool {
+        self.silent_streams() > 0
+    }
+
+    pub fn silent_streams(&self) -> u32 {
+        self.silent_streams.load(Ordering::Acquire)
+    }
+
+    /// One more silent stream; true when it is the first (a flip).
+    pub fn stream_went_silent(&self) -> bool {
+        self.metrics.silent_streams.inc();
+        self.silent_streams.fetch_add(1, Ordering::AcqRel) == 0
+    }
+
+    /// One silent stream fewer; true when it was the last (a flip).
+    pub fn silent_stream_ended(&self) -> bool {
+        self.metrics.silent_streams.dec();
+        self.silent_streams.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
     /// Runs `change` on the outlier state and mirrors its ejection flag.

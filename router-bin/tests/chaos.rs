@@ -261,7 +261,7 @@ async fn a_fleet_with_every_fault_serves_99_percent_and_ejects_the_bad_engines()
             "first_byte_timeout_ms = 2000\nstream_idle_timeout_ms = 1500\n\
              request_deadline_ms = {}\n\
              [outlier_detection]\nbase_ejection_ms = 60000\nmax_ejection_ms = 60000\n\
-             max_ejected_percent = 75\n",
+             max_ejected_percent = 75\nsilent_stream_ms = 300\n",
             deadline.as_millis()
         ),
     )
@@ -327,6 +327,7 @@ async fn a_fleet_with_every_fault_serves_99_percent_and_ejects_the_bad_engines()
         }
     }
     let sent = completed + clear.len() + unclear.len();
+    eprintln!("{completed} of {sent} completed; errors: {clear:?}");
     assert!(
         unclear.is_empty(),
         "every request ends with an answer or a clear error by the deadline: {:?}",

@@ -462,9 +462,9 @@ async fn a_data_field_split_byte_by_byte_is_still_the_first_token() {
 }
 
 /// One upstream that holds every stream after its first event, and a
-/// healthy router in front of it with `tweak` applied to `[server]`.
+/// healthy router in front of it with `tweak` applied to its config.
 async fn held_stream_router(
-    tweak: impl FnOnce(&mut router_bin::config::ServerConfig),
+    tweak: impl FnOnce(&mut router_bin::config::RouterConfig),
 ) -> (Upstream, common::TestRouter) {
     let upstream = Upstream::start().await;
     upstream
@@ -472,7 +472,7 @@ async fn held_stream_router(
         .gate_after_first_chunk
         .store(true, Ordering::SeqCst);
     let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
-    tweak(&mut config.server);
+    tweak(&mut config);
     let router = start_router(config).await;
     wait_until("the worker is healthy", || async {
         router.healthy_count().await == 1
@@ -483,9 +483,9 @@ async fn held_stream_router(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_past_its_deadline_ends_with_an_error_event() {
-    let (_upstream, router) = held_stream_router(|server| {
-        server.first_byte_timeout_ms = 300;
-        server.request_deadline_ms = 600;
+    let (_upstream, router) = held_stream_router(|config| {
+        config.server.first_byte_timeout_ms = 300;
+        config.server.request_deadline_ms = 600;
     })
     .await;
     let response = router.chat("hello", true).await;
@@ -516,8 +516,8 @@ async fn a_stream_past_its_deadline_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker() {
-    let (_upstream, router) = held_stream_router(|server| {
-        server.stream_idle_timeout_ms = 300;
+    let (_upstream, router) = held_stream_router(|config| {
+        config.server.stream_idle_timeout_ms = 300;
     })
     .await;
     let response = router.chat("hello", true).await;
@@ -531,4 +531,46 @@ async fn a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker
         router.workers_json().await["workers"][0]["consecutive_failures"],
         1
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_holds_its_worker_back_until_it_sends_again() {
+    let (upstream, router) = held_stream_router(|config| {
+        config.server.stream_idle_timeout_ms = 60_000;
+        config.outlier_detection.silent_stream_ms = 200;
+    })
+    .await;
+    let response = router.chat("hello", true).await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "), "the first event passed");
+    let worker = || async { router.workers_json().await["workers"][0].clone() };
+    wait_until("the silent stream holds its worker back", || async {
+        worker().await["held_back"] == true
+    })
+    .await;
+    assert_eq!(worker().await["silent_streams"], 1);
+    assert_eq!(
+        worker().await["consecutive_failures"],
+        0,
+        "silence is not yet a failure"
+    );
+    // The only worker still serves: held back is a preference.
+    let answer = router.chat("again", false).await;
+    assert_eq!(answer.status(), 200);
+    upstream.switches.continue_stream.notify_one();
+    let mut rest = Vec::new();
+    while let Some(chunk) = body.next().await {
+        rest.extend_from_slice(&chunk.unwrap());
+    }
+    assert!(
+        String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "the stream finished"
+    );
+    wait_until("the worker is back in selection", || async {
+        worker().await["held_back"] == false
+    })
+    .await;
+    assert_eq!(worker().await["silent_streams"], 0);
 }

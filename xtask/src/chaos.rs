@@ -39,6 +39,9 @@ const STREAM_IDLE_TIMEOUT_MS: u64 = 2_000;
 const REQUEST_DEADLINE_MS: u64 = 30_000;
 const CONSECUTIVE_FAILURES: u64 = 3;
 const BASE_EJECTION_MS: u64 = 5_000;
+/// The production default (5 s against a 60 s idle deadline), scaled to
+/// this run's idle deadline.
+const SILENT_STREAM_MS: u64 = 500;
 /// 6 bad engines of 9 are 67 %: all of them may be ejected at once.
 const MAX_EJECTED_PERCENT: u64 = 75;
 /// Past the first-byte deadline, so a probe of a slow engine fails too.
@@ -274,6 +277,7 @@ consecutive_failures = {CONSECUTIVE_FAILURES}
 base_ejection_ms = {BASE_EJECTION_MS}
 max_ejected_percent = {MAX_EJECTED_PERCENT}
 probe_timeout_ms = {PROBE_TIMEOUT_MS}
+silent_stream_ms = {SILENT_STREAM_MS}
 "
     );
     write(&path, &text)?;
@@ -1059,7 +1063,8 @@ impl Report {
              stream_idle_timeout_ms {STREAM_IDLE_TIMEOUT_MS}, request_deadline_ms \
              {REQUEST_DEADLINE_MS}, max_retries default; outlier ejection after \
              {CONSECUTIVE_FAILURES} consecutive failures, base_ejection_ms {BASE_EJECTION_MS}, \
-             max_ejected_percent {MAX_EJECTED_PERCENT}, probe GET /health_generate \
+             max_ejected_percent {MAX_EJECTED_PERCENT}, silent_stream_ms {SILENT_STREAM_MS}, \
+             probe GET /health_generate \
              ({PROBE_TIMEOUT_MS} ms); health every {HEALTH_INTERVAL_MS} ms. Engines: engine-sim \
              SGLang, model mode, time scale {TIME_SCALE}, max-running {MAX_RUNNING}; \
              slow-first-byte waits {SLOW_FIRST_BYTE_MS} ms. Built from {}.",
@@ -1261,6 +1266,7 @@ impl Report {
                 "base_ejection_ms": BASE_EJECTION_MS,
                 "max_ejected_percent": MAX_EJECTED_PERCENT,
                 "probe_timeout_ms": PROBE_TIMEOUT_MS,
+                "silent_stream_ms": SILENT_STREAM_MS,
                 "health_interval_ms": HEALTH_INTERVAL_MS,
             },
             "a": Self::fleet_json(&self.a, &a),
