@@ -239,7 +239,7 @@ impl ReportClient {
 
 /// hyper's pooled client as every HTTP caller here configures it: no Nagle
 /// delay (requests and streamed answers are small writes), `connect_timeout`
-/// on the TCP connect, idle connections kept [`POOL_IDLE_TIMEOUT`].
+/// on the TCP connect, idle connections kept 90 s.
 pub fn pooled_client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
 where
     B: hyper::body::Body + Send + 'static,

@@ -8,11 +8,11 @@
 
 use std::time::Duration;
 
+use futures::StreamExt;
 use mock_engines::{
     self as server, ADMITTED_ID_MAX_BYTES, AdmittedRequestIds, FaultMode, Flavour, ServeMode,
     SimEngineConfig, SimFleet,
 };
-use futures::StreamExt;
 use serde_json::{Value, json};
 
 mod common;

@@ -19,7 +19,8 @@ tasks:
   bench [--only PART]...  selection cost, proxy overhead, polling: target/bench/report.md
   chaos [--rate R] [--duration-s S]  a fleet with one engine per fault mode vs good
                           engines only: target/chaos/report.md
-  ci                      format check, clippy (warnings are errors), every test
+  ci                      format check, unused dependencies, clippy and rustdoc
+                          (warnings are errors), every test
   demo                    start a mixed engine-sim fleet and the router, drive
                           20 s of size-skewed streaming traffic, print per-worker
                           results and the live score table
@@ -118,6 +119,16 @@ fn ci() -> Result<(), String> {
     run(
         "cargo clippy --workspace --all-targets -- -D warnings",
         clippy,
+    )?;
+
+    // The API docs are part of the framework: a broken intra-doc link or a
+    // link to a private item fails CI like a warning does.
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(
+        "RUSTDOCFLAGS='-D warnings' cargo doc --workspace --no-deps",
+        doc,
     )?;
 
     let mut test = cargo();

@@ -51,7 +51,11 @@ pub(super) async fn completions(
     generation(shared, Api::Completions, &headers, body).await
 }
 
-pub(super) async fn generate(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> Response<Body> {
+pub(super) async fn generate(
+    State(shared): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
     generation(shared, Api::Generate, &headers, body).await
 }
 

@@ -355,7 +355,7 @@ pub const ADMITTED_ID_MAX_BYTES: usize = 256;
 /// request a hung engine never started; this can.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AdmittedRequestIds {
-    /// The newest [`ADMITTED_IDS_KEPT`] ids, oldest first.
+    /// The newest ids (100 000 are kept), oldest first.
     pub ids: Vec<String>,
     /// Every id ever recorded, including those no longer kept.
     pub total: u64,
