@@ -396,7 +396,9 @@ impl Router {
         } else {
             0
         };
-        let request = RequestInfo::new(TokenCount::Exact(u64::from(prompt_tokens)));
+        // Every simulated request is measured at its first token, as a
+        // stream is.
+        let request = RequestInfo::new(TokenCount::Exact(u64::from(prompt_tokens))).streaming(true);
         let dispatch = self.policies[replica]
             .select(&self.ids, &request, now)
             .ok_or(SimError::NoWorker {

@@ -131,9 +131,10 @@ impl Hasher for SeqHasher {
 }
 
 #[derive(Debug, Clone, Copy)]
-enum Held {
-    /// Before the first token: these prompt tokens are pending work.
-    Pending(u64),
+enum Held<N> {
+    /// Before the first token: these prompt tokens are pending work, and the
+    /// policy's note about the dispatch.
+    Pending(u64, N),
     /// Past the first token: only the in-flight request is held.
     Started,
 }
@@ -145,26 +146,33 @@ enum Held {
 /// also keeps the outstanding dispatches, which makes `first_token` and
 /// `finish` idempotent and lets a cap check and its credit be one critical
 /// section.
-#[derive(Debug, Default)]
-pub struct WorkerLedger {
+///
+/// A policy may keep a small note `N` with each pending dispatch (`least_load`
+/// keeps when it was sent and the work ahead of it, to learn the worker's
+/// rate when its first token comes); the note is handed back by
+/// [`WorkerLedger::first_token_noted`]. Most policies keep none (`()`).
+#[derive(Debug)]
+pub struct WorkerLedger<N = ()> {
     pending_tokens: AtomicU64,
     pending_requests: AtomicU64,
     in_flight_requests: AtomicU64,
-    outstanding: Mutex<HashMap<u64, Held, BuildHasherDefault<SeqHasher>>>,
+    outstanding: Mutex<HashMap<u64, Held<N>, BuildHasherDefault<SeqHasher>>>,
+}
+
+impl<N> Default for WorkerLedger<N> {
+    fn default() -> WorkerLedger<N> {
+        WorkerLedger {
+            pending_tokens: AtomicU64::new(0),
+            pending_requests: AtomicU64::new(0),
+            in_flight_requests: AtomicU64::new(0),
+            outstanding: Mutex::new(HashMap::default()),
+        }
+    }
 }
 
 impl WorkerLedger {
     pub fn new() -> WorkerLedger {
         WorkerLedger::default()
-    }
-
-    /// The live counts, read without locking.
-    pub fn stats(&self) -> WorkerStats {
-        WorkerStats {
-            in_flight_requests: self.in_flight_requests.load(Ordering::Acquire),
-            pending_requests: self.pending_requests.load(Ordering::Acquire),
-            pending_tokens: self.pending_tokens.load(Ordering::Acquire),
-        }
     }
 
     /// Credits dispatch `seq` with `tokens` of pending work if `admit`, given
@@ -176,16 +184,7 @@ impl WorkerLedger {
         tokens: u64,
         admit: impl FnOnce(WorkerStats) -> bool,
     ) -> bool {
-        let mut outstanding = self.outstanding.lock();
-        if !admit(self.stats()) {
-            return false;
-        }
-        if outstanding.insert(seq, Held::Pending(tokens)).is_none() {
-            self.pending_tokens.fetch_add(tokens, Ordering::AcqRel);
-            self.pending_requests.fetch_add(1, Ordering::AcqRel);
-            self.in_flight_requests.fetch_add(1, Ordering::AcqRel);
-        }
-        true
+        self.try_credit_noted(seq, tokens, |stats| admit(stats).then_some(()))
     }
 
     /// Credits dispatch `seq` unconditionally.
@@ -196,13 +195,54 @@ impl WorkerLedger {
     /// Releases the pending work of dispatch `seq`; returns the tokens
     /// released, or `None` if it was not pending (unknown, or already released).
     pub fn first_token(&self, seq: u64) -> Option<u64> {
+        self.first_token_noted(seq).map(|(tokens, ())| tokens)
+    }
+}
+
+impl<N: Copy> WorkerLedger<N> {
+    /// The live counts, read without locking.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            in_flight_requests: self.in_flight_requests.load(Ordering::Acquire),
+            pending_requests: self.pending_requests.load(Ordering::Acquire),
+            pending_tokens: self.pending_tokens.load(Ordering::Acquire),
+        }
+    }
+
+    /// Credits dispatch `seq` with `tokens` of pending work and the note
+    /// `admit` returns, given the counts under the lock; `None` refuses. The
+    /// check, the note and the credit are one critical section.
+    pub fn try_credit_noted(
+        &self,
+        seq: u64,
+        tokens: u64,
+        admit: impl FnOnce(WorkerStats) -> Option<N>,
+    ) -> bool {
+        let mut outstanding = self.outstanding.lock();
+        let Some(note) = admit(self.stats()) else {
+            return false;
+        };
+        if outstanding
+            .insert(seq, Held::Pending(tokens, note))
+            .is_none()
+        {
+            self.pending_tokens.fetch_add(tokens, Ordering::AcqRel);
+            self.pending_requests.fetch_add(1, Ordering::AcqRel);
+            self.in_flight_requests.fetch_add(1, Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Releases the pending work of dispatch `seq`; returns the tokens
+    /// released and the dispatch's note, or `None` if it was not pending.
+    pub fn first_token_noted(&self, seq: u64) -> Option<(u64, N)> {
         let mut outstanding = self.outstanding.lock();
         let held = outstanding.get_mut(&seq)?;
         match *held {
-            Held::Pending(tokens) => {
+            Held::Pending(tokens, note) => {
                 *held = Held::Started;
                 self.release_pending(tokens);
-                Some(tokens)
+                Some((tokens, note))
             }
             Held::Started => None,
         }
@@ -213,7 +253,7 @@ impl WorkerLedger {
     pub fn finish(&self, seq: u64) -> bool {
         let mut outstanding = self.outstanding.lock();
         match outstanding.remove(&seq) {
-            Some(Held::Pending(tokens)) => {
+            Some(Held::Pending(tokens, _)) => {
                 self.release_pending(tokens);
                 self.in_flight_requests.fetch_sub(1, Ordering::AcqRel);
                 true

@@ -5,7 +5,7 @@
 //! seconds, and the request goes to the lowest score:
 //!
 //! ```text
-//! score = (queued_tokens + inflight_tokens) / throughput
+//! score = (queued_tokens + inflight_tokens) / rate
 //!         + kv_pressure_weight * k / (1 - k)
 //! ```
 //!
@@ -15,7 +15,12 @@
 //! - `inflight_tokens`: this router's pending work there, credited at `select`
 //!   and released at the first token (or at `finish`), so it needs no reset and
 //!   does not depend on when each worker was last polled;
-//! - `throughput`: the reported generation rate, else `default_throughput`;
+//! - `rate`: how fast the worker clears prompt tokens, tokens/s, learned per
+//!   worker from this router's own dispatches (the work ahead of each request
+//!   and when its first token came; see [`rate`]), starting at
+//!   `default_throughput`. `rate = "reported"` divides by the worker's
+//!   reported generation rate instead, `rate = "fixed"` by
+//!   `default_throughput` for every worker;
 //! - `k`: KV-cache usage, a barrier that steers away from near-full workers.
 //!
 //! Scores within `tie_tolerance_secs` (default 10 ms) of the best are ties,
@@ -28,9 +33,10 @@
 //! utilization (round robin: 0.038 s) and leaves size-skew unchanged
 //! (`cargo xtask sim`).
 //!
-//! Workers with no fresh report are scored on their pending work alone at the
-//! candidates' nominal rate; with no report anywhere the policy is
-//! join-shortest-queue on pending tokens. An optional cap
+//! Workers with no fresh report are scored on their pending work alone at
+//! their learned rate (the candidates' nominal rate under
+//! `rate = "reported"`); with no report anywhere the policy compares pending
+//! work alone. An optional cap
 //! (`max_waiting_requests`) vetoes a worker atomically with crediting it.
 //! The score itself is a pure function ([`score_worker`]), and
 //! [`explain`](policy_core::Policy::explain) shows every term of it.
@@ -84,10 +90,11 @@
 
 mod params;
 mod policy;
+pub mod rate;
 mod score;
 mod state;
 
-pub use params::{InflightMode, LeastLoadParams};
+pub use params::{InflightMode, LeastLoadParams, RateMode};
 pub use policy::{COLUMNS, LeastLoad, Strategy};
 pub use score::{
     Fleet, LoadSummary, MAX_KV_USAGE_RATIO, MeanThroughput, PendingWork, QueueSource, Rule,

@@ -34,6 +34,40 @@ impl fmt::Display for InflightMode {
     }
 }
 
+/// What the score divides token-work by: the worker's rate of clearing
+/// uncached prompt tokens, tokens/s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RateMode {
+    /// Learned per worker from this router's own dispatches: the work ahead
+    /// of each request and the time its first token took (`crate::rate`).
+    /// Starts at `default_throughput`.
+    #[default]
+    Learned,
+    /// The worker's reported generation rate (SGLang's `gen_throughput`), the
+    /// original design's divisor; `default_throughput` where none is
+    /// reported. A decode rate that rises with the batch.
+    Reported,
+    /// `default_throughput` for every worker.
+    Fixed,
+}
+
+impl RateMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RateMode::Learned => "learned",
+            RateMode::Reported => "reported",
+            RateMode::Fixed => "fixed",
+        }
+    }
+}
+
+impl fmt::Display for RateMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The knobs, each settable from the policy's config section.
 ///
 /// The field names are the config keys; their units and ranges are in
@@ -59,12 +93,15 @@ pub struct LeastLoadParams {
     /// and chasing them herds requests onto whichever worker looked emptiest
     /// at the last poll. 0 keeps exact ties only. Finite, ≥ 0.
     pub tie_tolerance_secs: f64,
-    /// Divide by the worker's reported generation rate (the default); `false`
-    /// divides every worker's work by `default_throughput`. The reported rate
-    /// is a decode rate that rises with a worker's batch, so under bursts a
-    /// busy worker looks fast and draws more: `cargo xtask sim` shows `false`
-    /// matching the oracle on `bursty`, where `true` trails round robin.
-    pub use_reported_throughput: bool,
+    /// The divisor: `learned` (the default), `reported` or `fixed`. The
+    /// original `use_reported_throughput = true | false` key is still read,
+    /// as `reported` | `fixed`.
+    pub rate: RateMode,
+    /// How fast a learned rate forgets: a sample's weight halves every this
+    /// many seconds, so a worker that slows down or speeds up is followed
+    /// within a few half-lives of traffic. Idle time changes nothing: with no
+    /// new samples, old ones keep their relative weights. Finite, > 0.
+    pub rate_half_life_secs: f64,
 }
 
 impl Default for LeastLoadParams {
@@ -76,7 +113,8 @@ impl Default for LeastLoadParams {
             max_waiting_requests: 0,
             inflight: InflightMode::Pending,
             tie_tolerance_secs: 0.01,
-            use_reported_throughput: true,
+            rate: RateMode::Learned,
+            rate_half_life_secs: 20.0,
         }
     }
 }
@@ -106,7 +144,8 @@ impl LeastLoadParams {
             "max_waiting_requests": self.max_waiting_requests,
             "inflight": self.inflight.as_str(),
             "tie_tolerance_secs": self.tie_tolerance_secs,
-            "use_reported_throughput": self.use_reported_throughput,
+            "rate": self.rate.as_str(),
+            "rate_half_life_secs": self.rate_half_life_secs,
         })
     }
 }
@@ -123,12 +162,19 @@ struct RawParams {
     max_waiting_requests: i64,
     inflight: String,
     tie_tolerance_secs: f64,
-    use_reported_throughput: bool,
+    rate: Option<String>,
+    rate_half_life_secs: f64,
+    /// The original key: `true` is `rate = "reported"`, `false` is
+    /// `rate = "fixed"`; giving both keys is an error.
+    use_reported_throughput: Option<bool>,
 }
 
 impl Default for RawParams {
     fn default() -> RawParams {
-        RawParams::from(LeastLoadParams::default())
+        let mut raw = RawParams::from(LeastLoadParams::default());
+        // `rate` unset, so the older key may stand in for it.
+        raw.rate = None;
+        raw
     }
 }
 
@@ -141,7 +187,9 @@ impl From<LeastLoadParams> for RawParams {
             max_waiting_requests: i64::try_from(params.max_waiting_requests).unwrap_or(i64::MAX),
             inflight: params.inflight.as_str().to_owned(),
             tie_tolerance_secs: params.tie_tolerance_secs,
-            use_reported_throughput: params.use_reported_throughput,
+            rate: Some(params.rate.as_str().to_owned()),
+            rate_half_life_secs: params.rate_half_life_secs,
+            use_reported_throughput: None,
         }
     }
 }
@@ -213,6 +261,35 @@ impl RawParams {
                 "a finite number of seconds >= 0",
             ));
         }
+        let rate = match (self.rate.as_deref(), self.use_reported_throughput) {
+            (Some(_), Some(legacy)) => {
+                return Err(invalid(
+                    "use_reported_throughput",
+                    legacy.to_string(),
+                    "left out when `rate` is set (it is the older spelling of rate = \"reported\" or \"fixed\")",
+                ));
+            }
+            (None, Some(true)) => RateMode::Reported,
+            (None, Some(false)) => RateMode::Fixed,
+            (None, None) => RateMode::Learned,
+            (Some("learned"), None) => RateMode::Learned,
+            (Some("reported"), None) => RateMode::Reported,
+            (Some("fixed"), None) => RateMode::Fixed,
+            (Some(other), None) => {
+                return Err(invalid(
+                    "rate",
+                    format!("{other:?}"),
+                    r#""learned", "reported" or "fixed""#,
+                ));
+            }
+        };
+        if !(self.rate_half_life_secs.is_finite() && self.rate_half_life_secs > 0.0) {
+            return Err(invalid(
+                "rate_half_life_secs",
+                self.rate_half_life_secs.to_string(),
+                "a finite number of seconds > 0",
+            ));
+        }
         Ok(LeastLoadParams {
             kv_pressure_weight: self.kv_pressure_weight,
             default_throughput: self.default_throughput,
@@ -220,7 +297,8 @@ impl RawParams {
             max_waiting_requests,
             inflight,
             tie_tolerance_secs: self.tie_tolerance_secs,
-            use_reported_throughput: self.use_reported_throughput,
+            rate,
+            rate_half_life_secs: self.rate_half_life_secs,
         })
     }
 }
@@ -244,7 +322,8 @@ mod tests {
         assert_eq!(defaults.max_waiting_requests, 0);
         assert_eq!(defaults.inflight, InflightMode::Pending);
         assert_eq!(defaults.tie_tolerance_secs, 0.01);
-        assert!(defaults.use_reported_throughput);
+        assert_eq!(defaults.rate, RateMode::Learned);
+        assert_eq!(defaults.rate_half_life_secs, 20.0);
     }
 
     #[test]
@@ -256,7 +335,8 @@ mod tests {
             "max_waiting_requests": 8,
             "inflight": "since_poll",
             "tie_tolerance_secs": 0.0,
-            "use_reported_throughput": false,
+            "rate": "fixed",
+            "rate_half_life_secs": 5.0,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -268,7 +348,8 @@ mod tests {
                 max_waiting_requests: 8,
                 inflight: InflightMode::SincePoll,
                 tie_tolerance_secs: 0.0,
-                use_reported_throughput: false,
+                rate: RateMode::Fixed,
+                rate_half_life_secs: 5.0,
             }
         );
         // The section round-trips.
@@ -306,6 +387,18 @@ mod tests {
                 "least_load.tie_tolerance_secs = -0.001 is invalid: must be a finite number of seconds >= 0",
             ),
             (
+                json!({"rate": "decode"}),
+                r#"least_load.rate = "decode" is invalid: must be "learned", "reported" or "fixed""#,
+            ),
+            (
+                json!({"rate": "fixed", "use_reported_throughput": false}),
+                r#"least_load.use_reported_throughput = false is invalid: must be left out when `rate` is set (it is the older spelling of rate = "reported" or "fixed")"#,
+            ),
+            (
+                json!({"rate_half_life_secs": 0}),
+                "least_load.rate_half_life_secs = 0 is invalid: must be a finite number of seconds > 0",
+            ),
+            (
                 json!({"inflight": "since-poll"}),
                 r#"least_load.inflight = "since-poll" is invalid: must be "pending" or "since_poll""#,
             ),
@@ -338,6 +431,15 @@ mod tests {
             err.to_string(),
             "power_of_two.default_throughput = NaN is invalid: must be a finite number of tokens/s > 0"
         );
+    }
+
+    #[test]
+    fn the_original_rate_key_still_reads() {
+        for (legacy, rate) in [(true, RateMode::Reported), (false, RateMode::Fixed)] {
+            let section = json!({ "use_reported_throughput": legacy });
+            let params = LeastLoadParams::from_section("least_load", &section).unwrap();
+            assert_eq!(params.rate, rate);
+        }
     }
 
     #[test]

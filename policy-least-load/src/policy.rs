@@ -11,12 +11,13 @@ use policy_core::{
     WorkerStats, describe_request,
 };
 
+use crate::rate::{LearnedSource, RateProbe};
 use crate::score::{
     Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
     ThroughputSource, score, wait_secs,
 };
-use crate::state::{StoredSnapshot, Timeline, WorkerState};
-use crate::{InflightMode, LeastLoadParams};
+use crate::state::{HotSnapshot, StoredSnapshot, Timeline, WorkerState};
+use crate::{InflightMode, LeastLoadParams, RateMode};
 
 /// A dispatch sequence number, unique in the process and so in every policy.
 /// Threads take them in blocks, so that concurrent selections do not bounce
@@ -63,10 +64,11 @@ impl Strategy {
 }
 
 /// The columns of the explain table, in row order.
-pub const COLUMNS: [&str; 8] = [
+pub const COLUMNS: [&str; 9] = [
     "queued_tok",
     "inflight_tok",
-    "throughput_tps",
+    "rate_tps",
+    "rate_samples",
     "kv_ratio",
     "drain_s",
     "barrier_s",
@@ -208,13 +210,31 @@ impl LeastLoad {
         cap == 0 || LeastLoad::waiting_estimate(others_waiting, stats) < cap
     }
 
-    /// Others' waiting requests in the worker's fresh snapshot, 0 without one.
-    fn others_waiting(&self, state: &WorkerState, now_nanos: i64) -> u64 {
+    /// The hot part of the worker's snapshot, if fresh.
+    fn fresh_hot(&self, state: &WorkerState, now_nanos: i64) -> Option<HotSnapshot> {
         state
             .snapshot
             .read_hot()
             .filter(|hot| hot.is_fresh(now_nanos, self.stale_after_nanos))
-            .map_or(0, |hot| hot.others_waiting_requests)
+    }
+
+    /// The geometric mean of the rates learned so far, if any worker has a
+    /// sample.
+    fn fleet_learned_tps(&self) -> Option<f64> {
+        let view = self.workers.read();
+        let (sum_ln, count) = view
+            .iter()
+            .filter(|slot| slot.state.rate.source() == LearnedSource::Learned)
+            .fold((0.0f64, 0u32), |(sum_ln, count), slot| {
+                (sum_ln + slot.state.rate.rate_tps().ln(), count + 1)
+            });
+        (count > 0).then(|| (sum_ln / f64::from(count)).exp())
+    }
+
+    /// The worker's learned rate (its prior before the first sample) when it
+    /// is the divisor, for the scorer: what the hot path divides by too.
+    fn learned_tps(&self, state: &WorkerState) -> Option<f64> {
+        (self.params.rate == RateMode::Learned).then(|| state.rate.rate_tps())
     }
 
     /// The rate and freshness of the given candidates as a whole.
@@ -274,6 +294,7 @@ impl LeastLoad {
         score(
             snapshot.map(|snapshot| &snapshot.terms),
             self.inflight_tokens(state, stats, any_fresh),
+            self.learned_tps(state),
             fleet,
             &self.params,
         )
@@ -290,10 +311,7 @@ impl LeastLoad {
     ) -> Option<f64> {
         let state = &slot.state;
         let stats = state.ledger.stats();
-        let hot = state
-            .snapshot
-            .read_hot()
-            .filter(|hot| hot.is_fresh(now_nanos, self.stale_after_nanos));
+        let hot = self.fresh_hot(state, now_nanos);
         let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
         if !self.admits(others_waiting, stats) {
             return None;
@@ -303,7 +321,10 @@ impl LeastLoad {
             Some(hot) => wait_secs(
                 hot.queued_tokens,
                 self.inflight_tokens(state, stats, true),
-                hot.throughput_tps,
+                match self.params.rate {
+                    RateMode::Learned => state.rate.rate_tps(),
+                    RateMode::Reported | RateMode::Fixed => hot.throughput_tps,
+                },
                 hot.kv_barrier_secs,
             ),
             None => {
@@ -434,7 +455,14 @@ impl Policy for LeastLoad {
     }
 
     fn add_worker(&self, id: WorkerId, info: WorkerInfo) {
-        self.workers.insert(id, info, WorkerState::default());
+        // A worker joining a fleet that has learned its rates starts from
+        // theirs (most fleets run one engine build on one kind of GPU), so
+        // it is neither flooded nor starved while it learns its own.
+        let prior_tps = self
+            .fleet_learned_tps()
+            .unwrap_or(self.params.default_throughput);
+        self.workers
+            .insert(id, info, WorkerState::new(&self.params, prior_tps));
     }
 
     fn remove_worker(&self, id: WorkerId) {
@@ -460,9 +488,18 @@ impl Policy for LeastLoad {
         for _ in 0..=candidates.len() {
             let chosen = self.choose(&view, candidates, now_nanos)?;
             let state = &chosen.slot.state;
-            // The veto and the credit are one critical section.
-            let credited = state.ledger.try_credit(seq, tokens, |stats| {
-                self.admits(self.others_waiting(state, now_nanos), stats)
+            // The veto and the credit are one critical section; the note is
+            // what the first token will teach the worker's rate.
+            let credited = state.ledger.try_credit_noted(seq, tokens, |stats| {
+                let hot = self.fresh_hot(state, now_nanos);
+                let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
+                self.admits(others_waiting, stats).then(|| RateProbe {
+                    dispatched_nanos: now_nanos,
+                    work_ahead_tokens: hot
+                        .map_or(0, |hot| hot.queued_tokens)
+                        .saturating_add(stats.pending_tokens),
+                    learn: request.streaming,
+                })
             });
             if credited {
                 state.last_dispatch.record(now_nanos);
@@ -480,10 +517,24 @@ impl Policy for LeastLoad {
         None
     }
 
-    fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
-        // Releases pending work; the since-poll tally is untouched by design.
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.ledger.first_token(dispatch.seq);
+    fn first_token(&self, dispatch: &Dispatch, now: Instant) {
+        // Releases pending work (the since-poll tally is untouched by
+        // design), and learns the worker's rate from how long it took.
+        let view = self.workers.read();
+        let Some(slot) = view.get(dispatch.worker) else {
+            return;
+        };
+        let Some((tokens, probe)) = slot.state.ledger.first_token_noted(dispatch.seq) else {
+            return;
+        };
+        if probe.learn {
+            let now_nanos = self.timeline.nanos(now);
+            // A bad sample is dropped and counted by the estimator.
+            let _ = slot.state.rate.observe(
+                probe.work_ahead_tokens.saturating_add(tokens),
+                now_nanos.saturating_sub(probe.dispatched_nanos),
+                now_nanos,
+            );
         }
     }
 
@@ -497,7 +548,7 @@ impl Policy for LeastLoad {
         let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
         match self.workers.read().get(id) {
             Some(slot) => slot.state.ledger.poll_mark(id, seq, now),
-            None => WorkerLedger::new().poll_mark(id, seq, now),
+            None => WorkerLedger::<RateProbe>::default().poll_mark(id, seq, now),
         }
     }
 
@@ -557,6 +608,26 @@ impl Policy for LeastLoad {
             let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
             let waiting = LeastLoad::waiting_estimate(others_waiting, stats);
             let mut note = b.rule.to_string();
+            let rate = &slot.state.rate;
+            match (self.params.rate, rate.source()) {
+                (RateMode::Learned, LearnedSource::Prior) => {
+                    note.push_str("; rate: prior (no samples yet)");
+                }
+                (RateMode::Learned, LearnedSource::Learned) => {
+                    note.push_str(&format!("; rate: learned from {} samples", rate.samples()));
+                }
+                (RateMode::Reported | RateMode::Fixed, LearnedSource::Prior) => {}
+                (RateMode::Reported | RateMode::Fixed, LearnedSource::Learned) => {
+                    note.push_str(&format!(
+                        "; rate: {} (learned would be {:.0} tok/s)",
+                        self.params.rate,
+                        rate.rate_tps()
+                    ));
+                }
+            }
+            if rate.dropped() > 0 {
+                note.push_str(&format!(", {} dropped", rate.dropped()));
+            }
             if self.admits(others_waiting, stats) {
                 admitted_scores.push((slot.id, b.score_secs, slot.state.last_dispatch.nanos()));
             } else {
@@ -572,6 +643,7 @@ impl Policy for LeastLoad {
                     b.queued_tokens as f64,
                     b.inflight_tokens as f64,
                     b.throughput_tps,
+                    rate.samples() as f64,
                     b.kv_usage_ratio,
                     b.drain_secs,
                     b.kv_barrier_secs,

@@ -16,7 +16,7 @@ use std::fmt;
 
 use load_protocols::WorkerLoad;
 
-use crate::LeastLoadParams;
+use crate::{LeastLoadParams, RateMode};
 
 /// `k` is clamped below 1 so that the barrier `k / (1 - k)` stays finite.
 pub const MAX_KV_USAGE_RATIO: f64 = 0.999;
@@ -64,12 +64,16 @@ pub enum QueueSource {
     Estimated,
 }
 
-/// Where a snapshot's throughput came from.
+/// Where a worker's rate (the divisor) came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ThroughputSource {
+    /// Reported by the worker (`rate = "reported"`).
     Reported,
-    /// Missing or zero: `default_throughput` (rule 2).
+    /// `default_throughput`: `rate = "fixed"`, a reported rate missing or
+    /// zero (rule 2), or a learned rate with no estimate to read.
     Default,
+    /// Learned from this router's dispatches (`rate = "learned"`).
+    Learned,
 }
 
 /// Which degradation rule the score followed.
@@ -91,24 +95,20 @@ pub enum Rule {
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text = match self {
-            Rule::Fresh {
-                queue: QueueSource::Reported,
-                throughput: ThroughputSource::Reported,
-            } => "fresh",
-            Rule::Fresh {
-                queue: QueueSource::Estimated,
-                throughput: ThroughputSource::Reported,
-            } => "fresh; rule 1: queue = waiting x mean_prefill",
-            Rule::Fresh {
-                queue: QueueSource::Reported,
-                throughput: ThroughputSource::Default,
-            } => "fresh; rule 2: default throughput",
-            Rule::Fresh {
-                queue: QueueSource::Estimated,
-                throughput: ThroughputSource::Default,
-            } => "fresh; rules 1+2: queue = waiting x mean_prefill, default throughput",
-            Rule::NoFreshSnapshot => "rule 3: no fresh snapshot, nominal throughput",
-            Rule::DarkFleet => "rule 4: no fresh snapshot in fleet, JSQ on pending tokens",
+            Rule::Fresh { queue, throughput } => {
+                let estimated = *queue == QueueSource::Estimated;
+                let default = *throughput == ThroughputSource::Default;
+                match (estimated, default) {
+                    (false, false) => "fresh",
+                    (true, false) => "fresh; rule 1: queue = waiting x mean_prefill",
+                    (false, true) => "fresh; rule 2: default throughput",
+                    (true, true) => {
+                        "fresh; rules 1+2: queue = waiting x mean_prefill, default throughput"
+                    }
+                }
+            }
+            Rule::NoFreshSnapshot => "rule 3: no fresh snapshot, queue unknown",
+            Rule::DarkFleet => "rule 4: no fresh snapshot in fleet, pending work only",
         };
         f.write_str(text)
     }
@@ -156,7 +156,7 @@ impl SnapshotTerms {
         let default_tps = valid_throughput(params.default_throughput).unwrap_or(1.0);
         let reported_tps = load
             .throughput_tps
-            .filter(|_| params.use_reported_throughput)
+            .filter(|_| params.rate == RateMode::Reported)
             .and_then(valid_throughput);
         let (throughput_tps, throughput) = match reported_tps {
             Some(tps) => (tps, ThroughputSource::Reported),
@@ -253,15 +253,18 @@ pub struct ScoreBreakdown {
     pub rule: Rule,
 }
 
-/// Scores one worker: `terms` of its fresh snapshot (`None` without one) and
-/// this router's in-flight tokens on it.
+/// Scores one worker: `terms` of its fresh snapshot (`None` without one),
+/// this router's in-flight tokens on it, and, under `rate = "learned"`, its
+/// learned rate (`None`: no estimate, so `default_throughput`).
 pub fn score(
     terms: Option<&SnapshotTerms>,
     inflight_tokens: u64,
+    learned_tps: Option<f64>,
     fleet: Fleet,
     params: &LeastLoadParams,
 ) -> ScoreBreakdown {
-    let (queued_tokens, throughput_tps, kv_usage_ratio, kv_barrier_secs, rule) = match terms {
+    let (queued_tokens, mut throughput_tps, kv_usage_ratio, kv_barrier_secs, mut rule) = match terms
+    {
         Some(terms) => (
             terms.queued_tokens,
             terms.throughput_tps,
@@ -284,6 +287,22 @@ pub fn score(
             },
         ),
     };
+    if params.rate == RateMode::Learned {
+        // The worker's own rate, with or without a snapshot: its pending
+        // work stays comparable, in seconds, with everyone else's.
+        let learned = learned_tps.and_then(valid_throughput);
+        throughput_tps = learned.unwrap_or(params.default_throughput);
+        if let Rule::Fresh { queue, .. } = rule {
+            rule = Rule::Fresh {
+                queue,
+                throughput: if learned.is_some() {
+                    ThroughputSource::Learned
+                } else {
+                    ThroughputSource::Default
+                },
+            };
+        }
+    }
     let throughput_tps = valid_throughput(throughput_tps)
         .or_else(|| valid_throughput(params.default_throughput))
         .unwrap_or(1.0);
@@ -325,7 +344,8 @@ pub(crate) fn wait_secs(
 
 /// The whole score from its inputs: one worker's fresh snapshot (or none),
 /// our pending work now, our pending work when its poll was sent, the knobs
-/// and the fleet.
+/// and the fleet. A learned rate is the policy's state, so under
+/// `rate = "learned"` this scores at the prior, `default_throughput`.
 pub fn score_worker(
     load: Option<&LoadSummary>,
     pending_now: PendingWork,
@@ -334,7 +354,7 @@ pub fn score_worker(
     fleet: Fleet,
 ) -> ScoreBreakdown {
     let terms = load.map(|load| SnapshotTerms::new(load, pending_at_poll_start, params));
-    score(terms.as_ref(), pending_now.tokens, fleet, params)
+    score(terms.as_ref(), pending_now.tokens, None, fleet, params)
 }
 
 fn valid_throughput(tps: f64) -> Option<f64> {
@@ -353,8 +373,12 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The pure scorer is worked out by hand against reported rates.
     fn params() -> LeastLoadParams {
-        LeastLoadParams::default()
+        LeastLoadParams {
+            rate: RateMode::Reported,
+            ..LeastLoadParams::default()
+        }
     }
 
     fn fresh_fleet() -> Fleet {

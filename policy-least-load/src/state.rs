@@ -14,6 +14,8 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use policy_core::WorkerLedger;
 
+use crate::LeastLoadParams;
+use crate::rate::{LearnedRate, RateEstimator, RateProbe};
 use crate::score::{QueueSource, SnapshotTerms, ThroughputSource};
 
 /// One received report, reduced to what selections read.
@@ -226,14 +228,38 @@ impl SincePollTally {
 }
 
 /// Everything the policy keeps for one worker.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct WorkerState {
-    /// Pending work and in-flight requests, from select / first_token / finish.
-    pub ledger: WorkerLedger,
+    /// Pending work and in-flight requests, from select / first_token /
+    /// finish, each pending dispatch with what its first token will teach
+    /// the rate.
+    pub ledger: WorkerLedger<RateProbe>,
     pub snapshot: SnapshotCell,
     /// Used only in `inflight = "since_poll"` mode.
     pub since_poll: SincePollTally,
     pub last_dispatch: LastDispatch,
+    /// Learned in every mode (the explain table shows it); the divisor
+    /// under `rate = "learned"`.
+    pub rate: LearnedRate,
+}
+
+impl WorkerState {
+    /// A worker whose learned rate starts at `prior_tps`.
+    pub fn new(params: &LeastLoadParams, prior_tps: f64) -> WorkerState {
+        WorkerState {
+            ledger: WorkerLedger::default(),
+            snapshot: SnapshotCell::default(),
+            since_poll: SincePollTally::default(),
+            last_dispatch: LastDispatch::default(),
+            rate: LearnedRate::new(RateEstimator::new(
+                prior_tps,
+                // The prior is worth a quarter of a typical request, so the
+                // first real samples take over.
+                params.mean_prefill_tokens / 4,
+                params.rate_half_life_secs,
+            )),
+        }
+    }
 }
 
 /// When this router last dispatched to the worker, on the policy's

@@ -11,7 +11,7 @@ use policy_core::{
 use proptest::prelude::*;
 
 use crate::Strategy as Pick;
-use crate::{InflightMode, LeastLoad, LeastLoadParams, register};
+use crate::{InflightMode, LeastLoad, LeastLoadParams, RateMode, register};
 
 fn fleet_with(strategy: Pick, params: LeastLoadParams, n: u32) -> (LeastLoad, Vec<WorkerId>) {
     let policy = LeastLoad::new(strategy, params, &PolicyContext::default()).unwrap();
@@ -25,21 +25,34 @@ fn fleet_with(strategy: Pick, params: LeastLoadParams, n: u32) -> (LeastLoad, Ve
     (policy, ids)
 }
 
+/// The rules below are worked out by hand against reported rates; the
+/// learned rate (the default) has its own tests at the end.
+fn reported() -> LeastLoadParams {
+    LeastLoadParams {
+        rate: RateMode::Reported,
+        ..LeastLoadParams::default()
+    }
+}
+
 fn fleet(n: u32) -> (LeastLoad, Vec<WorkerId>) {
+    fleet_with(Pick::LeastLoad, reported(), n)
+}
+
+fn learned_fleet(n: u32) -> (LeastLoad, Vec<WorkerId>) {
     fleet_with(Pick::LeastLoad, LeastLoadParams::default(), n)
 }
 
 fn since_poll() -> LeastLoadParams {
     LeastLoadParams {
         inflight: InflightMode::SincePoll,
-        ..LeastLoadParams::default()
+        ..reported()
     }
 }
 
 fn capped(cap: u64) -> LeastLoadParams {
     LeastLoadParams {
         max_waiting_requests: cap,
-        ..LeastLoadParams::default()
+        ..reported()
     }
 }
 
@@ -108,7 +121,7 @@ fn throughput_normalizes_the_queue() {
 #[test]
 fn without_reported_throughput_every_worker_drains_at_the_default() {
     let params = LeastLoadParams {
-        use_reported_throughput: false,
+        rate: RateMode::Fixed,
         default_throughput: 1000.0,
         ..LeastLoadParams::default()
     };
@@ -121,7 +134,7 @@ fn without_reported_throughput_every_worker_drains_at_the_default() {
     let table = policy.explain(&ids, &exact(100), t0);
     assert_eq!(score(&table, ids[0]), 3.0, "{table}");
     assert_eq!(score(&table, ids[1]), 2.0, "{table}");
-    assert_eq!(table.value(ids[0], "throughput_tps"), Some(1000.0));
+    assert_eq!(table.value(ids[0], "rate_tps"), Some(1000.0));
     assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[1]);
 }
 
@@ -355,7 +368,7 @@ fn a_stale_snapshot_is_ignored() {
     assert_eq!(score(&table, ids[0]), 0.0);
     assert_eq!(
         table.row(ids[0]).unwrap().note,
-        "rule 3: no fresh snapshot, nominal throughput"
+        "rule 3: no fresh snapshot, queue unknown"
     );
     assert_eq!(
         policy.select(&ids, &exact(1), later).unwrap().worker,
@@ -379,7 +392,7 @@ fn a_failed_poll_or_no_report_leaves_no_fresh_snapshot() {
         let table = policy.explain(&ids, &exact(1), t0);
         assert_eq!(
             table.row(ids[0]).unwrap().note,
-            "rule 3: no fresh snapshot, nominal throughput",
+            "rule 3: no fresh snapshot, queue unknown",
             "{outcome}"
         );
     }
@@ -396,7 +409,7 @@ fn a_worker_without_a_snapshot_among_reporting_ones() {
     let table = policy.explain(&ids, &exact(1), t0);
     // Nominal = (1000 + 3000) / 2 = 2000 tok/s; 3000 pending / 2000 = 1.5 s,
     // comparable with the 3 s and 2 s of the reporting workers; no barrier.
-    assert_eq!(table.value(ids[2], "throughput_tps"), Some(2000.0));
+    assert_eq!(table.value(ids[2], "rate_tps"), Some(2000.0));
     assert_eq!(score(&table, ids[2]), 1.5);
     assert_eq!(score(&table, ids[0]), 3.0);
     assert_eq!(score(&table, ids[1]), 2.0);
@@ -415,7 +428,7 @@ fn a_dark_fleet_joins_the_shortest_queue_of_pending_tokens() {
     assert_eq!(score(&table, ids[1]), 0.05);
     assert_eq!(
         table.row(ids[1]).unwrap().note,
-        "rule 4: no fresh snapshot in fleet, JSQ on pending tokens"
+        "rule 4: no fresh snapshot in fleet, pending work only"
     );
     let next = policy.select(&ids, &exact(50), t0).unwrap();
     assert_eq!(next.worker, ids[1]);
@@ -997,5 +1010,141 @@ fn concurrent_selections_never_overshoot_the_cap() {
         for id in &ids {
             assert_eq!(policy.worker_stats(*id), Some(WorkerStats::default()));
         }
+    }
+}
+
+// ------------------------------------------------------------ learned rate
+
+fn streamed(tokens: u64) -> RequestInfo {
+    exact(tokens).streaming(true)
+}
+
+fn rate(policy: &LeastLoad, id: WorkerId, at: Instant) -> f64 {
+    policy
+        .explain(&[id], &exact(1), at)
+        .value(id, "rate_tps")
+        .unwrap()
+}
+
+/// Sends `count` streamed requests of `tokens` to `id` (alone) one after
+/// another, each answered after `tokens / true_tps` seconds; returns the time
+/// after the last.
+fn serve(
+    policy: &LeastLoad,
+    id: WorkerId,
+    count: usize,
+    tokens: u64,
+    true_tps: f64,
+    mut at: Instant,
+) -> Instant {
+    for _ in 0..count {
+        let dispatch = policy.select(&[id], &streamed(tokens), at).unwrap();
+        at += Duration::from_secs_f64(tokens as f64 / true_tps);
+        policy.first_token(&dispatch, at);
+        policy.finish(&dispatch, at);
+        at += Duration::from_millis(100);
+    }
+    at
+}
+
+#[test]
+fn each_worker_learns_its_own_rate_and_the_score_divides_by_it() {
+    let (policy, ids) = learned_fleet(2);
+    let t0 = Instant::now();
+    assert_eq!(rate(&policy, ids[0], t0), 2000.0, "the prior");
+    let at = serve(&policy, ids[0], 40, 4000, 16_000.0, t0);
+    let at = serve(&policy, ids[1], 40, 4000, 4000.0, at);
+    let fast = rate(&policy, ids[0], at);
+    let slow = rate(&policy, ids[1], at);
+    // The fast worker's first sample is clipped (8x the prior), so a trace of
+    // it stays.
+    assert!((fast / 16_000.0 - 1.0).abs() < 0.03, "fast worker: {fast}");
+    assert!((slow / 4000.0 - 1.0).abs() < 0.02, "slow worker: {slow}");
+    // The same queue is four times the wait on the slow worker.
+    report(&policy, ids[0], &load(Some(8000), 2, Some(50.0), 0.0), at);
+    report(&policy, ids[1], &load(Some(8000), 2, Some(50.0), 0.0), at);
+    let table = policy.explain(&ids, &exact(100), at);
+    assert!(close(score(&table, ids[0]), 8000.0 / fast), "{table}");
+    assert!(close(score(&table, ids[1]), 8000.0 / slow), "{table}");
+    assert!(
+        table.rows[0].note.contains("learned from 40 samples"),
+        "{table}"
+    );
+    assert_eq!(table.value(ids[0], "rate_samples"), Some(40.0));
+    assert_eq!(policy.select(&ids, &exact(100), at).unwrap().worker, ids[0]);
+}
+
+#[test]
+fn the_work_ahead_at_dispatch_counts_in_the_sample() {
+    let (policy, ids) = learned_fleet(1);
+    let t0 = Instant::now();
+    // 6000 tokens queued by others, then our 2000: 8000 tokens cleared in 1 s.
+    report(&policy, ids[0], &load(Some(6000), 3, None, 0.0), t0);
+    let dispatch = policy.select(&ids, &streamed(2000), t0).unwrap();
+    policy.first_token(&dispatch, t0 + Duration::from_secs(1));
+    let learned = rate(&policy, ids[0], t0 + Duration::from_secs(1));
+    // One sample against a light prior: most of the way from 2000 to 8000.
+    assert!(learned > 6000.0 && learned <= 8000.0, "{learned}");
+}
+
+#[test]
+fn non_streaming_and_unanswered_requests_teach_nothing() {
+    let (policy, ids) = learned_fleet(1);
+    let t0 = Instant::now();
+    // A non-streaming answer's head comes after the whole generation.
+    let dispatch = policy.select(&ids, &exact(1000), t0).unwrap();
+    policy.first_token(&dispatch, t0 + Duration::from_secs(30));
+    policy.finish(&dispatch, t0 + Duration::from_secs(30));
+    // A stream cancelled before its first token.
+    let dispatch = policy.select(&ids, &streamed(1000), t0).unwrap();
+    policy.finish(&dispatch, t0 + Duration::from_secs(5));
+    let table = policy.explain(&ids, &exact(1), t0 + Duration::from_secs(30));
+    assert_eq!(table.value(ids[0], "rate_tps"), Some(2000.0));
+    assert_eq!(table.value(ids[0], "rate_samples"), Some(0.0));
+    assert!(table.rows[0].note.contains("rate: prior"), "{table}");
+}
+
+#[test]
+fn absurd_samples_are_dropped_and_counted() {
+    let (policy, ids) = learned_fleet(1);
+    let t0 = Instant::now() + Duration::from_secs(3600);
+    // A first token that arrives before its dispatch.
+    let dispatch = policy.select(&ids, &streamed(1000), t0).unwrap();
+    policy.first_token(&dispatch, t0 - Duration::from_secs(1));
+    // A one-token request answered after ten minutes.
+    let dispatch = policy.select(&ids, &streamed(1), t0).unwrap();
+    policy.first_token(&dispatch, t0 + Duration::from_secs(600));
+    let table = policy.explain(&ids, &exact(1), t0 + Duration::from_secs(600));
+    assert_eq!(table.value(ids[0], "rate_tps"), Some(2000.0));
+    assert!(table.rows[0].note.contains("2 dropped"), "{table}");
+}
+
+#[test]
+fn a_worker_that_joins_starts_from_the_fleets_learned_rate() {
+    let (policy, ids) = learned_fleet(2);
+    let t0 = Instant::now();
+    let at = serve(&policy, ids[0], 40, 4000, 10_000.0, t0);
+    let at = serve(&policy, ids[1], 40, 4000, 40_000.0, at);
+    let joined = WorkerId::new(2, 0);
+    policy.add_worker(joined, WorkerInfo::new("http://w2", "sglang"));
+    // The geometric mean of 10 000 and 40 000.
+    let prior = rate(&policy, joined, at);
+    assert!((prior / 20_000.0 - 1.0).abs() < 0.05, "{prior}");
+}
+
+#[test]
+fn the_reported_and_fixed_rates_remain_and_show_what_was_learned() {
+    for (mode, expected) in [(RateMode::Reported, 3000.0), (RateMode::Fixed, 2000.0)] {
+        let params = LeastLoadParams {
+            rate: mode,
+            ..LeastLoadParams::default()
+        };
+        let (policy, ids) = fleet_with(Pick::LeastLoad, params, 1);
+        let t0 = Instant::now();
+        let at = serve(&policy, ids[0], 20, 4000, 16_000.0, t0);
+        report(&policy, ids[0], &load(Some(3000), 3, Some(3000.0), 0.0), at);
+        let table = policy.explain(&ids, &exact(100), at);
+        assert_eq!(table.value(ids[0], "rate_tps"), Some(expected), "{table}");
+        assert!(table.rows[0].note.contains("learned would be"), "{table}");
     }
 }

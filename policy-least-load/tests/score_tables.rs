@@ -11,15 +11,14 @@ use load_protocols::{SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto
 use policy_core::{
     Policy, PolicyContext, RequestInfo, ScoreTable, TokenCount, WorkerId, WorkerInfo,
 };
-use policy_least_load::{LeastLoad, LeastLoadParams, Strategy};
+use policy_least_load::{LeastLoad, LeastLoadParams, RateMode, Strategy};
 
 fn fleet(n: u32) -> (LeastLoad, Vec<WorkerId>) {
-    let policy = LeastLoad::new(
-        Strategy::LeastLoad,
-        LeastLoadParams::default(),
-        &PolicyContext::default(),
-    )
-    .unwrap();
+    fleet_with(LeastLoadParams::default(), n)
+}
+
+fn fleet_with(params: LeastLoadParams, n: u32) -> (LeastLoad, Vec<WorkerId>) {
+    let policy = LeastLoad::new(Strategy::LeastLoad, params, &PolicyContext::default()).unwrap();
     let ids: Vec<WorkerId> = (0..n).map(|slot| WorkerId::new(slot, 0)).collect();
     for id in &ids {
         policy.add_worker(
@@ -53,6 +52,21 @@ fn hold(policy: &LeastLoad, id: WorkerId, sizes: &[u64], at: Instant) {
             .select(&[id], &RequestInfo::new(TokenCount::Exact(*tokens)), at)
             .unwrap();
     }
+}
+
+/// Streams `count` requests of 4000 tokens to `id`, one at a time, each
+/// answered at `true_tps`: the policy learns the worker's rate. Returns the
+/// time after the last.
+fn teach(policy: &LeastLoad, id: WorkerId, true_tps: f64, mut at: Instant) -> Instant {
+    let request = RequestInfo::new(TokenCount::Exact(4000)).streaming(true);
+    for _ in 0..30 {
+        let dispatch = policy.select(&[id], &request, at).unwrap();
+        at += Duration::from_secs_f64(4000.0 / true_tps);
+        policy.first_token(&dispatch, at);
+        policy.finish(&dispatch, at);
+        at += Duration::from_millis(50);
+    }
+    at
 }
 
 fn request() -> RequestInfo {
@@ -103,7 +117,40 @@ fn size_skew() {
 
 #[test]
 fn heterogeneous_throughput() {
+    // Four workers whose rates were learned from traffic (worker 2 has had
+    // none: its prior). What each reports as its generation rate does not
+    // matter under the learned rate.
     let (policy, ids) = fleet(4);
+    let mut at = Instant::now();
+    for (id, true_tps) in [(ids[0], 1000.0), (ids[1], 4000.0), (ids[3], 500.0)] {
+        at = teach(&policy, id, true_tps, at);
+    }
+    report(&policy, ids[0], &load(Some(2000), 2, Some(9.0), 0.0), at);
+    report(&policy, ids[1], &load(Some(6000), 6, Some(9.0), 0.0), at);
+    report(&policy, ids[2], &load(Some(2500), 3, None, 0.0), at);
+    report(&policy, ids[3], &load(Some(1000), 1, Some(9.0), 0.0), at);
+    let table = policy.explain(&ids, &request(), at);
+    insta::assert_snapshot!(table.to_string());
+    // About 2000 / 1000 = 2 s, 6000 / 4000 = 1.5 s and 1000 / 500 = 2 s;
+    // 2500 / 2000 = 1.25 s at worker 2's prior wins.
+    let near = |id: WorkerId, secs: f64| (score(&table, id) / secs - 1.0).abs() < 0.05;
+    assert!(
+        near(ids[0], 2.0) && near(ids[1], 1.5) && near(ids[3], 2.0),
+        "{table}"
+    );
+    assert_eq!(score(&table, ids[2]), 1.25);
+    assert_eq!(table.chosen, vec![ids[2]]);
+    assert_eq!(policy.select(&ids, &request(), at).unwrap().worker, ids[2]);
+}
+
+#[test]
+fn heterogeneous_reported_rate() {
+    // rate = "reported": each worker's reported generation rate divides.
+    let params = LeastLoadParams {
+        rate: RateMode::Reported,
+        ..LeastLoadParams::default()
+    };
+    let (policy, ids) = fleet_with(params, 4);
     let t0 = Instant::now();
     report(&policy, ids[0], &load(Some(2000), 2, Some(1000.0), 0.0), t0);
     report(&policy, ids[1], &load(Some(6000), 6, Some(4000.0), 0.0), t0);
@@ -141,7 +188,13 @@ fn near_full_kv() {
 
 #[test]
 fn mixed_signals() {
-    let (policy, ids) = fleet(5);
+    // The degradation rules, under rate = "reported" (where rule 3's nominal
+    // rate is the mean of the reported ones).
+    let params = LeastLoadParams {
+        rate: RateMode::Reported,
+        ..LeastLoadParams::default()
+    };
+    let (policy, ids) = fleet_with(params, 5);
     let t0 = Instant::now();
     let stale_after = PolicyContext::default().stale_after;
     // Worker 4 last reported long ago: stale by now.

@@ -58,9 +58,12 @@ pub struct Cli {
     /// Scores this close to the best are ties, won by the least recently used.
     #[arg(long)]
     pub least_load_tie_tolerance_secs: Option<f64>,
-    /// `false` divides every worker's work by the default throughput.
+    /// The divisor: `learned` (default), `reported` or `fixed`.
     #[arg(long)]
-    pub least_load_use_reported_throughput: Option<bool>,
+    pub least_load_rate: Option<String>,
+    /// How fast a learned rate forgets old samples, in seconds.
+    #[arg(long)]
+    pub least_load_rate_half_life_secs: Option<f64>,
 
     #[arg(long)]
     pub power_of_two_kv_pressure_weight: Option<f64>,
@@ -75,7 +78,9 @@ pub struct Cli {
     #[arg(long)]
     pub power_of_two_tie_tolerance_secs: Option<f64>,
     #[arg(long)]
-    pub power_of_two_use_reported_throughput: Option<bool>,
+    pub power_of_two_rate: Option<String>,
+    #[arg(long)]
+    pub power_of_two_rate_half_life_secs: Option<f64>,
 }
 
 impl Cli {
@@ -121,7 +126,8 @@ impl Cli {
                     self.least_load_max_waiting_requests,
                     &self.least_load_inflight,
                     self.least_load_tie_tolerance_secs,
-                    self.least_load_use_reported_throughput,
+                    &self.least_load_rate,
+                    self.least_load_rate_half_life_secs,
                 ),
             ),
             (
@@ -133,7 +139,8 @@ impl Cli {
                     self.power_of_two_max_waiting_requests,
                     &self.power_of_two_inflight,
                     self.power_of_two_tie_tolerance_secs,
-                    self.power_of_two_use_reported_throughput,
+                    &self.power_of_two_rate,
+                    self.power_of_two_rate_half_life_secs,
                 ),
             ),
         ] {
@@ -144,7 +151,8 @@ impl Cli {
                 max_waiting,
                 inflight,
                 tie_tolerance,
-                use_reported_throughput,
+                rate,
+                rate_half_life,
             ) = knobs;
             set(
                 &format!("policy.{policy}.kv_pressure_weight"),
@@ -171,8 +179,12 @@ impl Cli {
                 tie_tolerance.map(Into::into),
             );
             set(
-                &format!("policy.{policy}.use_reported_throughput"),
-                use_reported_throughput.map(Into::into),
+                &format!("policy.{policy}.rate"),
+                rate.clone().map(Into::into),
+            );
+            set(
+                &format!("policy.{policy}.rate_half_life_secs"),
+                rate_half_life.map(Into::into),
             );
         }
         let workers = self

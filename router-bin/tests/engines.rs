@@ -475,3 +475,93 @@ async fn a_non_streaming_answer_cut_short_is_a_clear_502() {
     );
     engines.shutdown().await;
 }
+
+/// The burst of issue "least_load v2": three workers served traffic and went
+/// quiet (their reported decode rate decays towards 0), a fourth joined
+/// fresh; then hundreds of streams arrive at once. With the reported rate
+/// nearly every request went to the fresh worker (one pending request on a
+/// near-zero rate scores hundreds of seconds); with the learned rate no
+/// worker gets more than twice its fair share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_after_a_quiet_spell_is_spread_over_the_fleet() {
+    let configs = (0..4)
+        .map(|index| {
+            let mut config = engine(Flavour::Sglang, 40 + index);
+            // Real time, so a burst's prefill queues up as it would on a GPU;
+            // the reported decode rate forgets within a second of quiet.
+            config.time_scale = 1.0;
+            config.params.throughput_window_s = 0.05;
+            config
+        })
+        .collect();
+    let engines = fleet(configs).await;
+    let urls: Vec<String> = engines
+        .engines()
+        .iter()
+        .map(|engine| engine.http_url())
+        .collect();
+    let router = start_router(fast_config(
+        urls[..3].iter().map(|url| worker("sglang", url)).collect(),
+        "",
+    ))
+    .await;
+    wait_until("three workers are healthy", || async {
+        router.healthy_count().await == 3
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", router.base);
+    let send_all = |count: usize, offset: usize| {
+        let requests: Vec<_> = (0..count)
+            .map(|index| {
+                let client = router.client.clone();
+                let url = url.clone();
+                let body = serde_json::json!({"stream": true, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": prompt(offset + index, 300)}]});
+                tokio::spawn(async move { stream_to_done(&client, &url, body).await })
+            })
+            .collect();
+        async move {
+            for request in requests {
+                request.await.unwrap().unwrap();
+            }
+        }
+    };
+    // Earlier traffic on the three.
+    send_all(60, 0).await;
+    // A fresh fourth worker joins; the three go quiet until their reported
+    // rate has decayed to almost nothing.
+    router
+        .app
+        .add_worker(worker("sglang", &urls[3]))
+        .await
+        .unwrap();
+    wait_until("four workers are healthy", || async {
+        router.healthy_count().await == 4
+    })
+    .await;
+    wait_until("the quiet workers report a decayed rate", || async {
+        let workers = router.workers_json().await;
+        workers["workers"].as_array().unwrap().iter().all(|worker| {
+            worker["load"]["loads"][0]["gen_throughput"]
+                .as_f64()
+                .is_none_or(|tps| tps < 0.5)
+        })
+    })
+    .await;
+    let before: Vec<u64> = (0..4)
+        .map(|index| engines.stats(index).unwrap().generation_requests)
+        .collect();
+    let burst = 400;
+    send_all(burst, 1000).await;
+    let received: Vec<u64> = (0..4)
+        .map(|index| engines.stats(index).unwrap().generation_requests - before[index])
+        .collect();
+    assert_eq!(received.iter().sum::<u64>(), burst as u64, "{received:?}");
+    eprintln!("burst received per worker: {received:?}");
+    let fair_share = burst as u64 / 4;
+    assert!(
+        received.iter().all(|count| *count <= 2 * fair_share),
+        "no worker gets more than twice its fair share of {fair_share}: {received:?}"
+    );
+    engines.shutdown().await;
+}
