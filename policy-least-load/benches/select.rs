@@ -46,8 +46,11 @@ use policy_core::{
 const WORKER_COUNTS: [usize; 3] = [8, 64, 512];
 const WINDOW: usize = 16;
 const THREADS: usize = 2;
-const POLICIES: [&str; 4] = [
+/// `least_load_reported_rate` is `least_load` with `rate = "reported"`, the
+/// divisor before the learned rate: the learned rate's cost, side by side.
+const POLICIES: [&str; 5] = [
     "least_load",
+    "least_load_reported_rate",
     "power_of_two",
     "round_robin",
     "least_requests",
@@ -76,7 +79,11 @@ type Setup<T> = Result<T, Box<dyn std::error::Error>>;
 fn build(name: &str, workers: usize, now: Instant) -> Setup<(Box<dyn Policy>, Vec<WorkerId>)> {
     let mut registry = PolicyRegistry::with_baselines();
     policy_least_load::register(&mut registry);
-    let policy = registry.build(name, &serde_json::Value::Null, &PolicyContext::default())?;
+    let (registered, section) = match name {
+        "least_load_reported_rate" => ("least_load", serde_json::json!({"rate": "reported"})),
+        other => (other, serde_json::Value::Null),
+    };
+    let policy = registry.build(registered, &section, &PolicyContext::default())?;
     let ids: Vec<WorkerId> = (0..workers)
         .map(|slot| WorkerId::new(slot as u32, 0))
         .collect();
