@@ -114,7 +114,7 @@ impl Default for LeastLoadParams {
             inflight: InflightMode::Pending,
             tie_tolerance_secs: 0.01,
             rate: RateMode::Learned,
-            rate_half_life_secs: 20.0,
+            rate_half_life_secs: 30.0,
         }
     }
 }
@@ -323,7 +323,7 @@ mod tests {
         assert_eq!(defaults.inflight, InflightMode::Pending);
         assert_eq!(defaults.tie_tolerance_secs, 0.01);
         assert_eq!(defaults.rate, RateMode::Learned);
-        assert_eq!(defaults.rate_half_life_secs, 20.0);
+        assert_eq!(defaults.rate_half_life_secs, 30.0);
     }
 
     #[test]
