@@ -655,6 +655,24 @@ impl Engine {
         hits * block
     }
 
+    /// A cheap lower bound of
+    /// [`first_token_projection_s`](Engine::first_token_projection_s): the
+    /// step under way ends, then every queued prefill token and the
+    /// request's own uncached ones are computed at `prefill_tps` (less the
+    /// most the jitter can take off), with nothing else in the way; a
+    /// nanosecond less, for rounding. A caller looking for the earliest first
+    /// token across engines projects only those whose bound is not already
+    /// beaten.
+    pub fn first_token_lower_bound_s(&self, now_s: f64, request: &EngineRequest) -> f64 {
+        let prompt_tokens = request.prompt_tokens.max(1);
+        let own_uncached =
+            prompt_tokens - self.cached_prompt_tokens(prompt_tokens, &request.prefix_block_hashes);
+        let tokens = self.queued_prefill_tokens() + u64::from(own_uncached);
+        now_s.max(self.clock_s)
+            + tokens as f64 / self.params.prefill_tps * (1.0 - self.params.step_jitter)
+            - 1e-9
+    }
+
     /// When `request` would get its first token if it were submitted now, at
     /// `now_s`, and nothing else arrived: the engine's next steps projected
     /// from its true state, by the rules of [`step`](Engine::step). The step

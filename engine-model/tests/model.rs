@@ -536,6 +536,11 @@ fn the_first_token_projection_is_the_first_token_time() {
         advance_to(&mut actual, now_s);
         let target = request(1_000_000, 1 + (rng.next_u64() % 5000) as u32, 3, now_s);
         let expected_s = projected.first_token_projection_s(now_s, &target);
+        let bound_s = projected.first_token_lower_bound_s(now_s, &target);
+        assert!(
+            bound_s <= expected_s,
+            "case {case}: bound {bound_s} > {expected_s}"
+        );
         actual.submit(target).unwrap();
         let mut events = Vec::new();
         let mut first_token_s = None;

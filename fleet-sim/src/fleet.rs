@@ -150,42 +150,87 @@ pub fn least_true_queue_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
 /// ([`Engine::first_token_projection_s`]); ties broken uniformly at random
 /// (reservoir sampling). `request` builds the request for one engine's
 /// parameters (its prefix-block hashes depend on the block size).
+///
+/// Engines are projected in the order of their
+/// [`Engine::first_token_lower_bound_s`], and the search stops at the first
+/// bound above the best projection so far: the same minimum and the same tie
+/// set as projecting every engine, for a fraction of the work.
 pub fn oracle_pick(
     engines: &[Engine],
     now_s: f64,
     request: impl Fn(&EngineParams) -> EngineRequest,
     rng: &mut SmallRng,
 ) -> usize {
-    least_pick(
-        engines
-            .iter()
-            .map(|engine| engine.first_token_projection_s(now_s, &request(engine.params()))),
-        rng,
-    )
+    let requests: Vec<EngineRequest> = engines
+        .iter()
+        .map(|engine| request(engine.params()))
+        .collect();
+    let mut order: Vec<(f64, usize)> = engines
+        .iter()
+        .zip(&requests)
+        .map(|(engine, request)| engine.first_token_lower_bound_s(now_s, request))
+        .zip(0..)
+        .collect();
+    order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut least = Least::default();
+    for (bound_s, index) in order {
+        if bound_s > least.value {
+            break;
+        }
+        least.offer(
+            index,
+            engines[index].first_token_projection_s(now_s, &requests[index]),
+            rng,
+        );
+    }
+    least.index
 }
 
 /// The index of the least value, ties broken uniformly at random.
 fn least_pick(values: impl Iterator<Item = f64>, rng: &mut SmallRng) -> usize {
-    let mut best = 0;
-    let mut best_s = f64::INFINITY;
-    let mut ties = 0u32;
-    for (index, work_s) in values.enumerate() {
-        match work_s.total_cmp(&best_s) {
+    let mut least = Least::default();
+    for (index, value) in values.enumerate() {
+        least.offer(index, value, rng);
+    }
+    least.index
+}
+
+/// The least value offered so far and its index, ties broken uniformly at
+/// random (reservoir sampling).
+#[derive(Debug)]
+struct Least {
+    index: usize,
+    value: f64,
+    ties: u32,
+}
+
+impl Default for Least {
+    fn default() -> Least {
+        Least {
+            index: 0,
+            value: f64::INFINITY,
+            ties: 0,
+        }
+    }
+}
+
+impl Least {
+    fn offer(&mut self, index: usize, value: f64, rng: &mut SmallRng) {
+        match value.total_cmp(&self.value) {
             Ordering::Less => {
-                best = index;
-                best_s = work_s;
-                ties = 1;
+                self.index = index;
+                self.value = value;
+                self.ties = 1;
             }
             Ordering::Equal => {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    best = index;
+                self.ties += 1;
+                if rng.random_range(0..self.ties) == 0 {
+                    self.index = index;
                 }
             }
             Ordering::Greater => {}
         }
     }
-    best
 }
 
 /// A worker's report, converted exactly as the router's load monitor does
