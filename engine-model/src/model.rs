@@ -6,8 +6,9 @@
 //! clock multiplied by a time-scale factor. Nothing in here sleeps, reads a
 //! clock or allocates per step (events go into a caller-owned buffer).
 
+use std::cmp::Reverse;
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::{Deserialize, Serialize};
@@ -439,7 +440,13 @@ pub fn chain_block_hash(previous: u64, content: u64) -> u64 {
 /// its arrival.
 #[derive(Debug)]
 pub struct Engine {
+    /// The parameters in force: [`nominal`](Engine::nominal_params) at the
+    /// current [`speed`](Engine::speed).
     params: EngineParams,
+    /// The parameters the engine was created with.
+    nominal: EngineParams,
+    /// Multiplies the nominal speed (1 = as created).
+    speed: f64,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     by_id: HashMap<u64, u32, PassThrough>,
@@ -474,6 +481,8 @@ impl Engine {
     pub fn new(params: EngineParams, seed: u64) -> Result<Engine, EngineError> {
         params.validate()?;
         Ok(Engine {
+            nominal: params.clone(),
+            speed: 1.0,
             params,
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -502,8 +511,46 @@ impl Engine {
         })
     }
 
+    /// The parameters in force (the nominal ones scaled by the speed).
     pub fn params(&self) -> &EngineParams {
         &self.params
+    }
+
+    /// The parameters the engine was created with.
+    pub fn nominal_params(&self) -> &EngineParams {
+        &self.nominal
+    }
+
+    /// The current speed as a multiple of the nominal one.
+    pub fn speed(&self) -> f64 {
+        self.speed
+    }
+
+    /// Runs the engine at `factor` × its nominal speed from its next step on
+    /// (a step already planned keeps its duration): `prefill_tps` is the
+    /// nominal one × `factor`, and `decode_base_ms`, `decode_per_req_ms` and
+    /// `min_step_ms` the nominal ones ÷ `factor`, so every step lasts
+    /// 1 / `factor` times as long (jitter aside). 1 restores the nominal
+    /// speed. Fails, changing nothing, unless `factor` is finite and positive.
+    pub fn set_speed(&mut self, factor: f64) -> Result<(), EngineError> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(EngineError::InvalidParam {
+                name: "speed",
+                value: factor,
+                rule: "must be finite and positive",
+            });
+        }
+        let params = EngineParams {
+            prefill_tps: self.nominal.prefill_tps * factor,
+            decode_base_ms: self.nominal.decode_base_ms / factor,
+            decode_per_req_ms: self.nominal.decode_per_req_ms / factor,
+            min_step_ms: self.nominal.min_step_ms / factor,
+            ..self.nominal.clone()
+        };
+        params.validate()?;
+        self.params = params;
+        self.speed = factor;
+        Ok(())
     }
 
     /// Emit an [`EngineEvent::Token`] for every generated token (the mock
@@ -584,6 +631,199 @@ impl Engine {
             finished_requests_total: self.finished_total,
             preemptions_total: self.preemptions_total,
         }
+    }
+
+    /// Prompt tokens of a request with these leading block hashes that the
+    /// prefix cache would serve now (what [`submit`](Engine::submit) and
+    /// admission would find; at least one token is always computed).
+    pub fn cached_prompt_tokens(&self, prompt_tokens: u32, prefix_block_hashes: &[u64]) -> u32 {
+        if !self.params.prefix_cache {
+            return 0;
+        }
+        let prompt_tokens = prompt_tokens.max(1);
+        let block = self.params.block_size_tokens;
+        let max_blocks = ((prompt_tokens - 1) / block) as usize;
+        let mut previous = 0u64;
+        let mut hits = 0u32;
+        for &content in prefix_block_hashes.iter().take(max_blocks) {
+            previous = chain_block_hash(previous, content);
+            if !self.cache.blocks.contains_key(&previous) {
+                break;
+            }
+            hits += 1;
+        }
+        hits * block
+    }
+
+    /// A cheap lower bound of
+    /// [`first_token_projection_s`](Engine::first_token_projection_s): the
+    /// step under way ends, then every queued prefill token and the
+    /// request's own uncached ones are computed at `prefill_tps` (less the
+    /// most the jitter can take off), with nothing else in the way; a
+    /// nanosecond less, for rounding. A caller looking for the earliest first
+    /// token across engines projects only those whose bound is not already
+    /// beaten.
+    pub fn first_token_lower_bound_s(&self, now_s: f64, request: &EngineRequest) -> f64 {
+        let prompt_tokens = request.prompt_tokens.max(1);
+        let own_uncached =
+            prompt_tokens - self.cached_prompt_tokens(prompt_tokens, &request.prefix_block_hashes);
+        let tokens = self.queued_prefill_tokens() + u64::from(own_uncached);
+        now_s.max(self.clock_s)
+            + tokens as f64 / self.params.prefill_tps * (1.0 - self.params.step_jitter)
+            - 1e-9
+    }
+
+    /// When `request` would get its first token if it were submitted now, at
+    /// `now_s`, and nothing else arrived: the engine's next steps projected
+    /// from its true state, by the rules of [`step`](Engine::step). The step
+    /// under way ends first (the engine's state is already the one at its
+    /// end); then each step continues the running prefills oldest first out
+    /// of the chunk budget, admits waiting requests in order (this one last)
+    /// while the budget, `max_running` and the KV room allow, and lasts
+    /// `max(prefill cost, decode cost of the requests decoding)` (at least
+    /// `min_step_ms`, with the engine's own jitter draws); decoding requests
+    /// finish when their output is done, and requests whose prefill completes
+    /// decode from the next step on. The request's own uncached prompt is its
+    /// prompt less the prefix-cache hits now.
+    ///
+    /// Exact (to rounding) while no request is preempted during the
+    /// projection and the prefix cache does not change what the waiting
+    /// requests hit; the projection never preempts (KV room counts the KV in
+    /// use less the evictable cached blocks, a finished request frees its
+    /// private KV and its pinned blocks) and keeps each waiting request's
+    /// current uncached count. Infinite when the request could never be
+    /// admitted. Read-only: the engine is not changed.
+    pub fn first_token_projection_s(&self, now_s: f64, request: &EngineRequest) -> f64 {
+        /// A request in the projected running batch that is still prefilling.
+        struct Prefilling {
+            remaining: u32,
+            /// Tokens left to generate, the first one included.
+            output: u32,
+            /// KV it frees when it finishes, not counting its decode tokens.
+            kv: u64,
+            target: bool,
+        }
+        let params = &self.params;
+        let block = u64::from(params.block_size_tokens);
+        let prompt_tokens = request.prompt_tokens.max(1);
+        let own_uncached =
+            prompt_tokens - self.cached_prompt_tokens(prompt_tokens, &request.prefix_block_hashes);
+        // (finish step, KV freed then): requests decoding.
+        let mut decoding: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
+        let mut prefilling: VecDeque<Prefilling> = VecDeque::new();
+        for &index in &self.running {
+            let slot = &self.slots[index as usize];
+            let output = slot.output_tokens.saturating_sub(slot.generated).max(1);
+            let kv = slot.private_kv + u64::from(slot.pinned_blocks) * block;
+            if slot.decoding {
+                let output = u64::from(output);
+                decoding.push(Reverse((output - 1, kv + output)));
+            } else {
+                prefilling.push_back(Prefilling {
+                    remaining: slot.prefill_target.saturating_sub(slot.prefilled),
+                    output,
+                    kv,
+                    target: false,
+                });
+            }
+        }
+        let waiting = self
+            .waiting
+            .iter()
+            .map(|&index| {
+                let slot = &self.slots[index as usize];
+                let uncached = slot.queued_uncached as u32;
+                Prefilling {
+                    remaining: uncached,
+                    output: slot.output_tokens.saturating_sub(slot.generated).max(1),
+                    kv: u64::from(slot.prefill_target) + 1,
+                    target: false,
+                }
+            })
+            .chain(std::iter::once(Prefilling {
+                remaining: own_uncached,
+                output: request.output_tokens.max(1),
+                kv: u64::from(prompt_tokens) + 1,
+                target: true,
+            }));
+        let mut waiting = waiting.peekable();
+        // KV room: capacity less what is held, evictable cached blocks counted free.
+        let evictable = self.cache.evictable.len() as u64 * block;
+        let mut free_kv = i128::from(params.kv_capacity_tokens) - i128::from(self.used_kv_tokens())
+            + i128::from(evictable);
+        let min_step_s = params.min_step_ms / 1000.0;
+        let mut rng = self.rng.clone();
+        let mut time_s = now_s.max(self.clock_s);
+        // A bound on the steps: every step computes a prompt token or
+        // decodes one, or nothing will ever change.
+        for step in 0u64.. {
+            let decoding_requests = decoding.len() as u32;
+            let mut budget = params.prefill_chunk_tokens;
+            let mut prefill_tokens = 0u32;
+            for entry in prefilling.iter_mut() {
+                if budget == 0 {
+                    break;
+                }
+                let take = budget.min(entry.remaining);
+                entry.remaining -= take;
+                budget -= take;
+                prefill_tokens += take;
+            }
+            while budget > 0 && ((decoding.len() + prefilling.len()) as u32) < params.max_running {
+                let Some(head) = waiting.peek() else {
+                    break;
+                };
+                let needed = i128::from(head.remaining) + 1;
+                if needed + i128::from(decoding_requests) > free_kv {
+                    break;
+                }
+                let Some(mut entry) = waiting.next() else {
+                    break;
+                };
+                free_kv -= needed;
+                let take = budget.min(entry.remaining);
+                entry.remaining -= take;
+                budget -= take;
+                prefill_tokens += take;
+                prefilling.push_back(entry);
+            }
+            if prefill_tokens == 0 && decoding_requests == 0 {
+                // Nothing can run: the request would wait forever.
+                return f64::INFINITY;
+            }
+            let mut duration_s = params
+                .step_cost_s(prefill_tokens, decoding_requests)
+                .max(min_step_s);
+            if params.step_jitter > 0.0 {
+                let noise = 2.0 * rng.next_unit() - 1.0;
+                duration_s *= 1.0 + params.step_jitter * noise;
+            }
+            let end_s = time_s + duration_s;
+            free_kv -= i128::from(decoding_requests);
+            while let Some(&Reverse((finish, kv))) = decoding.peek() {
+                if finish > step {
+                    break;
+                }
+                decoding.pop();
+                free_kv += i128::from(kv);
+            }
+            while prefilling.front().is_some_and(|entry| entry.remaining == 0) {
+                let Some(entry) = prefilling.pop_front() else {
+                    break;
+                };
+                if entry.target {
+                    return end_s;
+                }
+                let output = u64::from(entry.output);
+                if output <= 1 {
+                    free_kv += i128::from(entry.kv);
+                } else {
+                    decoding.push(Reverse((step + output - 1, entry.kv + output - 1)));
+                }
+            }
+            time_s = end_s;
+        }
+        f64::INFINITY
     }
 
     /// Queues a request at the tail of the waiting queue.

@@ -439,3 +439,168 @@ fn queued_tokens_follow_the_prefix_cache_every_step() {
     assert_eq!(records[0].id, 1);
     assert_eq!(records[0].cached_tokens, 4080);
 }
+
+#[test]
+fn half_speed_doubles_every_step_from_the_next_one() {
+    // 4000 tokens at 8000 tps: two chunks, 0.256 s and 0.244 s.
+    let mut engine = Engine::new(no_cache(), 1).unwrap();
+    engine.submit(request(1, 4000, 1, 0.0)).unwrap();
+    let mut events = Vec::new();
+    let first = engine.step(0.0, &mut events).unwrap();
+    assert!(close(first.duration_s, 0.256));
+    // Slowed during the first step: the planned step keeps its duration,
+    // the second chunk takes twice as long.
+    engine.set_speed(0.5).unwrap();
+    assert_eq!(engine.speed(), 0.5);
+    assert!(close(engine.params().prefill_tps, 4000.0));
+    assert!(close(engine.params().decode_base_ms, 12.0));
+    assert!(close(engine.params().decode_per_req_ms, 0.7));
+    assert!(close(engine.params().min_step_ms, 2.0));
+    assert!(close(engine.nominal_params().prefill_tps, 8000.0));
+    let second = engine.step(first.end_s, &mut events).unwrap();
+    assert!(
+        close(second.duration_s, 2.0 * 1952.0 / 8000.0),
+        "{second:?}"
+    );
+    // A decode-only batch: (6 + 0.35 × n) ms doubles too.
+    let mut slow = Engine::new(no_cache(), 1).unwrap();
+    slow.set_speed(0.5).unwrap();
+    let mut fast = Engine::new(no_cache(), 1).unwrap();
+    for engine in [&mut slow, &mut fast] {
+        for id in 0..4 {
+            engine.submit(request(id, 100, 8, 0.0)).unwrap();
+        }
+    }
+    let slow_records = drain(&mut slow);
+    let fast_records = drain(&mut fast);
+    for (s, f) in slow_records.iter().zip(&fast_records) {
+        assert!(close(s.e2e_s(), 2.0 * f.e2e_s()), "{s:?} {f:?}");
+    }
+    // Back to nominal; nonsense factors change nothing.
+    slow.set_speed(1.0).unwrap();
+    assert_eq!(slow.params(), slow.nominal_params());
+    for factor in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(slow.set_speed(factor).is_err(), "{factor}");
+    }
+    assert_eq!(slow.speed(), 1.0);
+}
+
+/// Steps the engine through every step that starts at or before `now_s`,
+/// as the simulator does (a step's state is its end state once planned).
+fn advance_to(engine: &mut Engine, now_s: f64) {
+    let mut events = Vec::new();
+    while let Some(start_s) = engine.next_step_start_s() {
+        if start_s > now_s {
+            break;
+        }
+        engine.step(start_s, &mut events).unwrap();
+    }
+}
+
+#[test]
+fn the_first_token_projection_is_the_first_token_time() {
+    // Two identical engines get the same random history; at a random moment
+    // one projects a new request's first token, the other takes the request
+    // and runs to it. Chunking, admission order, decode interference,
+    // finishing decoders, max_running and jitter all play.
+    let mut rng = SplitMix64::new(42);
+    let mut checked = 0;
+    for case in 0..300u64 {
+        let params = EngineParams {
+            prefix_cache: false,
+            max_running: 2 + (rng.next_u64() % 12) as u32,
+            prefill_chunk_tokens: 256 + (rng.next_u64() % 2048) as u32,
+            decode_base_ms: 2.0 + 10.0 * rng.next_unit(),
+            decode_per_req_ms: rng.next_unit(),
+            prefill_tps: 2000.0 + 14_000.0 * rng.next_unit(),
+            step_jitter: if case % 3 == 0 { 0.3 } else { 0.0 },
+            ..EngineParams::default()
+        };
+        let mut projected = Engine::new(params.clone(), case).unwrap();
+        let mut actual = Engine::new(params, case).unwrap();
+        let requests = 1 + rng.next_u64() % 40;
+        let mut arrival_s = 0.0;
+        for id in 0..requests {
+            arrival_s += 0.05 * rng.next_unit();
+            let prompt = 1 + (rng.next_u64() % 4000) as u32;
+            let output = 1 + (rng.next_u64() % 200) as u32;
+            for engine in [&mut projected, &mut actual] {
+                advance_to(engine, arrival_s);
+                engine
+                    .submit(request(id, prompt, output, arrival_s))
+                    .unwrap();
+            }
+        }
+        let now_s = arrival_s + 0.3 * rng.next_unit();
+        advance_to(&mut projected, now_s);
+        advance_to(&mut actual, now_s);
+        let target = request(1_000_000, 1 + (rng.next_u64() % 5000) as u32, 3, now_s);
+        let expected_s = projected.first_token_projection_s(now_s, &target);
+        let bound_s = projected.first_token_lower_bound_s(now_s, &target);
+        assert!(
+            bound_s <= expected_s,
+            "case {case}: bound {bound_s} > {expected_s}"
+        );
+        actual.submit(target).unwrap();
+        let mut events = Vec::new();
+        let mut first_token_s = None;
+        while let Some(start_s) = actual.next_step_start_s() {
+            events.clear();
+            actual.step(start_s, &mut events).unwrap();
+            if let Some(time_s) = events.iter().find_map(|event| match event {
+                EngineEvent::FirstToken {
+                    id: 1_000_000,
+                    time_s,
+                } => Some(*time_s),
+                _ => None,
+            }) {
+                first_token_s = Some(time_s);
+                break;
+            }
+        }
+        let first_token_s = first_token_s.unwrap();
+        assert!(
+            (expected_s - first_token_s).abs() < 1e-9,
+            "case {case}: projected {expected_s}, actual {first_token_s}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 300);
+}
+
+#[test]
+fn the_projection_counts_the_request_s_own_uncached_tokens() {
+    // An idle engine: one chunk of 1000 tokens at 8000 tps = 0.125 s; half
+    // speed, 0.25 s; with 512 of its tokens cached, 488 tokens: 0.061 s.
+    let mut engine = Engine::new(EngineParams::default(), 1).unwrap();
+    let hashes: Vec<u64> = (0..62).collect();
+    let target = EngineRequest {
+        id: 9,
+        prompt_tokens: 1000,
+        output_tokens: 4,
+        arrival_s: 1.0,
+        prefix_block_hashes: hashes.clone(),
+    };
+    assert!(close(engine.first_token_projection_s(1.0, &target), 1.125));
+    engine.set_speed(0.5).unwrap();
+    assert!(close(engine.first_token_projection_s(1.0, &target), 1.25));
+    engine.set_speed(1.0).unwrap();
+    engine
+        .submit(EngineRequest {
+            id: 1,
+            prompt_tokens: 520,
+            output_tokens: 1,
+            arrival_s: 0.0,
+            prefix_block_hashes: hashes[..32].to_vec(),
+        })
+        .unwrap();
+    drain(&mut engine);
+    assert_eq!(engine.cached_prompt_tokens(1000, &hashes), 512);
+    let expected = 1.0 + 488.0 / 8000.0;
+    assert!(close(
+        engine.first_token_projection_s(1.0, &target),
+        expected
+    ));
+    // The projection changed nothing.
+    assert!(!engine.has_work());
+}

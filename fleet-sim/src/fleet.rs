@@ -1,12 +1,15 @@
-//! One simulation cell: a fleet of engines, one routing policy (or the
-//! oracle) in each of R router replicas, one stream of requests, in virtual
-//! time.
+//! One simulation cell: a fleet of engines, one routing policy (or a
+//! reference) in each of R router replicas, one stream of requests, in
+//! virtual time.
 //!
 //! Events, in time order (ties in the order they were scheduled):
 //! - **arrival**: a router replica (uniform at random, seeded: the same
 //!   assignment for every policy) routes the request with `select`, and the
-//!   chosen engine receives it. The oracle instead reads every engine's true
-//!   [`queued_prefill_s`](engine_model::Engine::queued_prefill_s) at that instant.
+//!   chosen engine receives it. The references instead read every engine's
+//!   true state at that instant: `oracle` each engine's
+//!   [`first_token_projection_s`](engine_model::Engine::first_token_projection_s)
+//!   for this request, `least_true_queue` its
+//!   [`queued_prefill_s`](engine_model::Engine::queued_prefill_s).
 //! - **step end**: an engine's step is computed when it starts (its
 //!   admissions and prefill chunk leave the queue then, as a real scheduler's
 //!   do when it plans the batch); its events are delivered at its end, where
@@ -19,6 +22,10 @@
 //!   `poll_completed` `poll_latency_s` later (`poll_failed` if the
 //!   conversion rejects it). Replica `r` and worker `w` poll at phase
 //!   `replica_offset[r] + worker_offset[w]` within the interval.
+//! - **slowdown** (scenarios with one): the worker's engine changes speed.
+//! - **rate sample** (scenarios with a slowdown): every poll interval, each
+//!   replica's rate for the slowed worker is read from its policy's
+//!   `explain` table, next to the engine's true `prefill_tps`.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -50,8 +57,45 @@ pub struct Cell<'a> {
     pub shared_prefix: Option<SharedPrefixConfig>,
     pub router: RouterPoint,
     pub policy: PolicyName,
-    /// Seeds engines, phases, replica assignment, policies and the oracle.
+    /// Seeds engines, phases, replica assignment, policies and the references.
     pub seed: u64,
+    /// One worker's speed change, if any; the cell then samples the
+    /// policies' rate for that worker.
+    pub slowdown: Option<Slowdown>,
+}
+
+/// One worker's speed change in a cell (the scenario's `slowdown`, resolved
+/// to a time).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slowdown {
+    /// The worker's index in fleet order.
+    pub worker: usize,
+    /// Virtual seconds.
+    pub at_s: f64,
+    /// The new speed as a multiple of the nominal one.
+    pub factor: f64,
+}
+
+/// The explain-table columns a `least_load` rate may be in (the newest name first).
+pub const RATE_COLUMNS: [&str; 2] = ["rate_tps", "throughput_tps"];
+
+/// One moment of a [`RateTrace`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateSample {
+    pub time_s: f64,
+    /// The worker's true `prefill_tps` at that moment.
+    pub true_prefill_tps: f64,
+    /// Each replica's rate for the worker (`None` where its table has none).
+    pub estimates_tps: Vec<Option<f64>>,
+}
+
+/// The policies' rate for one worker over a cell, every poll interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateTrace {
+    pub worker: usize,
+    /// When the worker changed speed, virtual seconds.
+    pub slowdown_at_s: f64,
+    pub samples: Vec<RateSample>,
 }
 
 /// The registry of every policy the simulator compares.
@@ -61,17 +105,21 @@ pub fn policy_registry() -> PolicyRegistry {
     registry
 }
 
-/// Builds one replica's policy; `None` for the oracle.
+/// Builds one replica's policy; `None` for the references.
 pub fn build_policy(
     registry: &PolicyRegistry,
     name: PolicyName,
     context: &PolicyContext,
 ) -> Result<Option<Box<dyn Policy>>, SimError> {
     let (registry_name, section) = match name {
-        PolicyName::Oracle => return Ok(None),
+        PolicyName::Oracle | PolicyName::LeastTrueQueue => return Ok(None),
         PolicyName::LeastLoadSincePoll => {
             ("least_load", serde_json::json!({"inflight": "since_poll"}))
         }
+        PolicyName::LeastLoadReportedRate => (
+            "least_load",
+            serde_json::json!({"use_reported_throughput": true}),
+        ),
         PolicyName::LeastLoadFixedRate => (
             "least_load",
             serde_json::json!({"use_reported_throughput": false}),
@@ -87,31 +135,102 @@ pub fn build_policy(
         })
 }
 
-/// The oracle (`docs/engine-model.md`, "The policies compared"): the worker whose true uncached prefill work
-/// (waiting plus unfinished chunked prefill) divided by its `prefill_tps` is
-/// least, ties broken uniformly at random (reservoir sampling).
-pub fn oracle_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
-    let mut best = 0;
-    let mut best_s = f64::INFINITY;
-    let mut ties = 0u32;
-    for (index, engine) in engines.iter().enumerate() {
-        let work_s = engine.queued_prefill_s();
-        match work_s.total_cmp(&best_s) {
+/// `least_true_queue` (`docs/engine-model.md`, "The policies compared"):
+/// the worker whose true uncached prefill work (waiting plus unfinished
+/// chunked prefill) divided by its `prefill_tps` is least, ties broken
+/// uniformly at random (reservoir sampling).
+pub fn least_true_queue_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
+    least_pick(engines.iter().map(Engine::queued_prefill_s), rng)
+}
+
+/// The `oracle` (`docs/engine-model.md`, "The policies compared"): the
+/// worker where this request would get its first token soonest if sent now
+/// and nothing else arrived, from each engine's true state, speed, chunking,
+/// decode load and the request's own uncached prompt there
+/// ([`Engine::first_token_projection_s`]); ties broken uniformly at random
+/// (reservoir sampling). `request` builds the request for one engine's
+/// parameters (its prefix-block hashes depend on the block size).
+///
+/// Engines are projected in the order of their
+/// [`Engine::first_token_lower_bound_s`], and the search stops at the first
+/// bound above the best projection so far: the same minimum and the same tie
+/// set as projecting every engine, for a fraction of the work.
+pub fn oracle_pick(
+    engines: &[Engine],
+    now_s: f64,
+    request: impl Fn(&EngineParams) -> EngineRequest,
+    rng: &mut SmallRng,
+) -> usize {
+    let requests: Vec<EngineRequest> = engines
+        .iter()
+        .map(|engine| request(engine.params()))
+        .collect();
+    let mut order: Vec<(f64, usize)> = engines
+        .iter()
+        .zip(&requests)
+        .map(|(engine, request)| engine.first_token_lower_bound_s(now_s, request))
+        .zip(0..)
+        .collect();
+    order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut least = Least::default();
+    for (bound_s, index) in order {
+        if bound_s > least.value {
+            break;
+        }
+        least.offer(
+            index,
+            engines[index].first_token_projection_s(now_s, &requests[index]),
+            rng,
+        );
+    }
+    least.index
+}
+
+/// The index of the least value, ties broken uniformly at random.
+fn least_pick(values: impl Iterator<Item = f64>, rng: &mut SmallRng) -> usize {
+    let mut least = Least::default();
+    for (index, value) in values.enumerate() {
+        least.offer(index, value, rng);
+    }
+    least.index
+}
+
+/// The least value offered so far and its index, ties broken uniformly at
+/// random (reservoir sampling).
+#[derive(Debug)]
+struct Least {
+    index: usize,
+    value: f64,
+    ties: u32,
+}
+
+impl Default for Least {
+    fn default() -> Least {
+        Least {
+            index: 0,
+            value: f64::INFINITY,
+            ties: 0,
+        }
+    }
+}
+
+impl Least {
+    fn offer(&mut self, index: usize, value: f64, rng: &mut SmallRng) {
+        match value.total_cmp(&self.value) {
             Ordering::Less => {
-                best = index;
-                best_s = work_s;
-                ties = 1;
+                self.index = index;
+                self.value = value;
+                self.ties = 1;
             }
             Ordering::Equal => {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    best = index;
+                self.ties += 1;
+                if rng.random_range(0..self.ties) == 0 {
+                    self.index = index;
                 }
             }
             Ordering::Greater => {}
         }
     }
-    best
 }
 
 /// A worker's report, converted exactly as the router's load monitor does
@@ -193,6 +312,8 @@ enum Kind {
         mark: PollMark,
         snapshot: Option<EngineSnapshot>,
     },
+    Slowdown,
+    RateSample,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -324,9 +445,10 @@ impl Fleet {
     }
 }
 
-/// The router side: one policy per replica (none for the oracle), what each
-/// replica has dispatched, and its view of every worker's reports.
+/// The router side: one policy per replica (none for the references), what
+/// each replica has dispatched, and its view of every worker's reports.
 struct Router {
+    policy: PolicyName,
     ids: Vec<WorkerId>,
     policies: Vec<Box<dyn Policy>>,
     oracle_rng: SmallRng,
@@ -362,6 +484,7 @@ impl Router {
             }
         }
         Ok(Router {
+            policy: cell.policy,
             ids,
             policies,
             oracle_rng: SmallRng::seed_from_u64(mix(cell.seed ^ 0x0000_ac1e)),
@@ -373,22 +496,31 @@ impl Router {
         })
     }
 
-    fn is_oracle(&self) -> bool {
+    fn is_reference(&self) -> bool {
         self.policies.is_empty()
     }
 
     /// Picks request `id`'s worker: the policy of a replica drawn at random
-    /// (the same draw for every policy), or the oracle.
+    /// (the same draw for every policy), or the reference. `request` builds
+    /// the request for one engine's parameters.
     fn route(
         &mut self,
-        policy: PolicyName,
         id: usize,
         prompt_tokens: u32,
+        request: impl Fn(&EngineParams) -> EngineRequest,
         engines: &[Engine],
+        now_s: f64,
         now: Instant,
     ) -> Result<usize, SimError> {
-        if self.is_oracle() {
-            return Ok(oracle_pick(engines, &mut self.oracle_rng));
+        let policy = self.policy;
+        match policy {
+            PolicyName::Oracle => {
+                return Ok(oracle_pick(engines, now_s, request, &mut self.oracle_rng));
+            }
+            PolicyName::LeastTrueQueue => {
+                return Ok(least_true_queue_pick(engines, &mut self.oracle_rng));
+            }
+            _ => {}
         }
         let replicas = self.policies.len();
         let replica = if replicas > 1 {
@@ -409,7 +541,7 @@ impl Router {
         Ok(dispatch.worker.slot().min(self.ids.len() - 1))
     }
 
-    /// The policy that dispatched request `id` and its dispatch (none for the oracle).
+    /// The policy that dispatched request `id` and its dispatch (none for the references).
     fn dispatch(&self, id: u64) -> Option<(&dyn Policy, &Dispatch)> {
         let (replica, dispatch) = self.dispatches.get(id as usize)?.as_ref()?;
         Some((self.policies[*replica as usize].as_ref(), dispatch))
@@ -462,6 +594,10 @@ struct CellRun<'a> {
     poll_failures: u64,
     /// Reused for each step's events.
     scratch: Vec<EngineEvent>,
+    /// The policies' rate for the slowed worker (cells with a slowdown).
+    rate_trace: Option<RateTrace>,
+    /// The request the rate samples are explained for: the cell's mean prompt.
+    probe: RequestInfo,
 }
 
 impl<'a> CellRun<'a> {
@@ -474,12 +610,41 @@ impl<'a> CellRun<'a> {
         let fleet = Fleet::new(cell)?;
         let router = Router::new(cell, registry)?;
         let mut queue = Queue::default();
-        if !router.is_oracle() {
+        if !router.is_reference() {
             schedule_first_polls(cell, &mut queue);
         }
         if let Some(first) = cell.requests.first() {
             queue.push(first.arrival_s, Kind::Arrival);
         }
+        let mut rate_trace = None;
+        if let Some(slowdown) = cell.slowdown {
+            if slowdown.worker >= cell.workers.len() {
+                return Err(SimError::Invalid {
+                    scenario: String::new(),
+                    field: "slowdown.worker".into(),
+                    message: format!("no worker {} in this fleet", slowdown.worker),
+                });
+            }
+            queue.push(slowdown.at_s, Kind::Slowdown);
+            if !router.is_reference() {
+                queue.push(0.0, Kind::RateSample);
+                rate_trace = Some(RateTrace {
+                    worker: slowdown.worker,
+                    slowdown_at_s: slowdown.at_s,
+                    samples: Vec::new(),
+                });
+            }
+        }
+        let mean_prompt = if cell.requests.is_empty() {
+            1
+        } else {
+            let total: u64 = cell
+                .requests
+                .iter()
+                .map(|spec| u64::from(spec.prompt_tokens))
+                .sum();
+            (total / cell.requests.len() as u64).max(1)
+        };
         Ok(CellRun {
             cell: *cell,
             clock,
@@ -491,6 +656,8 @@ impl<'a> CellRun<'a> {
             routed_work_s: vec![0.0; cell.workers.len()],
             poll_failures: 0,
             scratch: Vec::new(),
+            rate_trace,
+            probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
         })
     }
 
@@ -512,6 +679,8 @@ impl<'a> CellRun<'a> {
                     mark,
                     snapshot,
                 } => self.complete_poll(replica as usize, worker as usize, mark, snapshot, now_s),
+                Kind::Slowdown => self.slow_down()?,
+                Kind::RateSample => self.sample_rates(now_s),
             }
         }
         Ok(())
@@ -526,33 +695,36 @@ impl<'a> CellRun<'a> {
         if let Some(next) = self.cell.requests.get(self.next_arrival) {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
         }
+        let shared_prefix = self.cell.shared_prefix;
+        let request = |params: &EngineParams| EngineRequest {
+            id: id as u64,
+            prompt_tokens: spec.prompt_tokens,
+            output_tokens: spec.output_tokens,
+            arrival_s: now_s,
+            prefix_block_hashes: match (spec.prefix_group, shared_prefix) {
+                (Some(group), Some(prefix)) => prefix_hashes(
+                    group,
+                    prefix.tokens,
+                    spec.prompt_tokens,
+                    params.block_size_tokens,
+                ),
+                _ => Vec::new(),
+            },
+        };
         let worker = self.router.route(
-            self.cell.policy,
             id,
             spec.prompt_tokens,
+            request,
             &self.fleet.engines,
+            now_s,
             self.clock.at(now_s),
         )?;
         let engine = &mut self.fleet.engines[worker];
         let params = engine.params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
             + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
-        let prefix_block_hashes = match (spec.prefix_group, self.cell.shared_prefix) {
-            (Some(group), Some(prefix)) => prefix_hashes(
-                group,
-                prefix.tokens,
-                spec.prompt_tokens,
-                params.block_size_tokens,
-            ),
-            _ => Vec::new(),
-        };
-        engine.submit(EngineRequest {
-            id: id as u64,
-            prompt_tokens: spec.prompt_tokens,
-            output_tokens: spec.output_tokens,
-            arrival_s: now_s,
-            prefix_block_hashes,
-        })?;
+        let submitted = request(params);
+        engine.submit(submitted)?;
         if !self.fleet.stepping[worker] {
             self.fleet.start_step(worker, now_s, &mut self.queue);
         }
@@ -644,6 +816,45 @@ impl<'a> CellRun<'a> {
         }
     }
 
+    /// The slowed worker's engine changes speed.
+    fn slow_down(&mut self) -> Result<(), SimError> {
+        if let Some(slowdown) = self.cell.slowdown {
+            self.fleet.engines[slowdown.worker].set_speed(slowdown.factor)?;
+        }
+        Ok(())
+    }
+
+    /// Reads every replica's rate for the slowed worker from its explain
+    /// table, next to the engine's true prefill rate; the next sample comes
+    /// one poll interval later, while requests are still to arrive.
+    fn sample_rates(&mut self, now_s: f64) {
+        let Some(trace) = self.rate_trace.as_mut() else {
+            return;
+        };
+        let id = self.router.ids[trace.worker];
+        let now = self.clock.at(now_s);
+        let estimates_tps = self
+            .router
+            .policies
+            .iter()
+            .map(|policy| {
+                let table = policy.explain(&[id], &self.probe, now);
+                RATE_COLUMNS
+                    .iter()
+                    .find_map(|column| table.value(id, column))
+            })
+            .collect();
+        trace.samples.push(RateSample {
+            time_s: now_s,
+            true_prefill_tps: self.fleet.engines[trace.worker].params().prefill_tps,
+            estimates_tps,
+        });
+        if self.next_arrival < self.cell.requests.len() {
+            self.queue
+                .push(now_s + self.cell.router.poll_interval_s, Kind::RateSample);
+        }
+    }
+
     /// The cell's statistics, once every request has finished.
     fn results(self) -> Result<CellStats, SimError> {
         let total = self.cell.requests.len();
@@ -659,12 +870,19 @@ impl<'a> CellRun<'a> {
             .iter()
             .map(|engine| engine.snapshot(0.0).preemptions_total)
             .sum();
-        Ok(summarize(
+        let mut stats = summarize(
             &self.records,
             &self.routed_work_s,
             preemptions,
             self.poll_failures,
-        ))
+        );
+        stats.rate_trace = self.rate_trace.filter(|trace| {
+            trace
+                .samples
+                .iter()
+                .any(|sample| sample.estimates_tps.iter().any(Option::is_some))
+        });
+        Ok(stats)
     }
 }
 
@@ -700,7 +918,7 @@ mod tests {
     }
 
     #[test]
-    fn the_oracle_picks_the_least_true_prefill_seconds_ties_at_random() {
+    fn least_true_queue_picks_the_least_true_prefill_seconds_ties_at_random() {
         let slow = EngineParams {
             prefill_tps: 500.0,
             ..params()
@@ -714,7 +932,7 @@ mod tests {
         // Idle fleet: a uniform tie.
         let mut counts = [0u32; 3];
         for _ in 0..3000 {
-            counts[oracle_pick(&engines, &mut rng)] += 1;
+            counts[least_true_queue_pick(&engines, &mut rng)] += 1;
         }
         assert!(
             counts.iter().all(|&c| (850..1150).contains(&c)),
@@ -732,10 +950,61 @@ mod tests {
         };
         engines[0].submit(request(1, 400)).unwrap();
         engines[1].submit(request(2, 300)).unwrap();
-        assert_eq!(oracle_pick(&engines, &mut rng), 2);
+        assert_eq!(least_true_queue_pick(&engines, &mut rng), 2);
         engines[2].submit(request(3, 500)).unwrap();
         assert_eq!(engines[1].queued_prefill_tokens(), 300);
-        assert_eq!(oracle_pick(&engines, &mut rng), 0);
+        assert_eq!(least_true_queue_pick(&engines, &mut rng), 0);
+    }
+
+    #[test]
+    fn the_oracle_picks_the_earliest_first_token_for_this_request() {
+        let slow = EngineParams {
+            prefill_tps: 250.0,
+            ..params()
+        };
+        let mut engines = vec![
+            Engine::new(params(), 1).unwrap(),
+            Engine::new(slow, 2).unwrap(),
+        ];
+        let request = |id, prompt_tokens| EngineRequest {
+            id,
+            prompt_tokens,
+            output_tokens: 1,
+            arrival_s: 0.0,
+            prefix_block_hashes: Vec::new(),
+        };
+        let mut rng = SmallRng::seed_from_u64(1);
+        // 400 tokens queued on the fast worker 0 (0.4 s), the slow worker
+        // idle. A 50-token request: 0.4 + 0.05 s on worker 0, 0.2 s on worker
+        // 1: worker 1. A 500-token request: 0.9 s on worker 0, 2 s on worker 1:
+        // worker 0, although least_true_queue sends it to the idle worker.
+        engines[0].submit(request(1, 400)).unwrap();
+        let pick = |engines: &[Engine], tokens, rng: &mut SmallRng| {
+            oracle_pick(engines, 0.0, |_| request(9, tokens), rng)
+        };
+        assert_eq!(pick(&engines, 50, &mut rng), 1);
+        assert_eq!(pick(&engines, 500, &mut rng), 0);
+        assert_eq!(least_true_queue_pick(&engines, &mut rng), 1);
+        // The step under way counts: once worker 0 has planned its 0.4 s
+        // step, least_true_queue sees no queue there, the oracle sees the
+        // step end at 0.4 s.
+        let mut events = Vec::new();
+        engines[0].step(0.0, &mut events).unwrap();
+        assert_eq!(engines[0].queued_prefill_tokens(), 0);
+        assert_eq!(pick(&engines, 50, &mut rng), 1);
+        // Idle twins tie: each is picked about half the time.
+        let twins = vec![
+            Engine::new(params(), 1).unwrap(),
+            Engine::new(params(), 2).unwrap(),
+        ];
+        let mut counts = [0u32; 2];
+        for _ in 0..2000 {
+            counts[pick(&twins, 100, &mut rng)] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (900..1100).contains(&c)),
+            "{counts:?}"
+        );
     }
 
     /// Two identical workers at 1000 prompt tokens/s, one output token, no
@@ -746,10 +1015,14 @@ mod tests {
     ///   least_load sees 1000 pending tokens on A: both pick B, TTFT 0.1.
     /// - Request 2: A is still busy; B has been idle since 0.11 s: B, TTFT 0.1.
     ///
-    /// The oracle reads `queued_prefill_s`, where a step's prefill has left
-    /// the queue when the step was planned: at 0.01 s A's running 1 s step
-    /// shows 0 queued work, a tie with B broken at random. If it picks A,
-    /// request 1 waits for A's step: TTFT 1.0 + 0.1 − 0.01 = 1.09, and
+    /// The oracle projects each request's first token: request 1 at 1.1 s on
+    /// A (after A's 1 s step), 0.11 s on B: B; request 2 likewise: the same
+    /// TTFTs.
+    ///
+    /// `least_true_queue` reads `queued_prefill_s`, where a step's prefill
+    /// has left the queue when the step was planned: at 0.01 s A's running 1 s
+    /// step shows 0 queued work, a tie with B broken at random. If it picks
+    /// A, request 1 waits for A's step: TTFT 1.0 + 0.1 − 0.01 = 1.09, and
     /// request 2 then goes to B (100 queued tokens on A). Request 2 itself
     /// ties again (A's step is planned, B is idle): A gives TTFT 0.6.
     #[test]
@@ -770,6 +1043,7 @@ mod tests {
         for policy in [
             PolicyName::LeastRequests,
             PolicyName::LeastLoad,
+            PolicyName::LeastTrueQueue,
             PolicyName::Oracle,
         ] {
             for seed in 0..8 {
@@ -780,11 +1054,12 @@ mod tests {
                     router: router(),
                     policy,
                     seed,
+                    slowdown: None,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 let ttft = &stats.ttft_sorted_s;
                 assert_eq!(stats.requests, 3);
-                if policy == PolicyName::Oracle {
+                if policy == PolicyName::LeastTrueQueue {
                     let possible = [[0.1, 0.1, 1.0], [0.1, 0.6, 1.0], [0.1, 1.0, 1.09]];
                     assert!(
                         possible
@@ -828,6 +1103,7 @@ mod tests {
                 router: router(),
                 policy,
                 seed: 5,
+                slowdown: None,
             };
             let a = run_cell(&cell, &registry).unwrap();
             let b = run_cell(&cell, &registry).unwrap();
@@ -878,11 +1154,80 @@ mod tests {
                     router: point,
                     policy,
                     seed: 11,
+                    slowdown: None,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 assert_eq!(stats.requests, 1500, "{policy:?} {report_at:?}");
                 assert_eq!(stats.poll_failures, 0, "{policy:?} {report_at:?}");
             }
+        }
+    }
+
+    #[test]
+    fn a_slowdown_changes_the_engine_and_the_rates_are_sampled() {
+        let workers = vec![(LoadReport::Sglang, EngineParams::default()); 2];
+        let traffic = crate::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::workload::LengthDist::Constant { tokens: 1000 }),
+            output: Some(crate::workload::LengthDist::Constant { tokens: 8 }),
+            shared_prefix: None,
+        };
+        let requests = crate::workload::generate(&traffic, None, 8.0, 400, 3);
+        let last_s = requests.last().unwrap().arrival_s;
+        let slowdown = Slowdown {
+            worker: 1,
+            at_s: last_s / 2.0,
+            factor: 0.5,
+        };
+        let registry = policy_registry();
+        let run = |policy, slowdown| {
+            let cell = Cell {
+                workers: &workers,
+                requests: &requests,
+                shared_prefix: None,
+                router: RouterPoint {
+                    replicas: 2,
+                    ..router()
+                },
+                policy,
+                seed: 4,
+                slowdown,
+            };
+            run_cell(&cell, &registry).unwrap()
+        };
+        let stats = run(PolicyName::LeastLoadFixedRate, Some(slowdown));
+        let trace = stats.rate_trace.unwrap();
+        assert_eq!(trace.worker, 1);
+        // One sample a second from 0 until the last arrival.
+        assert_eq!(trace.samples.len() as f64, last_s.ceil() + 1.0);
+        for sample in &trace.samples {
+            let expected = if sample.time_s < slowdown.at_s {
+                8000.0
+            } else {
+                4000.0
+            };
+            assert_eq!(sample.true_prefill_tps, expected, "{sample:?}");
+            // The fixed rate is `default_throughput` in both replicas.
+            assert_eq!(sample.estimates_tps, vec![Some(2000.0); 2], "{sample:?}");
+        }
+        // Baselines have no rate column; the references no replicas.
+        assert!(
+            run(PolicyName::RoundRobin, Some(slowdown))
+                .rate_trace
+                .is_none()
+        );
+        assert!(run(PolicyName::Oracle, Some(slowdown)).rate_trace.is_none());
+        // The slowed worker makes requests slower for every policy.
+        for policy in [PolicyName::RoundRobin, PolicyName::Oracle] {
+            let slowed = run(policy, Some(slowdown));
+            let nominal = run(policy, None);
+            assert!(
+                slowed.ttft_mean_s > nominal.ttft_mean_s,
+                "{policy:?}: {} vs {}",
+                slowed.ttft_mean_s,
+                nominal.ttft_mean_s
+            );
         }
     }
 

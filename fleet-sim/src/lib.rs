@@ -34,16 +34,19 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 pub use error::SimError;
-pub use fleet::{Cell, build_policy, convert_report, oracle_pick, policy_registry, run_cell};
+pub use fleet::{
+    Cell, RATE_COLUMNS, RateSample, RateTrace, Slowdown, build_policy, convert_report,
+    least_true_queue_pick, oracle_pick, policy_registry, run_cell,
+};
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
 pub use report::{markdown, summary_table, write_outputs};
 pub use run::{
-    LoadRate, Report, ResultRow, RunOptions, ScenarioOutcome, TrafficCapacity, capacities,
-    capacity_rps, run_scenarios,
+    LoadRate, RATE_TOLERANCE, RateTracking, Report, ResultRow, RunOptions, ScenarioOutcome,
+    TrafficCapacity, capacities, capacity_rps, run_scenarios,
 };
 pub use scenario::{
     ArrivalConfig, LoadReport, PhaseMode, PolicyName, ReportAt, RouterConfig, RouterPoint,
-    STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, TrafficConfig, WorkerGroup,
+    STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, SlowdownConfig, TrafficConfig, WorkerGroup,
 };
 pub use workload::{LengthDist, RequestSpec, Trace, generate};
 
@@ -159,11 +162,7 @@ pub fn run_cli(args: SimArgs) -> Result<(), SimError> {
             .sum::<usize>();
         let dir = write_outputs(outcome, &args.out_dir, !args.no_plots)?;
         println!();
-        println!(
-            "## {} (p99 TTFT, s) → {}",
-            outcome.report.scenario,
-            dir.display()
-        );
+        println!("## {} → {}\n", outcome.report.scenario, dir.display());
         print!("{}", summary_table(&outcome.report));
     }
     println!();

@@ -2,6 +2,8 @@
 
 use engine_model::RequestRecord;
 
+use super::fleet::RateTrace;
+
 /// Points of the TTFT CDF kept per cell (quantiles 0, 1/N, …, 1).
 pub const CDF_POINTS: usize = 201;
 
@@ -29,6 +31,9 @@ pub struct CellStats {
     pub ttft_cdf_s: Vec<f64>,
     /// Every TTFT, sorted (kept only in tests).
     pub ttft_sorted_s: Vec<f64>,
+    /// The policies' rate for the slowed worker (cells with a slowdown and
+    /// a policy with a rate column).
+    pub rate_trace: Option<RateTrace>,
 }
 
 /// Nearest-rank percentile of sorted values: the smallest value with at
@@ -99,6 +104,7 @@ pub fn summarize(
         poll_failures,
         ttft_cdf_s,
         ttft_sorted_s: if cfg!(test) { ttft } else { Vec::new() },
+        rate_trace: None,
     }
 }
 

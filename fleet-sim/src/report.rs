@@ -7,9 +7,9 @@ use plotters::prelude::*;
 
 use super::error::SimError;
 use super::metrics::CDF_POINTS;
-use super::run::{Report, ResultRow, ScenarioOutcome};
+use super::run::{RATE_TOLERANCE, Report, ResultRow, ScenarioOutcome};
 
-const COLOURS: [RGBColor; 8] = [
+const COLOURS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -18,7 +18,19 @@ const COLOURS: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(0, 0, 0),
     RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
 ];
+
+/// A ratio to the best reference, or `-`.
+fn ratio(value: Option<f64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |ratio| format!("{ratio:.2}"))
+}
+
+/// An optional number of seconds or tokens per second, or `-`.
+fn optional(value: Option<f64>, decimals: usize) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.decimals$}"))
+}
 
 /// The rows' distinct values of a key, in first-seen order.
 fn distinct<T: PartialEq + Copy>(rows: &[ResultRow], key: impl Fn(&ResultRow) -> T) -> Vec<T> {
@@ -131,21 +143,28 @@ pub fn markdown(report: &Report) -> String {
                 );
                 let _ = writeln!(
                     out,
-                    "| policy | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | E2E p50 (s) | E2E p99 (s) | \
+                    "| policy | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | TTFT mean (s) | \
+                     p99 ÷ best ref | mean ÷ best ref | E2E p50 (s) | E2E p99 (s) | \
                      queue delay mean (s) | throughput (tok/s) | preemptions | imbalance CV |"
                 );
-                let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+                let _ = writeln!(
+                    out,
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                );
                 for row in of_traffic
                     .iter()
                     .filter(|r| sweep_of(r) == sweep && r.utilization == utilization)
                 {
                     let _ = writeln!(
                         out,
-                        "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {} | {:.3} |",
+                        "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {:.3} | {:.3} | {:.3} | {:.0} | {} | {:.3} |",
                         row.policy,
                         row.ttft_p50_s,
                         row.ttft_p90_s,
                         row.ttft_p99_s,
+                        row.ttft_mean_s,
+                        ratio(row.ttft_p99_vs_best_reference),
+                        ratio(row.ttft_mean_vs_best_reference),
                         row.e2e_p50_s,
                         row.e2e_p99_s,
                         row.queue_delay_mean_s,
@@ -157,22 +176,98 @@ pub fn markdown(report: &Report) -> String {
             }
         }
     }
+    if !report.rate_tracking.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## Rate estimates for the slowed worker\n\n\
+             Each policy replica's rate for the slowed worker (its explain table's rate \
+             column, read every poll interval) against the worker's true prefill rate. \
+             \"first within\" and \"settled within\" count seconds from the slowdown to the \
+             first sample within {:.0}% of the new true rate, and to the sample from which \
+             every later one stays within it (`-`: never).\n",
+            RATE_TOLERANCE * 100.0
+        );
+        let _ = writeln!(
+            out,
+            "| traffic | setting | load | policy | replica | slowdown at (s) | true before (tok/s) | \
+             true after (tok/s) | estimate before (tok/s) | estimate at end (tok/s) | \
+             first within (s) | settled within (s) |"
+        );
+        let _ = writeln!(
+            out,
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for tracking in &report.rate_tracking {
+            let setting = match (tracking.poll_interval_s, tracking.router_replicas) {
+                (Some(interval), _) => format!("poll {interval} s"),
+                (None, Some(replicas)) => format!("{replicas} replicas"),
+                (None, None) => "-".to_owned(),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {setting} | {} | {} | {} | {:.1} | {:.0} | {:.0} | {} | {} | {} | {} |",
+                tracking.traffic,
+                tracking.utilization,
+                tracking.policy,
+                tracking.replica,
+                tracking.slowdown_at_s,
+                tracking.true_prefill_tps_before,
+                tracking.true_prefill_tps_after,
+                optional(tracking.estimate_before_tps, 0),
+                optional(tracking.estimate_end_tps, 0),
+                optional(tracking.first_within_tolerance_s, 1),
+                optional(tracking.settled_within_tolerance_s, 1),
+            );
+        }
+    }
     out
 }
 
-/// p99 TTFT (s) per policy (columns) for each traffic, router setting and
-/// load (rows), as a Markdown table.
+/// p99 and mean TTFT (s) per policy (columns) for each traffic, router
+/// setting and load (rows), as two Markdown tables, each ending in
+/// `least_load`'s ratio to the best reference of the row.
 pub fn summary_table(report: &Report) -> String {
+    let mut out = String::from("p99 TTFT (s):\n\n");
+    out.push_str(&metric_table(
+        report,
+        |row| row.ttft_p99_s,
+        |row| row.ttft_p99_vs_best_reference,
+    ));
+    out.push_str("\nmean TTFT (s):\n\n");
+    out.push_str(&metric_table(
+        report,
+        |row| row.ttft_mean_s,
+        |row| row.ttft_mean_vs_best_reference,
+    ));
+    out
+}
+
+/// One metric per policy (columns) for each traffic, setting and load
+/// (rows), then `least_load`'s ratio to the best reference.
+fn metric_table(
+    report: &Report,
+    value: impl Fn(&ResultRow) -> f64,
+    vs_reference: impl Fn(&ResultRow) -> Option<f64>,
+) -> String {
     let rows = &report.results;
     let policies = distinct(rows, |r| r.policy);
+    let ratio_column = rows
+        .iter()
+        .any(|r| r.policy == "least_load" && vs_reference(r).is_some());
     let mut out = String::new();
     let _ = write!(out, "| traffic | setting | load |");
     for policy in &policies {
         let _ = write!(out, " {policy} |");
     }
+    if ratio_column {
+        let _ = write!(out, " least_load ÷ best ref |");
+    }
     let _ = writeln!(out);
     let _ = write!(out, "|---|---|---:|");
     for _ in &policies {
+        let _ = write!(out, "---:|");
+    }
+    if ratio_column {
         let _ = write!(out, "---:|");
     }
     let _ = writeln!(out);
@@ -192,17 +287,27 @@ pub fn summary_table(report: &Report) -> String {
                 Sweep::Replicas(replicas) => format!("{replicas} replicas"),
             };
             let _ = write!(out, "| {traffic} | {setting} | {utilization} |");
+            let of_cell = |policy: &str| {
+                of_traffic.iter().find(|r| {
+                    r.policy == policy && sweep_of(r) == sweep && r.utilization == utilization
+                })
+            };
             for policy in &policies {
-                match of_traffic.iter().find(|r| {
-                    r.policy == *policy && sweep_of(r) == sweep && r.utilization == utilization
-                }) {
+                match of_cell(policy) {
                     Some(row) => {
-                        let _ = write!(out, " {:.3} |", row.ttft_p99_s);
+                        let _ = write!(out, " {:.3} |", value(row));
                     }
                     None => {
                         let _ = write!(out, " - |");
                     }
                 }
+            }
+            if ratio_column {
+                let _ = write!(
+                    out,
+                    " {} |",
+                    ratio(of_cell("least_load").and_then(|row| vs_reference(row)))
+                );
             }
             let _ = writeln!(out);
         }
@@ -250,6 +355,7 @@ fn plot_error<E: std::error::Error + Send + Sync + 'static>(
 }
 
 fn write_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimError> {
+    write_rate_plots(outcome, dir)?;
     let rows = &outcome.report.results;
     for traffic in distinct_traffic(rows) {
         let indices: Vec<usize> = (0..rows.len())
@@ -344,6 +450,91 @@ fn write_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimError> {
                 line_plot(&path, &title, axis, "p99 TTFT (s)", log_x, true, &series)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// For cells with a slowdown: each policy replica's rate for the slowed
+/// worker against its true prefill rate, over time, one plot per traffic,
+/// setting and load (`rate-<traffic>[-sweep]-u<load>.svg`).
+fn write_rate_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimError> {
+    let rows = &outcome.report.results;
+    let traced: Vec<usize> = (0..rows.len())
+        .filter(|&i| matches!(outcome.rate_traces.get(i), Some(Some(_))))
+        .collect();
+    let mut cells: Vec<(String, Sweep, f64)> = Vec::new();
+    for &i in &traced {
+        let key = (
+            rows[i].traffic.clone(),
+            sweep_of(&rows[i]),
+            rows[i].utilization,
+        );
+        if !cells.contains(&key) {
+            cells.push(key);
+        }
+    }
+    for (traffic, sweep, utilization) in cells {
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for &i in &traced {
+            let row = &rows[i];
+            if row.traffic != traffic || sweep_of(row) != sweep || row.utilization != utilization {
+                continue;
+            }
+            let Some(Some(trace)) = outcome.rate_traces.get(i) else {
+                continue;
+            };
+            if series.is_empty() {
+                let truth = trace
+                    .samples
+                    .iter()
+                    .map(|s| (s.time_s, s.true_prefill_tps))
+                    .collect();
+                series.push(("true prefill rate".to_owned(), truth));
+            }
+            let replicas = trace
+                .samples
+                .iter()
+                .map(|s| s.estimates_tps.len())
+                .max()
+                .unwrap_or(0);
+            for replica in 0..replicas {
+                let points: Vec<(f64, f64)> = trace
+                    .samples
+                    .iter()
+                    .filter_map(|s| {
+                        let tps = s.estimates_tps.get(replica).copied().flatten()?;
+                        (tps.is_finite() && tps > 0.0).then_some((s.time_s, tps))
+                    })
+                    .collect();
+                let name = if replicas > 1 {
+                    format!("{} r{replica}", row.policy)
+                } else {
+                    row.policy.to_owned()
+                };
+                series.push((name, points));
+            }
+        }
+        let path = dir.join(format!(
+            "rate-{traffic}{}-u{utilization}.svg",
+            sweep.suffix()
+        ));
+        let title = format!(
+            "{traffic}: rate for the slowed worker at utilization {utilization}{}",
+            sweep.heading()
+        );
+        let series: Vec<(&str, Vec<(f64, f64)>)> = series
+            .iter()
+            .map(|(name, points)| (name.as_str(), points.clone()))
+            .collect();
+        line_plot(
+            &path,
+            &title,
+            "time (s)",
+            "rate (tokens/s)",
+            false,
+            true,
+            &series,
+        )?;
     }
     Ok(())
 }

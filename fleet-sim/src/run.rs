@@ -8,9 +8,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::error::SimError;
-use super::fleet::{Cell, policy_registry, run_cell};
+use super::fleet::{Cell, RateTrace, Slowdown, policy_registry, run_cell};
 use super::metrics::CellStats;
-use super::scenario::{LoadReport, RouterPoint, Scenario};
+use super::scenario::{LoadReport, PolicyName, RouterPoint, Scenario};
 use super::workload::{RequestSpec, Trace, generate, mean_lengths};
 use engine_model::{EngineParams, mix};
 
@@ -47,6 +47,100 @@ pub struct Report {
     pub requests_per_cell: u64,
     pub capacity: Vec<TrafficCapacity>,
     pub results: Vec<ResultRow>,
+    /// Scenarios with a slowdown: how each policy replica's rate for the
+    /// slowed worker followed its true prefill rate.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rate_tracking: Vec<RateTracking>,
+}
+
+/// Within this share of the true rate, an estimate counts as caught up.
+pub const RATE_TOLERANCE: f64 = 0.2;
+
+/// How one policy replica's rate for the slowed worker followed the
+/// worker's true prefill rate (sampled every poll interval).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RateTracking {
+    pub traffic: String,
+    pub utilization: f64,
+    pub policy: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_interval_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_replicas: Option<u32>,
+    pub replica: u32,
+    pub worker: usize,
+    pub slowdown_at_s: f64,
+    pub true_prefill_tps_before: f64,
+    pub true_prefill_tps_after: f64,
+    /// The replica's rate at the last sample before the slowdown.
+    pub estimate_before_tps: Option<f64>,
+    /// Its rate at the last sample (at the last arrival).
+    pub estimate_end_tps: Option<f64>,
+    /// Seconds from the slowdown to the first sample within
+    /// [`RATE_TOLERANCE`] of the new true rate; `None` if none is.
+    pub first_within_tolerance_s: Option<f64>,
+    /// Seconds from the slowdown to the sample from which every later one
+    /// stays within [`RATE_TOLERANCE`]; `None` if the last one is not within.
+    pub settled_within_tolerance_s: Option<f64>,
+}
+
+impl RateTracking {
+    /// One entry per replica of the trace of this row's cell.
+    pub fn from_trace(row: &ResultRow, trace: &RateTrace) -> Vec<RateTracking> {
+        let at_s = trace.slowdown_at_s;
+        let before = trace.samples.iter().rev().find(|s| s.time_s < at_s);
+        let after: Vec<_> = trace.samples.iter().filter(|s| s.time_s >= at_s).collect();
+        let true_before = before
+            .or(trace.samples.first())
+            .map_or(0.0, |s| s.true_prefill_tps);
+        let true_after = after.last().map_or(true_before, |s| s.true_prefill_tps);
+        let replicas = trace
+            .samples
+            .iter()
+            .map(|s| s.estimates_tps.len())
+            .max()
+            .unwrap_or(0);
+        (0..replicas)
+            .map(|replica| {
+                let estimate = |sample: &crate::fleet::RateSample| {
+                    sample.estimates_tps.get(replica).copied().flatten()
+                };
+                let within = |sample: &crate::fleet::RateSample| {
+                    estimate(sample).is_some_and(|tps| {
+                        (tps - sample.true_prefill_tps).abs()
+                            <= RATE_TOLERANCE * sample.true_prefill_tps
+                    })
+                };
+                let first_within_tolerance_s =
+                    after.iter().find(|s| within(s)).map(|s| s.time_s - at_s);
+                let settled_from = after
+                    .iter()
+                    .rposition(|s| !within(s))
+                    .map_or(Some(0), |last_out| {
+                        (last_out + 1 < after.len()).then_some(last_out + 1)
+                    });
+                let settled_within_tolerance_s = settled_from
+                    .and_then(|index| after.get(index))
+                    .map(|s| s.time_s - at_s);
+                RateTracking {
+                    traffic: row.traffic.clone(),
+                    utilization: row.utilization,
+                    policy: row.policy,
+                    poll_interval_s: row.poll_interval_s,
+                    router_replicas: row.router_replicas,
+                    replica: replica as u32,
+                    worker: trace.worker,
+                    slowdown_at_s: at_s,
+                    true_prefill_tps_before: true_before,
+                    true_prefill_tps_after: true_after,
+                    estimate_before_tps: before.and_then(estimate),
+                    estimate_end_tps: trace.samples.last().and_then(estimate),
+                    first_within_tolerance_s,
+                    settled_within_tolerance_s,
+                }
+            })
+            .collect()
+    }
 }
 
 /// How the arrival rates were derived for one traffic mix.
@@ -91,13 +185,22 @@ pub struct ResultRow {
     pub ttft_mean_s: f64,
     pub arrival_rate_rps: f64,
     pub poll_failures: u64,
+    /// This row's p99 TTFT over the best (lowest) reference's p99 in the
+    /// same traffic, setting and load (`least_true_queue`, `oracle`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_p99_vs_best_reference: Option<f64>,
+    /// The same for the mean TTFT.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_mean_vs_best_reference: Option<f64>,
 }
 
-/// A scenario's report and the TTFT CDF of each row (same order), for plots.
+/// A scenario's report, and the TTFT CDF and rate trace of each row (same
+/// order), for plots.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScenarioOutcome {
     pub report: Report,
     pub ttft_cdfs_s: Vec<Vec<f64>>,
+    pub rate_traces: Vec<Option<RateTrace>>,
 }
 
 impl Report {
@@ -296,13 +399,20 @@ pub fn run_scenarios(
      -> Result<CellStats, SimError> {
         let plan = &plans[job.plan];
         let scenario = plan.scenario;
+        let requests = &plan.workloads[job.traffic][job.utilization];
+        let last_arrival_s = requests.last().map_or(0.0, |spec| spec.arrival_s);
         let cell = Cell {
             workers: &plan.workers,
-            requests: &plan.workloads[job.traffic][job.utilization],
+            requests,
             shared_prefix: scenario.traffic[job.traffic].shared_prefix,
             router: plan.points[job.point],
             policy: scenario.policies[job.policy],
             seed: mix(workload_seed(scenario.seed, job.traffic, job.utilization) ^ job.point as u64),
+            slowdown: scenario.slowdown.map(|slowdown| Slowdown {
+                worker: slowdown.worker as usize,
+                at_s: slowdown.at_s(last_arrival_s),
+                factor: slowdown.factor,
+            }),
         };
         run_cell(&cell, registry)
     };
@@ -352,8 +462,10 @@ pub fn run_scenarios(
                 requests_per_cell: plan.scenario.requests,
                 capacity: plan.capacity.clone(),
                 results: Vec::new(),
+                rate_tracking: Vec::new(),
             },
             ttft_cdfs_s: Vec::new(),
+            rate_traces: Vec::new(),
         })
         .collect();
     for (job, cell) in jobs.iter().zip(stats) {
@@ -382,10 +494,49 @@ pub fn run_scenarios(
             ttft_mean_s: cell.ttft_mean_s,
             arrival_rate_rps: plan.capacity[job.traffic].rates[job.utilization].arrival_rate_rps,
             poll_failures: cell.poll_failures,
+            ttft_p99_vs_best_reference: None,
+            ttft_mean_vs_best_reference: None,
         };
         let outcome = &mut outcomes[job.plan];
+        if let Some(trace) = &cell.rate_trace {
+            outcome
+                .report
+                .rate_tracking
+                .extend(RateTracking::from_trace(&row, trace));
+        }
         outcome.report.results.push(row);
         outcome.ttft_cdfs_s.push(cell.ttft_cdf_s);
+        outcome.rate_traces.push(cell.rate_trace);
+    }
+    for outcome in &mut outcomes {
+        compare_with_references(&mut outcome.report.results);
     }
     Ok(outcomes)
+}
+
+/// Fills every row's ratios to the best reference of its traffic, setting
+/// and load (when a reference ran there).
+fn compare_with_references(rows: &mut [ResultRow]) {
+    let references: Vec<&str> = PolicyName::REFERENCES.iter().map(|p| p.as_str()).collect();
+    let same_cell = |a: &ResultRow, b: &ResultRow| {
+        a.traffic == b.traffic
+            && a.utilization == b.utilization
+            && a.poll_interval_s == b.poll_interval_s
+            && a.router_replicas == b.router_replicas
+    };
+    let best: Vec<Option<(f64, f64)>> = rows
+        .iter()
+        .map(|row| {
+            rows.iter()
+                .filter(|other| references.contains(&other.policy) && same_cell(row, other))
+                .map(|other| (other.ttft_p99_s, other.ttft_mean_s))
+                .reduce(|(p99, mean), (q99, qmean)| (p99.min(q99), mean.min(qmean)))
+        })
+        .collect();
+    for (row, best) in rows.iter_mut().zip(best) {
+        if let Some((p99, mean)) = best {
+            row.ttft_p99_vs_best_reference = (p99 > 0.0).then(|| row.ttft_p99_s / p99);
+            row.ttft_mean_vs_best_reference = (mean > 0.0).then(|| row.ttft_mean_s / mean);
+        }
+    }
 }

@@ -13,7 +13,7 @@ use super::workload::{LengthDist, Trace};
 use engine_model::EngineParams;
 
 /// The standard scenario names, in the order they are run and reported.
-pub const STANDARD_SCENARIOS: [&str; 9] = [
+pub const STANDARD_SCENARIOS: [&str; 13] = [
     "uniform",
     "size-skew",
     "heavy-tail",
@@ -23,6 +23,10 @@ pub const STANDARD_SCENARIOS: [&str; 9] = [
     "stale-polls",
     "poll-jitter",
     "replicas",
+    "rate-spread",
+    "rate-spread-vllm",
+    "bursty-long",
+    "slowdown",
 ];
 
 /// The most workers a scenario may have.
@@ -53,6 +57,9 @@ pub struct Scenario {
     pub router: RouterConfig,
     /// One or more traffic mixes, each run separately.
     pub traffic: Vec<TrafficConfig>,
+    /// One worker changes speed during the run.
+    #[serde(default)]
+    pub slowdown: Option<SlowdownConfig>,
     /// The directory relative paths (traces) are resolved against: the
     /// scenario file's directory.
     #[serde(skip)]
@@ -67,27 +74,44 @@ pub enum PolicyName {
     RoundRobin,
     LeastRequests,
     PowerOfTwo,
+    /// `least_load` with the registry's defaults.
     LeastLoad,
     /// `least_load` with `inflight = "since_poll"`.
     LeastLoadSincePoll,
+    /// `least_load` with `use_reported_throughput = true`: every worker's
+    /// work divided by the generation rate it reports.
+    LeastLoadReportedRate,
     /// `least_load` with `use_reported_throughput = false`: every worker's
     /// work divided by `default_throughput`.
     LeastLoadFixedRate,
-    /// The reference: least true uncached prefill seconds, ties at random.
+    /// A reference: least true queued uncached prefill seconds, ties at random.
+    LeastTrueQueue,
+    /// The reference: the earliest projected first token for this request
+    /// (`Engine::first_token_projection_s`), ties at random.
     Oracle,
 }
 
 impl PolicyName {
-    pub const ALL: [PolicyName; 8] = [
+    pub const ALL: [PolicyName; 10] = [
         PolicyName::Random,
         PolicyName::RoundRobin,
         PolicyName::LeastRequests,
         PolicyName::PowerOfTwo,
         PolicyName::LeastLoad,
         PolicyName::LeastLoadSincePoll,
+        PolicyName::LeastLoadReportedRate,
         PolicyName::LeastLoadFixedRate,
+        PolicyName::LeastTrueQueue,
         PolicyName::Oracle,
     ];
+
+    /// The references: they read the engines' true state, not deployable.
+    pub const REFERENCES: [PolicyName; 2] = [PolicyName::LeastTrueQueue, PolicyName::Oracle];
+
+    /// Whether this is one of the [`REFERENCES`](PolicyName::REFERENCES).
+    pub fn is_reference(self) -> bool {
+        PolicyName::REFERENCES.contains(&self)
+    }
 
     fn all() -> Vec<PolicyName> {
         PolicyName::ALL.to_vec()
@@ -102,7 +126,9 @@ impl PolicyName {
             PolicyName::PowerOfTwo => "power_of_two",
             PolicyName::LeastLoad => "least_load",
             PolicyName::LeastLoadSincePoll => "least_load_since_poll",
+            PolicyName::LeastLoadReportedRate => "least_load_reported_rate",
             PolicyName::LeastLoadFixedRate => "least_load_fixed_rate",
+            PolicyName::LeastTrueQueue => "least_true_queue",
             PolicyName::Oracle => "oracle",
         }
     }
@@ -300,6 +326,33 @@ fn one() -> u32 {
     1
 }
 
+/// One worker's speed change: from `at_s` (or `at_fraction` of the last
+/// arrival's time) on, worker `worker` (0-based, in fleet order) runs at
+/// `factor` × its nominal speed (`Engine::set_speed`).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlowdownConfig {
+    pub worker: u32,
+    /// When, as a share of the last arrival's time, in (0, 1).
+    pub at_fraction: Option<f64>,
+    /// When, in virtual seconds (instead of `at_fraction`).
+    pub at_s: Option<f64>,
+    /// The new speed as a multiple of the nominal one, > 0.
+    pub factor: f64,
+}
+
+impl SlowdownConfig {
+    /// The moment of the change in a run whose last request arrives at
+    /// `last_arrival_s`.
+    pub fn at_s(&self, last_arrival_s: f64) -> f64 {
+        match (self.at_s, self.at_fraction) {
+            (Some(at_s), _) => at_s,
+            (None, Some(fraction)) => fraction * last_arrival_s,
+            (None, None) => 0.0,
+        }
+    }
+}
+
 /// One traffic mix.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -429,7 +482,52 @@ impl Scenario {
         }
         self.validate_fleet()?;
         self.validate_router()?;
-        self.validate_traffic()
+        self.validate_traffic()?;
+        self.validate_slowdown()
+    }
+
+    fn validate_slowdown(&self) -> Result<(), SimError> {
+        let Some(slowdown) = &self.slowdown else {
+            return Ok(());
+        };
+        if slowdown.worker >= self.workers() {
+            return Err(self.invalid(
+                "slowdown.worker",
+                format!(
+                    "must name one of the {} workers (0-based), got {}",
+                    self.workers(),
+                    slowdown.worker
+                ),
+            ));
+        }
+        match (slowdown.at_fraction, slowdown.at_s) {
+            (Some(fraction), None) => {
+                if !(fraction.is_finite() && fraction > 0.0 && fraction < 1.0) {
+                    return Err(self.invalid(
+                        "slowdown.at_fraction",
+                        format!("must be in (0, 1), got {fraction}"),
+                    ));
+                }
+            }
+            (None, Some(at_s)) => {
+                if !(at_s.is_finite() && at_s >= 0.0) {
+                    return Err(self.invalid(
+                        "slowdown.at_s",
+                        format!("must be finite and not negative, got {at_s}"),
+                    ));
+                }
+            }
+            _ => {
+                return Err(self.invalid("slowdown", "needs exactly one of at_fraction and at_s"));
+            }
+        }
+        if !(slowdown.factor.is_finite() && slowdown.factor > 0.0) {
+            return Err(self.invalid(
+                "slowdown.factor",
+                format!("must be finite and positive, got {}", slowdown.factor),
+            ));
+        }
+        Ok(())
     }
 
     fn validate_fleet(&self) -> Result<(), SimError> {
@@ -820,6 +918,51 @@ output = { dist = "constant", tokens = 10 }
         let mut text = MINIMAL.to_owned();
         text.push_str("[router]\nsweep_replicas = [1]\nsweep_poll_interval_s = [1.0]\n");
         assert!(error_text(&parse(&text).unwrap_err()).contains("sweeps one knob at most"));
+    }
+
+    #[test]
+    fn a_slowdown_parses_and_its_values_are_checked() {
+        let text =
+            format!("slowdown = {{ worker = 1, at_fraction = 0.5, factor = 0.5 }}\n{MINIMAL}");
+        let scenario = parse(&text).unwrap();
+        let slowdown = scenario.slowdown.unwrap();
+        assert_eq!(slowdown.worker, 1);
+        assert_eq!(slowdown.at_s(30.0), 15.0);
+        let text = format!("slowdown = {{ worker = 0, at_s = 4.0, factor = 2.0 }}\n{MINIMAL}");
+        assert_eq!(parse(&text).unwrap().slowdown.unwrap().at_s(30.0), 4.0);
+        for (slowdown, expected) in [
+            (
+                "{ worker = 2, at_fraction = 0.5, factor = 0.5 }",
+                "slowdown.worker must name one of the 2 workers (0-based), got 2",
+            ),
+            (
+                "{ worker = 0, at_fraction = 1.0, factor = 0.5 }",
+                "slowdown.at_fraction must be in (0, 1), got 1",
+            ),
+            (
+                "{ worker = 0, at_fraction = 0.5, at_s = 1.0, factor = 0.5 }",
+                "needs exactly one of at_fraction and at_s",
+            ),
+            (
+                "{ worker = 0, factor = 0.5 }",
+                "needs exactly one of at_fraction and at_s",
+            ),
+            (
+                "{ worker = 0, at_s = 1.0, factor = 0.0 }",
+                "slowdown.factor must be finite and positive, got 0",
+            ),
+            (
+                "{ worker = 0, at_s = 1.0, factor = 0.5, when = 1 }",
+                "unknown field `when`",
+            ),
+        ] {
+            let text = format!("slowdown = {slowdown}\n{MINIMAL}");
+            let message = error_text(&parse(&text).unwrap_err());
+            assert!(
+                message.contains(expected),
+                "expected {expected:?} in {message:?}"
+            );
+        }
     }
 
     #[test]

@@ -8,6 +8,17 @@
 //!   p99 by more than 10%;
 //! - poll-jitter, uniform traffic: `least_load`'s p99 is within 10% of
 //!   `round_robin`'s.
+//!
+//! The least_load v2 gate (the learned rate), on the one-router rows of
+//! those three and of the rate scenarios `rate-spread` (its one-replica
+//! point), `rate-spread-vllm`, `bursty-long` and `slowdown` (5,000 requests
+//! per cell too), at 0.8 and 0.9, for every
+//! traffic: `least_load`'s p99 TTFT is at most 1.05 × the better of
+//! `least_load_reported_rate`'s and `least_load_fixed_rate`'s and at most
+//! every baseline's (`random`, `round_robin`, `least_requests`,
+//! `power_of_two`); its mean TTFT likewise.
+//!
+//! The gates compare deployable policies only, so the references are not run.
 
 // Helpers outside #[test] functions unwrap too: a panic here is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -15,10 +26,32 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use fleet_sim::{Report, RunOptions, Scenario, ScenarioOutcome, run_scenarios, summary_table};
+use fleet_sim::{
+    PolicyName, Report, ResultRow, RunOptions, Scenario, ScenarioOutcome, run_scenarios,
+    summary_table,
+};
 
 const REQUESTS_PER_CELL: f64 = 5000.0;
+/// The rate scenarios' requests per cell (as the others: their cells run in
+/// about a second in the test profile).
+const RATE_REQUESTS_PER_CELL: f64 = 5000.0;
 const LOADS: [f64; 2] = [0.8, 0.9];
+/// The policies every gate compares (the references are left out).
+const GATED_POLICIES: [PolicyName; 8] = [
+    PolicyName::Random,
+    PolicyName::RoundRobin,
+    PolicyName::LeastRequests,
+    PolicyName::PowerOfTwo,
+    PolicyName::LeastLoad,
+    PolicyName::LeastLoadSincePoll,
+    PolicyName::LeastLoadReportedRate,
+    PolicyName::LeastLoadFixedRate,
+];
+const BASELINES: [&str; 4] = ["random", "round_robin", "least_requests", "power_of_two"];
+/// `least_load` within this factor of the better explicit-rate variant.
+const V2_MARGIN: f64 = 1.05;
+/// `least_load` within this factor of every baseline: "never behind".
+const BASELINE_MARGIN: f64 = 1.0;
 const DEPLOYABLE: [&str; 6] = [
     "random",
     "round_robin",
@@ -29,6 +62,11 @@ const DEPLOYABLE: [&str; 6] = [
 ];
 
 fn shipped(name: &str) -> Scenario {
+    shipped_with(name, REQUESTS_PER_CELL)
+}
+
+/// A shipped scenario at `requests` per cell, with the gated policies only.
+fn shipped_with(name: &str, requests: f64) -> Scenario {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("scenarios")
         .join(format!("{name}.toml"));
@@ -38,9 +76,10 @@ fn shipped(name: &str) -> Scenario {
         "{name}: the gate is at 1 s polls"
     );
     assert!(scenario.router.sweep_poll_interval_s.is_none());
-    let factor = REQUESTS_PER_CELL / scenario.requests as f64;
+    let factor = requests / scenario.requests as f64;
     scenario.scale_requests(factor).unwrap();
-    assert!(scenario.requests >= 5000);
+    assert!(scenario.requests as f64 >= requests);
+    scenario.policies = GATED_POLICIES.to_vec();
     scenario
 }
 
@@ -75,6 +114,104 @@ fn report(name: &str) -> &'static Report {
         .find(|o| o.report.scenario == name)
         .unwrap()
         .report
+}
+
+/// The one-router rate scenarios, once per test binary.
+fn rate_outcomes() -> &'static [ScenarioOutcome] {
+    static OUTCOMES: OnceLock<Vec<ScenarioOutcome>> = OnceLock::new();
+    OUTCOMES.get_or_init(|| {
+        let mut scenarios: Vec<Scenario> =
+            ["rate-spread", "rate-spread-vllm", "bursty-long", "slowdown"]
+                .iter()
+                .map(|name| shipped_with(name, RATE_REQUESTS_PER_CELL))
+                .collect();
+        for scenario in &mut scenarios {
+            // The one-router rows only.
+            scenario.router.sweep_replicas = None;
+            scenario.router.replicas = 1;
+        }
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        run_scenarios(&scenarios, &options).unwrap()
+    })
+}
+
+fn row<'a>(report: &'a Report, traffic: &str, load: f64, policy: &str) -> &'a ResultRow {
+    report
+        .row(traffic, load, policy, None, None)
+        .unwrap_or_else(|| panic!("{}: no row for {traffic} {load} {policy}", report.scenario))
+}
+
+/// One TTFT statistic of a row.
+type Metric = fn(&ResultRow) -> f64;
+
+/// The v2 goal on every traffic of one report at the gated loads.
+fn v2_failures(report: &Report) -> Vec<String> {
+    let mut traffics: Vec<&str> = Vec::new();
+    for row in &report.results {
+        if !traffics.contains(&row.traffic.as_str()) {
+            traffics.push(&row.traffic);
+        }
+    }
+    let mut failures = Vec::new();
+    for traffic in traffics {
+        for load in LOADS {
+            let metrics: [(&str, Metric); 2] =
+                [("p99", |r| r.ttft_p99_s), ("mean", |r| r.ttft_mean_s)];
+            for (metric, value) in metrics {
+                let least_load = value(row(report, traffic, load, "least_load"));
+                let reported = value(row(report, traffic, load, "least_load_reported_rate"));
+                let fixed = value(row(report, traffic, load, "least_load_fixed_rate"));
+                let better = reported.min(fixed);
+                if least_load > V2_MARGIN * better {
+                    failures.push(format!(
+                        "{} {traffic} at {load}: least_load {metric} TTFT {least_load:.4} s > \
+                         {V2_MARGIN} × {better:.4} s (reported rate {reported:.4}, fixed rate \
+                         {fixed:.4}): ratio {:.3}",
+                        report.scenario,
+                        least_load / better
+                    ));
+                }
+                for baseline in BASELINES {
+                    let theirs = value(row(report, traffic, load, baseline));
+                    if least_load > BASELINE_MARGIN * theirs {
+                        failures.push(format!(
+                            "{} {traffic} at {load}: least_load {metric} TTFT {least_load:.5} s \
+                             is behind {baseline}'s {theirs:.5} s: ratio {:.4}",
+                            report.scenario,
+                            least_load / theirs
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    failures
+}
+
+fn v2_verdict(outcomes: &[ScenarioOutcome]) {
+    let mut failures = Vec::new();
+    let mut tables = String::new();
+    for outcome in outcomes {
+        let report = &outcome.report;
+        let found = v2_failures(report);
+        if !found.is_empty() {
+            tables.push_str(&format!(
+                "\n{} ({} requests per cell):\n{}",
+                report.scenario,
+                report.requests_per_cell,
+                summary_table(report)
+            ));
+        }
+        failures.extend(found);
+    }
+    assert!(
+        failures.is_empty(),
+        "quality gate least_load v2 failed:\n{}\n{tables}",
+        failures.join("\n")
+    );
 }
 
 fn verdict(gate: &str, failures: &[String], report: &Report) {
@@ -138,6 +275,16 @@ fn gate_poll_jitter_least_load_is_within_10_percent_of_round_robin() {
         }
     }
     verdict("poll-jitter", &failures, report);
+}
+
+#[test]
+fn gate_v2_least_load_leads_the_rate_variants_and_the_baselines_on_the_gated_scenarios() {
+    v2_verdict(outcomes());
+}
+
+#[test]
+fn gate_v2_least_load_leads_the_rate_variants_and_the_baselines_on_the_rate_scenarios() {
+    v2_verdict(rate_outcomes());
 }
 
 #[test]

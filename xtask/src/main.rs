@@ -139,8 +139,13 @@ fn ci() -> Result<(), String> {
     Ok(())
 }
 
+/// A release binary where `build_release` puts it: under `CARGO_TARGET_DIR`
+/// when that is set (relative to the workspace root), else `target/`.
 fn release_binary(name: &str) -> PathBuf {
-    workspace_root().join("target").join("release").join(name)
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map_or_else(|| PathBuf::from("target"), PathBuf::from);
+    workspace_root().join(target_dir).join("release").join(name)
 }
 
 fn build_release(packages: &[&str]) -> Result<(), String> {
