@@ -76,8 +76,8 @@ pub struct Slowdown {
     pub factor: f64,
 }
 
-/// The explain-table columns a `least_load` rate may be in (the newest name first).
-pub const RATE_COLUMNS: [&str; 2] = ["rate_tps", "throughput_tps"];
+/// The explain-table column that holds a `least_load` policy's rate.
+pub const RATE_COLUMN: &str = "rate_tps";
 
 /// One moment of a [`RateTrace`].
 #[derive(Debug, Clone, PartialEq)]
@@ -839,9 +839,7 @@ impl<'a> CellRun<'a> {
             .iter()
             .map(|policy| {
                 let table = policy.explain(&[id], &self.probe, now);
-                RATE_COLUMNS
-                    .iter()
-                    .find_map(|column| table.value(id, column))
+                table.value(id, RATE_COLUMN)
             })
             .collect();
         trace.samples.push(RateSample {

@@ -35,7 +35,7 @@ use std::time::Instant;
 
 pub use error::SimError;
 pub use fleet::{
-    Cell, RATE_COLUMNS, RateSample, RateTrace, Slowdown, build_policy, convert_report,
+    Cell, RATE_COLUMN, RateSample, RateTrace, Slowdown, build_policy, convert_report,
     least_true_queue_pick, oracle_pick, policy_registry, run_cell,
 };
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
