@@ -14,7 +14,7 @@ use policy_core::{
     LoadError, LoadSource, MockLoadSource, Policy, PollOutcome, RequestInfo, TokenCount, WorkerId,
     WorkerInfo, poll_worker, tokio_now,
 };
-use policy_least_load::{LeastLoad, LeastLoadParams, Strategy};
+use policy_least_load::{LeastLoad, LeastLoadParams, RateMode, Strategy};
 
 const DEADLINE: Duration = Duration::from_millis(500);
 
@@ -46,9 +46,14 @@ impl LoadSource for Hung {
 
 #[tokio::test(start_paused = true)]
 async fn least_load_follows_a_scripted_sequence_of_polls() {
+    // The reported rate: this script is about the poll rules, worked out by
+    // hand against the workers' reported rates.
     let policy = LeastLoad::new(
         Strategy::LeastLoad,
-        LeastLoadParams::default(),
+        LeastLoadParams {
+            rate: RateMode::Reported,
+            ..LeastLoadParams::default()
+        },
         &policy_core::PolicyContext::default(),
     )
     .unwrap();
@@ -125,7 +130,7 @@ async fn least_load_follows_a_scripted_sequence_of_polls() {
         PollOutcome::Failed(LoadError::HttpStatus { status: 503, .. })
     ));
     assert_eq!(score, 0.0);
-    assert_eq!(note, "rule 3: no fresh snapshot, nominal throughput");
+    assert_eq!(note, "rule 3: no fresh snapshot, queue unknown");
     assert_eq!(chosen, flaky);
 
     // 3. No report this time: still no fresh snapshot.
