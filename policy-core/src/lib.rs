@@ -46,6 +46,7 @@ mod load_source;
 mod policy;
 mod poll;
 mod registry;
+mod replica;
 mod request;
 mod rng;
 mod score_table;
@@ -65,6 +66,7 @@ pub use poll::{PollOutcome, poll_worker, prime_worker};
 pub use registry::{
     BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,
 };
+pub use replica::{ReplicaPending, ReplicaPendingOutcome, worker_url_key};
 pub use request::{RequestInfo, TokenCount};
 pub use rng::{ArgMin, RankKey, TieBreaker};
 pub use score_table::{ScoreRow, ScoreTable, format_value};
