@@ -31,10 +31,11 @@ use std::time::{Duration, Instant};
 
 use report::Row;
 
-const BENCH_USAGE: &str = "usage: cargo xtask bench [--only select|proxy|fleet]... [--runs N]
+const BENCH_USAGE: &str =
+    "usage: cargo xtask bench [--only select|proxy|fleet|replicas]... [--runs N]
                          [--duration-s S] [--measurement-time-s S]
 
-  --only PART              run only this part (repeatable); default: all three.
+  --only PART              run only this part (repeatable); default: all four.
                            A partial run writes target/bench/partial/report.{md,json}
   --runs N                 repetitions of every wrk measurement (default 5; with 3 a
                            noisy neighbour in one run can still move the median)
@@ -150,20 +151,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 
 /// `target/bench` under the workspace (or `CARGO_TARGET_DIR`).
 fn bench_dir() -> PathBuf {
-    target_dir().join("bench")
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|dir| {
-            if dir.is_absolute() {
-                dir
-            } else {
-                super::workspace_root().join(dir)
-            }
-        })
-        .unwrap_or_else(|| super::workspace_root().join("target"))
+    super::target_dir().join("bench")
 }
 
 /// nginx, wrk and taskset, installed from Debian's packages when missing.
@@ -201,11 +189,18 @@ fn ensure_tools() -> Result<(), String> {
     }
 }
 
-fn on_path(binary: &str) -> bool {
+pub(crate) fn on_path(binary: &str) -> bool {
+    find_on_path(binary).is_some()
+}
+
+/// Where `binary` is: on the PATH, or in the sbin directories a non-root
+/// PATH may leave out.
+pub(crate) fn find_on_path(binary: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
-        .any(|dir| dir.join(binary).is_file())
+        .map(|dir| dir.join(binary))
+        .find(|candidate| candidate.is_file())
 }
 
 /// Cores, load average and kernel at the start, for the report.
