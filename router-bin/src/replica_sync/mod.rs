@@ -4,7 +4,8 @@
 //!
 //! Two tasks, both off the request path:
 //! - the **publisher** wakes every `sync.publish_interval_ms`, drops other
-//!   replicas' entries older than `sync.entry_ttl_ms` from the policy, reads
+//!   replicas' entries older than `sync.entry_ttl_ms` from the policy (every
+//!   eighth of the TTL), reads
 //!   this replica's pending work per worker from the policy
 //!   ([`Policy::worker_stats`](policy_core::Policy::worker_stats)), and
 //!   publishes what changed ([`Publisher`]);
@@ -35,7 +36,7 @@ use crate::app::App;
 use crate::config::SyncConfig;
 use crate::metrics::Metrics;
 
-pub use publisher::Publisher;
+pub use publisher::{Publisher, WorkerPending};
 
 /// How long a connection may take before the broker counts as unreachable
 /// (and the state change is logged).
@@ -281,18 +282,24 @@ async fn run_publisher(
     let started = Instant::now();
     let mut link = Link::Starting;
     let metrics = &app.metrics;
+    // Expiry touches every worker's state, so it runs every eighth of the
+    // TTL rather than every tick: an entry goes at most that much late.
+    let expiry_interval = (ttl / 8).max(config.publish_interval());
+    let mut last_expiry: Option<Instant> = None;
     loop {
         ticker.tick().await;
         let policy = app.policy();
-        let now = tokio_now();
-        let expired = policy.expire_replica_pending(now, ttl);
-        if expired > 0 {
-            metrics.sync_entries_expired.inc_by(expired as u64);
+        if last_expiry.is_none_or(|last| last.elapsed() >= expiry_interval) {
+            last_expiry = Some(Instant::now());
+            let expired = policy.expire_replica_pending(tokio_now(), ttl);
+            if expired > 0 {
+                metrics.sync_entries_expired.inc_by(expired as u64);
+            }
+            let peer_count = peers.lock().sweep(Instant::now(), ttl);
+            metrics
+                .sync_peers
+                .set(i64::try_from(peer_count).unwrap_or(i64::MAX));
         }
-        let peer_count = peers.lock().sweep(Instant::now(), ttl);
-        metrics
-            .sync_peers
-            .set(i64::try_from(peer_count).unwrap_or(i64::MAX));
 
         let connected = client.connection_state() == async_nats::connection::State::Connected;
         link = log_link_change(link, connected, started.elapsed(), &config, metrics);
@@ -305,11 +312,12 @@ async fn run_publisher(
         let snapshot = app.topology.snapshot();
         let workers = snapshot.workers().map(|worker| {
             let stats = policy.worker_stats(worker.id).unwrap_or_default();
-            (
-                worker.url.as_str(),
-                stats.pending_tokens,
-                stats.pending_requests,
-            )
+            WorkerPending {
+                id: worker.id,
+                url: &worker.url,
+                tokens: stats.pending_tokens,
+                requests: stats.pending_requests,
+            }
         });
         let Some(payload) = publisher.tick(Instant::now(), workers) else {
             continue;
