@@ -9,7 +9,10 @@
 //!   the p99 of the router and of nginx at half the router's saturation
 //!   throughput;
 //! - [`fleet`]: the router in front of 256 and 1024 canned engines: its CPU per
-//!   request and its load monitor's CPU per poll round.
+//!   request and its load monitor's CPU per poll round;
+//! - [`replicas`]: one router, three replicas without sync and three with
+//!   sync in front of one engine-sim fleet under the same open-loop load (p99
+//!   TTFT), and sync's CPU per replica at 1024 workers.
 //!
 //! Pinning (2 cores): wrk and engine-sim share core 0, the proxy under test
 //! (router or nginx, one worker each) has core 1 to itself. The direct runs
@@ -19,6 +22,7 @@
 mod fleet;
 mod proc_stat;
 mod proxy;
+mod replicas;
 mod report;
 mod select;
 mod wrk;
@@ -80,7 +84,7 @@ impl Options {
             match arg.as_str() {
                 "--only" => {
                     let part = value("--only")?;
-                    if !["select", "proxy", "fleet"].contains(&part.as_str()) {
+                    if !["select", "proxy", "fleet", "replicas"].contains(&part.as_str()) {
                         return Err(format!("--only: unknown part {part:?}\n\n{BENCH_USAGE}"));
                     }
                     options.parts.push(part);
@@ -116,7 +120,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut notes: Vec<String> = Vec::new();
     notes.push(machine_note());
 
-    if options.wants("proxy") || options.wants("fleet") {
+    if options.wants("proxy") || options.wants("fleet") || options.wants("replicas") {
         ensure_tools()?;
         super::build_release(&["router-bin", "engine-sim"])?;
     }
@@ -132,6 +136,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let (fleet_rows, fleet_notes) = fleet::run(&options, &out_dir)?;
         rows.extend(fleet_rows);
         notes.extend(fleet_notes);
+    }
+    if options.wants("replicas") {
+        let (replica_rows, replica_notes) = replicas::run(&options, &out_dir)?;
+        rows.extend(replica_rows);
+        notes.extend(replica_notes);
     }
     notes.push(format!(
         "Whole run: {:.0} s.",

@@ -17,7 +17,8 @@ mod demo;
 const USAGE: &str = "usage: cargo xtask <task> [options]
 
 tasks:
-  bench [--only PART]...  selection cost, proxy overhead, polling: target/bench/report.md
+  bench [--only PART]...  selection cost, proxy overhead, polling, router replicas:
+                          target/bench/report.md
   chaos [--rate R] [--duration-s S]  a fleet with one engine per fault mode vs good
                           engines only: target/chaos/report.md
   ci                      format check, unused dependencies, clippy and rustdoc
