@@ -7,7 +7,9 @@
 //! Workers are addressed by a generation-tagged [`WorkerId`]. `select` returns
 //! a small [`Dispatch`]; the router wraps it in a [`DispatchGuard`] that
 //! finishes it on drop. Policies and backends are built by name from config
-//! through a [`PolicyRegistry`] and a [`BackendRegistry`].
+//! through a [`PolicyRegistry`] and a [`BackendRegistry`]. Other router
+//! replicas' pending work reaches a policy as [`ReplicaPending`] entries,
+//! keyed by worker URL ([`Policy::replica_pending`]).
 //!
 //! ```
 //! use std::sync::Arc;
