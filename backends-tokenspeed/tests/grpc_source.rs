@@ -358,6 +358,8 @@ async fn deadline_exceeded_completes_the_poll_without_a_snapshot() {
             sent_at,
             pending_tokens: 0,
             pending_requests: 0,
+            remote_pending_tokens: 0,
+            remote_pending_requests: 0,
         });
     // "No report this time": the poll completes, with no load, and never fails.
     policy

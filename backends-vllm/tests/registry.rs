@@ -148,6 +148,8 @@ fn mark(worker: WorkerId, now: Instant) -> PollMark {
         sent_at: now,
         pending_tokens: 0,
         pending_requests: 0,
+        remote_pending_tokens: 0,
+        remote_pending_requests: 0,
     }
 }
 

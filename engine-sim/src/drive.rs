@@ -1,6 +1,8 @@
-//! `engine-sim drive`: size-skewed streaming traffic through a running router,
-//! then a per-worker summary read from the router's own `/metrics` and its live
-//! score table. The demo's traffic source.
+//! `engine-sim drive`: size-skewed streaming traffic through one running
+//! router or several replicas of one (`--router` repeated: requests take
+//! turns), then a per-worker summary read from the routers' own `/metrics`
+//! (summed over the replicas) and a live score table taken mid-run. The
+//! demo's traffic source.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,9 +26,10 @@ pub struct DriveError {
 /// What to send.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DriveArgs {
-    /// The router's base URL.
-    #[arg(long)]
-    pub router: String,
+    /// A router's base URL; repeat it for replicas of one router fleet, and
+    /// requests take turns among them.
+    #[arg(long = "router", required = true)]
+    pub routers: Vec<String>,
     /// How long to send for.
     #[arg(long, default_value_t = 20.0)]
     pub duration_s: f64,
@@ -61,9 +64,31 @@ pub async fn drive(args: DriveArgs) -> Result<(), DriveError> {
             reason: "must be finite and > 0".into(),
         });
     }
-    let router = args.router.trim_end_matches('/').to_owned();
+    let routers: Vec<String> = args
+        .routers
+        .iter()
+        .map(|router| router.trim_end_matches('/').to_owned())
+        .collect();
     let client = reqwest::Client::new();
-    wait_ready(&client, &router).await?;
+    for router in &routers {
+        wait_ready(&client, router).await?;
+    }
+    // Halfway through, while requests are pending, the last router's score
+    // table: with replicas, it shows the others' pending work (remote_tok).
+    let mid_run = {
+        let client = client.clone();
+        let router = routers.last().cloned().unwrap_or_default();
+        let half = Duration::from_secs_f64(args.duration_s / 2.0);
+        tokio::spawn(async move {
+            tokio::time::sleep(half).await;
+            fetch_text(
+                &client,
+                &format!("{router}/admin/policy/explain?tokens=200"),
+            )
+            .await
+            .map(|table| (router, table))
+        })
+    };
 
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let gaps = Exp::new(args.rate).map_err(|error| DriveError {
@@ -103,6 +128,8 @@ pub async fn drive(args: DriveArgs) -> Result<(), DriveError> {
             "messages": [{"role": "user", "content": prompt}],
         });
         let client = client.clone();
+        // Request i goes to router i mod n: an even spread over replicas.
+        let router = &routers[(sent % routers.len() as u64) as usize];
         let url = format!("{router}/v1/chat/completions");
         let tally = tally.clone();
         tasks.push(tokio::spawn(async move {
@@ -120,11 +147,22 @@ pub async fn drive(args: DriveArgs) -> Result<(), DriveError> {
     progress.finish_and_clear();
     let elapsed_s = started.elapsed().as_secs_f64();
     println!(
-        "sent {sent} streaming requests in {elapsed_s:.1} s: {} completed, {} failed",
+        "sent {sent} streaming requests in {elapsed_s:.1} s through {} router(s): {} completed, {} failed",
+        routers.len(),
         tally.ok.load(Ordering::Relaxed),
         tally.failed.load(Ordering::Relaxed)
     );
-    print_summary(&client, &router).await
+    print_summary(&client, &routers).await?;
+    match mid_run.await {
+        Ok(Ok((router, table))) => {
+            println!(
+                "live score table of {router} halfway through, for a 200-token request:\n{table}"
+            );
+        }
+        Ok(Err(error)) => println!("no mid-run score table: {error}"),
+        Err(error) => println!("no mid-run score table: {error}"),
+    }
+    Ok(())
 }
 
 async fn wait_ready(client: &reqwest::Client, router: &str) -> Result<(), DriveError> {
@@ -168,14 +206,17 @@ async fn stream_one(client: &reqwest::Client, url: &str, body: &serde_json::Valu
     tail.windows(6).any(|window| window == b"[DONE]")
 }
 
-/// Per-worker requests, token-work and TTFT p50/p99 from the router's
-/// `/metrics`, then its explain table.
-async fn print_summary(client: &reqwest::Client, router: &str) -> Result<(), DriveError> {
-    let text = fetch_text(client, &format!("{router}/metrics")).await?;
-    let samples = parse_prometheus_text(&text).map_err(|error| DriveError {
-        name: "/metrics",
-        reason: error.to_string(),
-    })?;
+/// Per-worker requests, token-work and TTFT p50/p99 from the routers'
+/// `/metrics`, summed over the replicas.
+async fn print_summary(client: &reqwest::Client, routers: &[String]) -> Result<(), DriveError> {
+    let mut samples = Vec::new();
+    for router in routers {
+        let text = fetch_text(client, &format!("{router}/metrics")).await?;
+        samples.extend(parse_prometheus_text(&text).map_err(|error| DriveError {
+            name: "/metrics",
+            reason: error.to_string(),
+        })?);
+    }
     let per_worker = |name: &str| -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
         for sample in samples.iter().filter(|sample| sample.name == name) {
@@ -205,8 +246,6 @@ async fn print_summary(client: &reqwest::Client, router: &str) -> Result<(), Dri
         );
     }
     println!();
-    let explain = fetch_text(client, &format!("{router}/admin/policy/explain?tokens=200")).await?;
-    println!("live score table for a 200-token request:\n{explain}");
     Ok(())
 }
 
@@ -223,6 +262,7 @@ async fn fetch_text(client: &reqwest::Client, url: &str) -> Result<String, Drive
 
 /// A quantile from cumulative histogram buckets, interpolated linearly inside
 /// the bucket it falls in (as Prometheus' `histogram_quantile` does).
+/// Buckets of one bound from several routers are summed.
 pub fn histogram_quantile(
     samples: &[Sample],
     family: &str,
@@ -244,6 +284,13 @@ pub fn histogram_quantile(
         })
         .collect();
     buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    buckets.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 += later.1;
+        }
+        same
+    });
     let total = buckets.last()?.1;
     if total <= 0.0 {
         return None;
@@ -286,5 +333,8 @@ h_bucket{worker=\"a\",le=\"+Inf\"} 100
         // Rank 99 is 9/10 of the way through the (0.2, 0.4] bucket: 0.38.
         assert!((histogram_quantile(&samples, "h", "a", 0.99).unwrap() - 0.38).abs() < 1e-12);
         assert_eq!(histogram_quantile(&samples, "h", "b", 0.5), None);
+        // Two replicas' histograms of one worker add up.
+        let doubled: Vec<Sample> = samples.iter().chain(&samples).cloned().collect();
+        assert!((histogram_quantile(&doubled, "h", "a", 0.99).unwrap() - 0.38).abs() < 1e-12);
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! engine-sim sim [--scenario FILE] [--out-dir DIR] …   # the fleet simulator
-//! engine-sim drive --router URL [--duration-s S] [--rate R] …  # demo traffic
+//! engine-sim drive --router URL [--router URL]… [--duration-s S] [--rate R] …  # demo traffic
 //! engine-sim serve --flavour sglang|sglang-metrics|vllm|tokenspeed --count N
 //!                  --base-port P [--grpc-base-port G] [--mode model|canned]
 //!                  [--time-scale X] [--fault MODE] [--slow-loads-ms MS]

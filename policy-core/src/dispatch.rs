@@ -19,16 +19,21 @@ pub struct Dispatch {
 }
 
 /// Handed out by `poll_started` and given back on completion: which worker,
-/// when the poll was sent, and this router's pending work on the worker at
-/// that moment (the part of the engine's queue that is our own).
+/// when the poll was sent, and the pending work on the worker known at that
+/// moment: this router's own and, with replica sync, the other replicas'
+/// (together, the part of the engine's queue the router fleet sent itself).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PollMark {
     pub worker: WorkerId,
     /// Orders the polls of one worker, so an older completion can be ignored.
     pub seq: u64,
     pub sent_at: Instant,
+    /// This router's pending work.
     pub pending_tokens: u64,
     pub pending_requests: u64,
+    /// Other replicas' pending work as last published (0 without sync).
+    pub remote_pending_tokens: u64,
+    pub remote_pending_requests: u64,
 }
 
 /// A clock for guards; the router passes [`tokio_now`] so that tests with

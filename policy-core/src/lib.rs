@@ -7,7 +7,9 @@
 //! Workers are addressed by a generation-tagged [`WorkerId`]. `select` returns
 //! a small [`Dispatch`]; the router wraps it in a [`DispatchGuard`] that
 //! finishes it on drop. Policies and backends are built by name from config
-//! through a [`PolicyRegistry`] and a [`BackendRegistry`].
+//! through a [`PolicyRegistry`] and a [`BackendRegistry`]. Other router
+//! replicas' pending work reaches a policy as [`ReplicaPending`] entries,
+//! keyed by worker URL ([`Policy::replica_pending`]).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -46,6 +48,7 @@ mod load_source;
 mod policy;
 mod poll;
 mod registry;
+mod replica;
 mod request;
 mod rng;
 mod score_table;
@@ -65,6 +68,7 @@ pub use poll::{PollOutcome, poll_worker, prime_worker};
 pub use registry::{
     BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,
 };
+pub use replica::{ReplicaPending, ReplicaPendingOutcome, worker_url_key};
 pub use request::{RequestInfo, TokenCount};
 pub use rng::{ArgMin, RankKey, TieBreaker};
 pub use score_table::{ScoreRow, ScoreTable, format_value};

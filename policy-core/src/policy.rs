@@ -2,7 +2,10 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 
-use crate::{Dispatch, PollMark, RequestInfo, ScoreTable, WorkerId, WorkerInfo};
+use crate::{
+    Dispatch, PollMark, ReplicaPending, ReplicaPendingOutcome, RequestInfo, ScoreTable, WorkerId,
+    WorkerInfo,
+};
 
 /// What the router hands every policy at construction.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -107,6 +110,32 @@ pub trait Policy: Send + Sync {
     /// Scores a hypothetical request without changing any state.
     fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable;
 
-    /// Live counts of one worker, `None` if it is not registered.
+    /// Live counts of one worker, `None` if it is not registered. These are
+    /// this replica's own: what it publishes to the others.
     fn worker_stats(&self, id: WorkerId) -> Option<WorkerStats>;
+
+    /// Another router replica's pending work on a worker (named by URL), as
+    /// that replica last published it: replaces the entry held for that
+    /// replica and worker unless its sequence number is not newer. Policies
+    /// that do not count other replicas' work keep this default, which
+    /// ignores it. See [`ReplicaPending`].
+    // The named lifetime is for mockall, which cannot mock an elided one.
+    #[allow(clippy::needless_lifetimes)]
+    fn replica_pending<'a>(
+        &self,
+        entry: &ReplicaPending<'a>,
+        now: Instant,
+    ) -> ReplicaPendingOutcome {
+        let _ = (entry, now);
+        ReplicaPendingOutcome::Unsupported
+    }
+
+    /// Drops every other replica's entry last refreshed more than `ttl`
+    /// before `now` (its replica stopped publishing, or stopped naming the
+    /// worker); returns how many were dropped. The caller runs it often (the
+    /// router, at every publish tick): a policy has no clock of its own.
+    fn expire_replica_pending(&self, now: Instant, ttl: Duration) -> usize {
+        let _ = (now, ttl);
+        0
+    }
 }

@@ -75,6 +75,8 @@ mod tests {
             sent_at: now,
             pending_tokens: 0,
             pending_requests: 0,
+            remote_pending_tokens: 0,
+            remote_pending_requests: 0,
         }
     }
 

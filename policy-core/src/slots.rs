@@ -11,7 +11,7 @@ use std::sync::Arc;
 use arc_swap::{ArcSwap, Guard};
 use parking_lot::Mutex;
 
-use crate::{PollMark, WorkerId, WorkerInfo, WorkerStats};
+use crate::{PollMark, WorkerId, WorkerInfo, WorkerStats, worker_url_key};
 
 /// One registered worker: its id, what the router told about it, and the
 /// policy's state for it.
@@ -22,28 +22,49 @@ pub struct Slot<S> {
     pub state: S,
 }
 
-/// Per-worker state in a vector indexed by [`WorkerId::slot`].
+/// Per-worker state in a vector indexed by [`WorkerId::slot`], with an index
+/// by worker URL (other router replicas name workers by URL: a `WorkerId` is
+/// this replica's own).
 ///
 /// Selections read a published snapshot of the vector (`arc-swap`): taking
 /// one writes no memory that other threads read, so concurrent selections do
 /// not bounce a lock word between cores. Adding and removing workers (rare)
-/// copy the vector of `Arc`s, edit it and publish it; the per-worker state is
-/// shared between versions, and state that selections change lives behind
-/// atomics or per-worker locks inside `S`.
+/// copy the vector of `Arc`s and the URL index, edit them and publish them;
+/// the per-worker state is shared between versions, and state that
+/// selections change lives behind atomics or per-worker locks inside `S`.
+#[derive(Debug)]
+pub struct WorkerSlots<S> {
+    slots: ArcSwap<Published<S>>,
+    /// Serializes writers, so no edit is lost between copy and publish.
+    writer: Mutex<()>,
+}
+
 /// One published version of the slots: index = [`WorkerId::slot`].
 type SlotVec<S> = Vec<Option<Arc<Slot<S>>>>;
 
 #[derive(Debug)]
-pub struct WorkerSlots<S> {
-    slots: ArcSwap<SlotVec<S>>,
-    /// Serializes writers, so no edit is lost between copy and publish.
-    writer: Mutex<()>,
+struct Published<S> {
+    slots: SlotVec<S>,
+    /// [`worker_url_key`] of each registered worker's URL → its id.
+    by_url: HashMap<Box<str>, WorkerId>,
+}
+
+impl<S> Clone for Published<S> {
+    fn clone(&self) -> Published<S> {
+        Published {
+            slots: self.slots.clone(),
+            by_url: self.by_url.clone(),
+        }
+    }
 }
 
 impl<S> Default for WorkerSlots<S> {
     fn default() -> WorkerSlots<S> {
         WorkerSlots {
-            slots: ArcSwap::from_pointee(Vec::new()),
+            slots: ArcSwap::from_pointee(Published {
+                slots: Vec::new(),
+                by_url: HashMap::new(),
+            }),
             writer: Mutex::new(()),
         }
     }
@@ -57,25 +78,32 @@ impl<S> WorkerSlots<S> {
     /// Registers a worker, replacing whatever occupied its slot.
     pub fn insert(&self, id: WorkerId, info: WorkerInfo, state: S) {
         let _writer = self.writer.lock();
-        let mut slots = Vec::clone(&self.slots.load());
-        if slots.len() <= id.slot() {
-            slots.resize_with(id.slot() + 1, || None);
+        let mut next = Published::clone(&self.slots.load());
+        if next.slots.len() <= id.slot() {
+            next.slots.resize_with(id.slot() + 1, || None);
         }
-        slots[id.slot()] = Some(Arc::new(Slot { id, info, state }));
-        self.slots.store(Arc::new(slots));
+        if let Some(previous) = next.slots[id.slot()].take() {
+            next.forget_url(&previous);
+        }
+        next.by_url.insert(worker_url_key(&info.url).into(), id);
+        next.slots[id.slot()] = Some(Arc::new(Slot { id, info, state }));
+        self.slots.store(Arc::new(next));
     }
 
     /// Unregisters a worker; an id of an earlier generation removes nothing.
     pub fn remove(&self, id: WorkerId) -> Option<Arc<Slot<S>>> {
         let _writer = self.writer.lock();
         let current = self.slots.load_full();
-        let registered = current.get(id.slot())?.as_ref()?;
+        let registered = current.slots.get(id.slot())?.as_ref()?;
         if registered.id != id {
             return None;
         }
-        let mut slots = Vec::clone(&current);
-        let removed = slots[id.slot()].take();
-        self.slots.store(Arc::new(slots));
+        let mut next = Published::clone(&current);
+        let removed = next.slots[id.slot()].take();
+        if let Some(removed) = &removed {
+            next.forget_url(removed);
+        }
+        self.slots.store(Arc::new(next));
         removed
     }
 
@@ -88,10 +116,21 @@ impl<S> WorkerSlots<S> {
     }
 }
 
+impl<S> Published<S> {
+    /// Drops `slot`'s URL from the index, if the index still points at it
+    /// (two workers may share a URL; the later one owns the entry).
+    fn forget_url(&mut self, slot: &Slot<S>) {
+        let key = worker_url_key(&slot.info.url);
+        if self.by_url.get(key) == Some(&slot.id) {
+            self.by_url.remove(key);
+        }
+    }
+}
+
 /// A snapshot of the slots, valid while it is held.
 #[derive(Debug)]
 pub struct SlotsView<'a, S> {
-    slots: Guard<Arc<SlotVec<S>>>,
+    slots: Guard<Arc<Published<S>>>,
     owner: PhantomData<&'a WorkerSlots<S>>,
 }
 
@@ -99,13 +138,20 @@ impl<S> SlotsView<'_, S> {
     /// The worker's slot, if `id` is registered and of the current generation.
     pub fn get(&self, id: WorkerId) -> Option<&Slot<S>> {
         self.slots
+            .slots
             .get(id.slot())
             .and_then(Option::as_deref)
             .filter(|slot| slot.id == id)
     }
 
+    /// The worker registered with this URL (a trailing `/` is ignored).
+    pub fn find_url(&self, url: &str) -> Option<&Slot<S>> {
+        let id = *self.slots.by_url.get(worker_url_key(url))?;
+        self.get(id)
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Slot<S>> {
-        self.slots.iter().flatten().map(Arc::as_ref)
+        self.slots.slots.iter().flatten().map(Arc::as_ref)
     }
 }
 
@@ -275,6 +321,8 @@ impl<N: Copy> WorkerLedger<N> {
             sent_at: now,
             pending_tokens: stats.pending_tokens,
             pending_requests: stats.pending_requests,
+            remote_pending_tokens: 0,
+            remote_pending_requests: 0,
         }
     }
 
@@ -341,5 +389,29 @@ mod tests {
         assert!(view.get(old).is_none());
         assert_eq!(view.get(new).map(|slot| slot.state), Some(2));
         assert_eq!(view.iter().count(), 1);
+    }
+
+    #[test]
+    fn workers_are_found_by_url() {
+        let slots = WorkerSlots::new();
+        let (a, b) = (WorkerId::new(0, 0), WorkerId::new(1, 0));
+        slots.insert(a, WorkerInfo::new("http://a:1/", "sglang"), 1u8);
+        slots.insert(b, WorkerInfo::new("http://b:1", "sglang"), 2u8);
+        let view = slots.read();
+        assert_eq!(view.find_url("http://a:1").map(|slot| slot.id), Some(a));
+        assert_eq!(view.find_url("http://b:1/").map(|slot| slot.id), Some(b));
+        assert!(view.find_url("http://c:1").is_none());
+        drop(view);
+        slots.remove(a);
+        assert!(slots.read().find_url("http://a:1").is_none());
+        // A slot reused by another worker answers to its new URL only.
+        let reused = WorkerId::new(1, 1);
+        slots.insert(reused, WorkerInfo::new("http://d:1", "sglang"), 3u8);
+        let view = slots.read();
+        assert!(view.find_url("http://b:1").is_none());
+        assert_eq!(
+            view.find_url("http://d:1").map(|slot| slot.id),
+            Some(reused)
+        );
     }
 }

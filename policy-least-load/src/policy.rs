@@ -2,13 +2,13 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow,
-    ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo, WorkerLedger, WorkerSlots,
-    WorkerStats, describe_request,
+    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, ReplicaPending,
+    ReplicaPendingOutcome, RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker,
+    WorkerId, WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
 use crate::rate::{LearnedSource, RateProbe};
@@ -63,8 +63,11 @@ impl Strategy {
     }
 }
 
-/// The columns of the explain table, in row order.
-pub const COLUMNS: [&str; 9] = [
+/// The columns of the explain table, in row order. `inflight_tok` counts
+/// every replica's pending work; `remote_tok` and `remote_req` are the part
+/// other replicas published, and `remote_age_s` how long ago the stalest of
+/// their entries was confirmed (0 with none).
+pub const COLUMNS: [&str; 12] = [
     "queued_tok",
     "inflight_tok",
     "rate_tps",
@@ -74,6 +77,9 @@ pub const COLUMNS: [&str; 9] = [
     "barrier_s",
     "score_s",
     "waiting_req",
+    "remote_tok",
+    "remote_req",
+    "remote_age_s",
 ];
 
 /// Token-work expected-wait routing (`least_load`), or its two-sample variant
@@ -198,16 +204,28 @@ impl LeastLoad {
             .filter(|snapshot| snapshot.is_fresh(now_nanos, self.stale_after_nanos))
     }
 
-    /// The cap's estimate of the worker's waiting requests: others' waiting
-    /// requests from its fresh snapshot (0 without one) plus our pending
-    /// requests now.
-    fn waiting_estimate(others_waiting: u64, stats: WorkerStats) -> u64 {
-        others_waiting.saturating_add(stats.pending_requests)
+    /// The cap's estimate of the worker's waiting requests: the waiting
+    /// requests no replica sent, from its fresh snapshot (0 without one),
+    /// plus our pending requests and the other replicas' now.
+    fn waiting_estimate(others_waiting: u64, stats: WorkerStats, remote: PendingWork) -> u64 {
+        others_waiting
+            .saturating_add(stats.pending_requests)
+            .saturating_add(remote.requests)
     }
 
-    fn admits(&self, others_waiting: u64, stats: WorkerStats) -> bool {
+    fn admits(&self, others_waiting: u64, stats: WorkerStats, remote: PendingWork) -> bool {
         let cap = self.params.max_waiting_requests;
-        cap == 0 || LeastLoad::waiting_estimate(others_waiting, stats) < cap
+        cap == 0 || LeastLoad::waiting_estimate(others_waiting, stats, remote) < cap
+    }
+
+    /// The other replicas' pending work on the worker, as counted: none
+    /// under `inflight = "since_poll"`, whose tally stands in for all
+    /// pending work and subtracts nothing from the queue.
+    fn remote(&self, state: &WorkerState) -> PendingWork {
+        match self.params.inflight {
+            InflightMode::Pending => state.remote.totals(),
+            InflightMode::SincePoll => PendingWork::default(),
+        }
     }
 
     /// The hot part of the worker's snapshot, if fresh.
@@ -271,11 +289,18 @@ impl LeastLoad {
         })
     }
 
-    /// The in-flight term. `any_fresh`: whether the worker or any other
-    /// candidate has a fresh snapshot.
-    fn inflight_tokens(&self, state: &WorkerState, stats: WorkerStats, any_fresh: bool) -> u64 {
+    /// The in-flight term: every replica's pending work (ours and, with
+    /// sync, the others' as published). `any_fresh`: whether the worker or
+    /// any other candidate has a fresh snapshot.
+    fn inflight_tokens(
+        &self,
+        state: &WorkerState,
+        stats: WorkerStats,
+        remote: PendingWork,
+        any_fresh: bool,
+    ) -> u64 {
         match self.params.inflight {
-            InflightMode::Pending => stats.pending_tokens,
+            InflightMode::Pending => stats.pending_tokens.saturating_add(remote.tokens),
             // Rule 4 reads the live pending work in both modes: with no
             // report arriving, the tally would never be reset.
             InflightMode::SincePoll if !any_fresh => stats.pending_tokens,
@@ -288,12 +313,13 @@ impl LeastLoad {
         state: &WorkerState,
         snapshot: Option<&StoredSnapshot>,
         stats: WorkerStats,
+        remote: PendingWork,
         fleet: Fleet,
     ) -> ScoreBreakdown {
         let any_fresh = snapshot.is_some() || fleet.any_fresh;
         score(
             snapshot.map(|snapshot| &snapshot.terms),
-            self.inflight_tokens(state, stats, any_fresh),
+            self.inflight_tokens(state, stats, remote, any_fresh),
             self.learned_tps(state),
             fleet,
             &self.params,
@@ -311,16 +337,17 @@ impl LeastLoad {
     ) -> Option<f64> {
         let state = &slot.state;
         let stats = state.ledger.stats();
+        let remote = self.remote(state);
         let hot = self.fresh_hot(state, now_nanos);
         let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
-        if !self.admits(others_waiting, stats) {
+        if !self.admits(others_waiting, stats, remote) {
             return None;
         }
         Some(match hot {
             // The common case, kept to a few loads and one division.
             Some(hot) => wait_secs(
                 hot.queued_tokens,
-                self.inflight_tokens(state, stats, true),
+                self.inflight_tokens(state, stats, remote, true),
                 match self.params.rate {
                     RateMode::Learned => state.rate.rate_tps(),
                     RateMode::Reported | RateMode::Fixed => hot.throughput_tps,
@@ -329,7 +356,7 @@ impl LeastLoad {
             ),
             None => {
                 let fleet = self.lazy_fleet(fleet, view, candidates, now_nanos);
-                self.breakdown(state, None, stats, fleet).score_secs
+                self.breakdown(state, None, stats, remote, fleet).score_secs
             }
         })
     }
@@ -493,13 +520,16 @@ impl Policy for LeastLoad {
             let credited = state.ledger.try_credit_noted(seq, tokens, |stats| {
                 let hot = self.fresh_hot(state, now_nanos);
                 let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
-                self.admits(others_waiting, stats).then(|| RateProbe {
-                    dispatched_nanos: now_nanos,
-                    work_ahead_tokens: hot
-                        .map_or(0, |hot| hot.queued_tokens)
-                        .saturating_add(stats.pending_tokens),
-                    learn: request.streaming,
-                })
+                let remote = self.remote(state);
+                self.admits(others_waiting, stats, remote)
+                    .then(|| RateProbe {
+                        dispatched_nanos: now_nanos,
+                        work_ahead_tokens: hot
+                            .map_or(0, |hot| hot.queued_tokens)
+                            .saturating_add(stats.pending_tokens)
+                            .saturating_add(remote.tokens),
+                        learn: request.streaming,
+                    })
             });
             if credited {
                 state.last_dispatch.record(now_nanos);
@@ -547,7 +577,14 @@ impl Policy for LeastLoad {
     fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
         let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
         match self.workers.read().get(id) {
-            Some(slot) => slot.state.ledger.poll_mark(id, seq, now),
+            Some(slot) => {
+                let remote = slot.state.remote.totals();
+                PollMark {
+                    remote_pending_tokens: remote.tokens,
+                    remote_pending_requests: remote.requests,
+                    ..slot.state.ledger.poll_mark(id, seq, now)
+                }
+            }
             None => WorkerLedger::<RateProbe>::default().poll_mark(id, seq, now),
         }
     }
@@ -560,23 +597,34 @@ impl Policy for LeastLoad {
         };
         let snapshot = load.map(|load| {
             let summary = LoadSummary::from(load);
-            let at_poll_start = PendingWork {
+            let ours_at_poll_start = PendingWork {
                 tokens: mark.pending_tokens,
                 requests: mark.pending_requests,
             };
-            // since_poll subtracts nothing from the queue: its tally is reset instead.
-            let subtracted = match self.params.inflight {
-                InflightMode::Pending => at_poll_start,
-                InflightMode::SincePoll => PendingWork::default(),
+            // Every replica's pending work known when the poll was sent is
+            // part of the reported queue: the spec's rule (subtract our
+            // own), generalized to the whole router fleet.
+            let fleet_at_poll_start = PendingWork {
+                tokens: mark
+                    .pending_tokens
+                    .saturating_add(mark.remote_pending_tokens),
+                requests: mark
+                    .pending_requests
+                    .saturating_add(mark.remote_pending_requests),
+            };
+            // since_poll subtracts nothing from the queue: its tally is reset
+            // instead. The cap reads the live ledger in both modes, so it
+            // subtracts the ledger's pending requests even in since_poll.
+            let (subtracted, waiting_subtracted) = match self.params.inflight {
+                InflightMode::Pending => (fleet_at_poll_start, fleet_at_poll_start.requests),
+                InflightMode::SincePoll => (PendingWork::default(), ours_at_poll_start.requests),
             };
             StoredSnapshot {
                 received_nanos,
                 terms: SnapshotTerms::new(&summary, subtracted, &self.params),
-                // The cap reads the live ledger in both modes, so it
-                // subtracts the ledger's pending requests even in since_poll.
                 others_waiting_requests: summary
                     .waiting_requests
-                    .saturating_sub(at_poll_start.requests),
+                    .saturating_sub(waiting_subtracted),
             }
         });
         let reported = snapshot.is_some();
@@ -604,9 +652,10 @@ impl Policy for LeastLoad {
         for slot in slots {
             let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
             let stats = slot.state.ledger.stats();
-            let b = self.breakdown(&slot.state, snapshot.as_ref(), stats, fleet);
+            let remote = self.remote(&slot.state);
+            let b = self.breakdown(&slot.state, snapshot.as_ref(), stats, remote, fleet);
             let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
-            let waiting = LeastLoad::waiting_estimate(others_waiting, stats);
+            let waiting = LeastLoad::waiting_estimate(others_waiting, stats, remote);
             let mut note = b.rule.to_string();
             let rate = &slot.state.rate;
             match (self.params.rate, rate.source()) {
@@ -628,7 +677,22 @@ impl Policy for LeastLoad {
             if rate.dropped() > 0 {
                 note.push_str(&format!(", {} dropped", rate.dropped()));
             }
-            if self.admits(others_waiting, stats) {
+            let summary = slot.state.remote.summary();
+            let remote_age_secs = summary.stalest_refresh_nanos.map_or(0.0, |refreshed| {
+                now_nanos.saturating_sub(refreshed).max(0) as f64 / 1e9
+            });
+            match (summary.replicas, self.params.inflight) {
+                (0, _) => {}
+                (replicas, InflightMode::Pending) => {
+                    note.push_str(&format!("; remote: {replicas} replicas"));
+                }
+                (replicas, InflightMode::SincePoll) => {
+                    note.push_str(&format!(
+                        "; remote: {replicas} replicas, not counted under since_poll"
+                    ));
+                }
+            }
+            if self.admits(others_waiting, stats, remote) {
                 admitted_scores.push((slot.id, b.score_secs, slot.state.last_dispatch.nanos()));
             } else {
                 note.push_str(&format!(
@@ -649,6 +713,9 @@ impl Policy for LeastLoad {
                     b.kv_barrier_secs,
                     b.score_secs,
                     waiting as f64,
+                    summary.work.tokens as f64,
+                    summary.work.requests as f64,
+                    remote_age_secs,
                 ],
                 note,
             });
@@ -675,5 +742,31 @@ impl Policy for LeastLoad {
             .read()
             .get(id)
             .map(|slot| slot.state.ledger.stats())
+    }
+
+    fn replica_pending(&self, entry: &ReplicaPending<'_>, now: Instant) -> ReplicaPendingOutcome {
+        let view = self.workers.read();
+        let Some(slot) = view.find_url(entry.worker_url) else {
+            return ReplicaPendingOutcome::UnknownWorker;
+        };
+        slot.state.remote.apply(
+            entry.replica,
+            entry.seq,
+            PendingWork {
+                tokens: entry.pending_tokens,
+                requests: entry.pending_requests,
+            },
+            self.timeline.nanos(now),
+        )
+    }
+
+    fn expire_replica_pending(&self, now: Instant, ttl: Duration) -> usize {
+        let ttl_nanos = i64::try_from(ttl.as_nanos()).unwrap_or(i64::MAX);
+        let cutoff_nanos = self.timeline.nanos(now).saturating_sub(ttl_nanos);
+        self.workers
+            .read()
+            .iter()
+            .map(|slot| slot.state.remote.expire(cutoff_nanos))
+            .sum()
     }
 }

@@ -12,11 +12,11 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering, fence};
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use policy_core::WorkerLedger;
+use policy_core::{ReplicaPendingOutcome, WorkerLedger};
 
 use crate::LeastLoadParams;
 use crate::rate::{LearnedRate, RateEstimator, RateProbe};
-use crate::score::{QueueSource, SnapshotTerms, ThroughputSource};
+use crate::score::{PendingWork, QueueSource, SnapshotTerms, ThroughputSource};
 
 /// One received report, reduced to what selections read.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -241,6 +241,8 @@ pub(crate) struct WorkerState {
     /// Learned in every mode (the explain table shows it); the divisor
     /// under `rate = "learned"`.
     pub rate: LearnedRate,
+    /// Other router replicas' pending work here, as they published it.
+    pub remote: RemotePending,
 }
 
 impl WorkerState {
@@ -258,8 +260,147 @@ impl WorkerState {
                 params.mean_prefill_tokens / 4,
                 params.rate_half_life_secs,
             )),
+            remote: RemotePending::default(),
         }
     }
+}
+
+/// One other replica's latest published pending work on the worker.
+#[derive(Debug)]
+struct RemoteEntry {
+    replica: Box<str>,
+    seq: u64,
+    work: PendingWork,
+    /// When the replica last confirmed it, on the policy's [`Timeline`].
+    refreshed_nanos: i64,
+}
+
+/// What the explain table shows of the other replicas' work on a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct RemoteSummary {
+    pub work: PendingWork,
+    /// Replicas with an entry held (zero work included).
+    pub replicas: usize,
+    /// When the stalest entry held was last confirmed; `None` with none.
+    pub stalest_refresh_nanos: Option<i64>,
+}
+
+/// Other router replicas' pending work on one worker: one entry per
+/// replica, each replaced whole by that replica's newer state.
+///
+/// Selections read only the sums, two atomics, so the sync path never makes
+/// them wait; a writer recomputes the sums under the entries' lock. (The two
+/// sums are stored one after the other, so a selection may read tokens of one
+/// update with requests of the previous: both are estimates a publish
+/// interval old already.)
+#[derive(Debug)]
+pub(crate) struct RemotePending {
+    tokens: AtomicU64,
+    requests: AtomicU64,
+    /// The stalest entry's refresh time (`i64::MAX` with none), so an expiry
+    /// sweep passes a worker with nothing to expire without locking it.
+    stalest_refresh_nanos: AtomicI64,
+    entries: Mutex<Vec<RemoteEntry>>,
+}
+
+impl Default for RemotePending {
+    fn default() -> RemotePending {
+        RemotePending {
+            tokens: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            stalest_refresh_nanos: AtomicI64::new(i64::MAX),
+            entries: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl RemotePending {
+    /// The other replicas' pending work now, lock-free.
+    pub fn totals(&self) -> PendingWork {
+        PendingWork {
+            tokens: self.tokens.load(Ordering::Acquire),
+            requests: self.requests.load(Ordering::Acquire),
+        }
+    }
+
+    /// Replaces `replica`'s entry with `work` as of `seq`, unless the entry
+    /// held is as new or newer.
+    pub fn apply(
+        &self,
+        replica: &str,
+        seq: u64,
+        work: PendingWork,
+        now_nanos: i64,
+    ) -> ReplicaPendingOutcome {
+        let mut entries = self.entries.lock();
+        match entries.iter_mut().find(|entry| &*entry.replica == replica) {
+            Some(entry) if entry.seq >= seq => return ReplicaPendingOutcome::Stale,
+            Some(entry) => {
+                entry.seq = seq;
+                entry.work = work;
+                entry.refreshed_nanos = now_nanos;
+            }
+            // The only allocation on this path: a replica's first word
+            // about this worker.
+            None => entries.push(RemoteEntry {
+                replica: replica.into(),
+                seq,
+                work,
+                refreshed_nanos: now_nanos,
+            }),
+        }
+        self.publish(&entries);
+        ReplicaPendingOutcome::Applied
+    }
+
+    /// Drops the entries last confirmed before `cutoff_nanos`; returns how
+    /// many.
+    pub fn expire(&self, cutoff_nanos: i64) -> usize {
+        if self.stalest_refresh_nanos.load(Ordering::Acquire) >= cutoff_nanos {
+            return 0;
+        }
+        let mut entries = self.entries.lock();
+        let before = entries.len();
+        entries.retain(|entry| entry.refreshed_nanos >= cutoff_nanos);
+        let dropped = before - entries.len();
+        if dropped > 0 {
+            self.publish(&entries);
+        }
+        dropped
+    }
+
+    pub fn summary(&self) -> RemoteSummary {
+        let entries = self.entries.lock();
+        RemoteSummary {
+            work: sum(&entries),
+            replicas: entries.len(),
+            stalest_refresh_nanos: entries.iter().map(|entry| entry.refreshed_nanos).min(),
+        }
+    }
+
+    /// Stores the sums and the stalest refresh time of `entries` (the caller
+    /// holds their lock, so writers never interleave).
+    fn publish(&self, entries: &[RemoteEntry]) {
+        let total = sum(entries);
+        self.tokens.store(total.tokens, Ordering::Release);
+        self.requests.store(total.requests, Ordering::Release);
+        let stalest = entries
+            .iter()
+            .map(|entry| entry.refreshed_nanos)
+            .min()
+            .unwrap_or(i64::MAX);
+        self.stalest_refresh_nanos.store(stalest, Ordering::Release);
+    }
+}
+
+/// Saturating: a hostile replica's huge counts cannot wrap into small ones.
+fn sum(entries: &[RemoteEntry]) -> PendingWork {
+    entries
+        .iter()
+        .fold(PendingWork::default(), |total, entry| PendingWork {
+            tokens: total.tokens.saturating_add(entry.work.tokens),
+            requests: total.requests.saturating_add(entry.work.requests),
+        })
 }
 
 /// When this router last dispatched to the worker, on the policy's
@@ -378,6 +519,70 @@ mod tests {
                 }
             });
         });
+    }
+
+    fn work(tokens: u64, requests: u64) -> PendingWork {
+        PendingWork { tokens, requests }
+    }
+
+    #[test]
+    fn remote_entries_are_replaced_per_replica_and_summed() {
+        let remote = RemotePending::default();
+        assert_eq!(remote.totals(), PendingWork::default());
+        assert_eq!(
+            remote.apply("a", 1, work(300, 2), 10),
+            ReplicaPendingOutcome::Applied
+        );
+        assert_eq!(
+            remote.apply("b", 7, work(50, 1), 20),
+            ReplicaPendingOutcome::Applied
+        );
+        assert_eq!(remote.totals(), work(350, 3));
+        // State, not a delta: a's newer entry replaces its old one.
+        assert_eq!(
+            remote.apply("a", 2, work(100, 1), 30),
+            ReplicaPendingOutcome::Applied
+        );
+        assert_eq!(remote.totals(), work(150, 2));
+        // An older or repeated entry is ignored.
+        assert_eq!(
+            remote.apply("a", 2, work(999, 9), 40),
+            ReplicaPendingOutcome::Stale
+        );
+        assert_eq!(
+            remote.apply("a", 1, work(999, 9), 40),
+            ReplicaPendingOutcome::Stale
+        );
+        assert_eq!(remote.totals(), work(150, 2));
+        let summary = remote.summary();
+        assert_eq!(summary.replicas, 2);
+        assert_eq!(summary.stalest_refresh_nanos, Some(20));
+    }
+
+    #[test]
+    fn remote_entries_expire_by_their_last_refresh() {
+        let remote = RemotePending::default();
+        remote.apply("a", 1, work(300, 2), 10);
+        remote.apply("b", 1, work(50, 1), 20);
+        assert_eq!(remote.expire(10), 0, "refreshed at the cutoff: kept");
+        assert_eq!(remote.expire(11), 1);
+        assert_eq!(remote.totals(), work(50, 1));
+        assert_eq!(remote.expire(100), 1);
+        assert_eq!(remote.totals(), PendingWork::default());
+        assert_eq!(remote.summary(), RemoteSummary::default());
+        // A replica heard again after expiry starts afresh.
+        assert_eq!(
+            remote.apply("a", 1, work(5, 1), 200),
+            ReplicaPendingOutcome::Applied
+        );
+    }
+
+    #[test]
+    fn huge_remote_counts_saturate() {
+        let remote = RemotePending::default();
+        remote.apply("a", 1, work(u64::MAX, u64::MAX), 0);
+        remote.apply("b", 1, work(u64::MAX, 1), 0);
+        assert_eq!(remote.totals(), work(u64::MAX, u64::MAX));
     }
 
     #[test]

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use load_protocols::{SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto3};
 use policy_core::{
-    Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, RequestInfo, ScoreTable,
-    TokenCount, WorkerId, WorkerInfo, WorkerStats,
+    Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, ReplicaPending,
+    ReplicaPendingOutcome, RequestInfo, ScoreTable, TokenCount, WorkerId, WorkerInfo, WorkerStats,
 };
 use proptest::prelude::*;
 
@@ -1146,5 +1146,223 @@ fn the_reported_and_fixed_rates_remain_and_show_what_was_learned() {
         let table = policy.explain(&ids, &exact(100), at);
         assert_eq!(table.value(ids[0], "rate_tps"), Some(expected), "{table}");
         assert!(table.rows[0].note.contains("learned would be"), "{table}");
+    }
+}
+
+// ---- Other replicas' pending work (replica sync) ----
+
+/// Replica `replica`'s state for worker `w{slot}` as of `seq`.
+fn remote(
+    policy: &LeastLoad,
+    replica: &str,
+    slot: u32,
+    tokens: u64,
+    requests: u64,
+    seq: u64,
+    at: Instant,
+) -> ReplicaPendingOutcome {
+    policy.replica_pending(
+        &ReplicaPending {
+            replica,
+            worker_url: &format!("http://w{slot}"),
+            pending_tokens: tokens,
+            pending_requests: requests,
+            seq,
+        },
+        at,
+    )
+}
+
+#[test]
+fn other_replicas_pending_work_counts_in_flight() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    assert_eq!(
+        remote(&policy, "b", 0, 4000, 2, 1, t0),
+        ReplicaPendingOutcome::Applied
+    );
+    let table = policy.explain(&ids, &exact(100), t0);
+    // 4000 tokens another replica sent, at 2000 tok/s: 2 s.
+    assert_eq!(score(&table, ids[0]), 2.0, "{table}");
+    assert_eq!(table.value(ids[0], "inflight_tok"), Some(4000.0));
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(4000.0));
+    assert_eq!(table.value(ids[0], "remote_req"), Some(2.0));
+    assert_eq!(table.value(ids[1], "remote_tok"), Some(0.0));
+    assert!(table.rows[0].note.contains("remote: 1 replicas"), "{table}");
+    for _ in 0..3 {
+        let dispatch = policy.select(&ids, &exact(100), t0).unwrap();
+        assert_eq!(
+            dispatch.worker, ids[1],
+            "the other replica's worker is avoided"
+        );
+    }
+    // What this replica publishes is its own work only.
+    assert_eq!(policy.worker_stats(ids[0]).unwrap().pending_tokens, 0);
+    assert_eq!(policy.worker_stats(ids[1]).unwrap().pending_tokens, 300);
+}
+
+#[test]
+fn every_replicas_pending_work_at_poll_send_is_subtracted_from_the_queue() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    remote(&policy, "b", 0, 3000, 1, 1, t0);
+    let ours = policy.select(&ids, &exact(1000), t0).unwrap();
+    let mark = policy.poll_started(ids[0], t0);
+    assert_eq!(
+        (mark.pending_tokens, mark.remote_pending_tokens),
+        (1000, 3000)
+    );
+    // The other replica's request got its first token while the poll was out.
+    remote(&policy, "b", 0, 0, 0, 2, t0);
+    // The engine queues 5000 tokens: ours, the other replica's, and 1000 nobody sent.
+    let at = t0 + Duration::from_millis(10);
+    policy.poll_completed(mark, Some(&load(Some(5000), 3, Some(2000.0), 0.0)), at);
+    let table = policy.explain(&ids, &exact(100), at);
+    assert_eq!(table.value(ids[0], "queued_tok"), Some(1000.0), "{table}");
+    assert_eq!(table.value(ids[0], "inflight_tok"), Some(1000.0), "{table}");
+    assert_eq!(score(&table, ids[0]), 1.0, "{table}");
+    policy.finish(&ours, at);
+}
+
+#[test]
+fn the_cap_counts_other_replicas_pending_requests() {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, capped(3), 2);
+    let t0 = Instant::now();
+    remote(&policy, "b", 0, 300, 2, 1, t0);
+    remote(&policy, "c", 0, 100, 1, 1, t0);
+    let table = policy.explain(&ids, &exact(100), t0);
+    assert_eq!(table.value(ids[0], "waiting_req"), Some(3.0), "{table}");
+    assert!(table.rows[0].note.contains("capped"), "{table}");
+    for _ in 0..3 {
+        assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[1]);
+    }
+    assert!(
+        policy.select(&ids, &exact(100), t0).is_none(),
+        "both workers at the cap"
+    );
+}
+
+#[test]
+fn out_of_order_and_repeated_entries_are_ignored() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    assert_eq!(
+        remote(&policy, "b", 0, 500, 1, 10, t0),
+        ReplicaPendingOutcome::Applied
+    );
+    assert_eq!(
+        remote(&policy, "b", 0, 900, 2, 9, t0),
+        ReplicaPendingOutcome::Stale
+    );
+    assert_eq!(
+        remote(&policy, "b", 0, 900, 2, 10, t0),
+        ReplicaPendingOutcome::Stale,
+        "delivered twice"
+    );
+    // Each replica has its own sequence.
+    assert_eq!(
+        remote(&policy, "c", 0, 200, 1, 3, t0),
+        ReplicaPendingOutcome::Applied
+    );
+    let table = policy.explain(&ids, &exact(1), t0);
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(700.0), "{table}");
+    // A newer state replaces the old one whole: it is not added to it.
+    remote(&policy, "b", 0, 100, 1, 11, t0);
+    let table = policy.explain(&ids, &exact(1), t0);
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(300.0), "{table}");
+}
+
+#[test]
+fn workers_are_matched_by_url_and_unknown_ones_ignored() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    let entry = |url| ReplicaPending {
+        replica: "b",
+        worker_url: url,
+        pending_tokens: 100,
+        pending_requests: 1,
+        seq: 1,
+    };
+    assert_eq!(
+        policy.replica_pending(&entry("http://w0/"), t0),
+        ReplicaPendingOutcome::Applied,
+        "a trailing slash names the same worker"
+    );
+    assert_eq!(
+        policy.replica_pending(&entry("http://elsewhere:1"), t0),
+        ReplicaPendingOutcome::UnknownWorker
+    );
+    // A removed worker's URL is no longer known.
+    policy.remove_worker(ids[0]);
+    assert_eq!(
+        policy.replica_pending(&entry("http://w0"), t0),
+        ReplicaPendingOutcome::UnknownWorker
+    );
+    // The baselines do not count other replicas' work.
+    let baseline = PolicyRegistry::with_baselines()
+        .build(
+            "round_robin",
+            &serde_json::Value::Null,
+            &PolicyContext::default(),
+        )
+        .unwrap();
+    baseline.add_worker(ids[0], WorkerInfo::new("http://w0", "sglang"));
+    assert_eq!(
+        baseline.replica_pending(&entry("http://w0"), t0),
+        ReplicaPendingOutcome::Unsupported
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replica_that_stops_publishing_is_dropped_after_the_ttl() {
+    let (policy, ids) = fleet(1);
+    let ttl = Duration::from_millis(1000);
+    let now = policy_core::tokio_now;
+    remote(&policy, "b", 0, 400, 1, 1, now());
+    remote(&policy, "c", 0, 600, 2, 1, now());
+    tokio::time::advance(Duration::from_millis(600)).await;
+    // c keeps publishing; b has gone quiet.
+    remote(&policy, "c", 0, 600, 2, 2, now());
+    assert_eq!(policy.expire_replica_pending(now(), ttl), 0);
+    let table = policy.explain(&ids, &exact(1), now());
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(1000.0), "{table}");
+    assert_eq!(table.value(ids[0], "remote_age_s"), Some(0.6), "{table}");
+    tokio::time::advance(Duration::from_millis(401)).await;
+    assert_eq!(policy.expire_replica_pending(now(), ttl), 1, "b expires");
+    let table = policy.explain(&ids, &exact(1), now());
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(600.0), "{table}");
+    assert!(
+        close(table.value(ids[0], "remote_age_s").unwrap(), 0.401),
+        "{table}"
+    );
+    tokio::time::advance(Duration::from_millis(1000)).await;
+    assert_eq!(policy.expire_replica_pending(now(), ttl), 1, "c expires");
+    let table = policy.explain(&ids, &exact(1), now());
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(0.0), "{table}");
+    assert_eq!(table.value(ids[0], "remote_age_s"), Some(0.0), "{table}");
+    assert!(!table.rows[0].note.contains("remote"), "{table}");
+}
+
+#[test]
+fn since_poll_does_not_count_other_replicas() {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, since_poll(), 1);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    remote(&policy, "b", 0, 4000, 2, 1, t0);
+    let table = policy.explain(&ids, &exact(1), t0);
+    assert_eq!(table.value(ids[0], "inflight_tok"), Some(0.0), "{table}");
+    assert_eq!(table.value(ids[0], "remote_tok"), Some(4000.0), "{table}");
+    assert!(table.rows[0].note.contains("not counted"), "{table}");
+}
+
+#[test]
+fn power_of_two_counts_other_replicas_too() {
+    let (policy, ids) = fleet_with(Pick::PowerOfTwo, reported(), 2);
+    let t0 = Instant::now();
+    remote(&policy, "b", 1, 8000, 4, 1, t0);
+    for _ in 0..4 {
+        assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[0]);
     }
 }

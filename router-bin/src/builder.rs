@@ -180,8 +180,10 @@ impl RouterBuilder {
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`). A second call
 /// (a test, an embedding program that set its own) changes nothing.
 fn init_logging() {
+    // The NATS client logs every connection event at info; replica sync
+    // logs each state change once itself.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

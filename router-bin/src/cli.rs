@@ -44,6 +44,22 @@ pub struct Cli {
     #[arg(long)]
     pub admin_api_key: Option<String>,
 
+    /// Share pending work with other router replicas over NATS ([sync]).
+    #[arg(long)]
+    pub sync: bool,
+    /// The NATS broker, nats://host[:port].
+    #[arg(long, value_name = "URL")]
+    pub sync_nats_url: Option<String>,
+    #[arg(long, value_name = "PREFIX")]
+    pub sync_subject_prefix: Option<String>,
+    /// This replica's id in its messages (default: hostname-pid).
+    #[arg(long, value_name = "ID")]
+    pub sync_replica_id: Option<String>,
+    #[arg(long)]
+    pub sync_publish_interval_ms: Option<u64>,
+    #[arg(long)]
+    pub sync_entry_ttl_ms: Option<u64>,
+
     #[arg(long)]
     pub least_load_kv_pressure_weight: Option<f64>,
     #[arg(long)]
@@ -116,6 +132,22 @@ impl Cli {
             self.stale_after_ms.map(u64_value),
         );
         set("admin.api_key", self.admin_api_key.clone().map(Into::into));
+        // Only `--sync` turns sync on; without it the file and environment decide.
+        set("sync.enabled", self.sync.then_some(true.into()));
+        set("sync.nats_url", self.sync_nats_url.clone().map(Into::into));
+        set(
+            "sync.subject_prefix",
+            self.sync_subject_prefix.clone().map(Into::into),
+        );
+        set(
+            "sync.replica_id",
+            self.sync_replica_id.clone().map(Into::into),
+        );
+        set(
+            "sync.publish_interval_ms",
+            self.sync_publish_interval_ms.map(u64_value),
+        );
+        set("sync.entry_ttl_ms", self.sync_entry_ttl_ms.map(u64_value));
         for (policy, knobs) in [
             (
                 "least_load",
@@ -232,6 +264,31 @@ mod tests {
                 .unwrap()
                 .contains_key("kv_pressure_weight")
         );
+    }
+
+    #[test]
+    fn sync_flags_override() {
+        let config = RouterConfig::load(Cli::parse_from(["router"]).layers().unwrap()).unwrap();
+        assert!(!config.sync.enabled, "no --sync, no sync");
+        let cli = Cli::parse_from([
+            "router",
+            "--sync",
+            "--sync-nats-url",
+            "nats://127.0.0.1:5222",
+            "--sync-replica-id",
+            "r1",
+            "--sync-publish-interval-ms",
+            "10",
+            "--sync-entry-ttl-ms",
+            "500",
+        ]);
+        let config = RouterConfig::load(cli.layers().unwrap()).unwrap();
+        assert!(config.sync.enabled);
+        assert_eq!(config.sync.nats_url, "nats://127.0.0.1:5222");
+        assert_eq!(config.sync.replica_id, "r1");
+        assert_eq!(config.sync.publish_interval_ms, 10);
+        assert_eq!(config.sync.entry_ttl_ms, 500);
+        assert_eq!(config.sync.subject_prefix, "llm-router", "untouched");
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub struct RouterConfig {
     pub outlier_detection: OutlierConfig,
     pub workers: Vec<WorkerConfig>,
     pub admin: AdminConfig,
+    pub sync: SyncConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -372,6 +373,136 @@ pub struct AdminConfig {
     pub api_key: Option<String>,
 }
 
+/// Replica sync: router replicas share their pending token-work per worker
+/// through a NATS subject, so each counts what the others sent
+/// (`docs/replicas.md`). Off by default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SyncConfig {
+    pub enabled: bool,
+    /// The broker, `nats://host[:port]` (port 4222 when left out).
+    pub nats_url: String,
+    /// Messages go to `<subject_prefix>.pending`; replicas that should share
+    /// use the same prefix, and separate fleets on one broker different ones.
+    pub subject_prefix: String,
+    /// This replica's id in its messages; empty: `<hostname>-<pid>`. Letters,
+    /// digits, `.`, `_` and `-`, at most 128.
+    pub replica_id: String,
+    /// How often this replica publishes what changed in its pending work.
+    pub publish_interval_ms: u64,
+    /// Another replica's entry not confirmed for this long is dropped (the
+    /// replica stopped, or no longer has the worker). Every replica
+    /// republishes its whole state every `entry_ttl_ms / 4`. At least four
+    /// publish intervals.
+    pub entry_ttl_ms: u64,
+}
+
+impl Default for SyncConfig {
+    fn default() -> SyncConfig {
+        SyncConfig {
+            enabled: false,
+            nats_url: "nats://127.0.0.1:4222".into(),
+            subject_prefix: "llm-router".into(),
+            replica_id: String::new(),
+            publish_interval_ms: 25,
+            entry_ttl_ms: 1000,
+        }
+    }
+}
+
+/// Most characters in a replica id.
+pub const MAX_REPLICA_ID_CHARS: usize = 128;
+
+impl SyncConfig {
+    pub fn publish_interval(&self) -> Duration {
+        Duration::from_millis(self.publish_interval_ms)
+    }
+
+    pub fn entry_ttl(&self) -> Duration {
+        Duration::from_millis(self.entry_ttl_ms)
+    }
+
+    /// How often the whole state is republished, so an entry lost on the
+    /// way (or never sent while the broker was away) is corrected well
+    /// within the TTL.
+    pub fn full_state_interval(&self) -> Duration {
+        self.entry_ttl() / 4
+    }
+
+    /// The subject every replica publishes to and subscribes to.
+    pub fn subject(&self) -> String {
+        format!("{}.pending", self.subject_prefix)
+    }
+
+    /// `replica_id`, or `<hostname>-<pid>` when it is empty.
+    pub fn effective_replica_id(&self) -> String {
+        if !self.replica_id.is_empty() {
+            return self.replica_id.clone();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_default();
+        let host: String = host
+            .trim()
+            .chars()
+            .filter(|c| is_replica_id_char(*c))
+            .take(64)
+            .collect();
+        let host = if host.is_empty() {
+            "router".into()
+        } else {
+            host
+        };
+        format!("{host}-{}", std::process::id())
+    }
+}
+
+/// Whether `c` may appear in a replica id.
+pub fn is_replica_id_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+/// Whether `id` is a usable replica id: 1 to 128 of letters, digits, `.`,
+/// `_` and `-`.
+pub fn is_valid_replica_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.chars().count() <= MAX_REPLICA_ID_CHARS
+        && id.chars().all(is_replica_id_char)
+}
+
+/// `nats://host[:port]` with a non-empty host, an optional port from 1 to
+/// 65535, and nothing after it.
+fn is_valid_nats_url(url: &str) -> bool {
+    let Some(authority) = url.strip_prefix("nats://") else {
+        return false;
+    };
+    let authority = authority.strip_suffix('/').unwrap_or(authority);
+    if authority.is_empty() || authority.contains(['/', '?', '#', '@', ' ']) {
+        return false;
+    }
+    let (host, port) = match authority.rsplit_once(':') {
+        // A bracketed IPv6 address without a port.
+        Some((_, rest)) if rest.ends_with(']') => (authority, None),
+        Some((host, port)) => (host, Some(port)),
+        None => (authority, None),
+    };
+    !host.is_empty() && port.is_none_or(|port| port.parse::<u16>().is_ok_and(|port| port > 0))
+}
+
+/// Dot-separated tokens, each non-empty, with no whitespace and no NATS
+/// wildcard (`*`, `>`).
+fn is_valid_subject_prefix(prefix: &str) -> bool {
+    !prefix.is_empty()
+        && prefix.len() <= 200
+        && prefix.split('.').all(|token| {
+            !token.is_empty()
+                && !token
+                    .chars()
+                    .any(|c| c.is_whitespace() || c.is_control() || c == '*' || c == '>')
+        })
+}
+
 /// The layers above the defaults.
 #[derive(Debug, Default)]
 pub struct Layers<'a> {
@@ -591,6 +722,59 @@ impl RouterConfig {
                 }
             })?;
         }
+        self.validate_sync()
+    }
+
+    /// The `[sync]` section, checked whether or not it is enabled, so a typo
+    /// surfaces before the day it is turned on.
+    fn validate_sync(&self) -> Result<(), ConfigError> {
+        let sync = &self.sync;
+        let invalid = |key: &str, value: String, allowed: String| {
+            Err(ConfigError::Invalid {
+                key: format!("sync.{key}"),
+                value,
+                allowed,
+            })
+        };
+        if !is_valid_nats_url(&sync.nats_url) {
+            return invalid(
+                "nats_url",
+                format!("{:?}", sync.nats_url),
+                "a nats://host[:port] URL (this build has no TLS)".into(),
+            );
+        }
+        if !is_valid_subject_prefix(&sync.subject_prefix) {
+            return invalid(
+                "subject_prefix",
+                format!("{:?}", sync.subject_prefix),
+                "dot-separated NATS subject tokens without spaces or wildcards (* >), at most 200 bytes"
+                    .into(),
+            );
+        }
+        if !sync.replica_id.is_empty() && !is_valid_replica_id(&sync.replica_id) {
+            return invalid(
+                "replica_id",
+                format!("{:?}", sync.replica_id),
+                format!(
+                    "empty (hostname-pid) or 1 to {MAX_REPLICA_ID_CHARS} letters, digits, '.', '_' or '-'"
+                ),
+            );
+        }
+        if !(1..=10_000).contains(&sync.publish_interval_ms) {
+            return invalid(
+                "publish_interval_ms",
+                sync.publish_interval_ms.to_string(),
+                "from 1 to 10000".into(),
+            );
+        }
+        let min_ttl_ms = sync.publish_interval_ms.saturating_mul(4);
+        if !(min_ttl_ms..=600_000).contains(&sync.entry_ttl_ms) {
+            return invalid(
+                "entry_ttl_ms",
+                sync.entry_ttl_ms.to_string(),
+                format!("from 4 x sync.publish_interval_ms ({min_ttl_ms}) to 600000"),
+            );
+        }
         Ok(())
     }
 
@@ -785,6 +969,69 @@ mod tests {
             config.outlier_detection.probe_for("vllm"),
             ProbeKind::Completion
         );
+        assert!(!config.sync.enabled, "replica sync is off by default");
+        assert_eq!(config.sync.nats_url, "nats://127.0.0.1:4222");
+        assert_eq!(config.sync.subject(), "llm-router.pending");
+        assert_eq!(config.sync.publish_interval_ms, 25);
+        assert_eq!(config.sync.entry_ttl_ms, 1000);
+        assert_eq!(
+            config.sync.full_state_interval(),
+            Duration::from_millis(250)
+        );
+    }
+
+    #[test]
+    fn sync_is_set_by_file_environment_and_flags() {
+        let toml = file(
+            "[sync]\nenabled = true\nnats_url = \"nats://10.0.0.9:4333\"\nreplica_id = \"from-file\"\n",
+        );
+        let config = RouterConfig::load(Layers {
+            file: Some(&toml.0),
+            environment: env(&[
+                ("ROUTER__SYNC__SUBJECT_PREFIX", "fleet.a"),
+                ("ROUTER__SYNC__REPLICA_ID", "from-env"),
+            ]),
+            overrides: vec![("sync.publish_interval_ms".into(), config::Value::from(40))],
+            workers: Vec::new(),
+        })
+        .unwrap();
+        assert!(config.sync.enabled);
+        assert_eq!(config.sync.nats_url, "nats://10.0.0.9:4333");
+        assert_eq!(config.sync.subject(), "fleet.a.pending");
+        assert_eq!(config.sync.effective_replica_id(), "from-env");
+        assert_eq!(config.sync.publish_interval_ms, 40);
+        let generated = SyncConfig::default().effective_replica_id();
+        assert!(is_valid_replica_id(&generated), "{generated}");
+        assert!(
+            generated.ends_with(&format!("-{}", std::process::id())),
+            "{generated}"
+        );
+    }
+
+    #[test]
+    fn nats_urls_are_checked() {
+        for good in [
+            "nats://127.0.0.1:4222",
+            "nats://broker",
+            "nats://broker:1/",
+            "nats://[::1]:4222",
+            "nats://[::1]",
+        ] {
+            assert!(is_valid_nats_url(good), "{good}");
+        }
+        for bad in [
+            "",
+            "127.0.0.1:4222",
+            "tls://h:4222",
+            "nats://",
+            "nats://:4222",
+            "nats://h:0",
+            "nats://h:99999",
+            "nats://h:4222/path",
+            "nats://user:pw@h:4222",
+        ] {
+            assert!(!is_valid_nats_url(bad), "{bad}");
+        }
     }
 
     #[test]
@@ -1035,6 +1282,26 @@ mod tests {
             (
                 "[outlier_detection]\nconsecutive_failures = 0",
                 "invalid outlier_detection.consecutive_failures = 0: must be at least 1",
+            ),
+            (
+                "[sync]\nnats_url = \"localhost:4222\"",
+                "invalid sync.nats_url = \"localhost:4222\": must be a nats://host[:port] URL (this build has no TLS)",
+            ),
+            (
+                "[sync]\nsubject_prefix = \"fleet.*\"",
+                "invalid sync.subject_prefix = \"fleet.*\": must be dot-separated NATS subject tokens without spaces or wildcards (* >), at most 200 bytes",
+            ),
+            (
+                "[sync]\nreplica_id = \"a b\"",
+                "invalid sync.replica_id = \"a b\": must be empty (hostname-pid) or 1 to 128 letters, digits, '.', '_' or '-'",
+            ),
+            (
+                "[sync]\npublish_interval_ms = 0",
+                "invalid sync.publish_interval_ms = 0: must be from 1 to 10000",
+            ),
+            (
+                "[sync]\npublish_interval_ms = 100\nentry_ttl_ms = 300",
+                "invalid sync.entry_ttl_ms = 300: must be from 4 x sync.publish_interval_ms (400) to 600000",
             ),
         ];
         for (text, message) in cases {

@@ -5,7 +5,9 @@
 //! worker registry with health checks ([`workers`], [`monitor`]), polls every
 //! worker's load through the backends' `LoadSource`s, proxies OpenAI and
 //! SGLang-native requests with unbuffered SSE streaming ([`proxy`]), and serves
-//! an admin API, `/metrics`, `/health` and `/readiness` ([`server`]).
+//! an admin API, `/metrics`, `/health` and `/readiness` ([`server`]). With
+//! `[sync]` on, replicas share their pending work through NATS
+//! ([`replica_sync`]).
 //!
 //! The [`RouterBuilder`] is the router as a library: register policies and
 //! backends of your own, then run exactly what the `router` binary runs.
@@ -41,6 +43,7 @@ pub mod monitor;
 pub mod outlier;
 pub mod probe;
 pub mod proxy;
+pub mod replica_sync;
 pub mod server;
 pub mod sse;
 pub mod topology;

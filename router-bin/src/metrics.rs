@@ -22,6 +22,12 @@ pub struct RequestLabels {
     pub status: String,
 }
 
+/// What became of a replica-sync message or entry.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: String,
+}
+
 type HistogramFamily = Family<WorkerLabel, Histogram, fn() -> Histogram>;
 
 /// Latency buckets from 1 ms to about 65 s, doubling.
@@ -52,6 +58,14 @@ pub struct Metrics {
     pub ejections_refused: Counter,
     pub probes: Family<RequestLabels, Counter>,
     pub open_connections: Gauge,
+    pub sync_connected: Gauge,
+    pub sync_disconnects: Counter,
+    pub sync_published: Counter,
+    pub sync_publish_failures: Counter,
+    pub sync_messages_received: Family<OutcomeLabel, Counter>,
+    pub sync_entries: Family<OutcomeLabel, Counter>,
+    pub sync_entries_expired: Counter,
+    pub sync_peers: Gauge,
 }
 
 impl Default for Metrics {
@@ -181,6 +195,54 @@ impl Metrics {
             "Client connections open now",
             open_connections.clone(),
         );
+        let sync_connected = Gauge::default();
+        registry.register(
+            "sync_connected",
+            "1 while replica sync is connected to its NATS broker (0 when off or disconnected: routing on local knowledge)",
+            sync_connected.clone(),
+        );
+        let sync_disconnects = Counter::default();
+        registry.register(
+            "sync_disconnects",
+            "Times replica sync lost its broker connection",
+            sync_disconnects.clone(),
+        );
+        let sync_published = Counter::default();
+        registry.register(
+            "sync_messages_published",
+            "Pending-work messages this replica published",
+            sync_published.clone(),
+        );
+        let sync_publish_failures = Counter::default();
+        registry.register(
+            "sync_publish_failures",
+            "Pending-work messages that could not be published (error or timeout); the next one carries the whole state",
+            sync_publish_failures.clone(),
+        );
+        let sync_messages_received = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_messages_received",
+            "Messages received on the sync subject, by outcome: applied, own, malformed, foreign_version, invalid_replica",
+            sync_messages_received.clone(),
+        );
+        let sync_entries = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_entries",
+            "Per-worker entries of other replicas' messages, by outcome: applied, stale, unknown_worker, unsupported, invalid",
+            sync_entries.clone(),
+        );
+        let sync_entries_expired = Counter::default();
+        registry.register(
+            "sync_entries_expired",
+            "Other replicas' entries dropped because they were not confirmed within sync.entry_ttl_ms",
+            sync_entries_expired.clone(),
+        );
+        let sync_peers = Gauge::default();
+        registry.register(
+            "sync_peers",
+            "Other replicas heard within sync.entry_ttl_ms",
+            sync_peers.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -202,7 +264,33 @@ impl Metrics {
             ejections_refused,
             probes,
             open_connections,
+            sync_connected,
+            sync_disconnects,
+            sync_published,
+            sync_publish_failures,
+            sync_messages_received,
+            sync_entries,
+            sync_entries_expired,
+            sync_peers,
         }
+    }
+
+    /// The counter of received sync messages with this outcome.
+    pub fn sync_message(&self, outcome: &str) -> Counter {
+        self.sync_messages_received
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.to_owned(),
+            })
+            .clone()
+    }
+
+    /// The counter of other replicas' entries with this outcome.
+    pub fn sync_entry(&self, outcome: &str) -> Counter {
+        self.sync_entries
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.to_owned(),
+            })
+            .clone()
     }
 
     /// The Prometheus text exposition of every metric.

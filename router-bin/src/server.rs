@@ -92,6 +92,7 @@ pub async fn start(app: Arc<App>) -> Result<Arc<App>, RouterError> {
     tokio::spawn(run_load_monitor(app.clone()));
     tokio::spawn(run_health_checker(app.clone()));
     tokio::spawn(run_outlier_prober(app.clone()));
+    crate::replica_sync::start(app.clone()).await;
     Ok(app)
 }
 

@@ -9,7 +9,10 @@
 //!   the p99 of the router and of nginx at half the router's saturation
 //!   throughput;
 //! - [`fleet`]: the router in front of 256 and 1024 canned engines: its CPU per
-//!   request and its load monitor's CPU per poll round.
+//!   request and its load monitor's CPU per poll round;
+//! - [`replicas`]: one router, three replicas without sync and three with
+//!   sync in front of one engine-sim fleet under the same open-loop load (p99
+//!   TTFT), and sync's CPU per replica at 1024 workers.
 //!
 //! Pinning (2 cores): wrk and engine-sim share core 0, the proxy under test
 //! (router or nginx, one worker each) has core 1 to itself. The direct runs
@@ -19,6 +22,7 @@
 mod fleet;
 mod proc_stat;
 mod proxy;
+mod replicas;
 mod report;
 mod select;
 mod wrk;
@@ -31,10 +35,11 @@ use std::time::{Duration, Instant};
 
 use report::Row;
 
-const BENCH_USAGE: &str = "usage: cargo xtask bench [--only select|proxy|fleet]... [--runs N]
+const BENCH_USAGE: &str =
+    "usage: cargo xtask bench [--only select|proxy|fleet|replicas]... [--runs N]
                          [--duration-s S] [--measurement-time-s S]
 
-  --only PART              run only this part (repeatable); default: all three.
+  --only PART              run only this part (repeatable); default: all four.
                            A partial run writes target/bench/partial/report.{md,json}
   --runs N                 repetitions of every wrk measurement (default 5; with 3 a
                            noisy neighbour in one run can still move the median)
@@ -79,7 +84,7 @@ impl Options {
             match arg.as_str() {
                 "--only" => {
                     let part = value("--only")?;
-                    if !["select", "proxy", "fleet"].contains(&part.as_str()) {
+                    if !["select", "proxy", "fleet", "replicas"].contains(&part.as_str()) {
                         return Err(format!("--only: unknown part {part:?}\n\n{BENCH_USAGE}"));
                     }
                     options.parts.push(part);
@@ -115,7 +120,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut notes: Vec<String> = Vec::new();
     notes.push(machine_note());
 
-    if options.wants("proxy") || options.wants("fleet") {
+    if options.wants("proxy") || options.wants("fleet") || options.wants("replicas") {
         ensure_tools()?;
         super::build_release(&["router-bin", "engine-sim"])?;
     }
@@ -131,6 +136,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let (fleet_rows, fleet_notes) = fleet::run(&options, &out_dir)?;
         rows.extend(fleet_rows);
         notes.extend(fleet_notes);
+    }
+    if options.wants("replicas") {
+        let (replica_rows, replica_notes) = replicas::run(&options, &out_dir)?;
+        rows.extend(replica_rows);
+        notes.extend(replica_notes);
     }
     notes.push(format!(
         "Whole run: {:.0} s.",
@@ -150,20 +160,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 
 /// `target/bench` under the workspace (or `CARGO_TARGET_DIR`).
 fn bench_dir() -> PathBuf {
-    target_dir().join("bench")
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|dir| {
-            if dir.is_absolute() {
-                dir
-            } else {
-                super::workspace_root().join(dir)
-            }
-        })
-        .unwrap_or_else(|| super::workspace_root().join("target"))
+    super::target_dir().join("bench")
 }
 
 /// nginx, wrk and taskset, installed from Debian's packages when missing.
@@ -201,11 +198,18 @@ fn ensure_tools() -> Result<(), String> {
     }
 }
 
-fn on_path(binary: &str) -> bool {
+pub(crate) fn on_path(binary: &str) -> bool {
+    find_on_path(binary).is_some()
+}
+
+/// Where `binary` is: on the PATH, or in the sbin directories a non-root
+/// PATH may leave out.
+pub(crate) fn find_on_path(binary: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
-        .any(|dir| dir.join(binary).is_file())
+        .map(|dir| dir.join(binary))
+        .find(|candidate| candidate.is_file())
 }
 
 /// Cores, load average and kernel at the start, for the report.

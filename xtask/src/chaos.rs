@@ -424,7 +424,7 @@ async fn run_fleet(
         stop.clone(),
     ));
     let plan = plan(options, fleet);
-    let records = send_all(client, &router.url, plan, started).await;
+    let records = send_all(client, std::slice::from_ref(&router.url), plan, started).await;
     let load_wall_s = started.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     let traces = poller
@@ -655,16 +655,16 @@ async fn poll_workers(
 
 /// One planned request.
 #[derive(Debug, Clone)]
-struct Planned {
-    id: String,
-    at_s: f64,
-    stream: bool,
-    long: bool,
+pub(crate) struct Planned {
+    pub(crate) id: String,
+    pub(crate) at_s: f64,
+    pub(crate) stream: bool,
+    pub(crate) long: bool,
 }
 
 /// SplitMix64: a seeded, dependency-free source for the arrivals and mix.
 #[derive(Debug)]
-struct SplitMix(u64);
+pub(crate) struct SplitMix(pub(crate) u64);
 
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
@@ -676,7 +676,7 @@ impl SplitMix {
     }
 
     /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
@@ -707,7 +707,7 @@ fn plan(options: &Options, fleet: &str) -> Vec<Planned> {
 
 /// How a request ended, from the client's side.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Outcome {
+pub(crate) enum Outcome {
     /// 200 and, for a stream, `[DONE]` with no SSE error event.
     Ok,
     /// Any other status.
@@ -736,33 +736,39 @@ impl Outcome {
 }
 
 #[derive(Debug, Clone)]
-struct Record {
+pub(crate) struct Record {
     id: String,
     /// When it was due, seconds from the start of the load.
     at_s: f64,
     stream: bool,
     long: bool,
-    outcome: Outcome,
+    pub(crate) outcome: Outcome,
     /// To the first `data:` event, or to the response head of a whole
     /// answer (which engines send once the answer is complete).
-    ttft_s: Option<f64>,
+    pub(crate) ttft_s: Option<f64>,
     duration_s: f64,
 }
 
 /// Sends every planned request at its time (open loop: never waits for an
-/// answer before the next) and returns their records in plan order.
-async fn send_all(
+/// answer before the next) and returns their records in plan order. With
+/// several routers (replicas of one fleet), requests take turns among them.
+pub(crate) async fn send_all(
     client: &reqwest::Client,
-    router_url: &str,
+    router_urls: &[String],
     plan: Vec<Planned>,
     started: tokio::time::Instant,
 ) -> Vec<Record> {
-    let url = format!("{router_url}/v1/chat/completions");
+    let urls: Vec<String> = router_urls
+        .iter()
+        .map(|router_url| format!("{router_url}/v1/chat/completions"))
+        .collect();
     let mut tasks = Vec::with_capacity(plan.len());
-    for planned in plan {
+    for (index, planned) in plan.into_iter().enumerate() {
         tokio::time::sleep_until(started + Duration::from_secs_f64(planned.at_s)).await;
         let client = client.clone();
-        let url = url.clone();
+        let Some(url) = urls.get(index % urls.len().max(1)).cloned() else {
+            break;
+        };
         tasks.push(tokio::spawn(async move {
             send_one(&client, &url, planned).await
         }));
@@ -986,7 +992,7 @@ impl FleetResult {
 }
 
 /// Nearest-rank percentile; NaN for no values.
-fn percentile(values: &[f64], quantile: f64) -> f64 {
+pub(crate) fn percentile(values: &[f64], quantile: f64) -> f64 {
     let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
     if sorted.is_empty() {
         return f64::NAN;

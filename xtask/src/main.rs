@@ -12,18 +12,22 @@ use std::time::{Duration, Instant};
 
 mod bench;
 mod chaos;
+mod demo;
 
 const USAGE: &str = "usage: cargo xtask <task> [options]
 
 tasks:
-  bench [--only PART]...  selection cost, proxy overhead, polling: target/bench/report.md
+  bench [--only PART]...  selection cost, proxy overhead, polling, router replicas:
+                          target/bench/report.md
   chaos [--rate R] [--duration-s S]  a fleet with one engine per fault mode vs good
                           engines only: target/chaos/report.md
   ci                      format check, unused dependencies, clippy and rustdoc
                           (warnings are errors), every test
-  demo                    start a mixed engine-sim fleet and the router, drive
-                          20 s of size-skewed streaming traffic, print per-worker
-                          results and the live score table
+  demo [--replicas N]     start a mixed engine-sim fleet and the router (N replicas
+                          sharing pending work through nats-server, installed
+                          from Debian when missing), drive 20 s of size-skewed
+                          streaming traffic spread over them, print per-worker
+                          results and a live score table
   sim [--scenario PATH]   run the fleet simulator (the standard set, or one
                           scenario file); reports under target/sim/";
 
@@ -33,7 +37,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("bench") => bench::run(&args[1..]),
         Some("chaos") => chaos::run(&args[1..]),
-        Some("demo") => demo(),
+        Some("demo") => demo::run(&args[1..]),
         Some("sim") => sim(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
@@ -139,13 +143,24 @@ fn ci() -> Result<(), String> {
     Ok(())
 }
 
-/// A release binary where `build_release` puts it: under `CARGO_TARGET_DIR`
-/// when that is set (relative to the workspace root), else `target/`.
+/// `target` under the workspace, or `CARGO_TARGET_DIR` when set (where
+/// cargo builds).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|dir| {
+            if dir.is_absolute() {
+                dir
+            } else {
+                workspace_root().join(dir)
+            }
+        })
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// A release binary where `build_release` puts it.
 fn release_binary(name: &str) -> PathBuf {
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
-        .filter(|dir| !dir.is_empty())
-        .map_or_else(|| PathBuf::from("target"), PathBuf::from);
-    workspace_root().join(target_dir).join("release").join(name)
+    target_dir().join("release").join(name)
 }
 
 fn build_release(packages: &[&str]) -> Result<(), String> {
@@ -273,65 +288,4 @@ fn start_engines(flavour: &str, extra: &[&str]) -> Result<(Process, Vec<EngineUr
         })
         .collect();
     Ok((process, engines))
-}
-
-fn demo() -> Result<(), String> {
-    build_release(&["engine-sim", "router-bin"])?;
-    eprintln!(
-        "xtask: == starting a mixed fleet: 2 SGLang (one at half speed), 1 vLLM, 1 TokenSpeed"
-    );
-    let (sglang_fast, fast) = start_engines("sglang", &["--seed", "1"])?;
-    let (sglang_slow, slow) = start_engines(
-        "sglang",
-        &[
-            "--seed",
-            "2",
-            "--prefill-tps",
-            "4000",
-            "--decode-base-ms",
-            "12",
-        ],
-    )?;
-    let (vllm, vllm_engines) = start_engines("vllm", &["--seed", "3"])?;
-    let (tokenspeed, tokenspeed_engines) = start_engines("tokenspeed", &["--seed", "4"])?;
-    let _fleet = [sglang_fast, sglang_slow, vllm, tokenspeed];
-
-    let mut workers = Vec::new();
-    for (http, _) in fast.iter().chain(&slow) {
-        workers.push(format!("sglang={http}"));
-    }
-    for (http, _) in &vllm_engines {
-        workers.push(format!("vllm={http}"));
-    }
-    for (http, grpc) in &tokenspeed_engines {
-        let grpc = grpc
-            .clone()
-            .ok_or("tokenspeed engine printed no gRPC address")?;
-        workers.push(format!("tokenspeed={http},loads={grpc}"));
-    }
-    let port = free_ports(1)?;
-    let mut router_command = Command::new(release_binary("router"));
-    router_command
-        .args(["--port", &port.to_string(), "--policy", "least_load"])
-        .args(["--load-interval-ms", "250", "--stale-after-ms", "1000"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
-    for worker in &workers {
-        router_command.args(["--worker", worker]);
-    }
-    eprintln!(
-        "xtask: == router on 127.0.0.1:{port} with {}",
-        workers.join(" ")
-    );
-    let _router = Process::spawn("router", &mut router_command)?;
-
-    let mut drive = Command::new(release_binary("engine-sim"));
-    drive
-        .args(["drive", "--router", &format!("http://127.0.0.1:{port}")])
-        .args(["--duration-s", "20", "--rate", "12", "--seed", "7"]);
-    run(
-        "engine-sim drive: 20 s of size-skewed streaming traffic",
-        drive,
-    )
 }

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod nats;
 pub mod upstream;
 
 use std::future::Future;

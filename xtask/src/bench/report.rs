@@ -166,6 +166,25 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
         verdict(poll.map(|f| f <= 0.05)),
         poll.map_or("–".to_owned(), |f| format!("{:.2}%", f * 100.0))
     ));
+    let versus = find(rows, "replicas/sync-vs");
+    let vs_one = versus.and_then(|r| r.get("vs_one_router"));
+    lines.push(format!(
+        "- 3 replicas with sync: p99 TTFT within 1.2× of one router: {} ({})",
+        verdict(vs_one.map(|r| r <= 1.2)),
+        vs_one.map_or("–".to_owned(), |r| format!("{r:.3}×"))
+    ));
+    let vs_no_sync = versus.and_then(|r| r.get("vs_no_sync"));
+    lines.push(format!(
+        "- 3 replicas with sync: p99 TTFT ≥ 25% below 3 without: {} ({})",
+        verdict(vs_no_sync.map(|r| r <= 0.75)),
+        vs_no_sync.map_or("–".to_owned(), |r| format!("{r:.3}×"))
+    ));
+    let sync_cpu = find(rows, "replicas/sync-cpu/1024").and_then(|r| r.get("sync_cpu_fraction"));
+    lines.push(format!(
+        "- sync at 1024 workers < 5% of one core per replica: {} ({})",
+        verdict(sync_cpu.map(|f| f < 0.05)),
+        sync_cpu.map_or("–".to_owned(), |f| format!("{:.2}%", f * 100.0))
+    ));
     lines
 }
 
@@ -254,6 +273,26 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("interval_ms", "interval ms", 0),
             ("runs", "runs", 0),
             ("spread", "spread", 3),
+        ],
+    );
+    out.push_str("## Router replicas (p99 TTFT at the client)\n\n");
+    table(
+        &mut out,
+        rows,
+        "replicas/",
+        &[
+            ("routers", "routers", 0),
+            ("p50_ttft_s", "p50 TTFT s", 3),
+            ("p99_ttft_s", "p99 TTFT s", 3),
+            ("p99_min_s", "p99 min s", 3),
+            ("p99_max_s", "p99 max s", 3),
+            ("completed", "completed", 0),
+            ("sent", "sent", 0),
+            ("vs_one_router", "sync vs one router", 3),
+            ("vs_no_sync", "sync vs no sync", 3),
+            ("cpu_fraction_no_sync", "CPU no sync", 4),
+            ("cpu_fraction_sync", "CPU sync", 4),
+            ("sync_cpu_fraction", "sync CPU", 4),
         ],
     );
     out.push_str("## How it was measured\n\n");

@@ -1,0 +1,562 @@
+//! Replica sync: router replicas share their pending token-work per worker
+//! through NATS, so that each one counts what the others dispatched
+//! (`docs/replicas.md`).
+//!
+//! Two tasks, both off the request path:
+//! - the **publisher** wakes every `sync.publish_interval_ms`, drops other
+//!   replicas' entries older than `sync.entry_ttl_ms` from the policy (every
+//!   eighth of the TTL), reads
+//!   this replica's pending work per worker from the policy
+//!   ([`Policy::worker_stats`](policy_core::Policy::worker_stats)), and
+//!   publishes what changed ([`Publisher`]);
+//! - the **receiver** hands every other replica's entries to the policy
+//!   ([`Policy::replica_pending`](policy_core::Policy::replica_pending)),
+//!   where selections read them through atomics.
+//!
+//! The broker is never on the request path: while it is down, slow or
+//! unreachable, the replica routes on its own knowledge (the others' entries
+//! expire after the TTL), logs the change once, exports it as
+//! `router_sync_connected`, and the client reconnects in the background;
+//! once back, the replica republishes its whole state.
+
+mod publisher;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use parking_lot::Mutex;
+use policy_core::{Policy, ReplicaPending, ReplicaPendingOutcome, tokio_now};
+use prometheus_client::metrics::counter::Counter;
+use tokio::time::{Instant, MissedTickBehavior};
+
+use crate::app::App;
+use crate::config::SyncConfig;
+use crate::metrics::Metrics;
+
+pub use publisher::{Publisher, WorkerPending};
+
+/// How long a connection may take before the broker counts as unreachable
+/// (and the state change is logged).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest wait between reconnection attempts.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(1);
+/// How often the client pings the broker: a broker that stops answering
+/// (hung, or the network dropped it silently) is noticed within two of these.
+const PING_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The counters of received messages and entries, resolved once so the
+/// receive path hashes no label strings.
+#[derive(Debug, Clone)]
+pub struct ReceiveCounters {
+    pub applied: Counter,
+    pub own: Counter,
+    pub malformed: Counter,
+    pub foreign_version: Counter,
+    pub invalid_replica: Counter,
+    pub entries_applied: Counter,
+    pub entries_stale: Counter,
+    pub entries_unknown_worker: Counter,
+    pub entries_unsupported: Counter,
+    pub entries_invalid: Counter,
+}
+
+impl ReceiveCounters {
+    pub fn new(metrics: &Metrics) -> ReceiveCounters {
+        let message = |outcome: &str| metrics.sync_message(outcome);
+        let entry = |outcome: &str| metrics.sync_entry(outcome);
+        ReceiveCounters {
+            applied: message("applied"),
+            own: message("own"),
+            malformed: message("malformed"),
+            foreign_version: message("foreign_version"),
+            invalid_replica: message("invalid_replica"),
+            entries_applied: entry("applied"),
+            entries_stale: entry("stale"),
+            entries_unknown_worker: entry("unknown_worker"),
+            entries_unsupported: entry("unsupported"),
+            entries_invalid: entry("invalid"),
+        }
+    }
+}
+
+/// What one received message came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Received {
+    /// Not a message of ours: ignored and counted by reason
+    /// (`malformed`, `foreign_version`, `invalid_replica`).
+    Rejected(&'static str),
+    /// Sent under this replica's own id: ignored.
+    Own,
+    /// Another replica's entries, handed to the policy.
+    Applied {
+        replica: String,
+        applied: usize,
+        ignored: usize,
+    },
+}
+
+/// Hands one payload from the subject to `policy`: checks it, ignores this
+/// replica's own, and applies each valid entry. Everything is counted.
+pub fn receive(
+    policy: &dyn Policy,
+    own_replica: &str,
+    payload: &[u8],
+    now: std::time::Instant,
+    counters: &ReceiveCounters,
+) -> Received {
+    let message = match wire::decode(payload) {
+        Ok(message) => message,
+        Err(error) => {
+            let counter = match error {
+                wire::WireError::Malformed(_) => &counters.malformed,
+                wire::WireError::Version(_) => &counters.foreign_version,
+                wire::WireError::Replica(_) => &counters.invalid_replica,
+            };
+            counter.inc();
+            tracing::debug!(error = %policy_core::error_chain(&error), "sync: message ignored");
+            return Received::Rejected(error.outcome());
+        }
+    };
+    if message.replica == own_replica {
+        counters.own.inc();
+        return Received::Own;
+    }
+    counters.applied.inc();
+    let (mut applied, mut ignored) = (0, 0);
+    for entry in message.entries() {
+        let Ok(entry) = entry else {
+            counters.entries_invalid.inc();
+            ignored += 1;
+            continue;
+        };
+        let outcome = policy.replica_pending(
+            &ReplicaPending {
+                replica: message.replica,
+                worker_url: entry.worker_url,
+                pending_tokens: entry.pending_tokens,
+                pending_requests: entry.pending_requests,
+                seq: message.seq,
+            },
+            now,
+        );
+        let counter = match outcome {
+            ReplicaPendingOutcome::Applied => {
+                applied += 1;
+                &counters.entries_applied
+            }
+            ReplicaPendingOutcome::Stale => {
+                ignored += 1;
+                &counters.entries_stale
+            }
+            ReplicaPendingOutcome::UnknownWorker => {
+                ignored += 1;
+                &counters.entries_unknown_worker
+            }
+            ReplicaPendingOutcome::Unsupported => {
+                ignored += 1;
+                &counters.entries_unsupported
+            }
+        };
+        counter.inc();
+    }
+    Received::Applied {
+        replica: message.replica.to_owned(),
+        applied,
+        ignored,
+    }
+}
+
+/// The other replicas heard within the TTL, for the log and the
+/// `router_sync_peers` gauge.
+#[derive(Debug, Default)]
+struct Peers {
+    last_heard: HashMap<String, Instant>,
+}
+
+impl Peers {
+    fn heard(&mut self, replica: &str, now: Instant) {
+        match self.last_heard.get_mut(replica) {
+            Some(last) => *last = now,
+            None => {
+                tracing::info!(replica, "sync: replica heard");
+                self.last_heard.insert(replica.to_owned(), now);
+            }
+        }
+    }
+
+    fn sweep(&mut self, now: Instant, ttl: Duration) -> usize {
+        self.last_heard.retain(|replica, last| {
+            let alive = now.saturating_duration_since(*last) <= ttl;
+            if !alive {
+                tracing::info!(
+                    replica = replica.as_str(),
+                    entry_ttl_ms = ttl.as_millis() as u64,
+                    "sync: replica silent past the TTL; its pending work is no longer counted"
+                );
+            }
+            alive
+        });
+        self.last_heard.len()
+    }
+}
+
+/// The broker connection as last logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Link {
+    /// Just started: not logged yet.
+    Starting,
+    Up,
+    Down,
+}
+
+/// Starts the sync tasks when `[sync]` is enabled. Never fails and never
+/// waits for the broker: the client connects in the background.
+pub async fn start(app: Arc<App>) {
+    let config = app.config.sync.clone();
+    if !config.enabled {
+        return;
+    }
+    let replica = config.effective_replica_id();
+    let options = async_nats::ConnectOptions::new()
+        .name(format!("llm-router {replica}"))
+        // This replica's own messages are not echoed back to it.
+        .no_echo()
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(CONNECT_TIMEOUT)
+        .ping_interval(PING_INTERVAL)
+        .reconnect_delay_callback(|attempts| {
+            let exponent = u32::try_from(attempts.min(10)).unwrap_or(10);
+            (Duration::from_millis(50) * 2u32.saturating_pow(exponent)).min(MAX_RECONNECT_DELAY)
+        });
+    // With retry_on_initial_connect this returns at once: the connection is
+    // made (and remade) by the client's own task.
+    let client = match options.connect(config.nats_url.as_str()).await {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::error!(nats_url = %config.nats_url, error = %policy_core::error_chain(&error), "sync: cannot start the NATS client; routing on local knowledge only");
+            return;
+        }
+    };
+    tracing::info!(nats_url = %config.nats_url, subject = %config.subject(), replica = %replica, "sync: starting");
+    let peers = Arc::new(Mutex::new(Peers::default()));
+    tokio::spawn(run_receiver(
+        app.clone(),
+        client.clone(),
+        config.clone(),
+        replica.clone(),
+        peers.clone(),
+    ));
+    tokio::spawn(run_publisher(app, client, config, replica, peers));
+}
+
+/// The first sequence number: the start time in microseconds since the Unix
+/// epoch, so a restarted replica's messages are newer than its previous
+/// life's.
+fn first_seq() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(1, |elapsed| {
+            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX / 2)
+        })
+}
+
+async fn run_publisher(
+    app: Arc<App>,
+    client: async_nats::Client,
+    config: SyncConfig,
+    replica: String,
+    peers: Arc<Mutex<Peers>>,
+) {
+    let subject = async_nats::Subject::from(config.subject());
+    let ttl = config.entry_ttl();
+    let mut publisher = Publisher::new(replica, first_seq(), config.full_state_interval());
+    let mut ticker = tokio::time::interval(config.publish_interval());
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    // A slow broker holds a publish at most this long; the next tick retries
+    // with the whole state.
+    let publish_deadline = config.publish_interval().max(Duration::from_millis(100));
+    let started = Instant::now();
+    let mut link = Link::Starting;
+    let metrics = &app.metrics;
+    // Expiry touches every worker's state, so it runs every eighth of the
+    // TTL rather than every tick: an entry goes at most that much late.
+    let expiry_interval = (ttl / 8).max(config.publish_interval());
+    let mut last_expiry: Option<Instant> = None;
+    loop {
+        ticker.tick().await;
+        let policy = app.policy();
+        if last_expiry.is_none_or(|last| last.elapsed() >= expiry_interval) {
+            last_expiry = Some(Instant::now());
+            let expired = policy.expire_replica_pending(tokio_now(), ttl);
+            if expired > 0 {
+                metrics.sync_entries_expired.inc_by(expired as u64);
+            }
+            let peer_count = peers.lock().sweep(Instant::now(), ttl);
+            metrics
+                .sync_peers
+                .set(i64::try_from(peer_count).unwrap_or(i64::MAX));
+        }
+
+        let connected = client.connection_state() == async_nats::connection::State::Connected;
+        link = log_link_change(link, connected, started.elapsed(), &config, metrics);
+        if !connected {
+            // Nothing sent now is certain to arrive: start over with the
+            // whole state once the broker is back.
+            publisher.force_full_state();
+            continue;
+        }
+        let snapshot = app.topology.snapshot();
+        let workers = snapshot.workers().map(|worker| {
+            let stats = policy.worker_stats(worker.id).unwrap_or_default();
+            WorkerPending {
+                id: worker.id,
+                url: &worker.url,
+                tokens: stats.pending_tokens,
+                requests: stats.pending_requests,
+            }
+        });
+        let Some(payload) = publisher.tick(Instant::now(), workers) else {
+            continue;
+        };
+        let sent = tokio::time::timeout(
+            publish_deadline,
+            client.publish(subject.clone(), payload.into()),
+        )
+        .await;
+        match sent {
+            Ok(Ok(())) => {
+                metrics.sync_published.inc();
+            }
+            Ok(Err(error)) => {
+                metrics.sync_publish_failures.inc();
+                publisher.force_full_state();
+                tracing::debug!(error = %policy_core::error_chain(&error), "sync: publish failed");
+            }
+            Err(_elapsed) => {
+                metrics.sync_publish_failures.inc();
+                publisher.force_full_state();
+                tracing::debug!("sync: publish timed out");
+            }
+        }
+    }
+}
+
+/// Logs (once per change) and exports the broker connection's state.
+fn log_link_change(
+    link: Link,
+    connected: bool,
+    since_start: Duration,
+    config: &SyncConfig,
+    metrics: &Metrics,
+) -> Link {
+    metrics.sync_connected.set(i64::from(connected));
+    match (link, connected) {
+        (Link::Starting | Link::Down, true) => {
+            tracing::info!(nats_url = %config.nats_url, "sync: connected to the broker; sharing pending work");
+            Link::Up
+        }
+        (Link::Up, false) => {
+            metrics.sync_disconnects.inc();
+            tracing::warn!(nats_url = %config.nats_url, "sync: broker connection lost; routing on local knowledge while reconnecting");
+            Link::Down
+        }
+        (Link::Starting, false) if since_start >= CONNECT_TIMEOUT => {
+            tracing::warn!(nats_url = %config.nats_url, "sync: broker unreachable; routing on local knowledge while reconnecting");
+            Link::Down
+        }
+        (link, _) => link,
+    }
+}
+
+async fn run_receiver(
+    app: Arc<App>,
+    client: async_nats::Client,
+    config: SyncConfig,
+    replica: String,
+    peers: Arc<Mutex<Peers>>,
+) {
+    let counters = ReceiveCounters::new(&app.metrics);
+    let mut warned_duplicate_id = false;
+    loop {
+        let mut subscriber = match client.subscribe(config.subject()).await {
+            Ok(subscriber) => subscriber,
+            Err(error) => {
+                tracing::warn!(error = %policy_core::error_chain(&error), "sync: cannot subscribe; retrying");
+                tokio::time::sleep(MAX_RECONNECT_DELAY).await;
+                continue;
+            }
+        };
+        // The client resubscribes by itself after a reconnection; the stream
+        // ends only if the client is closed.
+        while let Some(message) = subscriber.next().await {
+            let policy = app.policy();
+            match receive(
+                policy.as_ref(),
+                &replica,
+                &message.payload,
+                tokio_now(),
+                &counters,
+            ) {
+                Received::Applied { replica, .. } => peers.lock().heard(&replica, Instant::now()),
+                // The broker does not echo our own messages: this is another
+                // process using the same id, and the two blind each other.
+                Received::Own if !warned_duplicate_id => {
+                    warned_duplicate_id = true;
+                    tracing::warn!(replica = %replica, "sync: another process publishes under this replica's id; set sync.replica_id uniquely");
+                }
+                Received::Own | Received::Rejected(_) => {}
+            }
+        }
+        tracing::warn!("sync: subscription ended; subscribing again");
+        tokio::time::sleep(MAX_RECONNECT_DELAY).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use policy_core::{PolicyContext, PolicyRegistry, WorkerId, WorkerInfo};
+
+    fn policy() -> Box<dyn Policy> {
+        let mut registry = PolicyRegistry::with_baselines();
+        policy_least_load::register(&mut registry);
+        let policy = registry
+            .build(
+                "least_load",
+                &serde_json::Value::Null,
+                &PolicyContext::default(),
+            )
+            .unwrap();
+        policy.add_worker(WorkerId::new(0, 0), WorkerInfo::new("http://w:1", "sglang"));
+        policy
+    }
+
+    /// The value of `router_sync_<family>_total{outcome="<outcome>"}`.
+    fn counted(metrics: &Metrics, family: &str, outcome: &str) -> u64 {
+        let series = format!("router_sync_{family}_total{{outcome=\"{outcome}\"}} ");
+        metrics
+            .render()
+            .lines()
+            .find_map(|line| line.strip_prefix(series.as_str())?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn messages_are_applied_own_ignored_and_junk_counted() {
+        let metrics = Metrics::new();
+        let counters = ReceiveCounters::new(&metrics);
+        let policy = policy();
+        let now = std::time::Instant::now();
+        let message = wire::encode(
+            "b",
+            5,
+            false,
+            &[("http://w:1", 300, 1), ("http://unknown:1", 5, 1)],
+        );
+        assert_eq!(
+            receive(policy.as_ref(), "a", &message, now, &counters),
+            Received::Applied {
+                replica: "b".into(),
+                applied: 1,
+                ignored: 1
+            }
+        );
+        let table = policy.explain(
+            &[WorkerId::new(0, 0)],
+            &policy_core::RequestInfo::new(policy_core::TokenCount::Exact(1)),
+            now,
+        );
+        assert_eq!(table.value(WorkerId::new(0, 0), "remote_tok"), Some(300.0));
+        // The same message again is old news.
+        receive(policy.as_ref(), "a", &message, now, &counters);
+        assert_eq!(counted(&metrics, "entries", "stale"), 1);
+        assert_eq!(
+            receive(policy.as_ref(), "b", &message, now, &counters),
+            Received::Own
+        );
+        assert_eq!(
+            receive(policy.as_ref(), "a", b"{\"hello\":1}", now, &counters),
+            Received::Rejected("malformed")
+        );
+        let future = br#"{"v":9,"replica":"b","seq":9,"full":true,"pending":[]}"#;
+        assert_eq!(
+            receive(policy.as_ref(), "a", future, now, &counters),
+            Received::Rejected("foreign_version")
+        );
+        let negative =
+            br#"{"v":1,"replica":"b","seq":9,"full":false,"pending":[["http://w:1",-1,1]]}"#;
+        receive(policy.as_ref(), "a", negative, now, &counters);
+        for (family, outcome, count) in [
+            ("messages_received", "applied", 3),
+            ("messages_received", "own", 1),
+            ("messages_received", "malformed", 1),
+            ("messages_received", "foreign_version", 1),
+            ("entries", "applied", 1),
+            ("entries", "unknown_worker", 2),
+            ("entries", "invalid", 1),
+        ] {
+            assert_eq!(
+                counted(&metrics, family, outcome),
+                count,
+                "{family} {outcome}\n{}",
+                metrics.render()
+            );
+        }
+        // Nothing the junk said reached the policy.
+        let table = policy.explain(
+            &[WorkerId::new(0, 0)],
+            &policy_core::RequestInfo::new(policy_core::TokenCount::Exact(1)),
+            now,
+        );
+        assert_eq!(table.value(WorkerId::new(0, 0), "remote_tok"), Some(300.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn peers_are_forgotten_after_the_ttl() {
+        let mut peers = Peers::default();
+        let ttl = Duration::from_millis(1000);
+        peers.heard("b", Instant::now());
+        tokio::time::advance(Duration::from_millis(600)).await;
+        peers.heard("c", Instant::now());
+        assert_eq!(peers.sweep(Instant::now(), ttl), 2);
+        tokio::time::advance(Duration::from_millis(401)).await;
+        assert_eq!(peers.sweep(Instant::now(), ttl), 1);
+    }
+
+    #[test]
+    fn the_link_state_is_logged_once_per_change() {
+        let metrics = Metrics::new();
+        let config = SyncConfig::default();
+        let grace = CONNECT_TIMEOUT;
+        let link = log_link_change(Link::Starting, false, Duration::ZERO, &config, &metrics);
+        assert_eq!(
+            link,
+            Link::Starting,
+            "not reported unreachable before the connect timeout"
+        );
+        let link = log_link_change(link, false, grace, &config, &metrics);
+        assert_eq!(link, Link::Down);
+        let link = log_link_change(link, true, grace, &config, &metrics);
+        assert_eq!(link, Link::Up);
+        assert!(metrics.render().contains("router_sync_connected 1"));
+        let link = log_link_change(link, false, grace, &config, &metrics);
+        assert_eq!(link, Link::Down);
+        assert!(metrics.render().contains("router_sync_connected 0"));
+        assert!(metrics.render().contains("router_sync_disconnects_total 1"));
+        assert_eq!(
+            log_link_change(link, false, grace, &config, &metrics),
+            Link::Down
+        );
+        assert!(metrics.render().contains("router_sync_disconnects_total 1"));
+    }
+
+    #[test]
+    fn sequence_numbers_start_at_the_start_time() {
+        // 2020-01-01 in microseconds: any clock this runs on is past it.
+        assert!(first_seq() > 1_577_836_800_000_000);
+    }
+}

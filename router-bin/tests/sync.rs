@@ -1,0 +1,314 @@
+//! Replica sync end to end: real routers in-process on loopback, a real
+//! `nats-server` (installed from Debian when missing), and scriptable
+//! upstream engines.
+
+// Test helpers outside #[test] functions fail loudly on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use common::nats::NatsServer;
+use common::upstream::Upstream;
+use common::{TestRouter, fast_config, start_router, wait_until, worker};
+
+fn sync_section(nats: &NatsServer, replica: &str) -> String {
+    format!(
+        "[sync]\nenabled = true\nnats_url = \"{}\"\nreplica_id = \"{replica}\"\n\
+         publish_interval_ms = 20\nentry_ttl_ms = 1000\n",
+        nats.url
+    )
+}
+
+async fn replica(nats: &NatsServer, id: &str, upstreams: &[&Upstream]) -> TestRouter {
+    let workers = upstreams
+        .iter()
+        .map(|upstream| worker("sglang", &upstream.url))
+        .collect();
+    start_router(fast_config(workers, &sync_section(nats, id))).await
+}
+
+async fn explain(router: &TestRouter) -> serde_json::Value {
+    router
+        .client
+        .get(format!("{}/admin/policy/explain?tokens=100", router.base))
+        .header("accept", "application/json")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// One column of the worker at `url` in the explain table.
+async fn explained(router: &TestRouter, url: &str, column: &str) -> f64 {
+    let table = explain(router).await;
+    let index = table["columns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|name| name == column)
+        .unwrap();
+    let row = table["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|row| row["url"] == url)
+        .unwrap_or_else(|| panic!("no row for {url} in {table}"));
+    row["values"][index].as_f64().unwrap()
+}
+
+/// The value of the metric line that starts with `series` (0 if absent).
+async fn metric(router: &TestRouter, series: &str) -> f64 {
+    let text = router
+        .client
+        .get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .map_or(0.0, |value| value.parse().unwrap())
+}
+
+async fn connected(router: &TestRouter) -> bool {
+    metric(router, "router_sync_connected").await == 1.0
+}
+
+/// A streaming request through `router`, to its end; true when it completed.
+async fn stream_chat(router: &TestRouter, text: &str) -> bool {
+    let response = router.chat(text, true).await;
+    response.status() == 200 && response.text().await.unwrap().contains("[DONE]")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_on_one_replica_appears_in_the_others_explain_table() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let a = Arc::new(replica(&nats, "a", &[&upstream]).await);
+    let b = replica(&nats, "b", &[&upstream]).await;
+    wait_until(
+        "both replicas are connected and the worker healthy",
+        || async { connected(&a).await && connected(&b).await && b.healthy_count().await == 1 },
+    )
+    .await;
+    assert_eq!(explained(&b, &upstream.url, "remote_tok").await, 0.0);
+
+    // A's request is held before its first token: pending work on A.
+    upstream.switches.hold.store(true, Ordering::SeqCst);
+    let held = {
+        let a = a.clone();
+        tokio::spawn(async move { stream_chat(&a, &"x".repeat(4000)).await })
+    };
+    wait_until("B shows A's pending request", || async {
+        explained(&b, &upstream.url, "remote_req").await == 1.0
+    })
+    .await;
+    // 4000 characters at 4 per token.
+    assert_eq!(explained(&b, &upstream.url, "remote_tok").await, 1000.0);
+    assert_eq!(explained(&b, &upstream.url, "inflight_tok").await, 1000.0);
+    assert!(explained(&b, &upstream.url, "remote_age_s").await < 1.0);
+    let text = b
+        .client
+        .get(format!("{}/admin/policy/explain", b.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains("remote_tok") && text.contains("remote: 1 replicas"),
+        "{text}"
+    );
+    // A itself counts its own request once, not as remote work.
+    assert_eq!(explained(&a, &upstream.url, "remote_tok").await, 0.0);
+
+    upstream.switches.hold.store(false, Ordering::SeqCst);
+    wait_until("the held request completes", || async {
+        upstream.switches.release.notify_waiters();
+        held.is_finished()
+    })
+    .await;
+    assert!(held.await.unwrap(), "the held request completed");
+    wait_until("B sees A's pending work gone", || async {
+        explained(&b, &upstream.url, "remote_tok").await == 0.0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_broker_loses_no_request_and_sharing_resumes() {
+    let mut nats = NatsServer::start();
+    let upstreams = [Upstream::start().await, Upstream::start().await];
+    let both: Vec<&Upstream> = upstreams.iter().collect();
+    let a = Arc::new(replica(&nats, "a", &both).await);
+    let b = Arc::new(replica(&nats, "b", &both).await);
+    wait_until(
+        "both replicas are connected and their workers healthy",
+        || async {
+            connected(&a).await
+                && connected(&b).await
+                && a.healthy_count().await == 2
+                && b.healthy_count().await == 2
+        },
+    )
+    .await;
+
+    // Steady load through both replicas, four requests at a time.
+    let sent = |phase: &'static str, count: usize| {
+        let routers = [a.clone(), b.clone()];
+        async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for index in 0..count {
+                let router = routers[index % 2].clone();
+                tasks.spawn(async move { stream_chat(&router, &format!("{phase} {index}")).await });
+                if tasks.len() >= 4 {
+                    assert!(
+                        tasks.join_next().await.unwrap().unwrap(),
+                        "{phase}: a request failed"
+                    );
+                }
+            }
+            while let Some(done) = tasks.join_next().await {
+                assert!(done.unwrap(), "{phase}: a request failed");
+            }
+        }
+    };
+    sent("before", 40).await;
+    let during = tokio::spawn(sent("while the broker dies", 60));
+    nats.stop();
+    wait_until("both replicas notice the broker is gone", || async {
+        !connected(&a).await && !connected(&b).await
+    })
+    .await;
+    during.await.unwrap();
+    sent("without a broker", 40).await;
+    assert!(metric(&a, "router_sync_disconnects_total").await >= 1.0);
+    let served: u64 = upstreams.iter().map(Upstream::requests).sum();
+    assert_eq!(served, 140, "every request reached a worker exactly once");
+
+    nats.restart();
+    wait_until("both replicas reconnect", || async {
+        connected(&a).await && connected(&b).await
+    })
+    .await;
+    for upstream in &upstreams {
+        upstream.switches.hold.store(true, Ordering::SeqCst);
+    }
+    let held = {
+        let a = a.clone();
+        tokio::spawn(async move { stream_chat(&a, "after the broker came back").await })
+    };
+    wait_until("B shows A's pending request again", || async {
+        let mut pending = 0.0;
+        for upstream in &upstreams {
+            pending += explained(&b, &upstream.url, "remote_req").await;
+        }
+        pending == 1.0
+    })
+    .await;
+    for upstream in &upstreams {
+        upstream.switches.hold.store(false, Ordering::SeqCst);
+    }
+    wait_until("the held request completes", || async {
+        for upstream in &upstreams {
+            upstream.switches.release.notify_waiters();
+        }
+        held.is_finished()
+    })
+    .await;
+    assert!(held.await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_foreign_messages_are_ignored_and_counted() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let a = replica(&nats, "a", &[&upstream]).await;
+    let outsider = async_nats::connect(nats.url.as_str()).await.unwrap();
+    wait_until(
+        "the replica is connected and the worker healthy",
+        || async { connected(&a).await && a.healthy_count().await == 1 },
+    )
+    .await;
+    // A well-formed message from another replica is counted: the
+    // subscription works, so what follows is ignored on its merits.
+    let valid = format!(
+        r#"{{"v":1,"replica":"other","seq":1,"full":true,"pending":[["{}",700,2]]}}"#,
+        upstream.url
+    );
+    wait_until("the other replica's work shows", || async {
+        outsider
+            .publish("llm-router.pending", valid.clone().into())
+            .await
+            .unwrap();
+        outsider.flush().await.unwrap();
+        explained(&a, &upstream.url, "remote_tok").await == 700.0
+    })
+    .await;
+
+    let junk: [&[u8]; 5] = [
+        b"not json at all",
+        br#"{"event":"deploy","service":"web"}"#,
+        br#"{"v":2,"replica":"other","seq":2,"full":true,"pending":[]}"#,
+        br#"{"v":1,"replica":"has spaces","seq":2,"full":true,"pending":[]}"#,
+        b"\xff\xfe\x00",
+    ];
+    for payload in junk {
+        outsider
+            .publish("llm-router.pending", payload.to_vec().into())
+            .await
+            .unwrap();
+    }
+    let hostile = format!(
+        r#"{{"v":1,"replica":"other","seq":3,"full":false,"pending":[["{url}",-5,1],["{url}",1.5,1],["{url}",1099511627777,1]]}}"#,
+        url = upstream.url
+    );
+    outsider
+        .publish("llm-router.pending", hostile.into())
+        .await
+        .unwrap();
+    outsider.flush().await.unwrap();
+    wait_until("the junk is counted", || async {
+        metric(
+            &a,
+            "router_sync_messages_received_total{outcome=\"malformed\"}",
+        )
+        .await
+            >= 3.0
+            && metric(
+                &a,
+                "router_sync_messages_received_total{outcome=\"foreign_version\"}",
+            )
+            .await
+                >= 1.0
+            && metric(
+                &a,
+                "router_sync_messages_received_total{outcome=\"invalid_replica\"}",
+            )
+            .await
+                >= 1.0
+            && metric(&a, "router_sync_entries_total{outcome=\"invalid\"}").await >= 3.0
+    })
+    .await;
+    assert_eq!(
+        explained(&a, &upstream.url, "remote_tok").await,
+        700.0,
+        "nothing the junk said changed the replica's view"
+    );
+    assert_eq!(a.chat("still routing", false).await.status(), 200);
+
+    // The other replica stops publishing: its work is dropped after the TTL.
+    wait_until("the silent replica's entry expires", || async {
+        explained(&a, &upstream.url, "remote_tok").await == 0.0
+    })
+    .await;
+    assert!(metric(&a, "router_sync_entries_expired_total").await >= 1.0);
+}
