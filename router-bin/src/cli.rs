@@ -44,10 +44,10 @@ pub struct Cli {
     #[arg(long)]
     pub admin_api_key: Option<String>,
 
-    /// Share pending work with other router replicas over NATS ([sync]).
+    /// Share pending work with other router replicas over NATS (the `[sync]` section).
     #[arg(long)]
     pub sync: bool,
-    /// The NATS broker, nats://host[:port].
+    /// The NATS broker, `nats://host[:port]`.
     #[arg(long, value_name = "URL")]
     pub sync_nats_url: Option<String>,
     #[arg(long, value_name = "PREFIX")]

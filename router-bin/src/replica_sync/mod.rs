@@ -3,21 +3,38 @@
 //! (`docs/replicas.md`).
 //!
 //! Two tasks, both off the request path:
-//! - the **publisher** wakes every `sync.publish_interval_ms`, drops other
-//!   replicas' entries older than `sync.entry_ttl_ms` from the policy (every
-//!   eighth of the TTL), reads
-//!   this replica's pending work per worker from the policy
-//!   ([`Policy::worker_stats`](policy_core::Policy::worker_stats)), and
-//!   publishes what changed ([`Publisher`]);
+//! - the **publisher** wakes every `sync.publish_interval_ms`, reads this
+//!   replica's pending work per worker from the policy
+//!   ([`policy_core::Policy::worker_stats`]) and publishes what changed
+//!   ([`Publisher`]); every eighth of `sync.entry_ttl_ms` it also drops the
+//!   other replicas' entries older than the TTL from the policy;
 //! - the **receiver** hands every other replica's entries to the policy
-//!   ([`Policy::replica_pending`](policy_core::Policy::replica_pending)),
-//!   where selections read them through atomics.
+//!   ([`policy_core::Policy::replica_pending`]), where selections read them
+//!   through atomics.
 //!
 //! The broker is never on the request path: while it is down, slow or
 //! unreachable, the replica routes on its own knowledge (the others' entries
 //! expire after the TTL), logs the change once, exports it as
 //! `router_sync_connected`, and the client reconnects in the background;
 //! once back, the replica republishes its whole state.
+//!
+//! ```
+//! use router_bin::replica_sync::{ReceiveCounters, Received, receive, wire};
+//! use router_bin::metrics::Metrics;
+//! use policy_core::{PolicyContext, PolicyRegistry, WorkerId, WorkerInfo};
+//!
+//! let mut registry = PolicyRegistry::with_baselines();
+//! policy_least_load::register(&mut registry);
+//! let policy = registry.build("least_load", &serde_json::Value::Null, &PolicyContext::default())?;
+//! policy.add_worker(WorkerId::new(0, 0), WorkerInfo::new("http://10.0.0.1:30000", "sglang"));
+//!
+//! // Replica "b" has 1200 tokens in 3 requests pending on the worker.
+//! let message = wire::encode("b", 1, true, &[("http://10.0.0.1:30000", 1200, 3)]);
+//! let counters = ReceiveCounters::new(&Metrics::new());
+//! let received = receive(policy.as_ref(), "a", &message, std::time::Instant::now(), &counters);
+//! assert_eq!(received, Received::Applied { replica: "b".into(), applied: 1, ignored: 0 });
+//! # Ok::<(), policy_core::PolicyError>(())
+//! ```
 
 mod publisher;
 pub mod wire;
