@@ -61,7 +61,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest wait between reconnection attempts.
 const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(1);
 /// How often the client pings the broker: a broker that stops answering
-/// (hung, or the network dropped it silently) is noticed within two of these.
+/// (hung, or the network dropped it silently) is dropped once three pings go
+/// unanswered (the client's rule), about 6 s. Nothing arrives meanwhile, so
+/// the other replicas' entries expire after the TTL and routing goes on with
+/// local knowledge.
 const PING_INTERVAL: Duration = Duration::from_secs(2);
 
 /// The counters of received messages and entries, resolved once so the
