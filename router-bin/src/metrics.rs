@@ -1,12 +1,16 @@
 //! The router's Prometheus metrics, served at `/metrics`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use parking_lot::RwLock;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::exponential_buckets;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -35,6 +39,169 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
 }
 
+/// Score buckets from 0.1 ms to about 840 s, doubling.
+fn score_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 24))
+}
+
+/// A Prometheus histogram recorded with atomics alone. prometheus-client's
+/// own `Histogram` takes a write lock for every observation; this one does
+/// one relaxed add to a bucket and one compare-and-swap on the sum, so
+/// requests on different threads never wait for each other, and requests on
+/// different workers never touch the same cache line.
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    cells: Arc<HistogramCells>,
+}
+
+#[derive(Debug)]
+struct HistogramCells {
+    /// Upper bounds, ascending; the last bucket (`+Inf`) has none.
+    bounds: Box<[f64]>,
+    /// One more than `bounds`: the last counts what is above them all.
+    counts: Box<[AtomicU64]>,
+    /// The sum of the observations, as `f64` bits.
+    sum_bits: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: impl IntoIterator<Item = f64>) -> Histogram {
+        let bounds: Box<[f64]> = bounds.into_iter().collect();
+        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        Histogram {
+            cells: Arc::new(HistogramCells {
+                bounds,
+                counts,
+                sum_bits: AtomicU64::new(0f64.to_bits()),
+            }),
+        }
+    }
+
+    pub fn observe(&self, value: f64) {
+        let cells = &*self.cells;
+        // The first bucket whose bound is at least the value; NaN lands in +Inf.
+        let bucket = cells.bounds.partition_point(|bound| *bound < value);
+        if let Some(count) = cells.counts.get(bucket) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut current = cells.sum_bits.load(Ordering::Relaxed);
+        loop {
+            let next = (f64::from_bits(current) + value).to_bits();
+            match cells.sum_bits.compare_exchange_weak(
+                current,
+                next,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Adds this histogram's sum, count and per-bucket counts to the totals.
+    fn add_to(&self, sum: &mut f64, buckets: &mut [(f64, u64)]) {
+        *sum += f64::from_bits(self.cells.sum_bits.load(Ordering::Relaxed));
+        for ((_, total), count) in buckets.iter_mut().zip(self.cells.counts.iter()) {
+            *total += count.load(Ordering::Relaxed);
+        }
+    }
+
+    /// Empty per-bucket totals with this histogram's bounds (`+Inf` last, as
+    /// `f64::MAX`, which the encoder writes as `+Inf`).
+    fn empty_buckets(&self) -> Vec<(f64, u64)> {
+        self.cells
+            .bounds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::MAX))
+            .map(|bound| (bound, 0))
+            .collect()
+    }
+
+    /// The number of observations.
+    pub fn count(&self) -> u64 {
+        self.cells
+            .counts
+            .iter()
+            .map(|count| count.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+fn encode_histograms<'a>(
+    mut encoder: MetricEncoder,
+    shards: impl IntoIterator<Item = &'a Histogram>,
+    like: &Histogram,
+) -> Result<(), std::fmt::Error> {
+    let mut sum = 0.0;
+    let mut buckets = like.empty_buckets();
+    for shard in shards {
+        shard.add_to(&mut sum, &mut buckets);
+    }
+    let count = buckets.iter().map(|(_, count)| count).sum();
+    encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+}
+
+impl TypedMetric for Histogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Histogram {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encode_histograms(encoder, [self], self)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// One histogram kept as a shard per worker and exported as their sum, so a
+/// metric every request records (the chosen worker's score) is written only
+/// where that worker's own metrics are. Shards live as long as the router:
+/// a forgotten worker's observations stay in the sum, as a counter must.
+#[derive(Debug, Clone)]
+pub struct ShardedHistogram {
+    like: Histogram,
+    shards: Arc<RwLock<Vec<Histogram>>>,
+}
+
+impl ShardedHistogram {
+    fn new(make: fn() -> Histogram) -> ShardedHistogram {
+        ShardedHistogram {
+            like: make(),
+            shards: Arc::new(RwLock::new(Vec::new())),
+        }
+    }
+
+    /// A new shard (for one worker), counted in the sum from now on.
+    pub fn shard(&self) -> Histogram {
+        let shard = Histogram::new(self.like.cells.bounds.iter().copied());
+        self.shards.write().push(shard.clone());
+        shard
+    }
+
+    /// The number of observations in every shard.
+    pub fn count(&self) -> u64 {
+        self.shards.read().iter().map(Histogram::count).sum()
+    }
+}
+
+impl TypedMetric for ShardedHistogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for ShardedHistogram {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encode_histograms(encoder, self.shards.read().iter(), &self.like)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
 /// Every metric the router exports.
 #[derive(Debug)]
 pub struct Metrics {
@@ -50,7 +217,7 @@ pub struct Metrics {
     pub rejected: Counter,
     pub poll_duration: HistogramFamily,
     pub poll_failures: Family<WorkerLabel, Counter>,
-    pub selected_score: Histogram,
+    pub selected_score: ShardedHistogram,
     pub healthy: Family<WorkerLabel, Gauge>,
     pub ejected: Family<WorkerLabel, Gauge>,
     pub ejections: Family<WorkerLabel, Counter>,
@@ -147,7 +314,7 @@ impl Metrics {
             "Failed load polls per worker",
             poll_failures.clone(),
         );
-        let selected_score = Histogram::new(exponential_buckets(0.0001, 2.0, 24));
+        let selected_score = ShardedHistogram::new(score_histogram);
         registry.register(
             "selected_score",
             "The policy's score of the chosen worker (seconds of expected wait for least_load)",
@@ -313,6 +480,8 @@ pub struct WorkerMetrics {
     pub in_flight: Gauge,
     pub selections: Counter,
     pub dispatched_tokens: Counter,
+    /// This worker's shard of `selected_score`.
+    pub selected_score: Histogram,
     pub poll_duration: Histogram,
     pub poll_failures: Counter,
     pub healthy: Gauge,
@@ -336,6 +505,7 @@ impl WorkerMetrics {
             in_flight: metrics.in_flight.get_or_create(&label).clone(),
             selections: metrics.selections.get_or_create(&label).clone(),
             dispatched_tokens: metrics.dispatched_tokens.get_or_create(&label).clone(),
+            selected_score: metrics.selected_score.shard(),
             poll_duration: metrics.poll_duration.get_or_create(&label).clone(),
             poll_failures: metrics.poll_failures.get_or_create(&label).clone(),
             healthy: metrics.healthy.get_or_create(&label).clone(),

@@ -1,5 +1,11 @@
 //! The proxy: choose a worker, forward the request, stream the response back
 //! unbuffered, and tell the policy when the first token passes.
+//!
+//! Per request the path takes one lock-free topology load, calls the
+//! policy on the snapshot's own candidate slice, and from then on holds
+//! only the chosen worker's [`Route`]; the request goes out on that
+//! worker's kept-alive connections ([`crate::h1`]), read and written by
+//! this task alone.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,17 +19,16 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
-use load_transport::http::{CappedBodyError, read_capped};
-use policy_core::{DispatchGuard, RequestInfo, WorkerId, error_chain, tokio_now};
+use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 
 use crate::app::{App, SilentStream};
 use crate::client_body::read_body;
-use crate::coalesce::Coalesce;
 use crate::estimate::{max_output_tokens, request_info};
+use crate::h1::{self, WorkerBody};
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
-use crate::upstream::{UpstreamBody, control_get};
+use crate::topology::Route;
+use crate::upstream::control_get;
 use crate::workers::Worker;
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
@@ -47,47 +52,11 @@ fn unavailable(message: &str) -> Response {
     response
 }
 
-/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-connection",
-];
-
-fn forwardable(headers: &HeaderMap) -> HeaderMap {
-    // Names listed in `Connection` are hop-by-hop too.
-    let listed: Vec<String> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .map(|name| name.trim().to_ascii_lowercase())
-        .collect();
-    let mut out = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        let name_text = name.as_str();
-        if HOP_BY_HOP.contains(&name_text)
-            || listed.iter().any(|listed| listed == name_text)
-            || name == header::HOST
-            || name == header::CONTENT_LENGTH
-        {
-            continue;
-        }
-        out.append(name.clone(), value.clone());
-    }
-    out
-}
-
 /// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
 pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response {
-    let received_at = Instant::now();
-    let deadline = tokio::time::Instant::now() + app.config.server.request_deadline();
+    let arrived = tokio::time::Instant::now();
+    let received_at = arrived.into_std();
+    let deadline = arrived + app.config.server.request_deadline();
     let (parts, body) = request.into_parts();
     let server = &app.config.server;
     let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
@@ -119,10 +88,9 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
         .config
         .server
         .head_timeout(info.streaming, max_output_tokens(&parsed));
-    let headers = forwardable(&parts.headers);
+    drop(parsed);
     let request = ClientRequest {
         parts,
-        headers,
         body,
         info,
         received_at,
@@ -134,8 +102,9 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
 
 /// A client's request, read and parsed, as every attempt sends it.
 struct ClientRequest {
+    /// The client's method, URI and headers (hop-by-hop ones are left out
+    /// when the request is written to a worker).
     parts: http::request::Parts,
-    headers: HeaderMap,
     body: Bytes,
     info: RequestInfo,
     received_at: Instant,
@@ -143,6 +112,20 @@ struct ClientRequest {
     deadline: tokio::time::Instant,
     /// How long one attempt may wait for the response head.
     head_timeout: std::time::Duration,
+}
+
+impl ClientRequest {
+    /// The request as `worker` gets it, with the worker's key.
+    fn outgoing<'a>(&'a self, worker: &'a Worker) -> h1::Outgoing<'a> {
+        h1::Outgoing {
+            method: &self.parts.method,
+            path: self.parts.uri.path(),
+            query: self.parts.uri.query(),
+            headers: &self.parts.headers,
+            authorization: worker.authorization.as_ref(),
+            body: &self.body,
+        }
+    }
 }
 
 /// How one attempt on one worker ended.
@@ -158,63 +141,100 @@ enum Attempt {
     },
 }
 
+/// What one selection gave: the worker to try, or why none.
+enum Chosen {
+    Worker(RequestTracker),
+    /// The policy chose a worker the snapshot does not list (it was just
+    /// forgotten): try another.
+    Gone(WorkerId),
+    /// Every candidate is capped.
+    Capped,
+    NoCandidate,
+}
+
+/// Chooses a worker among the current candidates not yet `tried`, with one
+/// lock-free snapshot load, and credits it. The candidate slice is the
+/// snapshot's own; only a retry (some worker already tried) filters a copy.
+fn choose(app: &App, request: &ClientRequest, tried: &[WorkerId]) -> Chosen {
+    let snapshot = app.topology.load();
+    let untried: Vec<WorkerId>;
+    let candidates: &[WorkerId] = if tried.is_empty() {
+        snapshot.candidates()
+    } else {
+        untried = snapshot
+            .candidates()
+            .iter()
+            .copied()
+            .filter(|id| !tried.contains(id))
+            .collect();
+        &untried
+    };
+    if candidates.is_empty() {
+        return Chosen::NoCandidate;
+    }
+    let now = tokio_now();
+    let Some(dispatch) = snapshot.policy.select(candidates, &request.info, now) else {
+        return Chosen::Capped;
+    };
+    match snapshot.route(dispatch.worker) {
+        Some(route) => Chosen::Worker(RequestTracker::new(
+            route.clone(),
+            dispatch,
+            request.received_at,
+        )),
+        None => {
+            snapshot.policy.finish(&dispatch, now);
+            Chosen::Gone(dispatch.worker)
+        }
+    }
+}
+
 async fn forward(app: Arc<App>, request: &ClientRequest) -> Response {
     let mut tried: Vec<WorkerId> = Vec::new();
     let mut last_answer: Option<Response> = None;
     let mut last_reason = String::new();
     for attempt in 0..=app.config.server.max_retries {
-        let snapshot = app.topology.snapshot();
-        let untried: Vec<WorkerId>;
-        let candidates: &[WorkerId] = if tried.is_empty() {
-            snapshot.candidates()
-        } else {
-            untried = snapshot
-                .candidates()
-                .iter()
-                .copied()
-                .filter(|id| !tried.contains(id))
-                .collect();
-            &untried
+        let tracker = match choose(&app, request, &tried) {
+            Chosen::Worker(tracker) => tracker,
+            Chosen::Gone(id) => {
+                tried.push(id);
+                continue;
+            }
+            Chosen::Capped => {
+                app.metrics.rejected.inc();
+                return unavailable("every worker is at capacity (policy cap); retry shortly");
+            }
+            Chosen::NoCandidate => break,
         };
-        if candidates.is_empty() {
-            break;
-        }
-        let policy = snapshot.policy.clone();
-        let Some(dispatch) = policy.select(candidates, &request.info, tokio_now()) else {
-            app.metrics.rejected.inc();
-            return unavailable("every worker is at capacity (policy cap); retry shortly");
-        };
-        let guard = DispatchGuard::new(policy, dispatch);
-        let Some(worker) = snapshot.worker(dispatch.worker).cloned() else {
-            tried.push(dispatch.worker);
-            continue;
-        };
+        let worker = tracker.worker();
+        let dispatch = tracker.dispatch;
         worker.metrics.selections.inc();
         worker.metrics.dispatched_tokens.inc_by(dispatch.tokens);
-        app.metrics.selected_score.observe(dispatch.score);
+        worker.metrics.selected_score.observe(dispatch.score);
         if attempt > 0 {
             app.metrics.retries.inc();
         }
-        let Some(upstream) = upstream_request(&worker, request) else {
+        if !worker.pool.is_usable() {
             // Config validation rejects such URLs; a worker added some other
             // way is skipped rather than trusted.
-            tracing::warn!(worker = %worker.url, "worker URL does not parse; skipping it");
+            tracing::warn!(worker = %worker.url, "worker URL is not http://host:port; skipping it");
             tried.push(worker.id);
             continue;
-        };
-        if tokio::time::Instant::now() >= request.deadline {
+        }
+        let now = tokio::time::Instant::now();
+        if now >= request.deadline {
             break;
         }
-        let tracker = RequestTracker::new(guard, worker.clone(), request.received_at);
-        match attempt_on(&app, tracker, upstream, request).await {
+        let worker_id = worker.id;
+        match attempt_on(&app, tracker, request, now).await {
             Attempt::Done(response) => return response,
             Attempt::Retry { answer, reason } => {
-                tracing::debug!(worker = %worker.url, %reason, "attempt failed before any generation; trying another worker");
+                tracing::debug!(worker = %worker_id, %reason, "attempt failed before any generation; trying another worker");
                 if answer.is_some() {
                     last_answer = answer;
                 }
                 last_reason = reason;
-                tried.push(worker.id);
+                tried.push(worker_id);
             }
         }
     }
@@ -243,57 +263,63 @@ async fn forward(app: Arc<App>, request: &ClientRequest) -> Response {
 async fn attempt_on(
     app: &Arc<App>,
     mut tracker: RequestTracker,
-    upstream: http::Request<UpstreamBody>,
     request: &ClientRequest,
+    now: tokio::time::Instant,
 ) -> Attempt {
-    let worker = tracker.worker.clone();
+    let route = tracker.route.clone();
+    let worker = &route.worker;
     let server = &app.config.server;
     let streaming = request.info.streaming;
-    let first_byte_by = tokio::time::Instant::now()
+    let first_byte_by = now
         .checked_add(request.head_timeout)
         .map_or(request.deadline, |by| by.min(request.deadline));
-    let response =
-        match tokio::time::timeout_at(first_byte_by, app.upstream.request(upstream)).await {
-            Ok(Ok(response)) => response,
-            Ok(Err(error)) => {
-                // The connection failed, or closed before any answer: the
-                // engine is not generating this request.
-                worker.metrics.request_status(&app.metrics, "error");
-                app.request_failed(&worker, Failure::Connect);
+    let outgoing = request.outgoing(worker);
+    let sent = h1::send(&worker.pool, &outgoing, server.connect_timeout());
+    let response = match tokio::time::timeout_at(first_byte_by, sent).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            // The connection failed, or closed before any answer: the
+            // engine is not generating this request.
+            worker.metrics.request_status(&app.metrics, "error");
+            app.request_failed(worker, Failure::Connect);
+            return Attempt::Retry {
+                answer: None,
+                reason: format!(
+                    "worker {} could not be reached: {}",
+                    worker.url,
+                    error_chain(&error)
+                ),
+            };
+        }
+        Err(_elapsed) => {
+            worker.metrics.request_status(&app.metrics, "timeout");
+            app.request_failed(worker, Failure::FirstByteTimeout);
+            let reason = format!(
+                "worker {} sent no response head within {} ms (server.first_byte_timeout_ms)",
+                worker.url, server.first_byte_timeout_ms
+            );
+            // A streaming engine sends its head when it admits a request, so
+            // a stream without one was never admitted. A non-streaming
+            // answer's head comes with the answer: that engine may still be
+            // generating, and running it again would do the work twice.
+            if streaming {
                 return Attempt::Retry {
                     answer: None,
-                    reason: format!(
-                        "worker {} could not be reached: {}",
-                        worker.url,
-                        error_chain(&error)
-                    ),
+                    reason,
                 };
             }
-            Err(_elapsed) => {
-                worker.metrics.request_status(&app.metrics, "timeout");
-                app.request_failed(&worker, Failure::FirstByteTimeout);
-                let reason = format!(
-                    "worker {} sent no response head within {} ms (server.first_byte_timeout_ms)",
-                    worker.url, server.first_byte_timeout_ms
-                );
-                // A streaming engine sends its head when it admits a request, so
-                // a stream without one was never admitted. A non-streaming
-                // answer's head comes with the answer: that engine may still be
-                // generating, and running it again would do the work twice.
-                if streaming {
-                    return Attempt::Retry {
-                        answer: None,
-                        reason,
-                    };
-                }
-                return Attempt::Done(gateway_error(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "timeout",
-                    format!("{reason}; not retried, since the worker may still be generating it"),
-                ));
-            }
-        };
-    let status = response.status();
+            return Attempt::Done(gateway_error(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout",
+                format!("{reason}; not retried, since the worker may still be generating it"),
+            ));
+        }
+    };
+    let h1::Response {
+        status,
+        headers,
+        body: mut inner,
+    } = response;
     worker
         .metrics
         .time_to_first_byte
@@ -301,9 +327,9 @@ async fn attempt_on(
     worker.metrics.request_status(&app.metrics, status.as_str());
     if status.is_client_error() || status.is_server_error() {
         if status.is_server_error() {
-            app.request_failed(&worker, Failure::ServerError(status.as_u16()));
+            app.request_failed(worker, Failure::ServerError(status.as_u16()));
         }
-        let answer = worker_error(response, first_byte_by).await;
+        let answer = worker_error(status, &headers, inner, first_byte_by).await;
         // Only an engine that refused the work (overloaded, rate-limited)
         // is known not to have started it.
         if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
@@ -314,14 +340,11 @@ async fn attempt_on(
         }
         return Attempt::Done(answer);
     }
-    let (mut parts, inner) = response.into_parts();
-    parts.headers = forwardable(&parts.headers);
     if !streaming {
         // A non-streaming response's head is its first token.
         tracker.first_token();
-        return Attempt::Done(whole_answer(app, tracker, parts, inner, request).await);
+        return Attempt::Done(whole_answer(app, tracker, status, headers, inner, request).await);
     }
-    let mut inner = Coalesce::new(inner);
     let mut first_event = FirstDataEvent::default();
     let held = match tokio::time::timeout_at(
         first_byte_by,
@@ -334,7 +357,7 @@ async fn attempt_on(
             worker
                 .metrics
                 .request_status(&app.metrics, Failure::Cut.label());
-            app.request_failed(&worker, Failure::Cut);
+            app.request_failed(worker, Failure::Cut);
             return Attempt::Done(gateway_error(
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
@@ -347,7 +370,7 @@ async fn attempt_on(
         }
         Err(_elapsed) => {
             worker.metrics.request_status(&app.metrics, "timeout");
-            app.request_failed(&worker, Failure::FirstByteTimeout);
+            app.request_failed(worker, Failure::FirstByteTimeout);
             return Attempt::Done(gateway_error(
                 StatusCode::GATEWAY_TIMEOUT,
                 "timeout",
@@ -386,85 +409,152 @@ async fn attempt_on(
         deadline: Box::pin(tokio::time::sleep_until(request.deadline)),
         ended: false,
     };
-    Attempt::Done(Response::from_parts(parts, Body::new(body)))
+    respond(status, headers, Body::new(body))
+}
+
+/// A response to the client with the worker's status and headers.
+fn respond(status: StatusCode, headers: HeaderMap, body: Body) -> Attempt {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    Attempt::Done(response)
 }
 
 /// Most bytes of a non-streaming answer the router holds to pass on whole.
 const WHOLE_ANSWER_LIMIT_BYTES: usize = 64 * 1024 * 1024;
 
+/// Why a body was not read whole.
+enum ReadWholeError {
+    TooLarge { limit_bytes: usize },
+    Broken(h1::BodyError),
+}
+
+/// A worker's whole body, refused as soon as it (announced or read so far)
+/// exceeds `limit_bytes`. A body that came in one piece is not copied.
+async fn read_whole(mut body: WorkerBody, limit_bytes: usize) -> Result<Bytes, ReadWholeError> {
+    let too_large = ReadWholeError::TooLarge { limit_bytes };
+    let announced = http_body::Body::size_hint(&body).exact();
+    if announced.is_some_and(|len| usize::try_from(len).map_or(true, |len| len > limit_bytes)) {
+        return Err(too_large);
+    }
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(ReadWholeError::Broken)?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let so_far = joined
+            .as_ref()
+            .map_or_else(|| first.as_ref().map_or(0, Bytes::len), BytesMut::len);
+        if so_far.saturating_add(data.len()) > limit_bytes {
+            return Err(too_large);
+        }
+        match (&mut joined, first.take()) {
+            (Some(joined), _) => joined.extend_from_slice(&data),
+            (None, None) => first = Some(data),
+            (None, Some(earlier)) => {
+                let mut both = BytesMut::with_capacity(earlier.len() + data.len());
+                both.extend_from_slice(&earlier);
+                both.extend_from_slice(&data);
+                joined = Some(both);
+            }
+        }
+    }
+    Ok(match joined {
+        Some(joined) => joined.freeze(),
+        None => first.unwrap_or_default(),
+    })
+}
+
 /// A non-streaming answer, read whole before its head goes to the client:
-/// one JSON document, so an engine that breaks off mid-way becomes a clear
+/// an engine that breaks off mid-way becomes a clear
 /// 502 instead of a cut the client cannot tell from a short answer.
 async fn whole_answer(
     app: &Arc<App>,
     tracker: RequestTracker,
-    parts: http::response::Parts,
-    inner: Incoming,
+    status: StatusCode,
+    headers: HeaderMap,
+    inner: WorkerBody,
     request: &ClientRequest,
 ) -> Response {
-    let worker = tracker.worker.clone();
+    let worker = tracker.worker();
     let server = &app.config.server;
     let read_by =
         (tokio::time::Instant::now() + server.stream_idle_timeout()).min(request.deadline);
-    let failure = match tokio::time::timeout_at(
-        read_by,
-        read_capped(inner, WHOLE_ANSWER_LIMIT_BYTES),
-    )
-    .await
-    {
-        Ok(Ok(answer)) => {
-            app.request_succeeded(&worker);
-            return Response::from_parts(parts, Body::from(answer));
-        }
-        Ok(Err(CappedBodyError::TooLarge { limit_bytes })) => {
-            // Not the worker's fault; the router's own limit.
-            return gateway_error(
+    let failure =
+        match tokio::time::timeout_at(read_by, read_whole(inner, WHOLE_ANSWER_LIMIT_BYTES)).await {
+            Ok(Ok(answer)) => {
+                app.request_succeeded(worker);
+                let mut response = Response::new(Body::from(answer));
+                *response.status_mut() = status;
+                *response.headers_mut() = headers;
+                return response;
+            }
+            Ok(Err(ReadWholeError::TooLarge { limit_bytes })) => {
+                // Not the worker's fault; the router's own limit.
+                return gateway_error(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    format!("the worker's answer exceeds {limit_bytes} bytes"),
+                );
+            }
+            Ok(Err(ReadWholeError::Broken(error))) => (
+                Failure::Cut,
                 StatusCode::BAD_GATEWAY,
-                "upstream_error",
-                format!("the worker's answer exceeds {limit_bytes} bytes"),
-            );
-        }
-        Ok(Err(CappedBodyError::Broken(error))) => (
-            Failure::Cut,
-            StatusCode::BAD_GATEWAY,
-            format!(
-                "worker {} broke off its answer: {}",
-                worker.url,
-                error_chain(&error)
+                format!(
+                    "worker {} broke off its answer: {}",
+                    worker.url,
+                    error_chain(&error)
+                ),
             ),
-        ),
-        Err(_elapsed) => (
-            Failure::Stalled,
-            StatusCode::GATEWAY_TIMEOUT,
-            format!(
-                "worker {} sent its head but not the rest of its answer within {} ms \
+            Err(_elapsed) => (
+                Failure::Stalled,
+                StatusCode::GATEWAY_TIMEOUT,
+                format!(
+                    "worker {} sent its head but not the rest of its answer within {} ms \
                  (server.stream_idle_timeout_ms)",
-                worker.url, server.stream_idle_timeout_ms
+                    worker.url, server.stream_idle_timeout_ms
+                ),
             ),
-        ),
-    };
+        };
     let (failure, status, message) = failure;
     worker.metrics.request_status(&app.metrics, failure.label());
-    app.request_failed(&worker, failure);
+    app.request_failed(worker, failure);
     gateway_error(status, "upstream_error", message)
 }
 
 /// Reads a stream until its first `data:` field has arrived (or it ended);
 /// returns what was read, to be sent first.
 async fn until_first_event(
-    inner: &mut Coalesce<Incoming>,
+    inner: &mut WorkerBody,
     first_event: &mut FirstDataEvent,
-) -> Result<Option<Bytes>, hyper::Error> {
-    let mut read = BytesMut::new();
+) -> Result<Option<Bytes>, h1::BodyError> {
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
     while let Some(frame) = inner.frame().await {
-        if let Ok(data) = frame?.into_data() {
-            read.extend_from_slice(&data);
-            if first_event.feed(&data) {
-                break;
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        let found = first_event.feed(&data);
+        match (&mut joined, first.take()) {
+            (Some(joined), _) => joined.extend_from_slice(&data),
+            (None, None) => first = Some(data),
+            (None, Some(earlier)) => {
+                let mut both = BytesMut::with_capacity(earlier.len() + data.len());
+                both.extend_from_slice(&earlier);
+                both.extend_from_slice(&data);
+                joined = Some(both);
             }
         }
+        if found {
+            break;
+        }
     }
-    Ok((!read.is_empty()).then(|| read.freeze()))
+    Ok(match joined {
+        Some(joined) => Some(joined.freeze()),
+        None => first.filter(|first| !first.is_empty()),
+    })
 }
 
 /// Most bytes of a worker's error answer the router reads to pass it on.
@@ -473,15 +563,15 @@ const ERROR_BODY_LIMIT_BYTES: usize = 1024 * 1024;
 /// A worker's 4xx or 5xx, passed through with its status and body; a body
 /// that is not JSON is wrapped in an OpenAI-shaped error.
 async fn worker_error(
-    response: http::Response<Incoming>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: WorkerBody,
     read_by: tokio::time::Instant,
 ) -> Response {
-    let (parts, body) = response.into_parts();
-    let status = parts.status;
-    let read = tokio::time::timeout_at(read_by, read_capped(body, ERROR_BODY_LIMIT_BYTES)).await;
+    let read = tokio::time::timeout_at(read_by, read_whole(body, ERROR_BODY_LIMIT_BYTES)).await;
     let text = match read {
         Ok(Ok(bytes)) if serde_json::from_slice::<serde_json::Value>(&bytes).is_ok() => {
-            let mut headers = forwardable(&parts.headers);
+            let mut headers = headers.clone();
             headers.insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
@@ -502,57 +592,45 @@ async fn worker_error(
         "upstream_error",
         format!("the worker answered {status}: {shown}"),
     );
-    for (name, value) in forwardable(&parts.headers) {
-        if let Some(name) = name
-            && name != header::CONTENT_TYPE
-        {
-            response.headers_mut().append(name, value);
+    for (name, value) in headers {
+        if name != header::CONTENT_TYPE {
+            response.headers_mut().append(name, value.clone());
         }
     }
     response
 }
 
-/// The client's request, addressed to `worker`, with the worker's key.
-/// `None` if the worker's URL does not make a URI.
-fn upstream_request(
-    worker: &Worker,
-    request: &ClientRequest,
-) -> Option<http::Request<UpstreamBody>> {
-    let parts = &request.parts;
-    let uri = worker.uri_for(parts.uri.path(), parts.uri.query())?;
-    let mut upstream = http::Request::new(UpstreamBody::new(request.body.clone()));
-    *upstream.method_mut() = parts.method.clone();
-    *upstream.uri_mut() = uri;
-    *upstream.headers_mut() = request.headers.clone();
-    if let Some(authorization) = &worker.authorization {
-        upstream
-            .headers_mut()
-            .insert(header::AUTHORIZATION, authorization.clone());
-    }
-    Some(upstream)
-}
-
-/// Holds a request's dispatch and in-flight count until its response ends.
+/// Holds a request's dispatch and in-flight count until its response ends,
+/// then finishes the dispatch against the policy that credited it.
 struct RequestTracker {
-    guard: DispatchGuard,
-    worker: Arc<Worker>,
+    route: Arc<Route>,
+    dispatch: Dispatch,
+    first_token_seen: bool,
     received_at: Instant,
 }
 
 impl RequestTracker {
-    fn new(guard: DispatchGuard, worker: Arc<Worker>, received_at: Instant) -> RequestTracker {
-        worker.request_started();
+    fn new(route: Arc<Route>, dispatch: Dispatch, received_at: Instant) -> RequestTracker {
+        route.worker.request_started();
         RequestTracker {
-            guard,
-            worker,
+            route,
+            dispatch,
+            first_token_seen: false,
             received_at,
         }
     }
 
+    fn worker(&self) -> &Arc<Worker> {
+        &self.route.worker
+    }
+
+    /// Tells the policy the first token passed; later calls do nothing.
     fn first_token(&mut self) {
-        if !self.guard.first_token_seen() {
-            self.guard.first_token();
-            self.worker
+        if !self.first_token_seen {
+            self.first_token_seen = true;
+            self.route.policy.first_token(&self.dispatch, tokio_now());
+            self.route
+                .worker
                 .metrics
                 .time_to_first_token
                 .observe(self.received_at.elapsed().as_secs_f64());
@@ -562,22 +640,27 @@ impl RequestTracker {
 
 impl Drop for RequestTracker {
     fn drop(&mut self) {
-        self.worker.request_ended();
-        self.worker
+        let worker = &self.route.worker;
+        worker.request_ended();
+        worker
             .metrics
             .request_duration
             .observe(self.received_at.elapsed().as_secs_f64());
-        // `guard` drops next and finishes the dispatch.
+        self.route.policy.finish(&self.dispatch, tokio_now());
     }
 }
 
-/// A worker's stream, passed through as it arrives (joined into fewer
-/// frames by [`Coalesce`]), under the stream idle deadline and the request
-/// deadline. A stream that breaks off or stalls ends with an SSE error
-/// event, never a silent cut. Dropping it (the stream ended, or the client
-/// went away) releases the dispatch.
+/// A worker's stream, passed through as it arrives (each frame all that
+/// had arrived, see [`WorkerBody`]), under the stream idle deadline and the
+/// request deadline. A stream that breaks off or stalls ends with an SSE
+/// error event, never a silent cut. Dropping it (the stream ended, or the
+/// client went away) releases the dispatch.
+///
+/// The idle timer is not moved for every frame: a frame only notes its
+/// time, and when the timer fires it is pushed to that time plus the
+/// threshold if the stream has sent since.
 struct TrackedBody {
-    inner: Coalesce<Incoming>,
+    inner: WorkerBody,
     /// Read before the head was sent (up to the first event); goes first.
     held: Option<Bytes>,
     tracker: Option<RequestTracker>,
@@ -590,12 +673,22 @@ struct TrackedBody {
     last_frame_at: tokio::time::Instant,
     /// Held while the stream is silent: its worker gets no new requests.
     silent: Option<SilentStream>,
-    /// Fires at `silent_after` past the last frame (the stream goes
-    /// silent), then at `idle_timeout` (it has stalled).
+    /// Fires no earlier than `silent_after` past the last frame (the stream
+    /// went silent), then `idle_timeout` past it (it has stalled).
     idle: Pin<Box<tokio::time::Sleep>>,
     deadline: Pin<Box<tokio::time::Sleep>>,
     /// The router ended the body (an error event went out).
     ended: bool,
+}
+
+/// What the idle timer found when it fired.
+enum IdleCheck {
+    /// The stream sent since; the timer is re-armed.
+    Rearmed,
+    /// Silent for `silent_after`: the worker is held back now.
+    WentSilent,
+    /// Nothing for `idle_timeout`.
+    Stalled,
 }
 
 impl TrackedBody {
@@ -604,7 +697,7 @@ impl TrackedBody {
     /// of this body.
     fn succeeded(&mut self) {
         if let Some(tracker) = self.tracker.take() {
-            self.app.request_succeeded(&tracker.worker);
+            self.app.request_succeeded(tracker.worker());
         }
     }
 
@@ -617,40 +710,62 @@ impl TrackedBody {
         message: String,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         if let Some(tracker) = self.tracker.take() {
+            let worker = tracker.worker();
             if let Some(failure) = failure {
-                tracker
-                    .worker
+                worker
                     .metrics
                     .request_status(&self.app.metrics, failure.label());
-                self.app.request_failed(&tracker.worker, failure);
+                self.app.request_failed(worker, failure);
             }
-            tracing::debug!(worker = %tracker.worker.url, %message, "response ended early");
+            tracing::debug!(worker = %worker.url, %message, "response ended early");
         }
         self.silent = None;
         self.ended = true;
         Poll::Ready(Some(Ok(Frame::data(sse::error_event(kind, &message)))))
     }
 
-    /// The stream has sent nothing for `silent_after`: holds its worker
-    /// back and re-arms the timer for the idle deadline. False when it was
-    /// already held back (or hold-back is off): the stream has stalled.
-    fn went_silent(&mut self) -> bool {
-        let (Some(_), None, Some(tracker)) = (self.silent_after, &self.silent, &self.tracker)
-        else {
-            return false;
-        };
-        self.silent = Some(SilentStream::new(&self.app, &tracker.worker));
-        let stalled_at = self.last_frame_at + self.idle_timeout;
-        self.idle.as_mut().reset(stalled_at);
-        true
+    /// The idle timer fired: re-arms it past the last frame if the stream
+    /// sent since, holds the worker back if the stream has been silent for
+    /// `silent_after`, or finds it stalled.
+    fn idle_fired(&mut self) -> IdleCheck {
+        let now = tokio::time::Instant::now();
+        let silent_for = now.saturating_duration_since(self.last_frame_at);
+        let holding_back = self.silent_after.is_some() && self.tracker.is_some();
+        if holding_back
+            && self.silent.is_none()
+            && let Some(silent_after) = self.silent_after
+        {
+            if silent_for < silent_after {
+                self.idle.as_mut().reset(self.last_frame_at + silent_after);
+                return IdleCheck::Rearmed;
+            }
+            if let Some(tracker) = &self.tracker {
+                self.silent = Some(SilentStream::new(&self.app, tracker.worker()));
+            }
+            if silent_for < self.idle_timeout {
+                self.idle
+                    .as_mut()
+                    .reset(self.last_frame_at + self.idle_timeout);
+                return IdleCheck::WentSilent;
+            }
+            return IdleCheck::Stalled;
+        }
+        if silent_for < self.idle_timeout {
+            self.idle
+                .as_mut()
+                .reset(self.last_frame_at + self.idle_timeout);
+            return IdleCheck::Rearmed;
+        }
+        IdleCheck::Stalled
     }
 
     fn pass(&mut self, frame: Frame<Bytes>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        let now = tokio::time::Instant::now();
-        self.last_frame_at = now;
-        self.silent = None;
-        let next_check = now + self.silent_after.unwrap_or(self.idle_timeout);
-        self.idle.as_mut().reset(next_check);
+        self.last_frame_at = tokio::time::Instant::now();
+        if self.silent.take().is_some() {
+            // The timer was set for the stall; the next silence is sooner.
+            let next_check = self.last_frame_at + self.silent_after.unwrap_or(self.idle_timeout);
+            self.idle.as_mut().reset(next_check);
+        }
         if let Some(data) = frame.data_ref()
             && !self.first_event.found()
             && self.first_event.feed(data)
@@ -705,18 +820,20 @@ impl http_body::Body for TrackedBody {
                         format!("the request ran past its deadline (server.request_deadline_ms = {limit_ms})"),
                     );
                 }
-                if this.idle.as_mut().poll(cx).is_ready() {
-                    // Silent, not yet stalled: wait on, with the worker held
-                    // back (polled again so the re-armed timer wakes us).
-                    if this.went_silent() && this.idle.as_mut().poll(cx).is_pending() {
-                        return Poll::Pending;
+                // A fired timer is re-armed (or the stream has stalled);
+                // the re-armed one is polled so that it wakes us.
+                while this.idle.as_mut().poll(cx).is_ready() {
+                    match this.idle_fired() {
+                        IdleCheck::Rearmed | IdleCheck::WentSilent => {}
+                        IdleCheck::Stalled => {
+                            let idle_ms = this.app.config.server.stream_idle_timeout_ms;
+                            return this.end_early(
+                                Some(Failure::Stalled),
+                                "timeout",
+                                format!("the worker sent nothing for {idle_ms} ms (server.stream_idle_timeout_ms)"),
+                            );
+                        }
                     }
-                    let idle_ms = this.app.config.server.stream_idle_timeout_ms;
-                    return this.end_early(
-                        Some(Failure::Stalled),
-                        "timeout",
-                        format!("the worker sent nothing for {idle_ms} ms (server.stream_idle_timeout_ms)"),
-                    );
                 }
                 Poll::Pending
             }
@@ -774,33 +891,4 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
     }
     let data: Vec<serde_json::Value> = seen.into_values().collect();
     axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_are_stripped() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, x-trace"),
-        );
-        headers.insert("x-trace", HeaderValue::from_static("1"));
-        headers.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        headers.insert(header::HOST, HeaderValue::from_static("router"));
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        let out = forwardable(&headers);
-        assert_eq!(out.len(), 2);
-        assert!(out.contains_key(header::AUTHORIZATION));
-        assert!(out.contains_key(header::CONTENT_TYPE));
-    }
 }

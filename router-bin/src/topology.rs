@@ -7,6 +7,13 @@
 //! flip is made before the rebuild that follows it, under the same lock, so
 //! the last rebuild always sees every flip: no update is lost. A request
 //! does one lock-free load.
+//!
+//! The request path writes nothing shared by every request: the load is
+//! arc-swap's (a per-thread slot, not the snapshot's reference count), the
+//! candidate list is the snapshot's own slice (built once per change, never
+//! copied per request), and what a request keeps after choosing is its
+//! worker's [`Route`], whose reference count only that worker's requests
+//! share.
 
 use std::sync::Arc;
 
@@ -23,8 +30,28 @@ pub struct Snapshot {
     pub policy_config: PolicyConfig,
     /// By slot; `None` where no worker is.
     workers: Vec<Option<Arc<Worker>>>,
+    /// By slot, beside `workers`: each worker with this snapshot's policy.
+    routes: Vec<Option<Arc<Route>>>,
     /// Healthy, not ejected, not draining: who `select` may choose.
     candidates: Vec<WorkerId>,
+}
+
+/// A worker and the policy that chooses it, as one request holds them from
+/// its selection to its end: the dispatch is finished against the policy
+/// that credited it, even if another was swapped in meanwhile. One per
+/// worker and policy, shared by that worker's requests only.
+pub struct Route {
+    pub worker: Arc<Worker>,
+    pub policy: Arc<dyn Policy>,
+}
+
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Route")
+            .field("worker", &self.worker.url)
+            .field("policy", &self.policy.name())
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -43,6 +70,14 @@ impl Snapshot {
             .get(id.slot())
             .and_then(Option::as_ref)
             .filter(|worker| worker.id == id)
+    }
+
+    /// The worker with its route (this snapshot's policy), for a request.
+    pub fn route(&self, id: WorkerId) -> Option<&Arc<Route>> {
+        self.routes
+            .get(id.slot())
+            .and_then(Option::as_ref)
+            .filter(|route| route.worker.id == id)
     }
 
     /// Every worker, in slot order.
@@ -85,6 +120,7 @@ impl Topology {
                 policy,
                 policy_config,
                 workers: Vec::new(),
+                routes: Vec::new(),
                 candidates: Vec::new(),
             }),
         }
@@ -95,7 +131,9 @@ impl Topology {
         self.current.load()
     }
 
-    /// The current snapshot, owned (to hold across an await).
+    /// The current snapshot, owned (to hold across an await). Raises the
+    /// snapshot's shared reference count: not for the request path, which
+    /// uses [`Topology::load`].
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.current.load_full()
     }
@@ -199,9 +237,33 @@ impl Topology {
             policy: current.policy.clone(),
             policy_config: current.policy_config.clone(),
             workers: current.workers.clone(),
+            routes: Vec::new(),
             candidates: Vec::new(),
         };
         change(&mut next);
+        // A route is kept while its worker and policy are; otherwise made anew.
+        next.routes = next
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(slot, worker)| {
+                let worker = worker.as_ref()?;
+                let kept = current
+                    .routes
+                    .get(slot)
+                    .and_then(Option::as_ref)
+                    .filter(|route| {
+                        Arc::ptr_eq(&route.worker, worker)
+                            && Arc::ptr_eq(&route.policy, &next.policy)
+                    });
+                Some(kept.cloned().unwrap_or_else(|| {
+                    Arc::new(Route {
+                        worker: worker.clone(),
+                        policy: next.policy.clone(),
+                    })
+                }))
+            })
+            .collect();
         next.candidates = next
             .workers()
             .filter(|worker| worker.in_rotation() && !worker.is_held_back())

@@ -5,13 +5,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use http::uri::{Authority, Scheme};
-use http::{HeaderValue, Uri};
+use http::HeaderValue;
 use load_protocols::WorkerLoad;
 use load_transport::http::bearer_header;
 use parking_lot::Mutex;
 use policy_core::{LoadSource, WorkerId, WorkerInfo};
 
+use crate::h1::Pool;
 use crate::metrics::WorkerMetrics;
 use crate::outlier::OutlierState;
 
@@ -20,9 +20,9 @@ pub struct Worker {
     pub id: WorkerId,
     /// HTTP address requests travel to, without a trailing slash.
     pub url: String,
-    /// `url`, parsed once: a request joins its path to this without parsing
-    /// the host again. `None` if it does not parse.
-    base: Option<UpstreamBase>,
+    /// Kept-alive connections for forwarded requests, and the address they
+    /// go to, parsed once.
+    pub pool: Arc<Pool>,
     pub backend: String,
     pub load_url: Option<String>,
     /// `Authorization: Bearer <api_key>`, built once and marked sensitive.
@@ -46,44 +46,6 @@ pub struct Worker {
     /// Woken when `in_flight` drops to 0, for a drain to finish.
     idle: tokio::sync::Notify,
     latest_load: Mutex<Option<WorkerLoad>>,
-}
-
-/// A worker address split once into the parts every request URI reuses.
-#[derive(Debug, Clone)]
-struct UpstreamBase {
-    scheme: Scheme,
-    authority: Authority,
-    /// A path the worker sits behind (`/engine-a`), without a trailing slash;
-    /// usually empty.
-    path_prefix: String,
-}
-
-impl UpstreamBase {
-    fn parse(url: &str) -> Option<UpstreamBase> {
-        let uri: Uri = url.parse().ok()?;
-        let parts = uri.into_parts();
-        Some(UpstreamBase {
-            scheme: parts.scheme?,
-            authority: parts.authority?,
-            path_prefix: parts
-                .path_and_query
-                .map(|path| path.path().trim_end_matches('/').to_owned())
-                .unwrap_or_default(),
-        })
-    }
-
-    fn join(&self, path: &str, query: Option<&str>) -> Option<Uri> {
-        let path_and_query = match query {
-            Some(query) => format!("{}{path}?{query}", self.path_prefix),
-            None => format!("{}{path}", self.path_prefix),
-        };
-        Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
-            .ok()
-    }
 }
 
 impl std::fmt::Debug for Worker {
@@ -120,7 +82,7 @@ impl Worker {
         let authorization = api_key.as_deref().and_then(|key| bearer_header(key).ok());
         Worker {
             id,
-            base: UpstreamBase::parse(&url),
+            pool: Arc::new(Pool::new(&url)),
             url,
             backend,
             load_url,
@@ -140,11 +102,6 @@ impl Worker {
             idle: tokio::sync::Notify::new(),
             latest_load: Mutex::new(None),
         }
-    }
-
-    /// The worker's URI for a request path (`/v1/chat/completions`) and query.
-    pub fn uri_for(&self, path: &str, query: Option<&str>) -> Option<Uri> {
-        self.base.as_ref()?.join(path, query)
     }
 
     pub fn info(&self) -> WorkerInfo {
@@ -321,33 +278,6 @@ mod tests {
             .unwrap();
         // Already idle: returns at once.
         worker.until_idle().await;
-    }
-
-    #[test]
-    fn request_uris_join_the_worker_address() {
-        let at = |base: &str| {
-            let mut worker = worker();
-            worker.base = UpstreamBase::parse(base);
-            worker
-        };
-        let plain = at("http://10.0.0.1:30000");
-        assert_eq!(
-            plain
-                .uri_for("/v1/chat/completions", None)
-                .unwrap()
-                .to_string(),
-            "http://10.0.0.1:30000/v1/chat/completions"
-        );
-        let prefixed = at("http://h:8000/engine-a/");
-        assert_eq!(
-            prefixed
-                .uri_for("/generate", Some("x=1"))
-                .unwrap()
-                .to_string(),
-            "http://h:8000/engine-a/generate?x=1"
-        );
-        assert!(at("not a url").uri_for("/generate", None).is_none());
-        assert!(at("/relative").uri_for("/generate", None).is_none());
     }
 
     #[test]

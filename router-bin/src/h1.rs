@@ -1,0 +1,1001 @@
+//! The request path's HTTP/1.1 client to the workers: a pool of kept-alive
+//! connections per worker, and a response body read straight from the
+//! worker's socket by whoever polls it.
+//!
+//! hyper's pooled client runs every upstream connection in a task of its
+//! own and hands each decoded body chunk to the response body through a
+//! channel of one slot: an SSE event costs a task wake each way, and a
+//! request a dispatch message, a pool checkout keyed by scheme and
+//! authority, and a oneshot back. Here the task serving the client does
+//! it all itself, as nginx's one event loop does: it writes the request
+//! head and body with one vectored write, reads and parses the head, and
+//! its [`WorkerBody`] reads the socket when the client's connection asks
+//! for the next frame. Each read returns every whole chunk that arrived,
+//! joined into one frame, so a burst of events costs one read and one
+//! write to the client, and an event that arrives alone goes out at once.
+//!
+//! Only the proxied generation requests use it; the control plane (health
+//! checks, probes, `/v1/models`, load polls) stays on hyper's client.
+
+use std::io::IoSlice;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderName};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use parking_lot::Mutex;
+use tokio::io::AsyncWrite;
+use tokio::net::TcpStream;
+
+/// How long an idle connection stays in the pool: as long as hyper's client
+/// kept one.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Most idle connections a worker keeps.
+const MAX_IDLE_PER_WORKER: usize = 1024;
+/// Most bytes of a response head.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Most headers of a response head.
+const MAX_HEADERS: usize = 100;
+/// Room made in the read buffer before each read.
+const READ_RESERVE: usize = 16 * 1024;
+/// A connection whose buffer grew past this goes back to the pool with a
+/// fresh one.
+const MAX_POOLED_BUFFER: usize = 256 * 1024;
+/// Most bytes of a chunk-size line (with extensions) or a trailer line.
+const MAX_LINE_BYTES: usize = 4 * 1024;
+
+/// Why a request got no response head.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("cannot connect to {address}")]
+    Connect {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("connecting to {address} took longer than {timeout:?}")]
+    ConnectTimeout { address: String, timeout: Duration },
+    #[error("the request could not be written")]
+    Write(#[source] std::io::Error),
+    #[error("the connection closed before any answer")]
+    ClosedBeforeAnswer,
+    #[error("the connection broke before the response head ended")]
+    Read(#[source] std::io::Error),
+    #[error("the response head is malformed: {0}")]
+    BadHead(String),
+}
+
+/// Why a response body ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the connection broke")]
+    Io(#[from] std::io::Error),
+    #[error("the connection closed before the body ended")]
+    Closed,
+    #[error("the chunked body is malformed: {0}")]
+    BadChunk(&'static str),
+}
+
+/// Where a worker is, split once: what every request to it reuses.
+#[derive(Debug)]
+pub struct Target {
+    /// `host` and `port` to connect to (an IPv6 literal without brackets).
+    host: String,
+    port: u16,
+    /// The `Host` header: the URL's authority.
+    host_header: HeaderValue,
+    /// A path the worker sits behind (`/engine-a`), without a trailing
+    /// slash; usually empty.
+    path_prefix: String,
+}
+
+impl Target {
+    /// `None` unless `url` is `http://host[:port][/prefix]`.
+    pub fn parse(url: &str) -> Option<Target> {
+        let uri: http::Uri = url.parse().ok()?;
+        if uri.scheme() != Some(&http::uri::Scheme::HTTP) {
+            return None;
+        }
+        let authority = uri.authority()?;
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        Some(Target {
+            host,
+            port: authority.port_u16().unwrap_or(80),
+            host_header: HeaderValue::from_str(authority.as_str()).ok()?,
+            path_prefix: uri.path().trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+/// One worker's kept-alive connections, most recently used first out.
+#[derive(Debug)]
+pub struct Pool {
+    target: Option<Target>,
+    idle: Mutex<Vec<Idle>>,
+}
+
+#[derive(Debug)]
+struct Idle {
+    connection: Connection,
+    since: Instant,
+}
+
+/// A connection and its read buffer, which may hold the start of what
+/// follows (never, between requests, since a pooled connection had read
+/// exactly its answers).
+#[derive(Debug)]
+struct Connection {
+    stream: TcpStream,
+    buffer: BytesMut,
+    /// The request head, built here to reuse its allocation.
+    head: Vec<u8>,
+}
+
+impl Pool {
+    /// The pool of the worker at `url`; requests through it fail if the URL
+    /// is not `http://host[:port][/prefix]`.
+    pub fn new(url: &str) -> Pool {
+        Pool {
+            target: Target::parse(url),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Whether requests can be made at all (the URL parsed).
+    pub fn is_usable(&self) -> bool {
+        self.target.is_some()
+    }
+
+    fn checkout(&self) -> Option<Connection> {
+        let mut idle = self.idle.lock();
+        while let Some(entry) = idle.pop() {
+            if entry.since.elapsed() < IDLE_TIMEOUT {
+                return Some(entry.connection);
+            }
+            // The rest are older still.
+            idle.clear();
+        }
+        None
+    }
+
+    fn give_back(&self, mut connection: Connection) {
+        if connection.buffer.capacity() > MAX_POOLED_BUFFER {
+            connection.buffer = BytesMut::new();
+        }
+        let mut idle = self.idle.lock();
+        if idle.len() < MAX_IDLE_PER_WORKER {
+            idle.push(Idle {
+                connection,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Idle connections now.
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().len()
+    }
+
+    async fn connect(&self, target: &Target, timeout: Duration) -> Result<Connection, SendError> {
+        let address = || format!("{}:{}", target.host, target.port);
+        let connect = TcpStream::connect((target.host.as_str(), target.port));
+        let stream = match tokio::time::timeout(timeout, connect).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(source)) => {
+                return Err(SendError::Connect {
+                    address: address(),
+                    source,
+                });
+            }
+            Err(_elapsed) => {
+                return Err(SendError::ConnectTimeout {
+                    address: address(),
+                    timeout,
+                });
+            }
+        };
+        // Requests and events are small writes: no Nagle delay.
+        let _ = stream.set_nodelay(true);
+        Ok(Connection {
+            stream,
+            buffer: BytesMut::new(),
+            head: Vec::new(),
+        })
+    }
+}
+
+/// What a request to a worker is: the client's method, path, query,
+/// headers (hop-by-hop ones are left out here) and whole body.
+#[derive(Debug, Clone, Copy)]
+pub struct Outgoing<'a> {
+    pub method: &'a Method,
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    pub headers: &'a HeaderMap,
+    /// Replaces the client's `Authorization` (the worker's own key).
+    pub authorization: Option<&'a HeaderValue>,
+    pub body: &'a Bytes,
+}
+
+/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
+pub const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-connection",
+];
+
+/// Whether a header is forwarded: not hop-by-hop, not named in
+/// `Connection` (`listed`, lowercase), not `Host` or `Content-Length` (the
+/// next hop's own).
+pub fn is_forwarded(name: &HeaderName, listed: &[String]) -> bool {
+    let name = name.as_str();
+    !(HOP_BY_HOP.contains(&name)
+        || name == "host"
+        || name == "content-length"
+        || listed.iter().any(|listed| listed == name))
+}
+
+/// The names a `Connection` header lists, lowercase: hop-by-hop too.
+pub fn connection_listed(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty())
+        .collect()
+}
+
+fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
+    head.clear();
+    head.extend_from_slice(request.method.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(target.path_prefix.as_bytes());
+    head.extend_from_slice(request.path.as_bytes());
+    if let Some(query) = request.query {
+        head.push(b'?');
+        head.extend_from_slice(query.as_bytes());
+    }
+    head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    head.extend_from_slice(target.host_header.as_bytes());
+    head.extend_from_slice(b"\r\n");
+    let listed = connection_listed(request.headers);
+    for (name, value) in request.headers {
+        if !is_forwarded(name, &listed)
+            || (request.authorization.is_some() && name == header::AUTHORIZATION)
+        {
+            continue;
+        }
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    if let Some(authorization) = request.authorization {
+        head.extend_from_slice(b"authorization: ");
+        head.extend_from_slice(authorization.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"content-length: ");
+    head.extend_from_slice(request.body.len().to_string().as_bytes());
+    head.extend_from_slice(b"\r\n\r\n");
+}
+
+/// A worker's response head, and its body to read.
+#[derive(Debug)]
+pub struct Response {
+    pub status: StatusCode,
+    /// The worker's headers, hop-by-hop ones and `Content-Length` left out.
+    pub headers: HeaderMap,
+    pub body: WorkerBody,
+}
+
+/// Sends `request` to the pool's worker and reads the response head: on a
+/// kept-alive connection if one is idle, else a new one (connected within
+/// `connect_timeout`). A kept-alive connection the worker closed meanwhile
+/// (it answers nothing at all) is replaced by a new one once, as hyper's
+/// client does: nothing reached the worker's application.
+pub async fn send(
+    pool: &std::sync::Arc<Pool>,
+    request: &Outgoing<'_>,
+    connect_timeout: Duration,
+) -> Result<Response, SendError> {
+    let Some(target) = pool.target.as_ref() else {
+        return Err(SendError::BadHead(
+            "the worker's URL is not http://host:port".into(),
+        ));
+    };
+    if let Some(connection) = pool.checkout() {
+        match exchange(connection, target, request).await {
+            Err(SendError::ClosedBeforeAnswer | SendError::Write(_)) => {}
+            answered => return answered.map(|head| head.into_response(pool)),
+        }
+    }
+    let connection = pool.connect(target, connect_timeout).await?;
+    exchange(connection, target, request)
+        .await
+        .map(|head| head.into_response(pool))
+}
+
+/// A parsed head and the connection, its buffer past the head.
+struct Head {
+    status: StatusCode,
+    headers: HeaderMap,
+    framing: Framing,
+    reusable: bool,
+    connection: Connection,
+}
+
+impl Head {
+    fn into_response(self, pool: &std::sync::Arc<Pool>) -> Response {
+        Response {
+            status: self.status,
+            headers: self.headers,
+            body: WorkerBody {
+                connection: Some(self.connection),
+                pool: pool.clone(),
+                framing: self.framing,
+                reusable: self.reusable,
+                ended: false,
+            },
+        }
+    }
+}
+
+async fn exchange(
+    mut connection: Connection,
+    target: &Target,
+    request: &Outgoing<'_>,
+) -> Result<Head, SendError> {
+    let mut head = std::mem::take(&mut connection.head);
+    write_head(&mut head, target, request);
+    write_all_vectored(&mut connection.stream, &head, request.body)
+        .await
+        .map_err(SendError::Write)?;
+    connection.head = head;
+    connection.buffer.clear();
+    loop {
+        if !connection.buffer.is_empty()
+            && let Some(head) = parse_head(&mut connection.buffer)?
+        {
+            let (status, headers, framing, reusable) = head;
+            return Ok(Head {
+                status,
+                headers,
+                framing,
+                reusable,
+                connection,
+            });
+        }
+        if connection.buffer.len() > MAX_HEAD_BYTES {
+            return Err(SendError::BadHead(format!(
+                "longer than {MAX_HEAD_BYTES} bytes"
+            )));
+        }
+        connection.buffer.reserve(READ_RESERVE);
+        let read = std::future::poll_fn(|cx| {
+            poll_read_buf(&mut connection.stream, &mut connection.buffer, cx)
+        })
+        .await;
+        match read {
+            Ok(0) if connection.buffer.is_empty() => return Err(SendError::ClosedBeforeAnswer),
+            Err(error)
+                if connection.buffer.is_empty()
+                    && matches!(
+                        error.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                    ) =>
+            {
+                return Err(SendError::ClosedBeforeAnswer);
+            }
+            Ok(0) => {
+                return Err(SendError::Read(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the connection closed mid-head",
+                )));
+            }
+            Ok(_) => {}
+            Err(error) => return Err(SendError::Read(error)),
+        }
+    }
+}
+
+/// Writes `head` then `body`, in as few system calls as the socket allows
+/// (one, normally).
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let mut written = 0usize;
+    let total = head.len() + body.len();
+    while written < total {
+        let n = std::future::poll_fn(|cx| {
+            let slices = if written < head.len() {
+                [IoSlice::new(&head[written..]), IoSlice::new(body)]
+            } else {
+                [
+                    IoSlice::new(&body[written - head.len()..]),
+                    IoSlice::new(&[]),
+                ]
+            };
+            Pin::new(&mut *stream).poll_write_vectored(cx, &slices)
+        })
+        .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        written += n;
+    }
+    Ok(())
+}
+
+/// Reads what the socket has into the buffer's spare room. tokio marks the
+/// socket drained when a read fills less than the room offered, so the
+/// next poll waits for readiness without another system call.
+fn poll_read_buf(
+    stream: &mut TcpStream,
+    buffer: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<std::io::Result<usize>> {
+    tokio_util::io::poll_read_buf(Pin::new(stream), cx, buffer)
+}
+
+type ParsedHead = (StatusCode, HeaderMap, Framing, bool);
+
+/// Parses a whole response head at the start of `buffer` and removes it;
+/// `None` while it is incomplete. Informational (1xx) heads are skipped.
+fn parse_head(buffer: &mut BytesMut) -> Result<Option<ParsedHead>, SendError> {
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut response = httparse::Response::new(&mut headers);
+        let head_len = match response.parse(buffer) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(error) => return Err(SendError::BadHead(error.to_string())),
+        };
+        let code = response.code.unwrap_or(0);
+        let status =
+            StatusCode::from_u16(code).map_err(|_| SendError::BadHead(format!("status {code}")))?;
+        if status.is_informational() {
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                return Err(SendError::BadHead("an upgrade was not asked for".into()));
+            }
+            buffer.advance(head_len);
+            continue;
+        }
+        let http10 = response.version == Some(0);
+        // Header slices point into `buffer`; keep their offsets, then take
+        // the head out as one `Bytes` and slice values from it (no copy).
+        let base = buffer.as_ptr() as usize;
+        let mut spans = Vec::with_capacity(response.headers.len());
+        let mut chunked = false;
+        let mut length: Option<u64> = None;
+        let mut close = http10;
+        let mut keep_alive = false;
+        let mut listed: Vec<String> = Vec::new();
+        for header in response.headers.iter() {
+            let name = HeaderName::from_bytes(header.name.as_bytes())
+                .map_err(|_| SendError::BadHead(format!("header name {:?}", header.name)))?;
+            let value = header.value;
+            if name == header::TRANSFER_ENCODING {
+                // Chunked must be the last coding; anything else is read to
+                // the close.
+                chunked = value
+                    .rsplit(|byte| *byte == b',')
+                    .next()
+                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                if !chunked {
+                    close = true;
+                }
+            } else if name == header::CONTENT_LENGTH {
+                let parsed = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|text| text.trim().parse::<u64>().ok())
+                    .ok_or_else(|| SendError::BadHead("content-length".into()))?;
+                if length.is_some_and(|earlier| earlier != parsed) {
+                    return Err(SendError::BadHead("conflicting content-length".into()));
+                }
+                length = Some(parsed);
+            } else if name == header::CONNECTION {
+                for token in value.split(|byte| *byte == b',') {
+                    let token = token.trim_ascii();
+                    if token.eq_ignore_ascii_case(b"close") {
+                        close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        keep_alive = true;
+                    } else if !token.is_empty() {
+                        listed.push(String::from_utf8_lossy(token).to_ascii_lowercase());
+                    }
+                }
+            }
+            let start = value.as_ptr() as usize - base;
+            spans.push((name, start, value.len()));
+        }
+        if http10 && keep_alive {
+            close = false;
+        }
+        let framing = if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+            Framing::Done
+        } else if chunked {
+            Framing::Chunked(Chunked::Size)
+        } else if close && length.is_none() {
+            Framing::UntilClose
+        } else {
+            match length {
+                Some(0) => Framing::Done,
+                Some(remaining) => Framing::Length { remaining },
+                None => {
+                    close = true;
+                    Framing::UntilClose
+                }
+            }
+        };
+        let head = buffer.split_to(head_len).freeze();
+        let mut map = HeaderMap::with_capacity(spans.len());
+        for (name, start, len) in spans {
+            if !is_forwarded(&name, &listed) {
+                continue;
+            }
+            let value = HeaderValue::from_maybe_shared(head.slice(start..start + len))
+                .map_err(|_| SendError::BadHead(format!("header {name}")))?;
+            map.append(name, value);
+        }
+        return Ok(Some((status, map, framing, !close)));
+    }
+}
+
+/// How a response body's end is known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Length { remaining: u64 },
+    Chunked(Chunked),
+    UntilClose,
+    Done,
+}
+
+/// Where a chunked body's decoder is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunked {
+    /// At a chunk-size line.
+    Size,
+    /// Inside a chunk's data.
+    Data { remaining: u64 },
+    /// At the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines up to an empty one.
+    Trailers,
+}
+
+/// A worker's response body, read from its connection by whoever polls it.
+/// Each frame holds every whole piece of data that had arrived, joined.
+/// Once the body has been read to its end the connection goes back to the
+/// pool; dropped before that (the client went away, a deadline), it is
+/// closed, which tells the worker to stop.
+#[derive(Debug)]
+pub struct WorkerBody {
+    connection: Option<Connection>,
+    pool: std::sync::Arc<Pool>,
+    framing: Framing,
+    reusable: bool,
+    ended: bool,
+}
+
+impl WorkerBody {
+    /// Decodes what the buffer holds: the data (possibly empty) and whether
+    /// the body has ended.
+    fn decode(&mut self) -> Result<Option<Bytes>, BodyError> {
+        let Some(connection) = self.connection.as_mut() else {
+            return Ok(None);
+        };
+        let buffer = &mut connection.buffer;
+        match &mut self.framing {
+            Framing::Done => Ok(None),
+            Framing::UntilClose => Ok((!buffer.is_empty()).then(|| buffer.split().freeze())),
+            Framing::Length { remaining } => {
+                if buffer.is_empty() {
+                    return Ok(None);
+                }
+                let take =
+                    usize::try_from(*remaining).map_or(buffer.len(), |r| r.min(buffer.len()));
+                *remaining -= take as u64;
+                let data = buffer.split_to(take).freeze();
+                if *remaining == 0 {
+                    self.framing = Framing::Done;
+                }
+                Ok(Some(data))
+            }
+            Framing::Chunked(state) => {
+                let data = decode_chunked(buffer, state)?;
+                if *state == Chunked::Trailers && trailers_end(buffer)? {
+                    self.framing = Framing::Done;
+                }
+                Ok(data)
+            }
+        }
+    }
+
+    /// The body was read to its end: the connection goes back to the pool
+    /// if it can carry another request.
+    fn finish(&mut self) {
+        self.ended = true;
+        if let Some(connection) = self.connection.take()
+            && self.reusable
+            && connection.buffer.is_empty()
+        {
+            self.pool.give_back(connection);
+        }
+    }
+}
+
+/// Decodes the whole chunks (and the part of one) that `buffer` holds into
+/// one run of data, moved to the buffer's front and split off; what
+/// remains is an incomplete size line or nothing. `None` when no data.
+fn decode_chunked(buffer: &mut BytesMut, state: &mut Chunked) -> Result<Option<Bytes>, BodyError> {
+    // Data is gathered at `written`; `read` walks the framing.
+    let mut written = 0usize;
+    let mut read = 0usize;
+    loop {
+        match *state {
+            Chunked::Size => {
+                let Some(line_end) = find_line(&buffer[read..])? else {
+                    break;
+                };
+                let line = &buffer[read..read + line_end.content];
+                let digits = line
+                    .split(|byte| *byte == b';')
+                    .next()
+                    .map(<[u8]>::trim_ascii)
+                    .unwrap_or_default();
+                if digits.is_empty() || digits.len() > 15 {
+                    return Err(BodyError::BadChunk("chunk size"));
+                }
+                let mut size = 0u64;
+                for digit in digits {
+                    let value = (*digit as char)
+                        .to_digit(16)
+                        .ok_or(BodyError::BadChunk("chunk size"))?;
+                    size = size * 16 + u64::from(value);
+                }
+                read += line_end.total;
+                *state = if size == 0 {
+                    Chunked::Trailers
+                } else {
+                    Chunked::Data { remaining: size }
+                };
+            }
+            Chunked::Data { remaining } => {
+                let available = buffer.len() - read;
+                if available == 0 {
+                    break;
+                }
+                let take = usize::try_from(remaining).map_or(available, |r| r.min(available));
+                if written == 0 && read > 0 {
+                    // Nothing gathered yet: drop the framing in front
+                    // instead of moving the data.
+                    buffer.advance(read);
+                    read = 0;
+                } else if written != read {
+                    buffer.copy_within(read..read + take, written);
+                }
+                written += take;
+                read += take;
+                let left = remaining - take as u64;
+                *state = if left == 0 {
+                    Chunked::DataEnd
+                } else {
+                    Chunked::Data { remaining: left }
+                };
+            }
+            Chunked::DataEnd => {
+                let Some(line_end) = find_line(&buffer[read..])? else {
+                    break;
+                };
+                if line_end.content != 0 {
+                    return Err(BodyError::BadChunk("no line end after chunk data"));
+                }
+                read += line_end.total;
+                *state = Chunked::Size;
+            }
+            Chunked::Trailers => break,
+        }
+    }
+    let data = (written > 0).then(|| buffer.split_to(written).freeze());
+    buffer.advance(read - written);
+    Ok(data)
+}
+
+/// Consumes trailer lines at the buffer's front; true once the empty line
+/// that ends them (and the body) has been read.
+fn trailers_end(buffer: &mut BytesMut) -> Result<bool, BodyError> {
+    while let Some(line) = find_line(buffer)? {
+        buffer.advance(line.total);
+        if line.content == 0 {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+struct LineEnd {
+    /// Bytes before the line end.
+    content: usize,
+    /// Bytes including it (`\r\n`, or a bare `\n`).
+    total: usize,
+}
+
+fn find_line(bytes: &[u8]) -> Result<Option<LineEnd>, BodyError> {
+    match bytes.iter().position(|byte| *byte == b'\n') {
+        Some(newline) => {
+            let content = if newline > 0 && bytes[newline - 1] == b'\r' {
+                newline - 1
+            } else {
+                newline
+            };
+            Ok(Some(LineEnd {
+                content,
+                total: newline + 1,
+            }))
+        }
+        None if bytes.len() > MAX_LINE_BYTES => Err(BodyError::BadChunk("line too long")),
+        None => Ok(None),
+    }
+}
+
+impl Body for WorkerBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = &mut *self;
+        loop {
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            let data = match this.decode() {
+                Ok(data) => data,
+                Err(error) => {
+                    this.ended = true;
+                    this.connection = None;
+                    return Poll::Ready(Some(Err(error)));
+                }
+            };
+            if this.framing == Framing::Done {
+                this.finish();
+            }
+            if let Some(data) = data {
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            let Some(connection) = this.connection.as_mut() else {
+                return Poll::Ready(None);
+            };
+            connection.buffer.reserve(READ_RESERVE);
+            let read = poll_read_buf(&mut connection.stream, &mut connection.buffer, cx);
+            match ready!(read) {
+                Ok(0) => {
+                    this.connection = None;
+                    if this.framing == Framing::UntilClose {
+                        this.ended = true;
+                        return Poll::Ready(None);
+                    }
+                    this.ended = true;
+                    return Poll::Ready(Some(Err(BodyError::Closed)));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    this.ended = true;
+                    this.connection = None;
+                    return Poll::Ready(Some(Err(BodyError::Io(error))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length { remaining } => SizeHint::with_exact(remaining),
+            Framing::Done => SizeHint::with_exact(0),
+            Framing::Chunked(_) | Framing::UntilClose => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_addresses_are_split_once() {
+        let plain = Target::parse("http://10.0.0.1:30000").unwrap();
+        assert_eq!((plain.host.as_str(), plain.port), ("10.0.0.1", 30000));
+        assert_eq!(plain.host_header, "10.0.0.1:30000");
+        assert_eq!(plain.path_prefix, "");
+        let prefixed = Target::parse("http://h:8000/engine-a/").unwrap();
+        assert_eq!(prefixed.path_prefix, "/engine-a");
+        let v6 = Target::parse("http://[::1]:9000").unwrap();
+        assert_eq!((v6.host.as_str(), v6.port), ("::1", 9000));
+        assert_eq!(Target::parse("http://h").unwrap().port, 80);
+        assert!(Target::parse("not a url").is_none());
+        assert!(Target::parse("/relative").is_none());
+        assert!(Target::parse("https://h:1").is_none(), "no TLS");
+    }
+
+    fn head_of(request: &Outgoing<'_>, url: &str) -> String {
+        let target = Target::parse(url).unwrap();
+        let mut head = Vec::new();
+        write_head(&mut head, &target, request);
+        String::from_utf8(head).unwrap()
+    }
+
+    #[test]
+    fn the_request_head_drops_hop_by_hop_headers_and_sets_its_own() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-trace"),
+        );
+        headers.insert("x-trace", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert(header::HOST, HeaderValue::from_static("router"));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("99"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let body = Bytes::from_static(b"{}");
+        let request = Outgoing {
+            method: &Method::POST,
+            path: "/v1/chat/completions",
+            query: Some("x=1"),
+            headers: &headers,
+            authorization: None,
+            body: &body,
+        };
+        let head = head_of(&request, "http://w:8000/engine-a");
+        assert!(
+            head.starts_with("POST /engine-a/v1/chat/completions?x=1 HTTP/1.1\r\nhost: w:8000\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("authorization: Bearer k\r\n"), "{head}");
+        assert!(
+            head.contains("content-type: application/json\r\n"),
+            "{head}"
+        );
+        assert!(head.ends_with("content-length: 2\r\n\r\n"), "{head}");
+        for gone in ["x-trace", "transfer-encoding", "connection", "router", "99"] {
+            assert!(!head.contains(gone), "{gone} in {head}");
+        }
+        // The worker's own key replaces the client's.
+        let key = HeaderValue::from_static("Bearer worker");
+        let keyed = head_of(
+            &Outgoing {
+                authorization: Some(&key),
+                ..request
+            },
+            "http://w:8000",
+        );
+        assert_eq!(keyed.matches("authorization").count(), 1, "{keyed}");
+        assert!(
+            keyed.contains("authorization: Bearer worker\r\n"),
+            "{keyed}"
+        );
+    }
+
+    fn parse(text: &str) -> Option<ParsedHead> {
+        let mut buffer = BytesMut::from(text.as_bytes());
+        parse_head(&mut buffer).unwrap()
+    }
+
+    #[test]
+    fn response_heads_give_status_headers_and_framing() {
+        let (status, headers, framing, reusable) = parse(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nx-a: 1\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(framing, Framing::Chunked(Chunked::Size));
+        assert!(reusable);
+        assert_eq!(headers.len(), 2, "{headers:?}");
+        assert_eq!(headers["x-a"], "1");
+        assert!(!headers.contains_key(header::TRANSFER_ENCODING));
+
+        let (_, headers, framing, reusable) = parse(
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close, x-b\r\nx-b: 2\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(framing, Framing::Length { remaining: 5 });
+        assert!(!reusable, "connection: close");
+        assert!(headers.is_empty(), "{headers:?}");
+
+        let (_, _, framing, reusable) = parse("HTTP/1.0 200 OK\r\n\r\n").unwrap();
+        assert_eq!(framing, Framing::UntilClose);
+        assert!(!reusable);
+        let (_, _, framing, _) = parse("HTTP/1.1 204 No Content\r\n\r\n").unwrap();
+        assert_eq!(framing, Framing::Done);
+        let (status, _, _, _) =
+            parse("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n")
+                .unwrap();
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "1xx skipped");
+        assert!(parse("HTTP/1.1 200 OK\r\ncontent-le").is_none(), "partial");
+        let mut bad = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n"[..]);
+        assert!(parse_head(&mut bad).is_err());
+    }
+
+    /// Decodes `wire` fed in the given pieces; every data frame, and
+    /// whether the end was found.
+    fn decode_pieces(pieces: &[&[u8]]) -> Result<(Vec<String>, bool), BodyError> {
+        let mut buffer = BytesMut::new();
+        let mut state = Chunked::Size;
+        let mut frames = Vec::new();
+        let mut ended = false;
+        for piece in pieces {
+            buffer.extend_from_slice(piece);
+            if let Some(data) = decode_chunked(&mut buffer, &mut state)? {
+                frames.push(String::from_utf8(data.to_vec()).unwrap_or_default());
+            }
+            if state == Chunked::Trailers && trailers_end(&mut buffer)? {
+                ended = true;
+                assert!(buffer.is_empty(), "nothing after the end: {buffer:?}");
+            }
+        }
+        Ok((frames, ended))
+    }
+
+    #[test]
+    fn chunks_that_arrived_together_are_one_frame() {
+        let wire = b"5\r\nhello\r\n1;ext=1\r\n \r\n5\r\nworld\r\n0\r\n\r\n";
+        let (frames, ended) = decode_pieces(&[wire]).unwrap();
+        assert_eq!(frames, ["hello world"]);
+        assert!(ended);
+    }
+
+    #[test]
+    fn every_split_of_a_chunked_body_gives_the_same_bytes() {
+        let wire = b"5\r\nhello\r\nA\r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\n";
+        for split in 0..=wire.len() {
+            let (head, tail) = wire.split_at(split);
+            let (frames, ended) = decode_pieces(&[head, tail]).unwrap();
+            assert_eq!(frames.concat(), "hello0123456789", "split at {split}");
+            assert!(ended, "split at {split}");
+        }
+        let bytewise: Vec<&[u8]> = wire.chunks(1).collect();
+        let (frames, ended) = decode_pieces(&bytewise).unwrap();
+        assert_eq!(frames.concat(), "hello0123456789");
+        assert!(ended);
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors() {
+        assert!(decode_pieces(&[b"zz\r\n"]).is_err());
+        assert!(decode_pieces(&[b"2\r\nabX\r\n"]).is_err());
+        assert!(decode_pieces(&[&[b'1'; MAX_LINE_BYTES + 1]]).is_err());
+    }
+}
