@@ -1,10 +1,279 @@
 //! What the router reads from a request body before choosing a worker: the
 //! model, the streaming flag and the prompt's size in tokens.
+//!
+//! [`read_request`] is what the proxy runs on every request: it walks the
+//! body once without building it (no map, no string copies but the
+//! model's), capturing only the fields it reads as raw JSON slices.
+//! [`request_info`] and [`max_output_tokens`] read the same facts from a
+//! parsed [`Value`]; the tests hold the two to the same answers.
 
+use std::borrow::Cow;
+use std::fmt;
 use std::sync::Arc;
 
 use policy_core::{RequestInfo, TokenCount};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
+use serde_json::value::RawValue;
+
+/// What [`read_request`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadRequest {
+    pub info: RequestInfo,
+    /// As [`max_output_tokens`].
+    pub max_output_tokens: Option<u64>,
+}
+
+/// Why a body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestBodyError {
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    #[error("request body is not valid JSON: {0}")]
+    Invalid(#[source] serde_json::Error),
+}
+
+/// The top-level fields the router reads, in this order.
+const TOP_FIELDS: [&str; 9] = [
+    "model",
+    "stream",
+    "input_ids",
+    "prompt",
+    "text",
+    "messages",
+    "max_completion_tokens",
+    "max_tokens",
+    "sampling_params",
+];
+
+/// Reads the routing facts from a raw OpenAI or SGLang-native body, as
+/// [`request_info`] and [`max_output_tokens`] read them from a parsed one.
+pub fn read_request(body: &[u8], chars_per_token: f64) -> Result<ReadRequest, RequestBodyError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let top = match (Fields { names: &TOP_FIELDS }).deserialize(&mut de) {
+        Ok(top) => top,
+        Err(error) if error.classify() == serde_json::error::Category::Data => {
+            return Err(RequestBodyError::NotAnObject);
+        }
+        Err(error) => return Err(RequestBodyError::Invalid(error)),
+    };
+    de.end().map_err(RequestBodyError::Invalid)?;
+    let [
+        model,
+        stream,
+        input_ids,
+        prompt,
+        text,
+        messages,
+        max_completion,
+        max_tokens,
+        sampling,
+    ] = top;
+    let model = model
+        .and_then(|raw| serde_json::from_str::<Cow<'_, str>>(raw.get()).ok())
+        .map(|model| Arc::<str>::from(model.as_ref()));
+    let streaming = stream.is_some_and(|raw| raw.get() == "true");
+    let tokens = raw_token_count(input_ids, prompt, text, messages, chars_per_token);
+    let max_output_tokens = match (max_completion, max_tokens) {
+        (Some(raw), _) | (None, Some(raw)) => serde_json::from_str::<u64>(raw.get()).ok(),
+        (None, None) => sampling.and_then(|raw| {
+            let [max_new] = fields_of(raw, &["max_new_tokens"])?;
+            serde_json::from_str::<u64>(max_new?.get()).ok()
+        }),
+    };
+    Ok(ReadRequest {
+        info: RequestInfo {
+            tokens,
+            streaming,
+            model,
+        },
+        max_output_tokens,
+    })
+}
+
+fn raw_token_count(
+    input_ids: Option<&RawValue>,
+    prompt: Option<&RawValue>,
+    text: Option<&RawValue>,
+    messages: Option<&RawValue>,
+    chars_per_token: f64,
+) -> TokenCount {
+    for ids in [input_ids, prompt] {
+        if let Some(count) = ids.and_then(raw_token_ids) {
+            return TokenCount::Exact(count);
+        }
+    }
+    let mut chars = 0usize;
+    let mut any_text = false;
+    if let Some(messages) = messages {
+        let _ = for_each_item(messages, |message| {
+            if let Some([content]) = fields_of(message, &["content"]) {
+                any_text |= raw_add_text(content, &mut chars);
+            }
+        });
+    }
+    for value in [prompt, text] {
+        any_text |= raw_add_text(value, &mut chars);
+    }
+    if !any_text {
+        return TokenCount::Unknown;
+    }
+    TokenCount::Estimated((chars as f64 / chars_per_token).ceil() as u64)
+}
+
+/// As [`token_ids`], on a raw value.
+fn raw_token_ids(raw: &RawValue) -> Option<u64> {
+    if !raw.get().starts_with('[') {
+        return None;
+    }
+    let (mut flat, mut nested, mut items) = (true, true, 0u64);
+    let mut nested_sum = 0u64;
+    for_each_item(raw, |item| {
+        items += 1;
+        let text = item.get();
+        flat &= serde_json::from_str::<u64>(text).is_ok();
+        if nested {
+            let mut all_ids = text.starts_with('[');
+            let mut len = 0u64;
+            if all_ids {
+                let _ = for_each_item(item, |id| {
+                    len += 1;
+                    all_ids &= serde_json::from_str::<u64>(id.get()).is_ok();
+                });
+            }
+            nested &= all_ids;
+            nested_sum += len;
+        }
+    })
+    .ok()?;
+    if items == 0 {
+        return None;
+    }
+    if flat {
+        return Some(items);
+    }
+    nested.then_some(nested_sum)
+}
+
+/// As [`add_text`], on a raw value.
+fn raw_add_text(value: Option<&RawValue>, chars: &mut usize) -> bool {
+    let Some(raw) = value else {
+        return false;
+    };
+    let text = raw.get();
+    if text.starts_with('"') {
+        return match serde_json::from_str::<Cow<'_, str>>(text) {
+            Ok(text) => {
+                *chars += text.chars().count();
+                true
+            }
+            Err(_) => false,
+        };
+    }
+    if !text.starts_with('[') {
+        return false;
+    }
+    let mut found = false;
+    let _ = for_each_item(raw, |item| {
+        let text = if item.get().starts_with('"') {
+            Some(item)
+        } else {
+            fields_of(item, &["text"]).and_then(|[text]| text)
+        };
+        if let Some(text) =
+            text.and_then(|text| serde_json::from_str::<Cow<'_, str>>(text.get()).ok())
+        {
+            *chars += text.chars().count();
+            found = true;
+        }
+    });
+    found
+}
+
+/// The named fields of a raw JSON object (the last of a repeated name
+/// wins, as in a parsed [`Value`]); `None` if it is not an object.
+fn fields_of<'a, const N: usize>(
+    raw: &'a RawValue,
+    names: &'static [&'static str; N],
+) -> Option<[Option<&'a RawValue>; N]> {
+    if !raw.get().starts_with('{') {
+        return None;
+    }
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    (Fields { names }).deserialize(&mut de).ok()
+}
+
+/// Calls `each` with every item of a raw JSON array.
+fn for_each_item<'a>(
+    raw: &'a RawValue,
+    each: impl FnMut(&'a RawValue),
+) -> Result<(), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    (Items { each }).deserialize(&mut de)
+}
+
+/// Captures the raw values of the named fields of an object, skipping the
+/// others without building them.
+struct Fields<const N: usize> {
+    names: &'static [&'static str; N],
+}
+
+impl<'de, const N: usize> DeserializeSeed<'de> for Fields<N> {
+    type Value = [Option<&'de RawValue>; N];
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de, const N: usize> Visitor<'de> for Fields<N> {
+    type Value = [Option<&'de RawValue>; N];
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = [None; N];
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match self.names.iter().position(|name| *name == key) {
+                Some(index) => found[index] = Some(map.next_value::<&'de RawValue>()?),
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// Calls `each` with the raw value of every item of an array.
+struct Items<F> {
+    each: F,
+}
+
+impl<'de, F: FnMut(&'de RawValue)> DeserializeSeed<'de> for Items<F> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de, F: FnMut(&'de RawValue)> Visitor<'de> for Items<F> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON array")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(item) = seq.next_element::<&'de RawValue>()? {
+            (self.each)(item);
+        }
+        Ok(())
+    }
+}
 
 /// Reads the routing facts from a parsed OpenAI or SGLang-native body.
 ///
@@ -158,6 +427,57 @@ mod tests {
             request_info(&json!({"text": "abcdefgh"}), 4.0).tokens,
             TokenCount::Estimated(2)
         );
+    }
+
+    /// The raw reader agrees with the parsed one on every body here.
+    #[test]
+    fn the_raw_reader_reads_what_the_parsed_one_does() {
+        let bodies = [
+            json!({"model": "m", "stream": true, "messages": [
+                {"role": "system", "content": "abcd"},
+                {"role": "user", "content": [{"type": "text", "text": "abcdefgh"}, {"type": "image_url"}, "xyz"]}
+            ], "max_tokens": 64}),
+            json!({"model": 7, "stream": "yes", "prompt": "héllo\n\"quoted\"", "max_completion_tokens": 32, "max_tokens": 64}),
+            json!({"prompt": [1, 2, 3], "text": "ignored when ids count"}),
+            json!({"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 16}}),
+            json!({"input_ids": [[1, 2], 3], "prompt": ["ab", "cd"]}),
+            json!({"input_ids": [], "prompt": [], "text": ["abc", 1]}),
+            json!({"messages": [{"content": null}, {"content": 5}, "x", {"content": [{"text": 1}]}]}),
+            json!({"max_completion_tokens": "lots", "max_tokens": 64}),
+            json!({"max_tokens": -1, "sampling_params": {"max_new_tokens": 16}}),
+            json!({"sampling_params": {"max_new_tokens": 1.5}}),
+            json!({"stream": false, "model": "a\u{e9}b"}),
+            json!({}),
+        ];
+        for body in bodies {
+            let raw = serde_json::to_vec(&body).unwrap();
+            let read = read_request(&raw, 4.0).unwrap();
+            assert_eq!(read.info, request_info(&body, 4.0), "{body}");
+            assert_eq!(read.max_output_tokens, max_output_tokens(&body), "{body}");
+        }
+        // A repeated name: the last one counts, as in a parsed Value.
+        let repeated = br#"{"stream": false, "stream": true, "model": "a", "model": "b"}"#;
+        let read = read_request(repeated, 4.0).unwrap();
+        assert!(read.info.streaming);
+        assert_eq!(read.info.model.as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn bodies_that_are_not_objects_or_not_json_are_refused() {
+        for body in [&b"[1, 2]"[..], b"\"text\"", b"7", b"null"] {
+            assert!(
+                matches!(read_request(body, 4.0), Err(RequestBodyError::NotAnObject)),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        for body in [&b"{"[..], b"{\"a\": }", b"{} x", b"", b"{\"a\": [1,}"] {
+            assert!(
+                matches!(read_request(body, 4.0), Err(RequestBodyError::Invalid(_))),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 
     #[test]

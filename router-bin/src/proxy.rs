@@ -23,7 +23,7 @@ use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 
 use crate::app::{App, SilentStream};
 use crate::client_body::read_body;
-use crate::estimate::{max_output_tokens, request_info};
+use crate::estimate::read_request;
 use crate::h1::{self, WorkerBody};
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
@@ -66,29 +66,21 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
             return error.into_response();
         }
     };
-    let parsed: serde_json::Value = match serde_json::from_slice(&body) {
-        Ok(parsed @ serde_json::Value::Object(_)) => parsed,
-        Ok(_) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "request body must be a JSON object",
-            );
-        }
+    let read = match read_request(&body, app.config.request.chars_per_token) {
+        Ok(read) => read,
         Err(error) => {
             return error_response(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
-                format!("request body is not valid JSON: {error}"),
+                error.to_string(),
             );
         }
     };
-    let info = request_info(&parsed, app.config.request.chars_per_token);
+    let info = read.info;
     let head_timeout = app
         .config
         .server
-        .head_timeout(info.streaming, max_output_tokens(&parsed));
-    drop(parsed);
+        .head_timeout(info.streaming, read.max_output_tokens);
     let request = ClientRequest {
         parts,
         body,
