@@ -43,7 +43,7 @@ use policy_core::{
     Dispatch, Policy, PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId, WorkerInfo,
 };
 
-const WORKER_COUNTS: [usize; 3] = [8, 64, 512];
+const WORKER_COUNTS: [usize; 4] = [8, 64, 512, 1024];
 const WINDOW: usize = 16;
 const THREADS: usize = 2;
 /// `least_load_reported_rate` is `least_load` with `rate = "reported"`, the

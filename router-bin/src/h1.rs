@@ -17,7 +17,7 @@
 //! Only the proxied generation requests use it; the control plane (health
 //! checks, probes, `/v1/models`, load polls) stays on hyper's client.
 
-use std::io::IoSlice;
+use std::io::{IoSlice, Write as _};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
@@ -290,9 +290,8 @@ fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
         head.extend_from_slice(authorization.as_bytes());
         head.extend_from_slice(b"\r\n");
     }
-    head.extend_from_slice(b"content-length: ");
-    head.extend_from_slice(request.body.len().to_string().as_bytes());
-    head.extend_from_slice(b"\r\n\r\n");
+    // Into the head itself: no allocation.
+    let _ = write!(head, "content-length: {}\r\n\r\n", request.body.len());
 }
 
 /// A worker's response head, and its body to read.

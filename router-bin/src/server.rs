@@ -359,8 +359,19 @@ async fn serve_connection(connection: Connection) {
     };
     let mut conn = pin!(builder.serve_connection(io, service));
     let mut draining = false;
+    // One timer for the connection's life, moved only when its deadline
+    // comes sooner: a request ending pushes the deadline later, and a timer
+    // that fires early just looks again. So a kept-alive connection costs no
+    // timer work per request.
+    let mut timer = pin!(tokio::time::sleep_until(Instant::now()));
+    let mut armed: Option<Instant> = None;
     loop {
-        let deadline = activity.deadline(deadlines);
+        if let Some(due) = activity.deadline(deadlines)
+            && armed.is_none_or(|at| due < at)
+        {
+            timer.as_mut().reset(due);
+            armed = Some(due);
+        }
         tokio::select! {
             ended = conn.as_mut() => {
                 if let Err(error) = ended {
@@ -368,8 +379,9 @@ async fn serve_connection(connection: Connection) {
                 }
                 return;
             }
-            () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
-                // Activity since the sleep began may have moved the deadline.
+            () = timer.as_mut(), if armed.is_some() => {
+                armed = None;
+                // Activity since the timer was set may have moved the deadline.
                 if activity.deadline(deadlines).is_some_and(|due| due <= Instant::now()) {
                     tracing::debug!(%peer, "closing a client connection: request head late or idle past keepalive_timeout_ms");
                     return;

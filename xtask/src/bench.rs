@@ -8,8 +8,8 @@
 //!   router (round_robin, least_load) and through nginx (`least_conn`), then
 //!   the p99 of the router and of nginx at half the router's saturation
 //!   throughput;
-//! - [`fleet`]: the router in front of 256 and 1024 canned engines: its CPU per
-//!   request and its load monitor's CPU per poll round;
+//! - [`fleet`]: the router in front of 16, 256, 1024 and 4096 canned engines:
+//!   its CPU per request and its load monitor's CPU per poll round;
 //! - [`replicas`]: one router, three replicas without sync and three with
 //!   sync in front of one engine-sim fleet under the same open-loop load (p99
 //!   TTFT), and sync's CPU per replica at 1024 workers.
@@ -42,7 +42,11 @@ const BENCH_USAGE: &str =
   --only PART              run only this part (repeatable); default: all four.
                            A partial run writes target/bench/partial/report.{md,json}
   --runs N                 repetitions of every wrk measurement (default 5; with 3 a
-                           noisy neighbour in one run can still move the median)
+                           noisy neighbour in one run can still move the median).
+                           A row whose runs disagree by more than 1.5x (max/min;
+                           criterion rows: p90/p10 of the samples) is FAILED: no
+                           median is reported for it and the bench exits non-zero
+                           after writing the report
   --duration-s S           length of one wrk run, seconds (default 10)
   --measurement-time-s S   criterion measurement time per benchmark (default 3)";
 
@@ -155,6 +159,22 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&report_dir)
         .map_err(|error| format!("cannot create {}: {error}", report_dir.display()))?;
     report::write(&report_dir, &rows, &notes, &options)?;
+    let failed: Vec<String> = rows
+        .iter()
+        .flat_map(|row| {
+            row.failures()
+                .iter()
+                .map(move |why| format!("  {}: {why}", row.name))
+        })
+        .collect();
+    if !failed.is_empty() {
+        return Err(format!(
+            "FAILED: {} row(s) whose runs disagree by more than {}× (the machine was too noisy to trust their medians; the report marks them):\n{}",
+            failed.len(),
+            report::MAX_RUN_SPREAD,
+            failed.join("\n")
+        ));
+    }
     Ok(())
 }
 
@@ -237,17 +257,91 @@ fn http_status(port: u16, path: &str) -> Option<u16> {
 
 /// Waits until `GET path` answers 200, or fails after `limit`.
 fn wait_until_ok(port: u16, path: &str, what: &str, limit: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if http_status(port, path) == Some(200) {
+    wait_for(&format!("{what} to answer 200 on {path}"), limit, || {
+        Ok(http_status(port, path) == Some(200))
+    })
+}
+
+/// Checks `condition` every 100 ms until it holds; an error after `limit`
+/// (or the condition's own error) says what was waited for. Used instead of
+/// fixed sleeps: a warm-up takes as long as it takes, and no longer.
+fn wait_for(
+    what: &str,
+    limit: Duration,
+    mut condition: impl FnMut() -> Result<bool, String>,
+) -> Result<(), String> {
+    let started = Instant::now();
+    loop {
+        if condition()? {
             return Ok(());
+        }
+        if started.elapsed() >= limit {
+            return Err(format!(
+                "gave up waiting for {what} after {} s",
+                limit.as_secs()
+            ));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Err(format!(
-        "{what} did not answer 200 on {path} within {} s",
-        limit.as_secs()
-    ))
+}
+
+/// `GET path` on a loopback port: the body of a 200 answer, if any.
+fn http_get_body(port: u16, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).ok()?;
+    let text = String::from_utf8(answer).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    if head.split_whitespace().nth(1) != Some("200") {
+        return None;
+    }
+    let chunked = head.lines().any(|line| {
+        line.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    if !chunked {
+        return Some(body.to_owned());
+    }
+    let mut rest = body;
+    let mut whole = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(whole);
+        }
+        whole.push_str(after.get(..size)?);
+        rest = after.get(size + 2..)?;
+    }
+}
+
+/// Whether the router on `port` has all `workers` healthy, each with a load
+/// report at most `max_age_s` old: it routes on fresh loads from now on.
+fn router_has_fresh_loads(port: u16, workers: usize, max_age_s: f64) -> Result<bool, String> {
+    let Some(body) = http_get_body(port, "/admin/workers") else {
+        return Ok(false);
+    };
+    let listing: serde_json::Value = serde_json::from_str(&body)
+        .map_err(|error| format!("/admin/workers on port {port}: {error}"))?;
+    let Some(listed) = listing.get("workers").and_then(serde_json::Value::as_array) else {
+        return Ok(false);
+    };
+    let fresh = listed
+        .iter()
+        .filter(|worker| {
+            worker.get("healthy").and_then(serde_json::Value::as_bool) == Some(true)
+                && worker
+                    .get("load_age_s")
+                    .and_then(serde_json::Value::as_f64)
+                    .is_some_and(|age| age <= max_age_s)
+        })
+        .count();
+    Ok(fresh >= workers)
 }
 
 /// A command run as `taskset -c CORE program`, so the pid stays the

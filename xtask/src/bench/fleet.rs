@@ -1,6 +1,12 @@
-//! The router in front of many workers: 256 and 1024 canned engines served by
-//! one engine-sim process. CPU per request under wrk, and the load monitor's
-//! CPU per poll round with the router idle.
+//! The router in front of many workers: 16, 256, 1024 and 4096 canned
+//! engines served by one engine-sim process. For each fleet size, the load
+//! monitor's CPU with the router idle, then the router's CPU per request
+//! under wrk.
+//!
+//! The sizes take turns within every run (16, 256, 1024, 4096, then again),
+//! each with a router of its own started for the turn and stopped after it,
+//! so drift on the shared machine hits every size alike and no idle router
+//! polls beside the one measured.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -10,13 +16,27 @@ use super::report::Row;
 use super::wrk::{self, Mode, Target, WrkRun};
 use super::{Options, median, proc_stat, spread};
 
-const FLEET_SIZES: [u16; 2] = [256, 1024];
+const FLEET_SIZES: [u16; 4] = [16, 256, 1024, 4096];
 const POLL_INTERVAL_MS: u64 = 1000;
+/// How long a router may take to see every worker healthy with a fresh
+/// load report (4096 workers are added one health check at a time).
+const READY_WITHIN: Duration = Duration::from_secs(180);
 
 fn cpu_s(pid: u32) -> Result<f64, String> {
     proc_stat::cpu_time(pid)
         .map(|time| time.as_secs_f64())
         .ok_or_else(|| format!("cannot read /proc/{pid}/stat"))
+}
+
+/// One fleet size's measurements over the runs.
+#[derive(Default)]
+struct Size {
+    /// Idle CPU, as a fraction of one core.
+    idle_fractions: Vec<f64>,
+    runs: Vec<WrkRun>,
+    cpu_us_per_request: Vec<f64>,
+    /// The same, less what the idle polling costs over the run.
+    cpu_us_per_request_less_polling: Vec<f64>,
 }
 
 pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<String>), String> {
@@ -30,77 +50,102 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         "[health]\ninterval_ms = 3600000\n\n[load_monitor]\ninterval_ms = 1000\nstale_after_ms = 3000\n",
     )
     .map_err(|error| format!("cannot write {}: {error}", config.display()))?;
-    let mut rows = Vec::new();
-    for size in FLEET_SIZES {
-        let workers = ports.get(..usize::from(size)).ok_or("too few engines")?;
-        let (router, port) = start_router("least_load", workers, Some(&config))?;
-        let pid = router.child.id();
-        // Let every worker pass its first health check and open its poll connection.
-        std::thread::sleep(Duration::from_secs(3));
-
-        eprintln!("xtask: == {size} workers: idle router, polling every {POLL_INTERVAL_MS} ms");
-        let mut fractions = Vec::new();
-        for run in 0..options.runs {
-            let before = cpu_s(pid)?;
-            let start = Instant::now();
-            std::thread::sleep(Duration::from_secs(options.duration_s));
-            let wall_s = start.elapsed().as_secs_f64();
-            let fraction = (cpu_s(pid)? - before) / wall_s;
-            eprintln!(
-                "xtask:    run {}/{}: {:.2}% of a core",
-                run + 1,
-                options.runs,
-                fraction * 100.0
-            );
-            fractions.push(fraction);
+    let mut sizes: Vec<Size> = FLEET_SIZES.iter().map(|_| Size::default()).collect();
+    for run in 0..options.runs {
+        for (size, into) in FLEET_SIZES.iter().zip(sizes.iter_mut()) {
+            eprintln!("xtask:  run {}/{}: {size} workers", run + 1, options.runs);
+            measure_size(options, out_dir, &ports, *size, &config, into)?;
         }
-        let fraction = median(&fractions);
+    }
+
+    let mut rows = Vec::new();
+    for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
+        let fraction = median(&measured.idle_fractions);
         rows.push(
             Row::new(format!("poll/{size}"))
-                .num("cpu_fraction", fraction)
+                // Two clock ticks (10 ms each) over a window cannot be told apart.
+                .settled_within(
+                    "cpu_fraction",
+                    &measured.idle_fractions,
+                    0.02 / options.duration_s as f64,
+                )
                 .num("cpu_ms_per_round", fraction * POLL_INTERVAL_MS as f64)
                 .int("interval_ms", POLL_INTERVAL_MS)
-                .int("runs", fractions.len() as u64)
-                .num("spread", spread(&fractions)),
+                .int("runs", measured.idle_fractions.len() as u64)
+                .num("spread", spread(&measured.idle_fractions)),
         );
-
-        eprintln!("xtask: == {size} workers: wrk through the router (least_load)");
-        let target = Target::Port(port);
-        let script = wrk::script(out_dir, Mode::NonStream, &target, None)?;
-        wrk::run(&script, &target, 1)?;
-        let mut runs: Vec<WrkRun> = Vec::new();
-        let mut cpu_per_request = Vec::new();
-        for _ in 0..options.runs {
-            let before = cpu_s(pid)?;
-            let run = wrk::run(&script, &target, options.duration_s)?;
-            let used = cpu_s(pid)? - before;
-            if run.requests > 0 {
-                cpu_per_request.push(used * 1e6 / run.requests as f64);
-            }
-            eprintln!(
-                "xtask:    {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req",
-                run.throughput_rps(),
-                run.p99_ms,
-                cpu_per_request.last().copied().unwrap_or(f64::NAN)
-            );
-            runs.push(run);
-        }
-        let throughput: Vec<f64> = runs.iter().map(WrkRun::throughput_rps).collect();
-        let p99: Vec<f64> = runs.iter().map(|r| r.p99_ms).collect();
+    }
+    for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
+        let throughput: Vec<f64> = measured.runs.iter().map(WrkRun::throughput_rps).collect();
+        let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
         rows.push(
             Row::new(format!("router-cpu/least_load/{size}"))
-                .num("throughput_rps", median(&throughput))
+                .settled("throughput_rps", &throughput)
                 .num("p99_ms", median(&p99))
-                .num("cpu_us_per_request", median(&cpu_per_request))
-                .int("errors", runs.iter().map(|r| r.errors).sum())
-                .int("runs", runs.len() as u64)
+                .settled("cpu_us_per_request", &measured.cpu_us_per_request)
+                .settled(
+                    "cpu_us_per_request_less_polling",
+                    &measured.cpu_us_per_request_less_polling,
+                )
+                .int("errors", measured.runs.iter().map(|r| r.errors).sum())
+                .int("runs", measured.runs.len() as u64)
                 .num("spread", spread(&throughput)),
         );
-        drop(router);
     }
     let notes = vec![format!(
-        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 256 or all 1024 engines as workers. `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over {} s windows with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. `router-cpu/least_load/<workers>`: wrk non-streaming at saturation, router CPU / requests (includes the polling running beside it).",
-        options.duration_s
+        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first.",
+        options.duration_s, options.duration_s
     )];
     Ok((rows, notes))
+}
+
+/// One turn of one fleet size: a router over the first `size` engines, its
+/// idle CPU, then one wrk run through it.
+fn measure_size(
+    options: &Options,
+    out_dir: &Path,
+    ports: &[u16],
+    size: u16,
+    config: &Path,
+    into: &mut Size,
+) -> Result<(), String> {
+    let workers = ports.get(..usize::from(size)).ok_or("too few engines")?;
+    let (router, port) = start_router("least_load", workers, Some(config))?;
+    let pid = router.child.id();
+    super::wait_for(
+        &format!("the router to see all {size} workers healthy with fresh loads"),
+        READY_WITHIN,
+        || super::router_has_fresh_loads(port, usize::from(size), 2.0),
+    )?;
+
+    let before = cpu_s(pid)?;
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_secs(options.duration_s));
+    let fraction = (cpu_s(pid)? - before) / start.elapsed().as_secs_f64();
+    into.idle_fractions.push(fraction);
+
+    let target = Target::Port(port);
+    let script = wrk::script(out_dir, Mode::NonStream, &target, None)?;
+    wrk::run(&script, &target, 1)?;
+    let before = cpu_s(pid)?;
+    let start = Instant::now();
+    let run = wrk::run(&script, &target, options.duration_s)?;
+    let wall_s = start.elapsed().as_secs_f64();
+    let used = cpu_s(pid)? - before;
+    drop(router);
+    if run.requests > 0 {
+        let requests = run.requests as f64;
+        into.cpu_us_per_request.push(used * 1e6 / requests);
+        into.cpu_us_per_request_less_polling
+            .push((used - fraction * wall_s).max(0.0) * 1e6 / requests);
+    }
+    eprintln!(
+        "xtask:    {size:>5} workers: idle {:.2}% of a core; {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req",
+        fraction * 100.0,
+        run.throughput_rps(),
+        run.p99_ms,
+        into.cpu_us_per_request.last().copied().unwrap_or(f64::NAN)
+    );
+    into.runs.push(run);
+    Ok(())
 }

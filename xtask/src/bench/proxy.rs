@@ -230,7 +230,10 @@ struct Measured {
     cpu_us_per_request: Vec<f64>,
 }
 
-fn summarize(name: String, measured: &Measured) -> Row {
+/// The row of one path's runs. Throughput and CPU per request must agree
+/// across runs (see [`Row::settled`]); at half load, where the rate is held,
+/// so must the p99.
+fn summarize(name: String, measured: &Measured, half_load: bool) -> Row {
     let throughput: Vec<f64> = measured.runs.iter().map(WrkRun::throughput_rps).collect();
     let p50: Vec<f64> = measured.runs.iter().map(|r| r.p50_ms).collect();
     let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
@@ -241,14 +244,17 @@ fn summarize(name: String, measured: &Measured) -> Row {
             (low.min(p), high.max(p))
         });
     let mut row = Row::new(name)
-        .num("throughput_rps", median(&throughput))
-        .num("p50_ms", median(&p50))
-        .num("p99_ms", median(&p99))
-        // A p99 is noisier than a throughput; the runs' range shows how much.
-        .num("p99_min_ms", p99_min)
-        .num("p99_max_ms", p99_max);
+        .settled("throughput_rps", &throughput)
+        .num("p50_ms", median(&p50));
+    row = if half_load {
+        row.settled("p99_ms", &p99)
+    } else {
+        row.num("p99_ms", median(&p99))
+    };
+    // A p99 is noisier than a throughput; the runs' range shows how much.
+    row = row.num("p99_min_ms", p99_min).num("p99_max_ms", p99_max);
     if !measured.cpu_us_per_request.is_empty() {
-        row = row.num("cpu_us_per_request", median(&measured.cpu_us_per_request));
+        row = row.settled("cpu_us_per_request", &measured.cpu_us_per_request);
     }
     row.int("errors", errors)
         .int("runs", measured.runs.len() as u64)
@@ -374,7 +380,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         }
         let mode_rows: Vec<Row> = measured
             .iter()
-            .map(|(path, m)| summarize(format!("proxy/{}/{}", path.name(), mode.name()), m))
+            .map(|(path, m)| summarize(format!("proxy/{}/{}", path.name(), mode.name()), m, false))
             .collect();
         let throughput = |path: Path4| {
             find(
@@ -432,8 +438,12 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         let half_rows: Vec<Row> = measured
             .iter()
             .map(|(path, _, _, m)| {
-                summarize(format!("half-load/{}/{}", path.name(), mode.name()), m)
-                    .num("offered_rps", rate)
+                summarize(
+                    format!("half-load/{}/{}", path.name(), mode.name()),
+                    m,
+                    true,
+                )
+                .num("offered_rps", rate)
             })
             .collect();
         let nginx_p99 = half_rows

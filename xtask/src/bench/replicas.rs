@@ -141,6 +141,61 @@ fn start_routers(
     Ok((processes, urls))
 }
 
+/// The port of a `http://127.0.0.1:<port>` URL.
+fn port_of(url: &str) -> Result<u16, String> {
+    url.rsplit(':')
+        .next()
+        .and_then(|port| port.trim_end_matches('/').parse().ok())
+        .ok_or_else(|| format!("no port in {url}"))
+}
+
+/// Waits until every router sees all `workers` healthy with a load report
+/// from its latest poll round.
+fn wait_for_fresh_loads(routers: &[String], workers: usize) -> Result<(), String> {
+    let max_age_s = 2.0 * POLL_INTERVAL_MS as f64 / 1000.0;
+    for url in routers {
+        let port = port_of(url)?;
+        super::wait_for(
+            &format!("router {url} to see all {workers} workers healthy with fresh loads"),
+            Duration::from_secs(120),
+            || super::router_has_fresh_loads(port, workers, max_age_s),
+        )?;
+    }
+    Ok(())
+}
+
+/// Waits until no engine has a request running or waiting.
+fn wait_for_idle_engines(engines: &[String]) -> Result<(), String> {
+    for url in engines {
+        let port = port_of(url)?;
+        super::wait_for(
+            &format!("engine {url} to finish its requests"),
+            Duration::from_secs(120),
+            || {
+                let Some(body) = super::http_get_body(port, "/v1/loads") else {
+                    return Ok(false);
+                };
+                let loads: serde_json::Value = serde_json::from_str(&body)
+                    .map_err(|error| format!("{url}/v1/loads: {error}"))?;
+                let busy: u64 = loads
+                    .get("loads")
+                    .and_then(serde_json::Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .map(|rank| {
+                        ["num_running_reqs", "num_waiting_reqs"]
+                            .iter()
+                            .filter_map(|key| rank.get(*key).and_then(serde_json::Value::as_u64))
+                            .sum::<u64>()
+                    })
+                    .sum();
+                Ok(busy == 0)
+            },
+        )?;
+    }
+    Ok(())
+}
+
 /// The same Poisson arrivals and mix for every setup: all streamed.
 fn plan(seed: u64, tag: &str) -> Vec<Planned> {
     let mut random = SplitMix(seed);
@@ -211,8 +266,8 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         for (index, setup) in SETUPS.iter().enumerate() {
             let nats = setup.sync.then_some(nats_url.as_str());
             let (routers, urls) = start_routers(setup.routers, &engines, nats, None, 4096)?;
-            // Two poll rounds, so every router starts with fresh reports.
-            std::thread::sleep(Duration::from_millis(2 * POLL_INTERVAL_MS + 500));
+            // Every router starts with a fresh report of every engine.
+            wait_for_fresh_loads(&urls, engines.len())?;
             let result = measure(&runtime, &client, &urls, seed, setup.name);
             eprintln!(
                 "xtask:    run {}/{} {:<20} p50 {:.3} s  p99 {:.3} s  ({}/{} completed)",
@@ -226,8 +281,8 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             );
             results[index].push(result);
             drop(routers);
-            // Let the engines drain before the next setup.
-            std::thread::sleep(Duration::from_secs(3));
+            // The next setup starts on idle engines.
+            wait_for_idle_engines(&engines)?;
         }
     }
     drop(fleet);
@@ -239,12 +294,11 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         let p99: Vec<f64> = runs.iter().map(|run| run.1).collect();
         let completed: usize = runs.iter().map(|run| run.2).sum();
         let sent: usize = runs.iter().map(|run| run.3).sum();
-        p99_of.push(median(&p99));
         rows.push(
             Row::new(format!("replicas/{}", setup.name))
                 .int("routers", setup.routers as u64)
                 .num("p50_ttft_s", median(&p50))
-                .num("p99_ttft_s", median(&p99))
+                .settled("p99_ttft_s", &p99)
                 .num(
                     "p99_min_s",
                     p99.iter().copied().fold(f64::INFINITY, f64::min),
@@ -254,6 +308,11 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 .int("sent", sent as u64)
                 .int("runs", runs.len() as u64)
                 .num("spread", spread(&p99)),
+        );
+        p99_of.push(
+            rows.last()
+                .and_then(|row| row.get("p99_ttft_s"))
+                .unwrap_or(f64::NAN),
         );
     }
     if let [one, no_sync, sync] = p99_of[..] {
@@ -291,8 +350,8 @@ fn cpu_row(options: &Options, out_dir: &Path, nats_url: &str) -> Result<Row, Str
     let open_files = u64::from(CPU_WORKERS) * 8 + 4096;
     let mut fractions = [Vec::new(), Vec::new()];
     for (slot, nats) in [None, Some(nats_url)].into_iter().enumerate() {
-        let (routers, _) = start_routers(REPLICAS, &workers, nats, Some(&config), open_files)?;
-        std::thread::sleep(Duration::from_secs(3));
+        let (routers, urls) = start_routers(REPLICAS, &workers, nats, Some(&config), open_files)?;
+        wait_for_fresh_loads(&urls, workers.len())?;
         for _ in 0..options.runs {
             let pids: Vec<u32> = routers.iter().map(|router| router.child.id()).collect();
             let before: Vec<f64> = pids

@@ -7,11 +7,18 @@ use serde_json::{Map, Value, json};
 
 use super::Options;
 
-/// One measurement: a name and its fields, in the order they were added.
+/// Most a row's runs may disagree (max / min) before its median means
+/// nothing: past it the row is FAILED, its median is not reported, and the
+/// bench exits non-zero once the report is written.
+pub(crate) const MAX_RUN_SPREAD: f64 = 1.5;
+
+/// One measurement: a name and its fields, in the order they were added,
+/// and why it failed, if it did.
 #[derive(Debug, Clone)]
 pub(crate) struct Row {
     pub(crate) name: String,
     fields: Map<String, Value>,
+    failures: Vec<String>,
 }
 
 impl Row {
@@ -19,7 +26,42 @@ impl Row {
         Row {
             name: name.into(),
             fields: Map::new(),
+            failures: Vec::new(),
         }
+    }
+
+    /// The median of `runs` as `key`, and their spread (max / min) as
+    /// `<key>_spread`; when the runs disagree by more than
+    /// [`MAX_RUN_SPREAD`], `key` is left empty and the row is FAILED.
+    pub(crate) fn settled(self, key: &str, runs: &[f64]) -> Row {
+        self.settled_within(key, runs, 0.0)
+    }
+
+    /// As [`Row::settled`], but runs within `resolution` of each other
+    /// (what the measurement cannot tell apart, such as one clock tick of
+    /// CPU time) always agree.
+    pub(crate) fn settled_within(self, key: &str, runs: &[f64], resolution: f64) -> Row {
+        let spread = super::spread(runs);
+        let row = self.num(&format!("{key}_spread"), spread);
+        let low = runs.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = runs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let apart = spread.is_nan() || spread > MAX_RUN_SPREAD;
+        if runs.len() > 1 && apart && high - low > resolution {
+            return row.num(key, f64::NAN).fail(format!(
+                "`{key}` runs disagree by {spread:.2}× (> {MAX_RUN_SPREAD}×; range {low:.4}–{high:.4}): no median"
+            ));
+        }
+        row.num(key, super::median(runs))
+    }
+
+    /// Marks the row FAILED, saying why.
+    pub(crate) fn fail(mut self, why: String) -> Row {
+        self.failures.push(why);
+        self
+    }
+
+    pub(crate) fn failures(&self) -> &[String] {
+        &self.failures
     }
 
     /// Adds a number (rounded to 4 significant decimals; NaN becomes null).
@@ -46,6 +88,17 @@ impl Row {
         let mut object = Map::new();
         object.insert("name".to_owned(), json!(self.name));
         object.extend(self.fields.clone());
+        object.insert(
+            "status".to_owned(),
+            json!(if self.failures.is_empty() {
+                "ok"
+            } else {
+                "FAILED"
+            }),
+        );
+        if !self.failures.is_empty() {
+            object.insert("failures".to_owned(), json!(self.failures));
+        }
         Value::Object(object)
     }
 }
@@ -102,19 +155,32 @@ fn table(out: &mut String, rows: &[Row], prefix: &str, columns: &[(&str, &str, u
     for (_, title, _) in columns {
         let _ = write!(out, " {title} |");
     }
-    out.push_str("\n|---|");
+    out.push_str(" status |\n|---|");
     for _ in columns {
         out.push_str("---:|");
     }
-    out.push('\n');
-    for row in chosen {
+    out.push_str("---|\n");
+    for row in &chosen {
         let _ = write!(out, "| `{}` |", row.name);
         for (key, _, decimals) in columns {
             let _ = write!(out, " {} |", cell(row, key, *decimals));
         }
-        out.push('\n');
+        let status = if row.failures.is_empty() {
+            "ok"
+        } else {
+            "**FAILED**"
+        };
+        let _ = writeln!(out, " {status} |");
     }
     out.push('\n');
+    for row in chosen {
+        for why in &row.failures {
+            let _ = writeln!(out, "- **FAILED** `{}`: {why}", row.name);
+        }
+    }
+    if !out.ends_with("\n\n") {
+        out.push('\n');
+    }
 }
 
 fn verdict(met: Option<bool>) -> &'static str {
@@ -125,21 +191,36 @@ fn verdict(met: Option<bool>) -> &'static str {
     }
 }
 
-/// The three targets, checked against the rows.
+fn ratio_text(ratio: Option<f64>) -> String {
+    ratio.map_or("–".to_owned(), |r| format!("{r:.3}×"))
+}
+
+/// The performance targets, checked against the rows. A target whose row
+/// FAILED (or was not measured) is "not measured", never met.
 pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
     let mut lines = Vec::new();
+    let value = |name: &str, key: &str| find(rows, name).and_then(|row| row.get(key));
     for mode in ["non-stream", "stream"] {
-        for policy in ["least_load", "round_robin"] {
-            let ratio =
-                find(rows, &format!("proxy/{policy}/{mode}")).and_then(|r| r.get("vs_nginx"));
-            lines.push(format!(
-                "- router ({policy}, {mode}) throughput ≥ 0.9× nginx: {} ({})",
-                verdict(ratio.map(|r| r >= 0.9)),
-                ratio.map_or("–".to_owned(), |r| format!("{r:.3}×"))
-            ));
-        }
+        let router = value(&format!("proxy/least_load/{mode}"), "cpu_us_per_request");
+        let nginx = value(&format!("proxy/nginx/{mode}"), "cpu_us_per_request");
+        let ratio = router.zip(nginx).map(|(router, nginx)| router / nginx);
+        lines.push(format!(
+            "- router (least_load, {mode}) CPU per request ≤ 1.0× nginx's: {} ({}: router {} µs, nginx {} µs)",
+            verdict(ratio.map(|r| r <= 1.0)),
+            ratio_text(ratio),
+            router.map_or("–".to_owned(), |v| format!("{v:.1}")),
+            nginx.map_or("–".to_owned(), |v| format!("{v:.1}")),
+        ));
     }
     for mode in ["non-stream", "stream"] {
+        let ratio = value(&format!("proxy/least_load/{mode}"), "vs_nginx");
+        lines.push(format!(
+            "- router (least_load, {mode}) throughput ≥ 1.1× nginx: {} ({})",
+            verdict(ratio.map(|r| r >= 1.1)),
+            ratio_text(ratio)
+        ));
+    }
+    for mode in ["stream", "non-stream"] {
         let router_row = find(rows, &format!("half-load/least_load/{mode}"));
         let nginx_row = find(rows, &format!("half-load/nginx/{mode}"));
         let router = router_row.and_then(|r| r.get("p99_ms"));
@@ -158,6 +239,42 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
             nginx.map_or("–".to_owned(), |v| format!("{v:.3}")),
             range(router_row),
             range(nginx_row),
+        ));
+    }
+    let select_1024_us = value("select/least_load/1024", "ns_per_op").map(|ns| ns / 1000.0);
+    for (key, what) in [
+        ("cpu_us_per_request", "router CPU per request"),
+        (
+            "cpu_us_per_request_less_polling",
+            "router CPU per request less the idle polling's",
+        ),
+    ] {
+        let at_16 = value("router-cpu/least_load/16", key);
+        let at_1024 = value("router-cpu/least_load/1024", key);
+        let ratio = at_1024
+            .zip(select_1024_us)
+            .zip(at_16)
+            .map(|((at_1024, select), at_16)| (at_1024 - select) / at_16);
+        lines.push(format!(
+            "- {what} at 1024 workers less selection at 1024 (criterion), ≤ 1.1× that at 16: {} ({}: ({} − {}) / {} µs)",
+            verdict(ratio.map(|r| r <= 1.1)),
+            ratio_text(ratio),
+            at_1024.map_or("–".to_owned(), |v| format!("{v:.1}")),
+            select_1024_us.map_or("–".to_owned(), |v| format!("{v:.2}")),
+            at_16.map_or("–".to_owned(), |v| format!("{v:.1}")),
+        ));
+    }
+    lines.push(format!(
+        "- selection at 1024 workers ≤ 3 µs: {} ({})",
+        verdict(select_1024_us.map(|us| us <= 3.0)),
+        select_1024_us.map_or("–".to_owned(), |us| format!("{us:.2} µs"))
+    ));
+    for suffix in ["64", "64/2-thread"] {
+        let ratio = value(&format!("select/least_load/{suffix}"), "vs_baseline");
+        lines.push(format!(
+            "- select/least_load/{suffix} ≥ 10× the original design: {} ({})",
+            verdict(ratio.map(|r| r >= 10.0)),
+            ratio_text(ratio)
         ));
     }
     let poll = find(rows, "poll/1024").and_then(|r| r.get("cpu_fraction"));
@@ -190,6 +307,20 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
 
 fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
     let mut out = String::from("# cargo xtask bench\n\n");
+    let failed: Vec<&Row> = rows.iter().filter(|row| !row.failures.is_empty()).collect();
+    if !failed.is_empty() {
+        let _ = writeln!(
+            out,
+            "**FAILED: {} row(s) whose runs disagree by more than {MAX_RUN_SPREAD}×; their medians are not reported and no target is judged on them.** Run again on a quieter machine.\n",
+            failed.len()
+        );
+        for row in failed {
+            for why in &row.failures {
+                let _ = writeln!(out, "- `{}`: {why}", row.name);
+            }
+        }
+        out.push('\n');
+    }
     out.push_str("## Targets\n\n");
     for line in targets(rows) {
         out.push_str(&line);
@@ -240,14 +371,21 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("mean_ns", "ns/op (mean)", 1),
             ("vs_baseline", "vs original design", 2),
             ("runs", "samples", 0),
-            ("spread", "spread", 2),
+            ("spread", "spread (max/min)", 2),
+            ("spread_p10_p90", "spread (p90/p10)", 2),
         ],
     );
+    out.push_str("Calibration (a fixed spin loop, the machine's own speed during the selection benchmarks: compare it between reports before comparing their selection costs):\n\n");
     table(
         &mut out,
         rows,
         "calibration/",
-        &[("ns_per_op", "ns/op (median)", 1), ("runs", "samples", 0)],
+        &[
+            ("ns_per_op", "ns/op (median)", 1),
+            ("runs", "samples", 0),
+            ("spread", "spread (max/min)", 2),
+            ("spread_p10_p90", "spread (p90/p10)", 2),
+        ],
     );
     out.push_str("## Router under many workers\n\n");
     table(
@@ -258,9 +396,15 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("throughput_rps", "req/s", 0),
             ("p99_ms", "p99 ms", 3),
             ("cpu_us_per_request", "router CPU µs/req", 1),
+            ("cpu_us_per_request_spread", "CPU spread", 3),
+            (
+                "cpu_us_per_request_less_polling",
+                "less idle polling µs/req",
+                1,
+            ),
             ("errors", "errors", 0),
             ("runs", "runs", 0),
-            ("spread", "spread", 3),
+            ("throughput_rps_spread", "req/s spread", 3),
         ],
     );
     table(

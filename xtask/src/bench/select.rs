@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Options;
-use super::report::Row;
+use super::report::{MAX_RUN_SPREAD, Row};
 
 /// The original design's name in the benchmark ids.
 const BASELINE: &str = "original";
@@ -64,6 +64,9 @@ struct Estimate {
     samples: usize,
     /// max / min of the samples' time per iteration.
     spread: f64,
+    /// 90th / 10th percentile of the same: how much the samples disagree,
+    /// one stray sample aside.
+    spread_p10_p90: f64,
 }
 
 fn read_json(path: &Path) -> Result<Value, String> {
@@ -110,12 +113,19 @@ fn read_one(dir: &Path) -> Result<Estimate, String> {
             .collect(),
         _ => Vec::new(),
     };
+    let mut sorted: Vec<f64> = per_iter.iter().copied().filter(|t| t.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let at = |fraction: f64| {
+        let index = ((sorted.len().saturating_sub(1)) as f64 * fraction).round() as usize;
+        sorted.get(index).copied().unwrap_or(f64::NAN)
+    };
     Ok(Estimate {
         full_id,
         median_ns: number(&estimates, "/median/point_estimate")?,
         mean_ns: number(&estimates, "/mean/point_estimate")?,
         samples: per_iter.len(),
         spread: super::spread(&per_iter),
+        spread_p10_p90: at(0.9) / at(0.1),
     })
 }
 
@@ -152,14 +162,29 @@ fn rows(results: &[Estimate]) -> Vec<Row> {
     ordered
         .into_iter()
         .map(|e| {
+            // Criterion's samples are this row's runs: past the agreement
+            // limit (between the 10th and 90th percentile, so one stray
+            // sample does not fail a row) its median means nothing.
+            let agrees = e.spread_p10_p90 <= MAX_RUN_SPREAD;
+            let shown = |value: f64| if agrees { value } else { f64::NAN };
             let mut row = Row::new(e.full_id.clone())
-                .num("ns_per_op", e.median_ns)
-                .num("mean_ns", e.mean_ns);
+                .num("ns_per_op", shown(e.median_ns))
+                .num("mean_ns", shown(e.mean_ns));
             if let Some((_, suffix)) = split(&e.full_id) {
                 let vs = baseline(suffix).map_or(f64::NAN, |base| base / e.median_ns);
-                row = row.num("vs_baseline", vs);
+                row = row.num("vs_baseline", shown(vs));
             }
-            row.int("runs", e.samples as u64).num("spread", e.spread)
+            row = row
+                .int("runs", e.samples as u64)
+                .num("spread", e.spread)
+                .num("spread_p10_p90", e.spread_p10_p90);
+            if !agrees {
+                row = row.fail(format!(
+                    "criterion's samples disagree by {:.2}× between the 10th and 90th percentile (> {MAX_RUN_SPREAD}×): no median",
+                    e.spread_p10_p90
+                ));
+            }
+            row
         })
         .collect()
 }
@@ -175,6 +200,7 @@ mod tests {
             mean_ns: median_ns,
             samples: 100,
             spread: 1.1,
+            spread_p10_p90: 1.05,
         }
     }
 
