@@ -431,6 +431,24 @@ mod tests {
     }
 
     #[test]
+    fn runs_that_disagree_fail_the_row_and_report_no_median() {
+        let agreeing = report::Row::new("a").settled("x", &[10.0, 12.0, 14.0]);
+        assert!(agreeing.failures().is_empty());
+        assert_eq!(agreeing.get("x"), Some(12.0));
+        assert_eq!(agreeing.get("x_spread"), Some(1.4));
+        let apart = report::Row::new("b").settled("x", &[10.0, 12.0, 16.0]);
+        assert_eq!(apart.failures().len(), 1, "1.6× apart");
+        assert_eq!(apart.get("x"), None, "no median");
+        assert_eq!(apart.get("x_spread"), Some(1.6));
+        // Within what the measurement can tell apart (a clock tick), runs
+        // agree however large their ratio.
+        let ticks = report::Row::new("c").settled_within("x", &[0.0, 0.001], 0.002);
+        assert!(ticks.failures().is_empty());
+        let single = report::Row::new("d").settled("x", &[3.0]);
+        assert_eq!(single.get("x"), Some(3.0));
+    }
+
+    #[test]
     fn options_parse() -> Result<(), String> {
         let args: Vec<String> = ["--only", "proxy", "--runs", "5", "--duration-s", "4"]
             .map(String::from)
