@@ -67,9 +67,10 @@ impl Strategy {
 /// every replica's pending work; `remote_tok` and `remote_req` are the part
 /// other replicas published, and `remote_age_s` how long ago the stalest of
 /// their entries was confirmed (0 with none).
-pub const COLUMNS: [&str; 12] = [
+pub const COLUMNS: [&str; 13] = [
     "queued_tok",
     "inflight_tok",
+    "request_tok",
     "rate_tps",
     "rate_samples",
     "kv_ratio",
@@ -236,6 +237,16 @@ impl LeastLoad {
             .filter(|hot| hot.is_fresh(now_nanos, self.stale_after_nanos))
     }
 
+    /// The request's own tokens as the score counts them: under the learned
+    /// rate its own prefill is part of its wait, and takes longer on a slower
+    /// worker. The reported and fixed rates keep the original score.
+    fn own_tokens(&self, tokens: u64) -> u64 {
+        match self.params.rate {
+            RateMode::Learned => tokens,
+            RateMode::Reported | RateMode::Fixed => 0,
+        }
+    }
+
     /// The geometric mean of the rates learned so far, if any worker has a
     /// sample.
     fn fleet_learned_tps(&self) -> Option<f64> {
@@ -314,12 +325,14 @@ impl LeastLoad {
         snapshot: Option<&StoredSnapshot>,
         stats: WorkerStats,
         remote: PendingWork,
+        own_tokens: u64,
         fleet: Fleet,
     ) -> ScoreBreakdown {
         let any_fresh = snapshot.is_some() || fleet.any_fresh;
         score(
             snapshot.map(|snapshot| &snapshot.terms),
             self.inflight_tokens(state, stats, remote, any_fresh),
+            own_tokens,
             self.learned_tps(state),
             fleet,
             &self.params,
@@ -334,6 +347,7 @@ impl LeastLoad {
         candidates: &[WorkerId],
         fleet: &mut Option<Fleet>,
         now_nanos: i64,
+        own_tokens: u64,
     ) -> Option<f64> {
         let state = &slot.state;
         let stats = state.ledger.stats();
@@ -347,7 +361,8 @@ impl LeastLoad {
             // The common case, kept to a few loads and one division.
             Some(hot) => wait_secs(
                 hot.queued_tokens,
-                self.inflight_tokens(state, stats, remote, true),
+                self.inflight_tokens(state, stats, remote, true)
+                    .saturating_add(own_tokens),
                 match self.params.rate {
                     RateMode::Learned => state.rate.rate_tps(),
                     RateMode::Reported | RateMode::Fixed => hot.throughput_tps,
@@ -356,7 +371,8 @@ impl LeastLoad {
             ),
             None => {
                 let fleet = self.lazy_fleet(fleet, view, candidates, now_nanos);
-                self.breakdown(state, None, stats, remote, fleet).score_secs
+                self.breakdown(state, None, stats, remote, own_tokens, fleet)
+                    .score_secs
             }
         })
     }
@@ -377,6 +393,7 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        own_tokens: u64,
     ) -> Option<Scored<'v>> {
         let tolerance_secs = self.params.tie_tolerance_secs;
         let mut fleet = None;
@@ -387,7 +404,7 @@ impl LeastLoad {
                 continue;
             };
             let Some(score_secs) =
-                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own_tokens)
             else {
                 continue;
             };
@@ -416,7 +433,7 @@ impl LeastLoad {
                     continue;
                 };
                 if let Some(score_secs) =
-                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own_tokens)
                 {
                     offer(Scored { slot, score_secs });
                 }
@@ -441,10 +458,11 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        own_tokens: u64,
     ) -> Option<Scored<'v>> {
         let count = candidates.len() as u64;
         if count <= 2 {
-            return self.argmin(view, candidates, now_nanos);
+            return self.argmin(view, candidates, now_nanos, own_tokens);
         }
         let first = self.rng.below(count);
         let mut second = self.rng.below(count - 1);
@@ -453,8 +471,8 @@ impl LeastLoad {
         }
         // Indices are below `candidates.len()`, so the casts are lossless.
         let pair = [candidates[first as usize], candidates[second as usize]];
-        self.argmin(view, &pair, now_nanos)
-            .or_else(|| self.argmin(view, candidates, now_nanos))
+        self.argmin(view, &pair, now_nanos, own_tokens)
+            .or_else(|| self.argmin(view, candidates, now_nanos, own_tokens))
     }
 
     fn choose<'v>(
@@ -462,12 +480,13 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        own_tokens: u64,
     ) -> Option<Scored<'v>> {
         // One candidate goes through the argmin too: the cap must still
         // apply (and is checked again under the ledger's lock when crediting).
         match self.strategy {
-            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos),
-            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos),
+            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos, own_tokens),
+            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos, own_tokens),
         }
     }
 }
@@ -506,6 +525,7 @@ impl Policy for LeastLoad {
             return None;
         }
         let tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let own_tokens = self.own_tokens(tokens);
         let now_nanos = self.timeline.nanos(now);
         let view = self.workers.read();
         let seq = next_dispatch_seq();
@@ -513,7 +533,7 @@ impl Policy for LeastLoad {
         // worker's cap after it was scored; scoring again sees that. Bounded,
         // because each retry follows another selection's success.
         for _ in 0..=candidates.len() {
-            let chosen = self.choose(&view, candidates, now_nanos)?;
+            let chosen = self.choose(&view, candidates, now_nanos, own_tokens)?;
             let state = &chosen.slot.state;
             // The veto and the credit are one critical section; the note is
             // what the first token will teach the worker's rate.
@@ -648,12 +668,20 @@ impl Policy for LeastLoad {
         let slots: Vec<&Slot<WorkerState>> =
             candidates.iter().filter_map(|id| view.get(*id)).collect();
         let fleet = self.fleet(slots.iter().copied(), now_nanos);
+        let own_tokens = self.own_tokens(request.tokens.or(self.params.mean_prefill_tokens));
         let mut admitted_scores = Vec::new();
         for slot in slots {
             let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
             let stats = slot.state.ledger.stats();
             let remote = self.remote(&slot.state);
-            let b = self.breakdown(&slot.state, snapshot.as_ref(), stats, remote, fleet);
+            let b = self.breakdown(
+                &slot.state,
+                snapshot.as_ref(),
+                stats,
+                remote,
+                own_tokens,
+                fleet,
+            );
             let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
             let waiting = LeastLoad::waiting_estimate(others_waiting, stats, remote);
             let mut note = b.rule.to_string();
@@ -706,6 +734,7 @@ impl Policy for LeastLoad {
                 values: vec![
                     b.queued_tokens as f64,
                     b.inflight_tokens as f64,
+                    b.request_tokens as f64,
                     b.throughput_tps,
                     rate.samples() as f64,
                     b.kv_usage_ratio,
