@@ -102,6 +102,14 @@ pub struct LeastLoadParams {
     /// within a few half-lives of traffic. Idle time changes nothing: with no
     /// new samples, old ones keep their relative weights. Finite, > 0.
     pub rate_half_life_secs: f64,
+    /// A learned rate within this fraction of the fleet's (the geometric
+    /// mean of every learned rate) counts as the fleet's. Workers of one
+    /// build on one kind of GPU learn rates a few percent apart from noise
+    /// and load alone; scoring those differences would steer long prompts
+    /// to whichever looks fastest and load it unevenly. Real differences
+    /// (another GPU, a degraded engine) are larger and count in full.
+    /// Finite, in `[0, 1)`; 0 trusts every difference.
+    pub rate_deadband_ratio: f64,
 }
 
 impl Default for LeastLoadParams {
@@ -115,6 +123,7 @@ impl Default for LeastLoadParams {
             tie_tolerance_secs: 0.01,
             rate: RateMode::Learned,
             rate_half_life_secs: 30.0,
+            rate_deadband_ratio: 0.1,
         }
     }
 }
@@ -146,6 +155,7 @@ impl LeastLoadParams {
             "tie_tolerance_secs": self.tie_tolerance_secs,
             "rate": self.rate.as_str(),
             "rate_half_life_secs": self.rate_half_life_secs,
+            "rate_deadband_ratio": self.rate_deadband_ratio,
         })
     }
 }
@@ -164,6 +174,7 @@ struct RawParams {
     tie_tolerance_secs: f64,
     rate: Option<String>,
     rate_half_life_secs: f64,
+    rate_deadband_ratio: f64,
     /// The original key: `true` is `rate = "reported"`, `false` is
     /// `rate = "fixed"`; giving both keys is an error.
     use_reported_throughput: Option<bool>,
@@ -189,6 +200,7 @@ impl From<LeastLoadParams> for RawParams {
             tie_tolerance_secs: params.tie_tolerance_secs,
             rate: Some(params.rate.as_str().to_owned()),
             rate_half_life_secs: params.rate_half_life_secs,
+            rate_deadband_ratio: params.rate_deadband_ratio,
             use_reported_throughput: None,
         }
     }
@@ -290,6 +302,14 @@ impl RawParams {
                 "a finite number of seconds > 0",
             ));
         }
+        if !(self.rate_deadband_ratio.is_finite() && (0.0..1.0).contains(&self.rate_deadband_ratio))
+        {
+            return Err(invalid(
+                "rate_deadband_ratio",
+                self.rate_deadband_ratio.to_string(),
+                "a finite ratio in [0, 1)",
+            ));
+        }
         Ok(LeastLoadParams {
             kv_pressure_weight: self.kv_pressure_weight,
             default_throughput: self.default_throughput,
@@ -299,6 +319,7 @@ impl RawParams {
             tie_tolerance_secs: self.tie_tolerance_secs,
             rate,
             rate_half_life_secs: self.rate_half_life_secs,
+            rate_deadband_ratio: self.rate_deadband_ratio,
         })
     }
 }
@@ -324,6 +345,7 @@ mod tests {
         assert_eq!(defaults.tie_tolerance_secs, 0.01);
         assert_eq!(defaults.rate, RateMode::Learned);
         assert_eq!(defaults.rate_half_life_secs, 30.0);
+        assert_eq!(defaults.rate_deadband_ratio, 0.1);
     }
 
     #[test]
@@ -337,6 +359,7 @@ mod tests {
             "tie_tolerance_secs": 0.0,
             "rate": "fixed",
             "rate_half_life_secs": 5.0,
+            "rate_deadband_ratio": 0.25,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -350,6 +373,7 @@ mod tests {
                 tie_tolerance_secs: 0.0,
                 rate: RateMode::Fixed,
                 rate_half_life_secs: 5.0,
+                rate_deadband_ratio: 0.25,
             }
         );
         // The section round-trips.
@@ -397,6 +421,14 @@ mod tests {
             (
                 json!({"rate_half_life_secs": 0}),
                 "least_load.rate_half_life_secs = 0 is invalid: must be a finite number of seconds > 0",
+            ),
+            (
+                json!({"rate_deadband_ratio": 1.0}),
+                "least_load.rate_deadband_ratio = 1 is invalid: must be a finite ratio in [0, 1)",
+            ),
+            (
+                json!({"rate_deadband_ratio": -0.1}),
+                "least_load.rate_deadband_ratio = -0.1 is invalid: must be a finite ratio in [0, 1)",
             ),
             (
                 json!({"inflight": "since-poll"}),

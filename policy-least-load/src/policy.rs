@@ -11,7 +11,7 @@ use policy_core::{
     WorkerId, WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
-use crate::rate::{LearnedSource, RateProbe};
+use crate::rate::{FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, RateProbe};
 use crate::score::{
     Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
     ThroughputSource, score, wait_secs,
@@ -101,6 +101,8 @@ pub struct LeastLoad {
     rng: TieBreaker,
     timeline: Timeline,
     next_poll: AtomicU64,
+    /// What a worker without a learned rate is scored at.
+    fleet_rate: FleetRate,
 }
 
 /// One candidate as a selection sees it.
@@ -171,6 +173,7 @@ impl LeastLoad {
         let params = params.validate(strategy.name())?;
         Ok(LeastLoad {
             strategy,
+            fleet_rate: FleetRate::new(params.default_throughput, params.rate_deadband_ratio),
             params,
             stale_after_nanos: i64::try_from(context.stale_after.as_nanos()).unwrap_or(i64::MAX),
             workers: WorkerSlots::new(),
@@ -247,23 +250,25 @@ impl LeastLoad {
         }
     }
 
-    /// The geometric mean of the rates learned so far, if any worker has a
-    /// sample.
-    fn fleet_learned_tps(&self) -> Option<f64> {
-        let view = self.workers.read();
-        let (sum_ln, count) = view
-            .iter()
-            .filter(|slot| slot.state.rate.source() == LearnedSource::Learned)
-            .fold((0.0f64, 0u32), |(sum_ln, count), slot| {
-                (sum_ln + slot.state.rate.rate_tps().ln(), count + 1)
-            });
-        (count > 0).then(|| (sum_ln / f64::from(count)).exp())
+    /// Recomputes the fleet's rate from every worker's learned rate.
+    fn refresh_fleet_rate(&self, view: &SlotsView<'_, WorkerState>) {
+        self.fleet_rate.set_from(
+            view.iter().filter_map(|slot| slot.state.rate.learned_tps()),
+            self.params.default_throughput,
+        );
     }
 
-    /// The worker's learned rate (its prior before the first sample) when it
-    /// is the divisor, for the scorer: what the hot path divides by too.
+    /// The rate a worker's work is divided by under `rate = "learned"`: its
+    /// own once learned and outside the deadband, the fleet's otherwise.
+    #[inline]
+    fn worker_rate_tps(&self, state: &WorkerState) -> f64 {
+        self.fleet_rate.scoring_tps(state.rate.learned_tps())
+    }
+
+    /// The worker's rate when the learned rate is the divisor, for the
+    /// scorer: what the hot path divides by too.
     fn learned_tps(&self, state: &WorkerState) -> Option<f64> {
-        (self.params.rate == RateMode::Learned).then(|| state.rate.rate_tps())
+        (self.params.rate == RateMode::Learned).then(|| self.worker_rate_tps(state))
     }
 
     /// The rate and freshness of the given candidates as a whole.
@@ -364,7 +369,7 @@ impl LeastLoad {
                 self.inflight_tokens(state, stats, remote, true)
                     .saturating_add(own_tokens),
                 match self.params.rate {
-                    RateMode::Learned => state.rate.rate_tps(),
+                    RateMode::Learned => self.worker_rate_tps(state),
                     RateMode::Reported | RateMode::Fixed => hot.throughput_tps,
                 },
                 hot.kv_barrier_secs,
@@ -504,15 +509,14 @@ impl Policy for LeastLoad {
         // A worker joining a fleet that has learned its rates starts from
         // theirs (most fleets run one engine build on one kind of GPU), so
         // it is neither flooded nor starved while it learns its own.
-        let prior_tps = self
-            .fleet_learned_tps()
-            .unwrap_or(self.params.default_throughput);
+        let prior_tps = self.fleet_rate.tps();
         self.workers
             .insert(id, info, WorkerState::new(&self.params, prior_tps));
     }
 
     fn remove_worker(&self, id: WorkerId) {
         self.workers.remove(id);
+        self.refresh_fleet_rate(&self.workers.read());
     }
 
     fn select(
@@ -541,15 +545,16 @@ impl Policy for LeastLoad {
                 let hot = self.fresh_hot(state, now_nanos);
                 let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
                 let remote = self.remote(state);
-                self.admits(others_waiting, stats, remote)
-                    .then(|| RateProbe {
+                self.admits(others_waiting, stats, remote).then(|| {
+                    let foreign_ahead_tokens = hot
+                        .map_or(0, |hot| hot.queued_tokens)
+                        .saturating_add(remote.tokens);
+                    RateProbe {
                         dispatched_nanos: now_nanos,
-                        work_ahead_tokens: hot
-                            .map_or(0, |hot| hot.queued_tokens)
-                            .saturating_add(stats.pending_tokens)
-                            .saturating_add(remote.tokens),
+                        foreign_ahead_tokens,
                         learn: request.streaming,
-                    })
+                    }
+                })
             });
             if credited {
                 state.last_dispatch.record(now_nanos);
@@ -580,11 +585,20 @@ impl Policy for LeastLoad {
         if probe.learn {
             let now_nanos = self.timeline.nanos(now);
             // A bad sample is dropped and counted by the estimator.
-            let _ = slot.state.rate.observe(
-                probe.work_ahead_tokens.saturating_add(tokens),
-                now_nanos.saturating_sub(probe.dispatched_nanos),
+            let was_scored = slot.state.rate.learned_tps().is_some();
+            let _ = slot.state.rate.observe_first_token(
+                &probe,
+                tokens,
                 now_nanos,
+                Some(self.fleet_rate.tps()),
             );
+            // A worker that starts being scored at its own rate joins the
+            // fleet's at once (once in its life); otherwise the fleet's
+            // follows its workers at most every refresh period.
+            let now_scored = !was_scored && slot.state.rate.learned_tps().is_some();
+            if self.fleet_rate.claim_refresh(now_nanos) || now_scored {
+                self.refresh_fleet_rate(&view);
+            }
         }
     }
 
@@ -688,10 +702,19 @@ impl Policy for LeastLoad {
             let rate = &slot.state.rate;
             match (self.params.rate, rate.source()) {
                 (RateMode::Learned, LearnedSource::Prior) => {
-                    note.push_str("; rate: prior (no samples yet)");
+                    note.push_str(&format!(
+                        "; rate: the fleet's while learning ({} of {MIN_SAMPLES_TO_SCORE} samples)",
+                        rate.samples()
+                    ));
                 }
                 (RateMode::Learned, LearnedSource::Learned) => {
                     note.push_str(&format!("; rate: learned from {} samples", rate.samples()));
+                    if rate.learned_tps() != Some(b.throughput_tps) {
+                        note.push_str(&format!(
+                            " ({:.0} tok/s, within the deadband of the fleet's)",
+                            rate.rate_tps()
+                        ));
+                    }
                 }
                 (RateMode::Reported | RateMode::Fixed, LearnedSource::Prior) => {}
                 (RateMode::Reported | RateMode::Fixed, LearnedSource::Learned) => {
