@@ -26,6 +26,12 @@
 //! - **rate sample** (scenarios with a slowdown): every poll interval, each
 //!   replica's rate for the slowed worker is read from its policy's
 //!   `explain` table, next to the engine's true `prefill_tps`.
+//! - **sync tick / sync delivery** (several replicas with a periodic sync,
+//!   [`SyncConfig::Periodic`](crate::SyncConfig::Periodic)): a replica publishes its
+//!   changed pending work; the message reaches the other replicas' policies
+//!   `latency_s` later ([`SyncChannel`](crate::SyncChannel)). With the ideal sync, a
+//!   replica's change is handed to the others at the dispatch or first
+//!   token that made it.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -44,6 +50,7 @@ use super::metrics::{CellStats, summarize};
 use super::scenario::{
     LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
 };
+use super::sync::{SyncChannel, worker_url};
 use super::workload::{RequestSpec, prefix_hashes};
 use engine_model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
@@ -314,6 +321,11 @@ enum Kind {
     },
     Slowdown,
     RateSample,
+    SyncTick {
+        replica: u32,
+    },
+    /// The oldest sync message in flight arrives.
+    SyncDeliver,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -474,10 +486,9 @@ impl Router {
             };
             if let Some(policy) = build_policy(registry, cell.policy, &context)? {
                 for (index, id) in ids.iter().enumerate() {
-                    let url = format!("http://sim-worker-{index}:30000");
                     policy.add_worker(
                         *id,
-                        WorkerInfo::new(url, cell.workers[index].0.backend_name()),
+                        WorkerInfo::new(worker_url(index), cell.workers[index].0.backend_name()),
                     );
                 }
                 policies.push(policy);
@@ -541,10 +552,12 @@ impl Router {
         Ok(dispatch.worker.slot().min(self.ids.len() - 1))
     }
 
-    /// The policy that dispatched request `id` and its dispatch (none for the references).
-    fn dispatch(&self, id: u64) -> Option<(&dyn Policy, &Dispatch)> {
+    /// The replica and policy that dispatched request `id`, and its
+    /// dispatch (none for the references).
+    fn dispatch(&self, id: u64) -> Option<(usize, &dyn Policy, &Dispatch)> {
         let (replica, dispatch) = self.dispatches.get(id as usize)?.as_ref()?;
-        Some((self.policies[*replica as usize].as_ref(), dispatch))
+        let replica = *replica as usize;
+        Some((replica, self.policies[replica].as_ref(), dispatch))
     }
 }
 
@@ -598,6 +611,8 @@ struct CellRun<'a> {
     rate_trace: Option<RateTrace>,
     /// The request the rate samples are explained for: the cell's mean prompt.
     probe: RequestInfo,
+    /// The replicas' sync channel (several replicas with sync on).
+    sync: Option<SyncChannel>,
 }
 
 impl<'a> CellRun<'a> {
@@ -610,8 +625,25 @@ impl<'a> CellRun<'a> {
         let fleet = Fleet::new(cell)?;
         let router = Router::new(cell, registry)?;
         let mut queue = Queue::default();
+        let mut sync = None;
         if !router.is_reference() {
             schedule_first_polls(cell, &mut queue);
+            sync = SyncChannel::new(
+                cell.router.sync,
+                router.policies.len(),
+                cell.workers.len(),
+                mix(cell.seed ^ 0x5_c7a7),
+            );
+            if let Some(channel) = &sync {
+                for (replica, &first_s) in channel.first_ticks_s().iter().enumerate() {
+                    queue.push(
+                        first_s,
+                        Kind::SyncTick {
+                            replica: replica as u32,
+                        },
+                    );
+                }
+            }
         }
         if let Some(first) = cell.requests.first() {
             queue.push(first.arrival_s, Kind::Arrival);
@@ -658,6 +690,7 @@ impl<'a> CellRun<'a> {
             scratch: Vec::new(),
             rate_trace,
             probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
+            sync,
         })
     }
 
@@ -681,6 +714,12 @@ impl<'a> CellRun<'a> {
                 } => self.complete_poll(replica as usize, worker as usize, mark, snapshot, now_s),
                 Kind::Slowdown => self.slow_down()?,
                 Kind::RateSample => self.sample_rates(now_s),
+                Kind::SyncTick { replica } => self.sync_tick(replica, now_s),
+                Kind::SyncDeliver => {
+                    if let Some(sync) = &mut self.sync {
+                        sync.deliver(&self.router.policies, self.clock.at(now_s));
+                    }
+                }
             }
         }
         Ok(())
@@ -711,14 +750,26 @@ impl<'a> CellRun<'a> {
                 _ => Vec::new(),
             },
         };
+        let now = self.clock.at(now_s);
         let worker = self.router.route(
             id,
             spec.prompt_tokens,
             request,
             &self.fleet.engines,
             now_s,
-            self.clock.at(now_s),
+            now,
         )?;
+        if let Some(sync) = &mut self.sync
+            && let Some((replica, _)) = self.router.dispatches[id]
+        {
+            sync.changed(
+                replica as usize,
+                worker,
+                &self.router.policies,
+                &self.router.ids,
+                now,
+            );
+        }
         let engine = &mut self.fleet.engines[worker];
         let params = engine.params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
@@ -739,13 +790,31 @@ impl<'a> CellRun<'a> {
         for engine_event in self.scratch.drain(..) {
             match engine_event {
                 EngineEvent::FirstToken { id, .. } => {
-                    if let Some((policy, dispatch)) = self.router.dispatch(id) {
+                    if let Some((replica, policy, dispatch)) = self.router.dispatch(id) {
                         policy.first_token(dispatch, now);
+                        if let Some(sync) = &mut self.sync {
+                            sync.changed(
+                                replica,
+                                worker,
+                                &self.router.policies,
+                                &self.router.ids,
+                                now,
+                            );
+                        }
                     }
                 }
                 EngineEvent::Finished(record) => {
-                    if let Some((policy, dispatch)) = self.router.dispatch(record.id) {
+                    if let Some((replica, policy, dispatch)) = self.router.dispatch(record.id) {
                         policy.finish(dispatch, now);
+                        if let Some(sync) = &mut self.sync {
+                            sync.changed(
+                                replica,
+                                worker,
+                                &self.router.policies,
+                                &self.router.ids,
+                                now,
+                            );
+                        }
                     }
                     self.records.push(record);
                 }
@@ -816,6 +885,30 @@ impl<'a> CellRun<'a> {
         }
     }
 
+    /// A replica's sync publish tick: its message (if any) is scheduled for
+    /// delivery, and its next tick one publish interval later, as long as
+    /// the policy counts other replicas.
+    fn sync_tick(&mut self, replica: u32, now_s: f64) {
+        let Some(sync) = &mut self.sync else {
+            return;
+        };
+        let now = self.clock.at(now_s);
+        if let Some(arrives_s) = sync.tick(
+            replica as usize,
+            &self.router.policies,
+            &self.router.ids,
+            now_s,
+            now,
+        ) {
+            self.queue.push(arrives_s, Kind::SyncDeliver);
+        }
+        if sync.is_active()
+            && let Some(interval_s) = sync.publish_interval_s()
+        {
+            self.queue.push(now_s + interval_s, Kind::SyncTick { replica });
+        }
+    }
+
     /// The slowed worker's engine changes speed.
     fn slow_down(&mut self) -> Result<(), SimError> {
         if let Some(slowdown) = self.cell.slowdown {
@@ -874,6 +967,7 @@ impl<'a> CellRun<'a> {
             preemptions,
             self.poll_failures,
         );
+        stats.sync = self.sync.as_ref().map(SyncChannel::stats);
         stats.rate_trace = self.rate_trace.filter(|trace| {
             trace
                 .samples

@@ -28,6 +28,7 @@ mod metrics;
 mod report;
 mod run;
 mod scenario;
+mod sync;
 mod workload;
 
 use std::path::{Path, PathBuf};
@@ -46,8 +47,10 @@ pub use run::{
 };
 pub use scenario::{
     ArrivalConfig, LoadReport, PhaseMode, PolicyName, ReportAt, RouterConfig, RouterPoint,
-    STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, SlowdownConfig, TrafficConfig, WorkerGroup,
+    STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, SlowdownConfig, SyncConfig, TrafficConfig,
+    WorkerGroup,
 };
+pub use sync::{SyncChannel, SyncStats, counts_replica_pending, replica_id, worker_url};
 pub use workload::{LengthDist, RequestSpec, Trace, generate};
 
 /// `engine-sim sim`: run one scenario file, or the standard set.

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use super::error::SimError;
 use super::workload::{LengthDist, Trace};
@@ -234,6 +234,136 @@ pub enum ReportAt {
     Completion,
 }
 
+/// The one-way latency of a sync message when a scenario does not set it:
+/// one hop through a broker on the same network.
+pub const DEFAULT_SYNC_LATENCY_S: f64 = 0.001;
+/// The sync entry TTL when a scenario does not set it (the router's
+/// `sync.entry_ttl_ms` default).
+pub const DEFAULT_SYNC_ENTRY_TTL_S: f64 = 1.0;
+
+fn default_sync_latency_s() -> f64 {
+    DEFAULT_SYNC_LATENCY_S
+}
+
+fn default_sync_entry_ttl_s() -> f64 {
+    DEFAULT_SYNC_ENTRY_TTL_S
+}
+
+/// How router replicas share their pending work (`docs/replicas.md`), as
+/// the simulator models the channel. Scenario files name the mode by its
+/// `mode` key: `{ mode = "off" }`, `{ mode = "ideal" }`,
+/// `{ mode = "periodic", publish_interval_s = 0.02 }`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum SyncConfig {
+    /// No sync: each replica counts only its own pending work.
+    Off {},
+    /// The limit: every change of a replica's pending work on a worker
+    /// (a dispatch, a first token) reaches every other replica at that
+    /// instant, and nothing is lost or expires.
+    Ideal {},
+    /// The router's channel: every `publish_interval_s` (at a seeded phase
+    /// per replica) each replica reads its own pending work per worker
+    /// (`Policy::worker_stats`) and publishes the workers whose work changed
+    /// (every worker every `entry_ttl_s / 4`) with its next sequence number;
+    /// each message reaches every other replica `latency_s` later, or is
+    /// lost for that replica with probability `loss_ratio` (seeded). Each
+    /// replica drops the others' entries not confirmed within `entry_ttl_s`,
+    /// checked every `entry_ttl_s / 8` (at least one publish interval), as
+    /// the router does.
+    Periodic {
+        publish_interval_s: f64,
+        #[serde(default = "default_sync_latency_s")]
+        latency_s: f64,
+        #[serde(default)]
+        loss_ratio: f64,
+        #[serde(default = "default_sync_entry_ttl_s")]
+        entry_ttl_s: f64,
+    },
+}
+
+impl Default for SyncConfig {
+    fn default() -> SyncConfig {
+        SyncConfig::Off {}
+    }
+}
+
+impl SyncConfig {
+    /// Whether replicas share anything.
+    pub fn is_off(&self) -> bool {
+        matches!(self, SyncConfig::Off {})
+    }
+
+    /// The name in reports: `off`, `ideal`, `20ms` (a periodic channel by
+    /// its publish interval, then whatever differs from the defaults:
+    /// `20ms lat 5ms loss 10% ttl 2s`).
+    pub fn label(&self) -> String {
+        match *self {
+            SyncConfig::Off {} => "off".to_owned(),
+            SyncConfig::Ideal {} => "ideal".to_owned(),
+            SyncConfig::Periodic {
+                publish_interval_s,
+                latency_s,
+                loss_ratio,
+                entry_ttl_s,
+            } => {
+                let mut label = format!("{}ms", trimmed(publish_interval_s * 1000.0));
+                if latency_s != DEFAULT_SYNC_LATENCY_S {
+                    label.push_str(&format!(" lat {}ms", trimmed(latency_s * 1000.0)));
+                }
+                if loss_ratio > 0.0 {
+                    label.push_str(&format!(" loss {}%", trimmed(loss_ratio * 100.0)));
+                }
+                if entry_ttl_s != DEFAULT_SYNC_ENTRY_TTL_S {
+                    label.push_str(&format!(" ttl {}s", trimmed(entry_ttl_s)));
+                }
+                label
+            }
+        }
+    }
+
+    /// Checks the ranges the router's `[sync]` section enforces (the TTL at
+    /// least four publish intervals), and the channel's own.
+    fn validate(&self) -> Result<(), String> {
+        let SyncConfig::Periodic {
+            publish_interval_s,
+            latency_s,
+            loss_ratio,
+            entry_ttl_s,
+        } = *self
+        else {
+            return Ok(());
+        };
+        if !(publish_interval_s.is_finite() && publish_interval_s > 0.0) {
+            return Err(format!(
+                "publish_interval_s must be finite and positive, got {publish_interval_s}"
+            ));
+        }
+        if !(latency_s.is_finite() && latency_s >= 0.0) {
+            return Err(format!(
+                "latency_s must be finite and not negative, got {latency_s}"
+            ));
+        }
+        if !(loss_ratio.is_finite() && (0.0..=1.0).contains(&loss_ratio)) {
+            return Err(format!("loss_ratio must be in [0, 1], got {loss_ratio}"));
+        }
+        if !(entry_ttl_s.is_finite() && entry_ttl_s >= 4.0 * publish_interval_s) {
+            return Err(format!(
+                "entry_ttl_s must be at least 4 × publish_interval_s ({} s), got {entry_ttl_s}",
+                4.0 * publish_interval_s
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A number with at most three decimals and no trailing zeros.
+fn trimmed(value: f64) -> String {
+    let text = format!("{value:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    text.to_owned()
+}
+
 /// The router side.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -255,6 +385,12 @@ pub struct RouterConfig {
     pub sweep_poll_interval_s: Option<Vec<f64>>,
     /// Sweep: run every replica count listed instead of `replicas`.
     pub sweep_replicas: Option<Vec<u32>>,
+    /// How replicas share their pending work (default: off).
+    pub sync: SyncConfig,
+    /// Sweep: run every sync setting listed instead of `sync`, at each point
+    /// of the other sweep (one replica runs once, without sync: it has no
+    /// one to share with).
+    pub sweep_sync: Option<Vec<SyncConfig>>,
 }
 
 impl Default for RouterConfig {
@@ -269,6 +405,8 @@ impl Default for RouterConfig {
             report_at: ReportAt::Send,
             sweep_poll_interval_s: None,
             sweep_replicas: None,
+            sync: SyncConfig::default(),
+            sweep_sync: None,
         }
     }
 }
@@ -287,6 +425,11 @@ pub struct RouterPoint {
     pub sweeps_poll_interval: bool,
     /// Whether this point is part of a replica sweep (report replicas per row).
     pub sweeps_replicas: bool,
+    /// How the replicas share their pending work (always off with one).
+    pub sync: SyncConfig,
+    /// Whether this point is part of a sync sweep, or sync is on (report
+    /// the sync setting per row).
+    pub sweeps_sync: bool,
 }
 
 /// The arrival process.
@@ -417,10 +560,17 @@ impl Scenario {
             .collect()
     }
 
-    /// The router settings to run: one per sweep value, or just one.
+    /// The router settings to run: one per sweep value, or just one; with
+    /// a sync sweep, one per sync setting at each of those (one replica
+    /// once, without sync).
     pub fn router_points(&self) -> Vec<RouterPoint> {
         let router = &self.router;
-        let point = |poll_interval_s: f64, replicas: u32| RouterPoint {
+        let syncs: Vec<SyncConfig> = router
+            .sweep_sync
+            .clone()
+            .unwrap_or_else(|| vec![router.sync]);
+        let sweeps_sync = router.sweep_sync.is_some() || !router.sync.is_off();
+        let point = |poll_interval_s: f64, replicas: u32, sync: SyncConfig| RouterPoint {
             poll_interval_s,
             stale_after_s: router.stale_after_s.unwrap_or(3.0 * poll_interval_s),
             poll_latency_s: router.poll_latency_s,
@@ -430,20 +580,30 @@ impl Scenario {
             report_at: router.report_at,
             sweeps_poll_interval: router.sweep_poll_interval_s.is_some(),
             sweeps_replicas: router.sweep_replicas.is_some(),
+            sync,
+            sweeps_sync,
         };
-        if let Some(intervals) = &router.sweep_poll_interval_s {
-            intervals
-                .iter()
-                .map(|&i| point(i, router.replicas))
-                .collect()
+        let bases: Vec<(f64, u32)> = if let Some(intervals) = &router.sweep_poll_interval_s {
+            intervals.iter().map(|&i| (i, router.replicas)).collect()
         } else if let Some(replicas) = &router.sweep_replicas {
             replicas
                 .iter()
-                .map(|&r| point(router.poll_interval_s, r))
+                .map(|&r| (router.poll_interval_s, r))
                 .collect()
         } else {
-            vec![point(router.poll_interval_s, router.replicas)]
+            vec![(router.poll_interval_s, router.replicas)]
+        };
+        let mut points = Vec::new();
+        for (poll_interval_s, replicas) in bases {
+            if replicas == 1 {
+                points.push(point(poll_interval_s, 1, SyncConfig::default()));
+                continue;
+            }
+            for &sync in &syncs {
+                points.push(point(poll_interval_s, replicas, sync));
+            }
         }
+        points
     }
 
     fn invalid(&self, field: &str, message: impl Into<String>) -> SimError {
@@ -584,8 +744,27 @@ impl Scenario {
         if router.sweep_poll_interval_s.is_some() && router.sweep_replicas.is_some() {
             return Err(self.invalid(
                 "router",
-                "sweeps one knob at most: sweep_poll_interval_s or sweep_replicas",
+                "sweeps sweep_poll_interval_s or sweep_replicas, not both (sweep_sync goes with either)",
             ));
+        }
+        router
+            .sync
+            .validate()
+            .map_err(|message| self.invalid("router.sync", message))?;
+        if let Some(syncs) = &router.sweep_sync {
+            if syncs.is_empty() {
+                return Err(self.invalid("router.sweep_sync", "must not be empty"));
+            }
+            for (i, sync) in syncs.iter().enumerate() {
+                sync.validate()
+                    .map_err(|message| self.invalid(&format!("router.sweep_sync[{i}]"), message))?;
+                if syncs[..i].contains(sync) {
+                    return Err(self.invalid(
+                        &format!("router.sweep_sync[{i}]"),
+                        format!("lists sync {} twice", sync.label()),
+                    ));
+                }
+            }
         }
         if let Some(intervals) = &router.sweep_poll_interval_s {
             if intervals.is_empty() {
@@ -917,7 +1096,7 @@ output = { dist = "constant", tokens = 10 }
         );
         let mut text = MINIMAL.to_owned();
         text.push_str("[router]\nsweep_replicas = [1]\nsweep_poll_interval_s = [1.0]\n");
-        assert!(error_text(&parse(&text).unwrap_err()).contains("sweeps one knob at most"));
+        assert!(error_text(&parse(&text).unwrap_err()).contains("not both"));
     }
 
     #[test]

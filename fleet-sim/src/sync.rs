@@ -1,0 +1,394 @@
+//! The replica sync channel in virtual time (`docs/replicas.md`): what the
+//! router's publisher and receiver do over NATS, reduced to events.
+//!
+//! - **Periodic** ([`SyncConfig::Periodic`]): every `publish_interval_s`, at
+//!   a seeded phase of its own, each replica reads its pending work on every
+//!   worker exactly as the router's publisher does
+//!   ([`Policy::worker_stats`]: `pending_tokens`, `pending_requests`) and
+//!   publishes the workers whose work changed since its last message (every
+//!   worker every `entry_ttl_s / 4`, and in its first message), under its
+//!   next sequence number. The message reaches each other replica
+//!   `latency_s` later, unless it is lost for that replica (probability
+//!   `loss_ratio`, seeded); delivery hands every entry to
+//!   [`Policy::replica_pending`] with the receiving replica's virtual time.
+//!   At its publish tick, every `max(entry_ttl_s / 8, publish_interval_s)`,
+//!   a replica first drops the others' entries older than the TTL
+//!   ([`Policy::expire_replica_pending`]), as the router's publisher task
+//!   does.
+//! - **Ideal** ([`SyncConfig::Ideal`]): whenever a replica's pending work on
+//!   a worker changes (a dispatch, a first token), its new state reaches
+//!   every other replica at that instant: exact, and one
+//!   `worker_stats` read per change.
+//!
+//! Every message from one replica has the same latency, so messages arrive
+//! in the order they were sent: the channel keeps them in one queue and
+//! the cell schedules one delivery event per message.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use policy_core::{Policy, ReplicaPending, ReplicaPendingOutcome, WorkerId};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use super::scenario::SyncConfig;
+
+/// Slack for comparing sums of float intervals (a cadence of 0.125 s is due
+/// at the tick 0.125 s later even if the sum of ticks came out a hair short).
+const CADENCE_SLACK_S: f64 = 1e-9;
+
+/// A worker's URL in the simulated fleet, as every replica registers it:
+/// the key sync entries name workers by.
+pub fn worker_url(index: usize) -> String {
+    format!("http://sim-worker-{index}:30000")
+}
+
+/// A replica's id in its sync messages.
+pub fn replica_id(index: usize) -> String {
+    format!("sim-replica-{index}")
+}
+
+/// What the channel did over one cell.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SyncStats {
+    /// Messages published (periodic) or changes shared (ideal).
+    pub messages: u64,
+    /// Message copies to other replicas: sent, and lost on the way.
+    pub deliveries: u64,
+    pub deliveries_lost: u64,
+    /// Entries the receiving policies applied, or ignored as not newer.
+    pub entries_applied: u64,
+    pub entries_stale: u64,
+    /// Entries ignored because the policy does not count other replicas.
+    pub entries_unsupported: u64,
+    /// Entries dropped by the TTL.
+    pub entries_expired: u64,
+}
+
+/// One published message on its way.
+#[derive(Debug, Clone)]
+struct Message {
+    sender: usize,
+    seq: u64,
+    /// `(worker, pending_tokens, pending_requests)`.
+    entries: Vec<(usize, u64, u64)>,
+    /// Bit `r`: replica `r` receives it (replicas ≤ 64).
+    receivers: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    Ideal,
+    Periodic {
+        publish_interval_s: f64,
+        latency_s: f64,
+        loss_ratio: f64,
+        entry_ttl_s: f64,
+    },
+}
+
+/// The sync channel of one cell's replicas.
+#[derive(Debug)]
+pub struct SyncChannel {
+    mode: Mode,
+    replicas: usize,
+    replica_ids: Vec<String>,
+    urls: Vec<String>,
+    /// Each replica's next sequence number.
+    next_seq: Vec<u64>,
+    /// `[replica][worker]`: the pending work last published.
+    published: Vec<Vec<Option<(u64, u64)>>>,
+    last_full_s: Vec<Option<f64>>,
+    last_expiry_s: Vec<Option<f64>>,
+    in_flight: VecDeque<Message>,
+    loss_rng: SmallRng,
+    phases_s: Vec<f64>,
+    /// Cleared when a policy answers `Unsupported`: it ignores other
+    /// replicas, so the channel stops (nothing it sends changes anything).
+    supported: bool,
+    stats: SyncStats,
+}
+
+impl SyncChannel {
+    /// The channel for `replicas` replicas over `workers` workers, or `None`
+    /// when there is nothing to share (sync off, or a single replica).
+    /// `seed` draws the publish phases and the losses.
+    pub fn new(
+        config: SyncConfig,
+        replicas: usize,
+        workers: usize,
+        seed: u64,
+    ) -> Option<SyncChannel> {
+        let mode = match config {
+            SyncConfig::Off {} => return None,
+            SyncConfig::Ideal {} => Mode::Ideal,
+            SyncConfig::Periodic {
+                publish_interval_s,
+                latency_s,
+                loss_ratio,
+                entry_ttl_s,
+            } => Mode::Periodic {
+                publish_interval_s,
+                latency_s,
+                loss_ratio,
+                entry_ttl_s,
+            },
+        };
+        if replicas < 2 {
+            return None;
+        }
+        let mut loss_rng = SmallRng::seed_from_u64(seed);
+        let phases_s = match mode {
+            Mode::Ideal => Vec::new(),
+            Mode::Periodic {
+                publish_interval_s, ..
+            } => (0..replicas)
+                .map(|_| publish_interval_s * loss_rng.random::<f64>())
+                .collect(),
+        };
+        Some(SyncChannel {
+            mode,
+            replicas,
+            replica_ids: (0..replicas).map(replica_id).collect(),
+            urls: (0..workers).map(worker_url).collect(),
+            next_seq: vec![1; replicas],
+            published: vec![vec![None; workers]; replicas],
+            last_full_s: vec![None; replicas],
+            last_expiry_s: vec![None; replicas],
+            in_flight: VecDeque::new(),
+            loss_rng,
+            phases_s,
+            supported: true,
+            stats: SyncStats::default(),
+        })
+    }
+
+    pub fn is_ideal(&self) -> bool {
+        self.mode == Mode::Ideal
+    }
+
+    /// Whether the channel still runs (the policy counts other replicas).
+    pub fn is_active(&self) -> bool {
+        self.supported
+    }
+
+    /// Each replica's first publish tick, in `[0, publish_interval_s)`
+    /// (none in ideal mode).
+    pub fn first_ticks_s(&self) -> &[f64] {
+        &self.phases_s
+    }
+
+    /// The interval between a replica's publish ticks (ideal: none).
+    pub fn publish_interval_s(&self) -> Option<f64> {
+        match self.mode {
+            Mode::Ideal => None,
+            Mode::Periodic {
+                publish_interval_s, ..
+            } => Some(publish_interval_s),
+        }
+    }
+
+    pub fn stats(&self) -> SyncStats {
+        self.stats
+    }
+
+    /// Messages sent and not yet delivered.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Replica `replica`'s publish tick at `now_s` (`now` on the policies'
+    /// clock): expiry when due, then the message of what changed. Returns
+    /// when the message arrives, if some replica is to receive it; the
+    /// caller then calls [`deliver`](SyncChannel::deliver) at that time.
+    pub fn tick(
+        &mut self,
+        replica: usize,
+        policies: &[Box<dyn Policy>],
+        ids: &[WorkerId],
+        now_s: f64,
+        now: Instant,
+    ) -> Option<f64> {
+        let Mode::Periodic {
+            publish_interval_s,
+            latency_s,
+            loss_ratio,
+            entry_ttl_s,
+        } = self.mode
+        else {
+            return None;
+        };
+        if !self.supported {
+            return None;
+        }
+        let policy = policies.get(replica)?;
+        // The router's cadences: expiry every eighth of the TTL (at least a
+        // publish interval), a full state every quarter.
+        let expiry_interval_s = (entry_ttl_s / 8.0).max(publish_interval_s);
+        if due(self.last_expiry_s[replica], now_s, expiry_interval_s) {
+            self.last_expiry_s[replica] = Some(now_s);
+            let expired = policy.expire_replica_pending(now, Duration::from_secs_f64(entry_ttl_s));
+            self.stats.entries_expired += expired as u64;
+        }
+        let full = due(self.last_full_s[replica], now_s, entry_ttl_s / 4.0);
+        let mut entries = Vec::new();
+        for (worker, id) in ids.iter().enumerate() {
+            let stats = policy.worker_stats(*id).unwrap_or_default();
+            let pending = (stats.pending_tokens, stats.pending_requests);
+            let last = &mut self.published[replica][worker];
+            if full || *last != Some(pending) {
+                entries.push((worker, pending.0, pending.1));
+            }
+            *last = Some(pending);
+        }
+        if entries.is_empty() {
+            return None;
+        }
+        if full {
+            self.last_full_s[replica] = Some(now_s);
+        }
+        let seq = self.take_seq(replica);
+        self.stats.messages += 1;
+        let mut receivers = 0u64;
+        for other in (0..self.replicas).filter(|&other| other != replica) {
+            self.stats.deliveries += 1;
+            if loss_ratio > 0.0 && self.loss_rng.random::<f64>() < loss_ratio {
+                self.stats.deliveries_lost += 1;
+            } else {
+                receivers |= 1 << other;
+            }
+        }
+        if receivers == 0 {
+            return None;
+        }
+        self.in_flight.push_back(Message {
+            sender: replica,
+            seq,
+            entries,
+            receivers,
+        });
+        Some(now_s + latency_s)
+    }
+
+    /// The oldest message in flight arrives (`now` on the policies' clock):
+    /// each receiving replica's policy gets its entries.
+    pub fn deliver(&mut self, policies: &[Box<dyn Policy>], now: Instant) {
+        let Some(message) = self.in_flight.pop_front() else {
+            return;
+        };
+        for (receiver, policy) in policies.iter().enumerate() {
+            if message.receivers & (1 << receiver) == 0 {
+                continue;
+            }
+            for &(worker, pending_tokens, pending_requests) in &message.entries {
+                let outcome = policy.replica_pending(
+                    &ReplicaPending {
+                        replica: &self.replica_ids[message.sender],
+                        worker_url: &self.urls[worker],
+                        pending_tokens,
+                        pending_requests,
+                        seq: message.seq,
+                    },
+                    now,
+                );
+                self.count(outcome);
+            }
+        }
+    }
+
+    /// Ideal mode: replica `replica`'s pending work on `worker` may have
+    /// changed; if it did, every other replica learns it now.
+    pub fn changed(
+        &mut self,
+        replica: usize,
+        worker: usize,
+        policies: &[Box<dyn Policy>],
+        ids: &[WorkerId],
+        now: Instant,
+    ) {
+        if self.mode != Mode::Ideal || !self.supported {
+            return;
+        }
+        let (Some(policy), Some(id)) = (policies.get(replica), ids.get(worker)) else {
+            return;
+        };
+        let stats = policy.worker_stats(*id).unwrap_or_default();
+        let pending = (stats.pending_tokens, stats.pending_requests);
+        if self.published[replica][worker] == Some(pending) {
+            return;
+        }
+        self.published[replica][worker] = Some(pending);
+        let seq = self.take_seq(replica);
+        self.stats.messages += 1;
+        for (other, receiver) in policies.iter().enumerate() {
+            if other == replica {
+                continue;
+            }
+            self.stats.deliveries += 1;
+            let outcome = receiver.replica_pending(
+                &ReplicaPending {
+                    replica: &self.replica_ids[replica],
+                    worker_url: &self.urls[worker],
+                    pending_tokens: pending.0,
+                    pending_requests: pending.1,
+                    seq,
+                },
+                now,
+            );
+            self.count(outcome);
+        }
+    }
+
+    fn take_seq(&mut self, replica: usize) -> u64 {
+        let seq = self.next_seq[replica];
+        self.next_seq[replica] += 1;
+        seq
+    }
+
+    fn count(&mut self, outcome: ReplicaPendingOutcome) {
+        match outcome {
+            ReplicaPendingOutcome::Applied => self.stats.entries_applied += 1,
+            ReplicaPendingOutcome::Stale => self.stats.entries_stale += 1,
+            // Every replica registers every worker under the same URL.
+            ReplicaPendingOutcome::UnknownWorker => {}
+            ReplicaPendingOutcome::Unsupported => {
+                self.stats.entries_unsupported += 1;
+                self.supported = false;
+            }
+        }
+    }
+}
+
+/// Whether a cadence of `interval_s` last run at `last_s` is due at `now_s`.
+fn due(last_s: Option<f64>, now_s: f64, interval_s: f64) -> bool {
+    last_s.is_none_or(|last_s| now_s - last_s >= interval_s - CADENCE_SLACK_S)
+}
+
+/// Whether policies built as `name` count other replicas' pending work:
+/// probed by handing one entry to a fresh instance (the baselines answer
+/// `Unsupported`; the references have no policy).
+pub fn counts_replica_pending(
+    registry: &policy_core::PolicyRegistry,
+    name: super::scenario::PolicyName,
+) -> bool {
+    let context = policy_core::PolicyContext::default();
+    let Ok(Some(policy)) = super::fleet::build_policy(registry, name, &context) else {
+        return false;
+    };
+    policy.add_worker(
+        WorkerId::new(0, 0),
+        policy_core::WorkerInfo::new(worker_url(0), "sglang"),
+    );
+    let outcome = policy.replica_pending(
+        &ReplicaPending {
+            replica: "probe",
+            worker_url: &worker_url(0),
+            pending_tokens: 1,
+            pending_requests: 1,
+            seq: 1,
+        },
+        Instant::now(),
+    );
+    outcome != ReplicaPendingOutcome::Unsupported
+}
