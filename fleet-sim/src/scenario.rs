@@ -13,7 +13,7 @@ use super::workload::{LengthDist, Trace};
 use engine_model::EngineParams;
 
 /// The standard scenario names, in the order they are run and reported.
-pub const STANDARD_SCENARIOS: [&str; 13] = [
+pub const STANDARD_SCENARIOS: [&str; 14] = [
     "uniform",
     "size-skew",
     "heavy-tail",
@@ -23,6 +23,7 @@ pub const STANDARD_SCENARIOS: [&str; 13] = [
     "stale-polls",
     "poll-jitter",
     "replicas",
+    "replicas-hetero",
     "rate-spread",
     "rate-spread-vllm",
     "bursty-long",

@@ -365,9 +365,15 @@ fn due(last_s: Option<f64>, now_s: f64, interval_s: f64) -> bool {
     last_s.is_none_or(|last_s| now_s - last_s >= interval_s - CADENCE_SLACK_S)
 }
 
+/// The explain-table column that holds a `least_load` policy's score.
+const SCORE_COLUMN: &str = "score_s";
+
 /// Whether policies built as `name` count other replicas' pending work:
-/// probed by handing one entry to a fresh instance (the baselines answer
-/// `Unsupported`; the references have no policy).
+/// probed on a fresh instance with one idle worker, by handing it another
+/// replica's entry. The baselines answer `Unsupported`; a policy that
+/// stores the entry but scores the worker no higher for it does not count
+/// it either (`least_load` with `inflight = "since_poll"`); the references
+/// have no policy.
 pub fn counts_replica_pending(
     registry: &policy_core::PolicyRegistry,
     name: super::scenario::PolicyName,
@@ -376,19 +382,29 @@ pub fn counts_replica_pending(
     let Ok(Some(policy)) = super::fleet::build_policy(registry, name, &context) else {
         return false;
     };
-    policy.add_worker(
-        WorkerId::new(0, 0),
-        policy_core::WorkerInfo::new(worker_url(0), "sglang"),
-    );
+    let id = WorkerId::new(0, 0);
+    let url = worker_url(0);
+    policy.add_worker(id, policy_core::WorkerInfo::new(url.clone(), "sglang"));
+    let now = Instant::now();
+    let request = policy_core::RequestInfo::new(policy_core::TokenCount::Exact(200));
+    let score = || policy.explain(&[id], &request, now).value(id, SCORE_COLUMN);
+    let before = score();
     let outcome = policy.replica_pending(
         &ReplicaPending {
             replica: "probe",
-            worker_url: &worker_url(0),
-            pending_tokens: 1,
+            worker_url: &url,
+            pending_tokens: 100_000,
             pending_requests: 1,
             seq: 1,
         },
-        Instant::now(),
+        now,
     );
-    outcome != ReplicaPendingOutcome::Unsupported
+    if outcome == ReplicaPendingOutcome::Unsupported {
+        return false;
+    }
+    match (before, score()) {
+        (Some(before), Some(after)) => after > before,
+        // No score to read: it took the entry, so count it as used.
+        _ => true,
+    }
 }
