@@ -561,6 +561,31 @@ impl Router {
     }
 }
 
+/// A replica's pending work on a worker may have changed: the sync channel
+/// shares it now (ideal), or publishes it if it grew (`publish_dispatches`),
+/// scheduling its delivery.
+fn sync_changed(
+    sync: &mut Option<SyncChannel>,
+    router: &Router,
+    queue: &mut Queue,
+    (replica, worker): (usize, usize),
+    now_s: f64,
+    now: Instant,
+) {
+    if let Some(sync) = sync
+        && let Some(arrives_s) = sync.changed(
+            replica,
+            worker,
+            &router.policies,
+            &router.ids,
+            now_s,
+            now,
+        )
+    {
+        queue.push(arrives_s, Kind::SyncDeliver);
+    }
+}
+
 /// Every replica's first poll of every worker, at its phase in the interval.
 fn schedule_first_polls(cell: &Cell<'_>, queue: &mut Queue) {
     let interval_s = cell.router.poll_interval_s;
@@ -759,14 +784,13 @@ impl<'a> CellRun<'a> {
             now_s,
             now,
         )?;
-        if let Some(sync) = &mut self.sync
-            && let Some((replica, _)) = self.router.dispatches[id]
-        {
-            sync.changed(
-                replica as usize,
-                worker,
-                &self.router.policies,
-                &self.router.ids,
+        if let Some((replica, _)) = self.router.dispatches[id] {
+            sync_changed(
+                &mut self.sync,
+                &self.router,
+                &mut self.queue,
+                (replica as usize, worker),
+                now_s,
                 now,
             );
         }
@@ -792,29 +816,27 @@ impl<'a> CellRun<'a> {
                 EngineEvent::FirstToken { id, .. } => {
                     if let Some((replica, policy, dispatch)) = self.router.dispatch(id) {
                         policy.first_token(dispatch, now);
-                        if let Some(sync) = &mut self.sync {
-                            sync.changed(
-                                replica,
-                                worker,
-                                &self.router.policies,
-                                &self.router.ids,
-                                now,
-                            );
-                        }
+                        sync_changed(
+                            &mut self.sync,
+                            &self.router,
+                            &mut self.queue,
+                            (replica, worker),
+                            now_s,
+                            now,
+                        );
                     }
                 }
                 EngineEvent::Finished(record) => {
                     if let Some((replica, policy, dispatch)) = self.router.dispatch(record.id) {
                         policy.finish(dispatch, now);
-                        if let Some(sync) = &mut self.sync {
-                            sync.changed(
-                                replica,
-                                worker,
-                                &self.router.policies,
-                                &self.router.ids,
-                                now,
-                            );
-                        }
+                        sync_changed(
+                            &mut self.sync,
+                            &self.router,
+                            &mut self.queue,
+                            (replica, worker),
+                            now_s,
+                            now,
+                        );
                     }
                     self.records.push(record);
                 }

@@ -272,6 +272,12 @@ pub enum SyncConfig {
     /// replica drops the others' entries not confirmed within `entry_ttl_s`,
     /// checked every `entry_ttl_s / 8` (at least one publish interval), as
     /// the router does.
+    ///
+    /// With `publish_dispatches = true`, a replica also publishes a
+    /// worker's state the moment its pending work there grows (a
+    /// dispatch), through the same channel (latency, loss, sequence); the
+    /// ticks then carry the decreases (first tokens) and the full states.
+    /// The router does not do this: it measures what doing it would gain.
     Periodic {
         publish_interval_s: f64,
         #[serde(default = "default_sync_latency_s")]
@@ -280,6 +286,8 @@ pub enum SyncConfig {
         loss_ratio: f64,
         #[serde(default = "default_sync_entry_ttl_s")]
         entry_ttl_s: f64,
+        #[serde(default)]
+        publish_dispatches: bool,
     },
 }
 
@@ -297,7 +305,7 @@ impl SyncConfig {
 
     /// The name in reports: `off`, `ideal`, `20ms` (a periodic channel by
     /// its publish interval, then whatever differs from the defaults:
-    /// `20ms lat 5ms loss 10% ttl 2s`).
+    /// `20ms+dispatches lat 5ms loss 10% ttl 2s`).
     pub fn label(&self) -> String {
         match *self {
             SyncConfig::Off {} => "off".to_owned(),
@@ -307,8 +315,12 @@ impl SyncConfig {
                 latency_s,
                 loss_ratio,
                 entry_ttl_s,
+                publish_dispatches,
             } => {
                 let mut label = format!("{}ms", trimmed(publish_interval_s * 1000.0));
+                if publish_dispatches {
+                    label.push_str("+dispatches");
+                }
                 if latency_s != DEFAULT_SYNC_LATENCY_S {
                     label.push_str(&format!(" lat {}ms", trimmed(latency_s * 1000.0)));
                 }
@@ -331,6 +343,7 @@ impl SyncConfig {
             latency_s,
             loss_ratio,
             entry_ttl_s,
+            ..
         } = *self
         else {
             return Ok(());

@@ -14,7 +14,9 @@
 //!   At its publish tick, every `max(entry_ttl_s / 8, publish_interval_s)`,
 //!   a replica first drops the others' entries older than the TTL
 //!   ([`Policy::expire_replica_pending`]), as the router's publisher task
-//!   does.
+//!   does. With `publish_dispatches`, a replica whose pending work on a
+//!   worker grows (a dispatch) publishes that worker's state at once, on
+//!   the same channel.
 //! - **Ideal** ([`SyncConfig::Ideal`]): whenever a replica's pending work on
 //!   a worker changes (a dispatch, a first token), its new state reaches
 //!   every other replica at that instant: exact, and one
@@ -85,6 +87,7 @@ enum Mode {
         latency_s: f64,
         loss_ratio: f64,
         entry_ttl_s: f64,
+        publish_dispatches: bool,
     },
 }
 
@@ -128,11 +131,13 @@ impl SyncChannel {
                 latency_s,
                 loss_ratio,
                 entry_ttl_s,
+                publish_dispatches,
             } => Mode::Periodic {
                 publish_interval_s,
                 latency_s,
                 loss_ratio,
                 entry_ttl_s,
+                publish_dispatches,
             },
         };
         if replicas < 2 {
@@ -212,9 +217,8 @@ impl SyncChannel {
     ) -> Option<f64> {
         let Mode::Periodic {
             publish_interval_s,
-            latency_s,
-            loss_ratio,
             entry_ttl_s,
+            ..
         } = self.mode
         else {
             return None;
@@ -248,6 +252,26 @@ impl SyncChannel {
         if full {
             self.last_full_s[replica] = Some(now_s);
         }
+        self.send(replica, entries, now_s)
+    }
+
+    /// Sends one message from `replica` under its next sequence number:
+    /// each other replica receives it `latency_s` later unless it is lost
+    /// on the way. Returns when it arrives, if anyone is to receive it.
+    fn send(
+        &mut self,
+        replica: usize,
+        entries: Vec<(usize, u64, u64)>,
+        now_s: f64,
+    ) -> Option<f64> {
+        let Mode::Periodic {
+            latency_s,
+            loss_ratio,
+            ..
+        } = self.mode
+        else {
+            return None;
+        };
         let seq = self.take_seq(replica);
         self.stats.messages += 1;
         let mut receivers = 0u64;
@@ -297,26 +321,49 @@ impl SyncChannel {
         }
     }
 
-    /// Ideal mode: replica `replica`'s pending work on `worker` may have
-    /// changed; if it did, every other replica learns it now.
+    /// Replica `replica`'s pending work on `worker` may have changed (a
+    /// dispatch, a first token, a finish), at `now_s` (`now` on the
+    /// policies' clock). Ideal: if it did, every other replica learns it
+    /// now. Periodic with `publish_dispatches`: if it grew, the worker's
+    /// state is published now, and the time it arrives is returned (the
+    /// caller then calls [`deliver`](SyncChannel::deliver) at that time).
     pub fn changed(
         &mut self,
         replica: usize,
         worker: usize,
         policies: &[Box<dyn Policy>],
         ids: &[WorkerId],
+        now_s: f64,
         now: Instant,
-    ) {
-        if self.mode != Mode::Ideal || !self.supported {
-            return;
+    ) -> Option<f64> {
+        let push = match self.mode {
+            Mode::Ideal => false,
+            Mode::Periodic {
+                publish_dispatches, ..
+            } => publish_dispatches,
+        };
+        if (self.mode != Mode::Ideal && !push) || !self.supported {
+            return None;
         }
         let (Some(policy), Some(id)) = (policies.get(replica), ids.get(worker)) else {
-            return;
+            return None;
         };
         let stats = policy.worker_stats(*id).unwrap_or_default();
         let pending = (stats.pending_tokens, stats.pending_requests);
-        if self.published[replica][worker] == Some(pending) {
-            return;
+        let last = self.published[replica][worker];
+        if last == Some(pending) {
+            return None;
+        }
+        if push {
+            let grew = last.is_none_or(|(tokens, requests)| {
+                pending.0 > tokens || pending.1 > requests
+            });
+            if !grew {
+                // Decreases wait for the tick.
+                return None;
+            }
+            self.published[replica][worker] = Some(pending);
+            return self.send(replica, vec![(worker, pending.0, pending.1)], now_s);
         }
         self.published[replica][worker] = Some(pending);
         let seq = self.take_seq(replica);
@@ -338,6 +385,7 @@ impl SyncChannel {
             );
             self.count(outcome);
         }
+        None
     }
 
     fn take_seq(&mut self, replica: usize) -> u64 {
