@@ -573,14 +573,8 @@ fn sync_changed(
     now: Instant,
 ) {
     if let Some(sync) = sync
-        && let Some(arrives_s) = sync.changed(
-            replica,
-            worker,
-            &router.policies,
-            &router.ids,
-            now_s,
-            now,
-        )
+        && let Some(arrives_s) =
+            sync.changed(replica, worker, &router.policies, &router.ids, now_s, now)
     {
         queue.push(arrives_s, Kind::SyncDeliver);
     }
@@ -927,7 +921,8 @@ impl<'a> CellRun<'a> {
         if sync.is_active()
             && let Some(interval_s) = sync.publish_interval_s()
         {
-            self.queue.push(now_s + interval_s, Kind::SyncTick { replica });
+            self.queue
+                .push(now_s + interval_s, Kind::SyncTick { replica });
         }
     }
 
@@ -1003,7 +998,7 @@ impl<'a> CellRun<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scenario::RouterPoint;
+    use crate::scenario::{RouterPoint, SyncConfig};
 
     fn router() -> RouterPoint {
         RouterPoint {
@@ -1016,6 +1011,8 @@ mod tests {
             report_at: ReportAt::Send,
             sweeps_poll_interval: false,
             sweeps_replicas: false,
+            sync: SyncConfig::Off {},
+            sweeps_sync: false,
         }
     }
 
@@ -1275,6 +1272,92 @@ mod tests {
                 assert_eq!(stats.poll_failures, 0, "{policy:?} {report_at:?}");
             }
         }
+    }
+
+    /// A size-skewed cell of 4 replicas over 8 workers at about 0.85 load.
+    fn replica_cell_stats(policy: PolicyName, sync: SyncConfig, seed: u64) -> CellStats {
+        let workers = vec![(LoadReport::Sglang, EngineParams::default()); 8];
+        let traffic = crate::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::workload::LengthDist::Bimodal {
+                short_tokens: 200,
+                long_tokens: 6000,
+                long_fraction: 0.1,
+                spread: 0.0,
+            }),
+            output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
+            shared_prefix: None,
+        };
+        let requests = crate::workload::generate(&traffic, None, 60.0, 4000, 3);
+        let cell = Cell {
+            workers: &workers,
+            requests: &requests,
+            shared_prefix: None,
+            router: RouterPoint {
+                replicas: 4,
+                replica_phase: PhaseMode::Random,
+                sync,
+                sweeps_sync: true,
+                ..router()
+            },
+            policy,
+            seed,
+            slowdown: None,
+        };
+        run_cell(&cell, &policy_registry()).unwrap()
+    }
+
+    #[test]
+    fn a_cell_with_a_lossy_sync_repeats_exactly_and_sync_helps() {
+        let lossy = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.002,
+            loss_ratio: 0.2,
+            entry_ttl_s: 1.0,
+            publish_dispatches: false,
+        };
+        let a = replica_cell_stats(PolicyName::LeastLoad, lossy, 5);
+        assert_eq!(a, replica_cell_stats(PolicyName::LeastLoad, lossy, 5));
+        let stats = a.sync.unwrap();
+        assert!(stats.deliveries_lost > 0, "{stats:?}");
+        assert!(stats.entries_applied > 0, "{stats:?}");
+        // About one copy in five lost.
+        let lost_ratio = stats.deliveries_lost as f64 / stats.deliveries as f64;
+        assert!((0.15..0.25).contains(&lost_ratio), "{stats:?}");
+        // Nothing to share without sync; the ideal channel counts every
+        // dispatch and first token once per other replica.
+        let off = replica_cell_stats(PolicyName::LeastLoad, SyncConfig::Off {}, 5);
+        assert_eq!(off.sync, None);
+        let ideal = replica_cell_stats(PolicyName::LeastLoad, SyncConfig::Ideal {}, 5);
+        let ideal_stats = ideal.sync.unwrap();
+        assert_eq!(ideal_stats.messages, 2 * 4000);
+        assert_eq!(ideal_stats.entries_applied, 3 * 2 * 4000);
+        assert!(
+            ideal.ttft_p99_s < off.ttft_p99_s && a.ttft_p99_s < off.ttft_p99_s,
+            "p99 off {} lossy 20 ms {} ideal {}",
+            off.ttft_p99_s,
+            a.ttft_p99_s,
+            ideal.ttft_p99_s
+        );
+    }
+
+    #[test]
+    fn a_policy_that_ignores_sync_routes_as_without_it() {
+        let sync = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.001,
+            loss_ratio: 0.0,
+            entry_ttl_s: 1.0,
+            publish_dispatches: false,
+        };
+        let synced = replica_cell_stats(PolicyName::RoundRobin, sync, 2);
+        let stats = synced.sync.unwrap();
+        assert!(stats.entries_unsupported > 0 && stats.entries_applied == 0);
+        // The channel stopped at the first answer.
+        assert!(stats.messages <= 4, "{stats:?}");
+        let off = replica_cell_stats(PolicyName::RoundRobin, SyncConfig::Off {}, 2);
+        assert_eq!(synced.ttft_cdf_s, off.ttft_cdf_s);
     }
 
     #[test]

@@ -303,7 +303,10 @@ pub fn summary_table(report: &Report) -> String {
 pub fn sync_table(report: &Report) -> Option<String> {
     let rows = &report.results;
     let synced = |row: &ResultRow| row.sync.is_some_and(|sync| !sync.is_off());
-    if !rows.iter().any(|row| synced(row) && row.router_replicas.is_some()) {
+    if !rows
+        .iter()
+        .any(|row| synced(row) && row.router_replicas.is_some())
+    {
         return None;
     }
     let policies = distinct(
@@ -404,11 +407,7 @@ fn metric_table(
             }
         }
         for (sweep, utilization) in keys {
-            let _ = write!(
-                out,
-                "| {traffic} | {} | {utilization} |",
-                sweep.setting()
-            );
+            let _ = write!(out, "| {traffic} | {} | {utilization} |", sweep.setting());
             let of_cell = |policy: &str| {
                 of_traffic.iter().find(|r| {
                     r.policy == policy && sweep_of(r) == sweep && r.utilization == utilization
@@ -549,7 +548,10 @@ fn write_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimError> {
             )?;
         }
         // p99 TTFT against the swept knob.
-        if sweeps.iter().any(|s| s.interval.is_some() || s.replicas.is_some()) {
+        if sweeps
+            .iter()
+            .any(|s| s.interval.is_some() || s.replicas.is_some())
+        {
             let (name, axis, log_x) = match sweeps.first().map(|s| s.interval) {
                 Some(None) => ("replicas", "router replicas", false),
                 _ => ("poll-interval", "poll interval (s)", true),
@@ -838,5 +840,94 @@ output = { dist = "constant", tokens = 8 }
         let json = std::fs::read_to_string(written.join("report.json")).unwrap();
         assert!(json.contains("\"poll_interval_s\": 2.0"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_sync_sweep_reports_each_setting_and_a_ratio_to_one_router() {
+        let text = SCENARIO
+            .replace("name = \"tiny\"", "name = \"tiny-sync\"")
+            .replace("count = 2", "count = 4")
+            .replace("utilizations = [0.5, 0.8]", "utilizations = [0.8]")
+            .replace(
+                "sweep_poll_interval_s = [0.5, 2.0]",
+                "sweep_replicas = [1, 2]\nsweep_sync = [{ mode = \"off\" }, { mode = \"ideal\" }]",
+            );
+        let scenario =
+            Scenario::from_toml_str(&text, Path::new("tiny-sync.toml"), PathBuf::new()).unwrap();
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        let outcomes = run_scenarios(&[scenario], &options).unwrap();
+        let report = &outcomes[0].report;
+        // One router: 3 policies; 2 replicas without sync: 3; with ideal
+        // sync, only least_load (round_robin ignores it, the oracle too).
+        let labels: Vec<(&str, u32, String)> = report
+            .results
+            .iter()
+            .map(|r| {
+                (
+                    r.policy,
+                    r.router_replicas.unwrap(),
+                    r.sync_label().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(labels.len(), 7, "{labels:?}");
+        assert!(labels.contains(&("least_load", 2, "ideal".to_owned())));
+        assert!(!labels.contains(&("round_robin", 2, "ideal".to_owned())));
+        let ideal = report
+            .sync_row("size-skew", 0.8, "least_load", 2, SyncConfig::Ideal {})
+            .unwrap();
+        assert!(ideal.ttft_p99_vs_best_reference.is_some());
+        assert!(
+            ideal
+                .sync_stats
+                .is_some_and(|stats| stats.entries_applied > 0)
+        );
+        let summary = summary_table(report);
+        assert!(
+            summary.contains("| size-skew | 2 replicas, sync=ideal | 0.8 |"),
+            "{summary}"
+        );
+        let table = sync_table(report).unwrap();
+        assert!(
+            table.contains("| 1 router | 2 replicas, sync=off | 2 replicas, sync=ideal |"),
+            "{table}"
+        );
+        let one = report
+            .sync_row("size-skew", 0.8, "least_load", 1, SyncConfig::Off {})
+            .unwrap()
+            .ttft_p99_s;
+        assert!(
+            table.contains(&format!(
+                "{:.3} ({:.2}×)",
+                ideal.ttft_p99_s,
+                ideal.ttft_p99_s / one
+            )),
+            "{table}"
+        );
+        assert!(
+            markdown(report)
+                .contains("## size-skew, utilization 0.8, 2 router replicas, sync=ideal")
+        );
+        let dir =
+            std::env::temp_dir().join(format!("fleet-sim-sync-report-test-{}", std::process::id()));
+        let written = write_outputs(&outcomes[0], &dir, true).unwrap();
+        for file in [
+            "ttft-cdf-size-skew-r2-syncideal-u0.8.svg",
+            "p99-vs-replicas-size-skew-u0.8.svg",
+        ] {
+            let path = written.join(file);
+            assert!(path.exists(), "{} missing", path.display());
+        }
+        let json = std::fs::read_to_string(written.join("report.json")).unwrap();
+        assert!(json.contains("\"mode\": \"ideal\""), "{json}");
+        let _ = std::fs::remove_dir_all(&dir);
+        // Without sync, no sync table.
+        let plain =
+            Scenario::from_toml_str(SCENARIO, Path::new("tiny.toml"), PathBuf::new()).unwrap();
+        let outcomes = run_scenarios(&[plain], &options).unwrap();
+        assert!(sync_table(&outcomes[0].report).is_none());
     }
 }

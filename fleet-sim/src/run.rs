@@ -416,8 +416,8 @@ pub fn run_scenarios(
         for traffic in 0..plan.scenario.traffic.len() {
             for point in 0..plan.points.len() {
                 for utilization in 0..plan.scenario.utilizations.len() {
-                    for policy in 0..plan.scenario.policies.len() {
-                        if !plan.points[point].sync.is_off() && !counts_sync[policy] {
+                    for (policy, &counts_sync) in counts_sync.iter().enumerate() {
+                        if !plan.points[point].sync.is_off() && !counts_sync {
                             continue;
                         }
                         jobs.push(Job {
@@ -469,7 +469,9 @@ pub fn run_scenarios(
             shared_prefix: scenario.traffic[job.traffic].shared_prefix,
             router: point,
             policy: scenario.policies[job.policy],
-            seed: mix(workload_seed(scenario.seed, job.traffic, job.utilization) ^ seed_point as u64),
+            seed: mix(
+                workload_seed(scenario.seed, job.traffic, job.utilization) ^ seed_point as u64
+            ),
             slowdown: scenario.slowdown.map(|slowdown| Slowdown {
                 worker: slowdown.worker as usize,
                 at_s: slowdown.at_s(last_arrival_s),

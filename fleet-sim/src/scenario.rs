@@ -1159,6 +1159,99 @@ output = { dist = "constant", tokens = 10 }
     }
 
     #[test]
+    fn a_sync_sweep_runs_at_every_replica_count_but_one() {
+        let mut text = MINIMAL.to_owned();
+        text.push_str(
+            "[router]\nsweep_replicas = [1, 4]\nsweep_sync = [\n  { mode = \"off\" },\n  \
+             { mode = \"periodic\", publish_interval_s = 0.02 },\n  \
+             { mode = \"periodic\", publish_interval_s = 0.1, latency_s = 0.005, loss_ratio = 0.01, entry_ttl_s = 2.0, publish_dispatches = true },\n  \
+             { mode = \"ideal\" },\n]\n",
+        );
+        let points = parse(&text).unwrap().router_points();
+        let summary: Vec<(u32, String)> = points
+            .iter()
+            .map(|point| (point.replicas, point.sync.label()))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (1, "off".to_owned()),
+                (4, "off".to_owned()),
+                (4, "20ms".to_owned()),
+                (4, "100ms+dispatches lat 5ms loss 1% ttl 2s".to_owned()),
+                (4, "ideal".to_owned()),
+            ]
+        );
+        assert!(points.iter().all(|p| p.sweeps_sync && p.sweeps_replicas));
+        assert_eq!(
+            points[2].sync,
+            SyncConfig::Periodic {
+                publish_interval_s: 0.02,
+                latency_s: DEFAULT_SYNC_LATENCY_S,
+                loss_ratio: 0.0,
+                entry_ttl_s: DEFAULT_SYNC_ENTRY_TTL_S,
+                publish_dispatches: false,
+            }
+        );
+        // One sync setting, not swept: on every point with replicas to share.
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router]\nreplicas = 3\nsync = { mode = \"ideal\" }\n");
+        let points = parse(&text).unwrap().router_points();
+        assert_eq!(points.len(), 1);
+        assert_eq!(points[0].sync, SyncConfig::Ideal {});
+        assert!(points[0].sweeps_sync);
+        // Without sync, rows carry no sync setting.
+        assert!(!parse(MINIMAL).unwrap().router_points()[0].sweeps_sync);
+    }
+
+    #[test]
+    fn impossible_sync_settings_are_clear_errors() {
+        for (sync, expected) in [
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.0 }",
+                "router.sync publish_interval_s must be finite and positive, got 0",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.02, latency_s = -1.0 }",
+                "router.sync latency_s must be finite and not negative, got -1",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.02, loss_ratio = 1.5 }",
+                "router.sync loss_ratio must be in [0, 1], got 1.5",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.5, entry_ttl_s = 1.0 }",
+                "router.sync entry_ttl_s must be at least 4 × publish_interval_s (2 s), got 1",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_ms = 20 }",
+                "unknown field `publish_interval_ms`",
+            ),
+            ("{ mode = \"gossip\" }", "unknown variant `gossip`"),
+            (
+                "{ mode = \"ideal\", latency_s = 0.1 }",
+                "unknown field `latency_s`",
+            ),
+        ] {
+            let text = format!("{MINIMAL}[router]\nsync = {sync}\n");
+            let message = error_text(&parse(&text).unwrap_err());
+            assert!(
+                message.contains(expected),
+                "expected {expected:?} in {message:?}"
+            );
+        }
+        let text = format!(
+            "{MINIMAL}[router]\nsweep_sync = [{{ mode = \"ideal\" }}, {{ mode = \"ideal\" }}]\n"
+        );
+        assert!(
+            error_text(&parse(&text).unwrap_err())
+                .contains("router.sweep_sync[1] lists sync ideal twice")
+        );
+        let text = format!("{MINIMAL}[router]\nsweep_sync = []\n");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("must not be empty"));
+    }
+
+    #[test]
     fn sweeps_make_one_router_point_each() {
         let mut text = MINIMAL.to_owned();
         text.push_str("[router]\nsweep_poll_interval_s = [0.05, 2.0]\n");

@@ -258,12 +258,7 @@ impl SyncChannel {
     /// Sends one message from `replica` under its next sequence number:
     /// each other replica receives it `latency_s` later unless it is lost
     /// on the way. Returns when it arrives, if anyone is to receive it.
-    fn send(
-        &mut self,
-        replica: usize,
-        entries: Vec<(usize, u64, u64)>,
-        now_s: f64,
-    ) -> Option<f64> {
+    fn send(&mut self, replica: usize, entries: Vec<(usize, u64, u64)>, now_s: f64) -> Option<f64> {
         let Mode::Periodic {
             latency_s,
             loss_ratio,
@@ -355,9 +350,8 @@ impl SyncChannel {
             return None;
         }
         if push {
-            let grew = last.is_none_or(|(tokens, requests)| {
-                pending.0 > tokens || pending.1 > requests
-            });
+            let grew =
+                last.is_none_or(|(tokens, requests)| pending.0 > tokens || pending.1 > requests);
             if !grew {
                 // Decreases wait for the tick.
                 return None;
@@ -454,5 +448,323 @@ pub fn counts_replica_pending(
         (Some(before), Some(after)) => after > before,
         // No score to read: it took the entry, so count it as used.
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::policy_registry;
+    use crate::scenario::PolicyName;
+    use policy_core::{Dispatch, PolicyContext, RequestInfo, TokenCount, WorkerInfo};
+
+    /// `replicas` `least_load` policies over two workers, as a cell builds them.
+    fn policies(replicas: usize) -> (Vec<Box<dyn Policy>>, Vec<WorkerId>) {
+        let registry = policy_registry();
+        let ids: Vec<WorkerId> = (0..2).map(|i| WorkerId::new(i, 0)).collect();
+        let policies = (0..replicas)
+            .map(|_| {
+                let policy = registry
+                    .build(
+                        "least_load",
+                        &serde_json::Value::Null,
+                        &PolicyContext::default(),
+                    )
+                    .unwrap();
+                for (index, id) in ids.iter().enumerate() {
+                    policy.add_worker(*id, WorkerInfo::new(worker_url(index), "sglang"));
+                }
+                policy
+            })
+            .collect();
+        (policies, ids)
+    }
+
+    fn periodic(interval_s: f64, latency_s: f64, loss_ratio: f64, ttl_s: f64) -> SyncConfig {
+        SyncConfig::Periodic {
+            publish_interval_s: interval_s,
+            latency_s,
+            loss_ratio,
+            entry_ttl_s: ttl_s,
+            publish_dispatches: false,
+        }
+    }
+
+    /// Replica `replica` dispatches `tokens` to worker 0 (both idle: the
+    /// tie goes to a draw, so the worker is forced by offering only it).
+    fn dispatch(
+        policies: &[Box<dyn Policy>],
+        ids: &[WorkerId],
+        replica: usize,
+        tokens: u64,
+        now: Instant,
+    ) -> Dispatch {
+        let request = RequestInfo::new(TokenCount::Exact(tokens)).streaming(true);
+        policies[replica].select(&ids[..1], &request, now).unwrap()
+    }
+
+    /// The other replicas' pending tokens on worker 0 as `replica` counts them.
+    fn remote_tokens(policies: &[Box<dyn Policy>], ids: &[WorkerId], replica: usize) -> f64 {
+        let request = RequestInfo::new(TokenCount::Exact(100));
+        policies[replica]
+            .explain(ids, &request, Instant::now())
+            .value(ids[0], "remote_tok")
+            .unwrap()
+    }
+
+    #[test]
+    fn a_message_arrives_after_the_latency_and_is_applied_then() {
+        let (policies, ids) = policies(3);
+        let mut channel = SyncChannel::new(periodic(0.02, 0.05, 0.0, 1.0), 3, 2, 1).unwrap();
+        let base = Instant::now();
+        let at = |s: f64| base + Duration::from_secs_f64(s);
+        assert_eq!(channel.first_ticks_s().len(), 3);
+        assert!(
+            channel
+                .first_ticks_s()
+                .iter()
+                .all(|&t| (0.0..0.02).contains(&t))
+        );
+        dispatch(&policies, &ids, 0, 1000, at(0.0));
+        let arrives_s = channel.tick(0, &policies, &ids, 0.01, at(0.01)).unwrap();
+        assert_eq!(arrives_s, 0.01 + 0.05);
+        assert_eq!(channel.in_flight(), 1);
+        // On the way: nobody counts it yet.
+        assert_eq!(remote_tokens(&policies, &ids, 1), 0.0);
+        assert_eq!(remote_tokens(&policies, &ids, 2), 0.0);
+        channel.deliver(&policies, at(arrives_s));
+        assert_eq!(channel.in_flight(), 0);
+        assert_eq!(remote_tokens(&policies, &ids, 1), 1000.0);
+        assert_eq!(remote_tokens(&policies, &ids, 2), 1000.0);
+        // Not to the sender itself.
+        assert_eq!(remote_tokens(&policies, &ids, 0), 0.0);
+        let stats = channel.stats();
+        assert_eq!(stats.messages, 1);
+        assert_eq!(stats.deliveries, 2);
+        // A first message is a full state: both workers, to both receivers.
+        assert_eq!(stats.entries_applied, 4);
+    }
+
+    #[test]
+    fn only_changes_are_published_between_full_states() {
+        let (policies, ids) = policies(2);
+        let mut channel = SyncChannel::new(periodic(0.02, 0.0, 0.0, 1.0), 2, 2, 1).unwrap();
+        let base = Instant::now();
+        let at = |s: f64| base + Duration::from_secs_f64(s);
+        assert!(channel.tick(0, &policies, &ids, 0.0, at(0.0)).is_some());
+        channel.deliver(&policies, at(0.0));
+        // Nothing changed: no message.
+        assert_eq!(channel.tick(0, &policies, &ids, 0.02, at(0.02)), None);
+        let sent = dispatch(&policies, &ids, 0, 700, at(0.03));
+        assert!(channel.tick(0, &policies, &ids, 0.04, at(0.04)).is_some());
+        channel.deliver(&policies, at(0.04));
+        assert_eq!(remote_tokens(&policies, &ids, 1), 700.0);
+        assert_eq!(
+            channel.stats().entries_applied,
+            3,
+            "the full state, then one change"
+        );
+        // The first token releases it; the next tick says so.
+        policies[0].first_token(&sent, at(0.05));
+        assert!(channel.tick(0, &policies, &ids, 0.06, at(0.06)).is_some());
+        channel.deliver(&policies, at(0.06));
+        assert_eq!(remote_tokens(&policies, &ids, 1), 0.0);
+        // A quarter of the TTL after the first full state, another one.
+        assert_eq!(channel.tick(0, &policies, &ids, 0.24, at(0.24)), None);
+        assert!(channel.tick(0, &policies, &ids, 0.26, at(0.26)).is_some());
+        channel.deliver(&policies, at(0.26));
+        assert_eq!(channel.stats().entries_applied, 6);
+        assert_eq!(channel.stats().messages, 4);
+    }
+
+    #[test]
+    fn a_lost_message_is_not_applied() {
+        let (policies, ids) = policies(2);
+        let mut channel = SyncChannel::new(periodic(0.02, 0.0, 1.0, 1.0), 2, 2, 1).unwrap();
+        let now = Instant::now();
+        dispatch(&policies, &ids, 0, 1000, now);
+        assert_eq!(channel.tick(0, &policies, &ids, 0.0, now), None);
+        assert_eq!(channel.in_flight(), 0);
+        assert_eq!(remote_tokens(&policies, &ids, 1), 0.0);
+        let stats = channel.stats();
+        assert_eq!((stats.deliveries, stats.deliveries_lost), (1, 1));
+        assert_eq!(stats.entries_applied, 0);
+    }
+
+    #[test]
+    fn losses_are_drawn_from_the_seed() {
+        let losses = |seed: u64| {
+            let (policies, ids) = policies(4);
+            let mut channel = SyncChannel::new(periodic(0.02, 0.0, 0.3, 1.0), 4, 2, seed).unwrap();
+            let base = Instant::now();
+            let mut lost = Vec::new();
+            for tick in 0..200 {
+                let now_s = f64::from(tick) * 0.02;
+                let now = base + Duration::from_secs_f64(now_s);
+                // A change every tick, so every tick sends.
+                dispatch(&policies, &ids, 0, 10, now);
+                if channel.tick(0, &policies, &ids, now_s, now).is_some() {
+                    channel.deliver(&policies, now);
+                }
+                lost.push(channel.stats().deliveries_lost);
+            }
+            lost
+        };
+        let a = losses(7);
+        assert_eq!(a, losses(7), "the same seed loses the same copies");
+        assert_ne!(a, losses(8));
+        let lost = *a.last().unwrap();
+        // 600 copies at 30 %: about 180.
+        assert!((140..220).contains(&lost), "{lost}");
+    }
+
+    #[test]
+    fn a_replica_that_stops_publishing_is_expired_after_the_ttl() {
+        let (policies, ids) = policies(2);
+        // TTL 0.4 s: expiry every 0.05 s (an eighth), full states every 0.1 s.
+        let mut channel = SyncChannel::new(periodic(0.05, 0.001, 0.0, 0.4), 2, 2, 1).unwrap();
+        let base = Instant::now();
+        let at = |s: f64| base + Duration::from_secs_f64(s);
+        dispatch(&policies, &ids, 0, 1000, at(0.0));
+        let arrives_s = channel.tick(0, &policies, &ids, 0.0, at(0.0)).unwrap();
+        channel.deliver(&policies, at(arrives_s));
+        assert_eq!(remote_tokens(&policies, &ids, 1), 1000.0);
+        // Replica 0 falls silent; replica 1 goes on ticking (and expiring).
+        let mut gone_at_s = None;
+        for tick in 1..=20 {
+            let now_s = f64::from(tick) * 0.05;
+            channel.tick(1, &policies, &ids, now_s, at(now_s));
+            if remote_tokens(&policies, &ids, 1) == 0.0 && gone_at_s.is_none() {
+                gone_at_s = Some(now_s);
+            }
+        }
+        // Confirmed at 0.001 s: kept through 0.4 s, gone at the first
+        // expiry after 0.401 s.
+        let gone_at_s = gone_at_s.unwrap();
+        assert!((gone_at_s - 0.45).abs() < 1e-9, "{gone_at_s}");
+        // Both of replica 0's entries (worker 0 and worker 1) went.
+        assert_eq!(channel.stats().entries_expired, 2);
+    }
+
+    #[test]
+    fn a_live_replica_is_never_expired() {
+        let (policies, ids) = policies(2);
+        let mut channel = SyncChannel::new(periodic(0.05, 0.001, 0.0, 0.4), 2, 2, 1).unwrap();
+        let base = Instant::now();
+        dispatch(&policies, &ids, 0, 1000, base);
+        for tick in 0..200 {
+            for replica in 0..2 {
+                let now_s = f64::from(tick) * 0.05 + 0.01 * replica as f64;
+                let now = base + Duration::from_secs_f64(now_s);
+                if let Some(arrives_s) = channel.tick(replica, &policies, &ids, now_s, now) {
+                    channel.deliver(&policies, base + Duration::from_secs_f64(arrives_s));
+                }
+            }
+        }
+        assert_eq!(channel.stats().entries_expired, 0);
+        assert_eq!(remote_tokens(&policies, &ids, 1), 1000.0);
+    }
+
+    #[test]
+    fn ideal_sync_shares_every_change_at_once() {
+        let (policies, ids) = policies(3);
+        let mut channel = SyncChannel::new(SyncConfig::Ideal {}, 3, 2, 1).unwrap();
+        assert!(channel.is_ideal());
+        assert!(channel.first_ticks_s().is_empty());
+        assert_eq!(channel.publish_interval_s(), None);
+        let now = Instant::now();
+        let sent = dispatch(&policies, &ids, 1, 500, now);
+        assert_eq!(channel.changed(1, 0, &policies, &ids, 0.0, now), None);
+        assert_eq!(remote_tokens(&policies, &ids, 0), 500.0);
+        assert_eq!(remote_tokens(&policies, &ids, 2), 500.0);
+        // Unchanged: nothing sent.
+        channel.changed(1, 0, &policies, &ids, 0.0, now);
+        assert_eq!(channel.stats().messages, 1);
+        policies[1].first_token(&sent, now);
+        channel.changed(1, 0, &policies, &ids, 0.0, now);
+        assert_eq!(remote_tokens(&policies, &ids, 0), 0.0);
+        let stats = channel.stats();
+        assert_eq!((stats.messages, stats.entries_applied), (2, 4));
+    }
+
+    #[test]
+    fn publish_dispatches_sends_growth_at_once_and_leaves_releases_to_the_tick() {
+        let (policies, ids) = policies(2);
+        let config = SyncConfig::Periodic {
+            publish_interval_s: 0.1,
+            latency_s: 0.001,
+            loss_ratio: 0.0,
+            entry_ttl_s: 1.0,
+            publish_dispatches: true,
+        };
+        let mut channel = SyncChannel::new(config, 2, 2, 1).unwrap();
+        let base = Instant::now();
+        let at = |s: f64| base + Duration::from_secs_f64(s);
+        let sent = dispatch(&policies, &ids, 0, 800, at(0.01));
+        let arrives_s = channel
+            .changed(0, 0, &policies, &ids, 0.01, at(0.01))
+            .unwrap();
+        assert_eq!(arrives_s, 0.01 + 0.001);
+        channel.deliver(&policies, at(arrives_s));
+        assert_eq!(remote_tokens(&policies, &ids, 1), 800.0);
+        policies[0].first_token(&sent, at(0.02));
+        assert_eq!(channel.changed(0, 0, &policies, &ids, 0.02, at(0.02)), None);
+        assert_eq!(remote_tokens(&policies, &ids, 1), 800.0, "until the tick");
+        let arrives_s = channel.tick(0, &policies, &ids, 0.05, at(0.05)).unwrap();
+        channel.deliver(&policies, at(arrives_s));
+        assert_eq!(remote_tokens(&policies, &ids, 1), 0.0);
+    }
+
+    #[test]
+    fn nothing_to_share_without_sync_or_with_one_replica() {
+        assert!(SyncChannel::new(SyncConfig::Off {}, 4, 2, 1).is_none());
+        assert!(SyncChannel::new(SyncConfig::Ideal {}, 1, 2, 1).is_none());
+        assert!(SyncChannel::new(periodic(0.02, 0.0, 0.0, 1.0), 1, 2, 1).is_none());
+    }
+
+    #[test]
+    fn a_policy_that_ignores_other_replicas_stops_the_channel() {
+        let registry = policy_registry();
+        let ids = [WorkerId::new(0, 0)];
+        let policies: Vec<Box<dyn Policy>> = (0..2)
+            .map(|_| {
+                let policy = registry
+                    .build(
+                        "round_robin",
+                        &serde_json::Value::Null,
+                        &PolicyContext::default(),
+                    )
+                    .unwrap();
+                policy.add_worker(ids[0], WorkerInfo::new(worker_url(0), "sglang"));
+                policy
+            })
+            .collect();
+        let mut channel = SyncChannel::new(periodic(0.02, 0.0, 0.0, 1.0), 2, 1, 1).unwrap();
+        let now = Instant::now();
+        assert!(channel.tick(0, &policies, &ids, 0.0, now).is_some());
+        assert!(channel.is_active());
+        channel.deliver(&policies, now);
+        assert!(!channel.is_active());
+        assert_eq!(channel.stats().entries_unsupported, 1);
+        assert_eq!(channel.tick(1, &policies, &ids, 0.02, now), None);
+    }
+
+    #[test]
+    fn the_probe_tells_which_policies_count_other_replicas() {
+        let registry = policy_registry();
+        for (name, counts) in [
+            (PolicyName::LeastLoad, true),
+            (PolicyName::LeastLoadReportedRate, true),
+            (PolicyName::LeastLoadFixedRate, true),
+            (PolicyName::PowerOfTwo, true),
+            (PolicyName::LeastLoadSincePoll, false),
+            (PolicyName::RoundRobin, false),
+            (PolicyName::Random, false),
+            (PolicyName::LeastRequests, false),
+            (PolicyName::Oracle, false),
+            (PolicyName::LeastTrueQueue, false),
+        ] {
+            assert_eq!(counts_replica_pending(&registry, name), counts, "{name:?}");
+        }
     }
 }
