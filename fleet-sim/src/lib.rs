@@ -46,9 +46,9 @@ pub use run::{
     TrafficCapacity, capacities, capacity_rps, run_scenarios,
 };
 pub use scenario::{
-    ArrivalConfig, LoadReport, PhaseMode, PolicyName, ReportAt, RouterConfig, RouterPoint,
-    STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, SlowdownConfig, SyncConfig, TrafficConfig,
-    WorkerGroup,
+    ArrivalConfig, DEFAULT_SYNC_ENTRY_TTL_S, DEFAULT_SYNC_LATENCY_S, LoadReport, PhaseMode,
+    PolicyName, ReportAt, RouterConfig, RouterPoint, STANDARD_SCENARIOS, Scenario,
+    SharedPrefixConfig, SlowdownConfig, SyncConfig, TrafficConfig, WorkerGroup,
 };
 pub use sync::{SyncChannel, SyncStats, counts_replica_pending, replica_id, worker_url};
 pub use workload::{LengthDist, RequestSpec, Trace, generate};
