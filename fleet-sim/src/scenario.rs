@@ -23,11 +23,11 @@ pub const STANDARD_SCENARIOS: [&str; 14] = [
     "stale-polls",
     "poll-jitter",
     "replicas",
-    "replicas-hetero",
     "rate-spread",
     "rate-spread-vllm",
     "bursty-long",
     "slowdown",
+    "replicas-hetero",
 ];
 
 /// The most workers a scenario may have.
