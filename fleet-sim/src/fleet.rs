@@ -26,6 +26,12 @@
 //! - **rate sample** (scenarios with a slowdown): every poll interval, each
 //!   replica's rate for the slowed worker is read from its policy's
 //!   `explain` table, next to the engine's true `prefill_tps`.
+//! - **sync tick / sync delivery** (several replicas with a periodic sync,
+//!   [`SyncConfig::Periodic`](crate::SyncConfig::Periodic)): a replica publishes its
+//!   changed pending work; the message reaches the other replicas' policies
+//!   `latency_s` later ([`SyncChannel`](crate::SyncChannel)). With the ideal sync, a
+//!   replica's change is handed to the others at the dispatch or first
+//!   token that made it.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -44,6 +50,7 @@ use super::metrics::{CellStats, summarize};
 use super::scenario::{
     LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
 };
+use super::sync::{SyncChannel, worker_url};
 use super::workload::{RequestSpec, prefix_hashes};
 use engine_model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
@@ -314,6 +321,11 @@ enum Kind {
     },
     Slowdown,
     RateSample,
+    SyncTick {
+        replica: u32,
+    },
+    /// The oldest sync message in flight arrives.
+    SyncDeliver,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -474,10 +486,9 @@ impl Router {
             };
             if let Some(policy) = build_policy(registry, cell.policy, &context)? {
                 for (index, id) in ids.iter().enumerate() {
-                    let url = format!("http://sim-worker-{index}:30000");
                     policy.add_worker(
                         *id,
-                        WorkerInfo::new(url, cell.workers[index].0.backend_name()),
+                        WorkerInfo::new(worker_url(index), cell.workers[index].0.backend_name()),
                     );
                 }
                 policies.push(policy);
@@ -541,10 +552,31 @@ impl Router {
         Ok(dispatch.worker.slot().min(self.ids.len() - 1))
     }
 
-    /// The policy that dispatched request `id` and its dispatch (none for the references).
-    fn dispatch(&self, id: u64) -> Option<(&dyn Policy, &Dispatch)> {
+    /// The replica and policy that dispatched request `id`, and its
+    /// dispatch (none for the references).
+    fn dispatch(&self, id: u64) -> Option<(usize, &dyn Policy, &Dispatch)> {
         let (replica, dispatch) = self.dispatches.get(id as usize)?.as_ref()?;
-        Some((self.policies[*replica as usize].as_ref(), dispatch))
+        let replica = *replica as usize;
+        Some((replica, self.policies[replica].as_ref(), dispatch))
+    }
+}
+
+/// A replica's pending work on a worker may have changed: the sync channel
+/// shares it now (ideal), or publishes it if it grew (`publish_dispatches`),
+/// scheduling its delivery.
+fn sync_changed(
+    sync: &mut Option<SyncChannel>,
+    router: &Router,
+    queue: &mut Queue,
+    (replica, worker): (usize, usize),
+    now_s: f64,
+    now: Instant,
+) {
+    if let Some(sync) = sync
+        && let Some(arrives_s) =
+            sync.changed(replica, worker, &router.policies, &router.ids, now_s, now)
+    {
+        queue.push(arrives_s, Kind::SyncDeliver);
     }
 }
 
@@ -598,6 +630,8 @@ struct CellRun<'a> {
     rate_trace: Option<RateTrace>,
     /// The request the rate samples are explained for: the cell's mean prompt.
     probe: RequestInfo,
+    /// The replicas' sync channel (several replicas with sync on).
+    sync: Option<SyncChannel>,
 }
 
 impl<'a> CellRun<'a> {
@@ -610,8 +644,25 @@ impl<'a> CellRun<'a> {
         let fleet = Fleet::new(cell)?;
         let router = Router::new(cell, registry)?;
         let mut queue = Queue::default();
+        let mut sync = None;
         if !router.is_reference() {
             schedule_first_polls(cell, &mut queue);
+            sync = SyncChannel::new(
+                cell.router.sync,
+                router.policies.len(),
+                cell.workers.len(),
+                mix(cell.seed ^ 0x5_c7a7),
+            );
+            if let Some(channel) = &sync {
+                for (replica, &first_s) in channel.first_ticks_s().iter().enumerate() {
+                    queue.push(
+                        first_s,
+                        Kind::SyncTick {
+                            replica: replica as u32,
+                        },
+                    );
+                }
+            }
         }
         if let Some(first) = cell.requests.first() {
             queue.push(first.arrival_s, Kind::Arrival);
@@ -658,6 +709,7 @@ impl<'a> CellRun<'a> {
             scratch: Vec::new(),
             rate_trace,
             probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
+            sync,
         })
     }
 
@@ -681,6 +733,12 @@ impl<'a> CellRun<'a> {
                 } => self.complete_poll(replica as usize, worker as usize, mark, snapshot, now_s),
                 Kind::Slowdown => self.slow_down()?,
                 Kind::RateSample => self.sample_rates(now_s),
+                Kind::SyncTick { replica } => self.sync_tick(replica, now_s),
+                Kind::SyncDeliver => {
+                    if let Some(sync) = &mut self.sync {
+                        sync.deliver(&self.router.policies, self.clock.at(now_s));
+                    }
+                }
             }
         }
         Ok(())
@@ -711,14 +769,25 @@ impl<'a> CellRun<'a> {
                 _ => Vec::new(),
             },
         };
+        let now = self.clock.at(now_s);
         let worker = self.router.route(
             id,
             spec.prompt_tokens,
             request,
             &self.fleet.engines,
             now_s,
-            self.clock.at(now_s),
+            now,
         )?;
+        if let Some((replica, _)) = self.router.dispatches[id] {
+            sync_changed(
+                &mut self.sync,
+                &self.router,
+                &mut self.queue,
+                (replica as usize, worker),
+                now_s,
+                now,
+            );
+        }
         let engine = &mut self.fleet.engines[worker];
         let params = engine.params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
@@ -739,13 +808,29 @@ impl<'a> CellRun<'a> {
         for engine_event in self.scratch.drain(..) {
             match engine_event {
                 EngineEvent::FirstToken { id, .. } => {
-                    if let Some((policy, dispatch)) = self.router.dispatch(id) {
+                    if let Some((replica, policy, dispatch)) = self.router.dispatch(id) {
                         policy.first_token(dispatch, now);
+                        sync_changed(
+                            &mut self.sync,
+                            &self.router,
+                            &mut self.queue,
+                            (replica, worker),
+                            now_s,
+                            now,
+                        );
                     }
                 }
                 EngineEvent::Finished(record) => {
-                    if let Some((policy, dispatch)) = self.router.dispatch(record.id) {
+                    if let Some((replica, policy, dispatch)) = self.router.dispatch(record.id) {
                         policy.finish(dispatch, now);
+                        sync_changed(
+                            &mut self.sync,
+                            &self.router,
+                            &mut self.queue,
+                            (replica, worker),
+                            now_s,
+                            now,
+                        );
                     }
                     self.records.push(record);
                 }
@@ -816,6 +901,31 @@ impl<'a> CellRun<'a> {
         }
     }
 
+    /// A replica's sync publish tick: its message (if any) is scheduled for
+    /// delivery, and its next tick one publish interval later, as long as
+    /// the policy counts other replicas.
+    fn sync_tick(&mut self, replica: u32, now_s: f64) {
+        let Some(sync) = &mut self.sync else {
+            return;
+        };
+        let now = self.clock.at(now_s);
+        if let Some(arrives_s) = sync.tick(
+            replica as usize,
+            &self.router.policies,
+            &self.router.ids,
+            now_s,
+            now,
+        ) {
+            self.queue.push(arrives_s, Kind::SyncDeliver);
+        }
+        if sync.is_active()
+            && let Some(interval_s) = sync.publish_interval_s()
+        {
+            self.queue
+                .push(now_s + interval_s, Kind::SyncTick { replica });
+        }
+    }
+
     /// The slowed worker's engine changes speed.
     fn slow_down(&mut self) -> Result<(), SimError> {
         if let Some(slowdown) = self.cell.slowdown {
@@ -874,6 +984,7 @@ impl<'a> CellRun<'a> {
             preemptions,
             self.poll_failures,
         );
+        stats.sync = self.sync.as_ref().map(SyncChannel::stats);
         stats.rate_trace = self.rate_trace.filter(|trace| {
             trace
                 .samples
@@ -887,7 +998,7 @@ impl<'a> CellRun<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scenario::RouterPoint;
+    use crate::scenario::{RouterPoint, SyncConfig};
 
     fn router() -> RouterPoint {
         RouterPoint {
@@ -900,6 +1011,8 @@ mod tests {
             report_at: ReportAt::Send,
             sweeps_poll_interval: false,
             sweeps_replicas: false,
+            sync: SyncConfig::Off {},
+            sweeps_sync: false,
         }
     }
 
@@ -1159,6 +1272,92 @@ mod tests {
                 assert_eq!(stats.poll_failures, 0, "{policy:?} {report_at:?}");
             }
         }
+    }
+
+    /// A size-skewed cell of 4 replicas over 8 workers at about 0.85 load.
+    fn replica_cell_stats(policy: PolicyName, sync: SyncConfig, seed: u64) -> CellStats {
+        let workers = vec![(LoadReport::Sglang, EngineParams::default()); 8];
+        let traffic = crate::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::workload::LengthDist::Bimodal {
+                short_tokens: 200,
+                long_tokens: 6000,
+                long_fraction: 0.1,
+                spread: 0.0,
+            }),
+            output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
+            shared_prefix: None,
+        };
+        let requests = crate::workload::generate(&traffic, None, 60.0, 4000, 3);
+        let cell = Cell {
+            workers: &workers,
+            requests: &requests,
+            shared_prefix: None,
+            router: RouterPoint {
+                replicas: 4,
+                replica_phase: PhaseMode::Random,
+                sync,
+                sweeps_sync: true,
+                ..router()
+            },
+            policy,
+            seed,
+            slowdown: None,
+        };
+        run_cell(&cell, &policy_registry()).unwrap()
+    }
+
+    #[test]
+    fn a_cell_with_a_lossy_sync_repeats_exactly_and_sync_helps() {
+        let lossy = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.002,
+            loss_ratio: 0.2,
+            entry_ttl_s: 1.0,
+            publish_dispatches: false,
+        };
+        let a = replica_cell_stats(PolicyName::LeastLoad, lossy, 5);
+        assert_eq!(a, replica_cell_stats(PolicyName::LeastLoad, lossy, 5));
+        let stats = a.sync.unwrap();
+        assert!(stats.deliveries_lost > 0, "{stats:?}");
+        assert!(stats.entries_applied > 0, "{stats:?}");
+        // About one copy in five lost.
+        let lost_ratio = stats.deliveries_lost as f64 / stats.deliveries as f64;
+        assert!((0.15..0.25).contains(&lost_ratio), "{stats:?}");
+        // Nothing to share without sync; the ideal channel counts every
+        // dispatch and first token once per other replica.
+        let off = replica_cell_stats(PolicyName::LeastLoad, SyncConfig::Off {}, 5);
+        assert_eq!(off.sync, None);
+        let ideal = replica_cell_stats(PolicyName::LeastLoad, SyncConfig::Ideal {}, 5);
+        let ideal_stats = ideal.sync.unwrap();
+        assert_eq!(ideal_stats.messages, 2 * 4000);
+        assert_eq!(ideal_stats.entries_applied, 3 * 2 * 4000);
+        assert!(
+            ideal.ttft_p99_s < off.ttft_p99_s && a.ttft_p99_s < off.ttft_p99_s,
+            "p99 off {} lossy 20 ms {} ideal {}",
+            off.ttft_p99_s,
+            a.ttft_p99_s,
+            ideal.ttft_p99_s
+        );
+    }
+
+    #[test]
+    fn a_policy_that_ignores_sync_routes_as_without_it() {
+        let sync = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.001,
+            loss_ratio: 0.0,
+            entry_ttl_s: 1.0,
+            publish_dispatches: false,
+        };
+        let synced = replica_cell_stats(PolicyName::RoundRobin, sync, 2);
+        let stats = synced.sync.unwrap();
+        assert!(stats.entries_unsupported > 0 && stats.entries_applied == 0);
+        // The channel stopped at the first answer.
+        assert!(stats.messages <= 4, "{stats:?}");
+        let off = replica_cell_stats(PolicyName::RoundRobin, SyncConfig::Off {}, 2);
+        assert_eq!(synced.ttft_cdf_s, off.ttft_cdf_s);
     }
 
     #[test]
