@@ -185,6 +185,7 @@ async fn forward(app: Arc<App>, request: &ClientRequest) -> Response {
             return unavailable("every worker is at capacity (policy cap); retry shortly");
         };
         let guard = DispatchGuard::new(policy, dispatch);
+        app.sync_signal.dispatched(dispatch.worker);
         let Some(worker) = snapshot.worker(dispatch.worker).cloned() else {
             tried.push(dispatch.worker);
             continue;
