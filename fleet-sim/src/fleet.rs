@@ -124,6 +124,9 @@ pub fn build_policy(
             "least_load",
             serde_json::json!({"use_reported_throughput": false}),
         ),
+        PolicyName::LeastLoadNoPrefix => {
+            ("least_load", serde_json::json!({"prefix_affinity": false}))
+        }
         other => (other.as_str(), serde_json::Value::Null),
     };
     registry

@@ -84,6 +84,10 @@ pub enum PolicyName {
     /// `least_load` with `use_reported_throughput = false`: every worker's
     /// work divided by `default_throughput`.
     LeastLoadFixedRate,
+    /// `least_load` with `prefix_affinity = false`: the request's whole
+    /// prompt counts on every worker, cached or not. Not in the default set;
+    /// name it in `policies`.
+    LeastLoadNoPrefix,
     /// A reference: least true queued uncached prefill seconds, ties at random.
     LeastTrueQueue,
     /// The reference: the earliest projected first token for this request
@@ -128,6 +132,7 @@ impl PolicyName {
             PolicyName::LeastLoadSincePoll => "least_load_since_poll",
             PolicyName::LeastLoadReportedRate => "least_load_reported_rate",
             PolicyName::LeastLoadFixedRate => "least_load_fixed_rate",
+            PolicyName::LeastLoadNoPrefix => "least_load_no_prefix",
             PolicyName::LeastTrueQueue => "least_true_queue",
             PolicyName::Oracle => "oracle",
         }
