@@ -509,8 +509,7 @@ impl Router {
     fn route(
         &mut self,
         id: usize,
-        prompt_tokens: u32,
-        prefix: PrefixBlocks,
+        info: &RequestInfo,
         request: impl Fn(&EngineParams) -> EngineRequest,
         engines: &[Engine],
         now_s: f64,
@@ -532,17 +531,13 @@ impl Router {
         } else {
             0
         };
-        // Every simulated request is measured at its first token, as a
-        // stream is.
-        let request = RequestInfo::new(TokenCount::Exact(u64::from(prompt_tokens)))
-            .streaming(true)
-            .prefix_blocks(prefix);
-        let dispatch = self.policies[replica]
-            .select(&self.ids, &request, now)
-            .ok_or(SimError::NoWorker {
-                policy: policy.as_str(),
-                request: id as u64,
-            })?;
+        let dispatch =
+            self.policies[replica]
+                .select(&self.ids, info, now)
+                .ok_or(SimError::NoWorker {
+                    policy: policy.as_str(),
+                    request: id as u64,
+                })?;
         self.dispatches[id] = Some((replica as u32, dispatch));
         Ok(dispatch.worker.slot().min(self.ids.len() - 1))
     }
@@ -710,15 +705,23 @@ impl<'a> CellRun<'a> {
             prefix_block_hashes: spec.block_hashes(shared_prefix, params.block_size_tokens),
         };
         // The router hashes the prompt as the first worker's engine does.
-        let block_tokens = self.cell.workers.first().map_or(16, |w| w.1.block_size_tokens);
+        let block_tokens = self
+            .cell
+            .workers
+            .first()
+            .map_or(16, |w| w.1.block_size_tokens);
         let prefix = PrefixBlocks::new(
             block_tokens,
             spec.chained_block_hashes(shared_prefix, block_tokens),
         );
+        // Every simulated request is measured at its first token, as a
+        // stream is.
+        let info = RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)))
+            .streaming(true)
+            .prefix_blocks(prefix);
         let worker = self.router.route(
             id,
-            spec.prompt_tokens,
-            prefix,
+            &info,
             request,
             &self.fleet.engines,
             now_s,

@@ -771,10 +771,7 @@ impl Scenario {
             }
             if let Some(conversation) = &traffic.conversation {
                 if is_trace {
-                    return Err(self.invalid(
-                        &field("conversation"),
-                        "cannot be used with a trace",
-                    ));
+                    return Err(self.invalid(&field("conversation"), "cannot be used with a trace"));
                 }
                 if traffic.shared_prefix.is_some() {
                     return Err(self.invalid(
@@ -782,11 +779,9 @@ impl Scenario {
                         "and shared_prefix cannot be combined (the system prompt is the shared prefix)",
                     ));
                 }
-                conversation
-                    .validate()
-                    .map_err(|(key, message)| {
-                        self.invalid(&field(&format!("conversation.{key}")), message)
-                    })?;
+                conversation.validate().map_err(|(key, message)| {
+                    self.invalid(&field(&format!("conversation.{key}")), message)
+                })?;
                 let output_max = traffic.output.map_or(0, |d| u64::from(d.max_tokens()));
                 max_tokens = u64::from(conversation.max_context_tokens) + output_max;
             }

@@ -337,7 +337,11 @@ impl RequestSpec {
     /// The content hash of each full block of `block_tokens` tokens the
     /// engine may cache (the engine chains them): the shared prefix's blocks,
     /// or every full block of a multi-turn prompt.
-    pub fn block_hashes(&self, shared_prefix: Option<SharedPrefixConfig>, block_tokens: u32) -> Vec<u64> {
+    pub fn block_hashes(
+        &self,
+        shared_prefix: Option<SharedPrefixConfig>,
+        block_tokens: u32,
+    ) -> Vec<u64> {
         if let Some(segments) = &self.segments {
             return segment_hashes(segments, block_tokens);
         }
@@ -535,8 +539,8 @@ fn session_turns(
             tokens: user.sample(rng),
         };
         let answer_tokens = answer.sample(rng);
-        let prompt: u64 = history.iter().map(|s| u64::from(s.tokens)).sum::<u64>()
-            + u64::from(message.tokens);
+        let prompt: u64 =
+            history.iter().map(|s| u64::from(s.tokens)).sum::<u64>() + u64::from(message.tokens);
         if prompt > u64::from(conversation.max_context_tokens) {
             break;
         }
@@ -977,7 +981,11 @@ mod tests {
         let (t, _) = conversation_traffic();
         let requests = super::generate(&t, None, 20.0, 5000, 5);
         assert_eq!(requests.len(), 5000);
-        assert!(requests.windows(2).all(|w| w[1].arrival_s >= w[0].arrival_s));
+        assert!(
+            requests
+                .windows(2)
+                .all(|w| w[1].arrival_s >= w[0].arrival_s)
+        );
         let span = requests[requests.len() - 1].arrival_s - requests[0].arrival_s;
         let rate = requests.len() as f64 / span;
         assert!((rate / 20.0 - 1.0).abs() < 0.15, "rate {rate}");
@@ -1016,7 +1024,10 @@ mod tests {
             .filter(|r| r.segments.as_ref().unwrap().len() == 2)
             .collect();
         let (a, b) = (&firsts[0], &firsts[1]);
-        let (ha, hb) = (a.chained_block_hashes(None, 16), b.chained_block_hashes(None, 16));
+        let (ha, hb) = (
+            a.chained_block_hashes(None, 16),
+            b.chained_block_hashes(None, 16),
+        );
         let same_app = a.segments.as_ref().unwrap()[0] == b.segments.as_ref().unwrap()[0];
         let shared = ha.iter().zip(&hb).take_while(|(x, y)| x == y).count();
         assert_eq!(shared, if same_app { 1000 / 16 } else { 0 });
@@ -1033,7 +1044,10 @@ mod tests {
         // remainder nothing), later turns' answer + message: ≈ 100 + 10 × (1 − 1/turns).
         let uncached = prompt - cached;
         assert!((100.0..=110.0).contains(&uncached), "{uncached}");
-        assert!(prompt > f64::from(conversation.system_tokens) + 100.0, "{prompt}");
+        assert!(
+            prompt > f64::from(conversation.system_tokens) + 100.0,
+            "{prompt}"
+        );
     }
 
     #[test]

@@ -619,9 +619,12 @@ impl Policy for LeastLoad {
             if credited {
                 if let Some(index) = &self.prefix {
                     let now_ms = u32::try_from(now_nanos.max(0) / 1_000_000).unwrap_or(u32::MAX);
-                    index
-                        .lock()
-                        .record(chosen.slot.id.slot(), &request.prefix, cached_tokens, now_ms);
+                    index.lock().record(
+                        chosen.slot.id.slot(),
+                        &request.prefix,
+                        cached_tokens,
+                        now_ms,
+                    );
                 }
                 state.last_dispatch.record(now_nanos);
                 if self.params.inflight == InflightMode::SincePoll {

@@ -106,7 +106,10 @@ impl Matches {
     }
 
     fn set(&mut self, slot: u32, tokens: u64) {
-        if let Some(entry) = self.entries[..self.len].iter_mut().find(|(s, _)| *s == slot) {
+        if let Some(entry) = self.entries[..self.len]
+            .iter_mut()
+            .find(|(s, _)| *s == slot)
+        {
             entry.1 = tokens;
         } else if self.len < HOLDERS {
             self.entries[self.len] = (slot, tokens);
@@ -392,7 +395,12 @@ mod tests {
     fn memory_stays_bounded_and_old_entries_go_first() {
         let mut index = PrefixIndex::new(16, u64::MAX / 4, 64, 1.0);
         for group in 0..100 {
-            index.record((group % 3) as usize, &blocks(chain(group, 20)), 0, group as u32 * 10);
+            index.record(
+                (group % 3) as usize,
+                &blocks(chain(group, 20)),
+                0,
+                group as u32 * 10,
+            );
             assert!(index.len() <= 64, "{}", index.len());
         }
         // The newest prefix is still there.
@@ -410,7 +418,9 @@ mod tests {
             index.record(slot, &a, 0, 0);
         }
         let found = index.lookup(&a);
-        let holding = (0..HOLDERS + 2).filter(|s| found.cached_tokens(*s) > 0).count();
+        let holding = (0..HOLDERS + 2)
+            .filter(|s| found.cached_tokens(*s) > 0)
+            .count();
         assert_eq!(holding, HOLDERS);
         index.record(u32::MAX as usize, &a, 0, 0);
         index.record(usize::MAX, &a, 0, 0);
