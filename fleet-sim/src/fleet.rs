@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, RequestInfo, TokenCount, WorkerId,
-    WorkerInfo,
+    Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, PrefixBlocks, RequestInfo,
+    TokenCount, WorkerId, WorkerInfo,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -51,7 +51,7 @@ use super::scenario::{
     LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
 };
 use super::sync::{SyncChannel, worker_url};
-use super::workload::{RequestSpec, prefix_hashes};
+use super::workload::RequestSpec;
 use engine_model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
 };
@@ -131,6 +131,9 @@ pub fn build_policy(
             "least_load",
             serde_json::json!({"use_reported_throughput": false}),
         ),
+        PolicyName::LeastLoadNoPrefix => {
+            ("least_load", serde_json::json!({"prefix_affinity": false}))
+        }
         other => (other.as_str(), serde_json::Value::Null),
     };
     registry
@@ -517,7 +520,7 @@ impl Router {
     fn route(
         &mut self,
         id: usize,
-        prompt_tokens: u32,
+        info: &RequestInfo,
         request: impl Fn(&EngineParams) -> EngineRequest,
         engines: &[Engine],
         now_s: f64,
@@ -539,15 +542,13 @@ impl Router {
         } else {
             0
         };
-        // Every simulated request is measured at its first token, as a
-        // stream is.
-        let request = RequestInfo::new(TokenCount::Exact(u64::from(prompt_tokens))).streaming(true);
-        let dispatch = self.policies[replica]
-            .select(&self.ids, &request, now)
-            .ok_or(SimError::NoWorker {
-                policy: policy.as_str(),
-                request: id as u64,
-            })?;
+        let dispatch =
+            self.policies[replica]
+                .select(&self.ids, info, now)
+                .ok_or(SimError::NoWorker {
+                    policy: policy.as_str(),
+                    request: id as u64,
+                })?;
         self.dispatches[id] = Some((replica as u32, dispatch));
         Ok(dispatch.worker.slot().min(self.ids.len() - 1))
     }
@@ -748,7 +749,7 @@ impl<'a> CellRun<'a> {
     /// (which starts a step if idle); schedules the next arrival.
     fn arrive(&mut self, now_s: f64) -> Result<(), SimError> {
         let id = self.next_arrival;
-        let spec = self.cell.requests[id];
+        let spec = &self.cell.requests[id];
         self.next_arrival += 1;
         if let Some(next) = self.cell.requests.get(self.next_arrival) {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
@@ -759,25 +760,27 @@ impl<'a> CellRun<'a> {
             prompt_tokens: spec.prompt_tokens,
             output_tokens: spec.output_tokens,
             arrival_s: now_s,
-            prefix_block_hashes: match (spec.prefix_group, shared_prefix) {
-                (Some(group), Some(prefix)) => prefix_hashes(
-                    group,
-                    prefix.tokens,
-                    spec.prompt_tokens,
-                    params.block_size_tokens,
-                ),
-                _ => Vec::new(),
-            },
+            prefix_block_hashes: spec.block_hashes(shared_prefix, params.block_size_tokens),
         };
         let now = self.clock.at(now_s);
-        let worker = self.router.route(
-            id,
-            spec.prompt_tokens,
-            request,
-            &self.fleet.engines,
-            now_s,
-            now,
-        )?;
+        // The router hashes the prompt as the first worker's engine does.
+        let block_tokens = self
+            .cell
+            .workers
+            .first()
+            .map_or(16, |w| w.1.block_size_tokens);
+        let prefix = PrefixBlocks::new(
+            block_tokens,
+            spec.chained_block_hashes(shared_prefix, block_tokens),
+        );
+        // Every simulated request is measured at its first token, as a
+        // stream is.
+        let info = RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)))
+            .streaming(true)
+            .prefix_blocks(prefix);
+        let worker = self
+            .router
+            .route(id, &info, request, &self.fleet.engines, now_s, now)?;
         if let Some((replica, _)) = self.router.dispatches[id] {
             sync_changed(
                 &mut self.sync,
@@ -1147,6 +1150,7 @@ mod tests {
             prompt_tokens,
             output_tokens: 1,
             prefix_group: None,
+            segments: None,
         };
         let requests = vec![spec(0.0, 1000), spec(0.01, 100), spec(0.5, 100)];
         let registry = policy_registry();
@@ -1203,6 +1207,7 @@ mod tests {
             }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
             shared_prefix: None,
+            conversation: None,
         };
         let requests = crate::workload::generate(&traffic, None, 30.0, 2000, 9);
         let registry = policy_registry();
@@ -1234,6 +1239,7 @@ mod tests {
             arrival: crate::scenario::ArrivalConfig::Poisson {},
             prompt: Some(crate::workload::LengthDist::Constant { tokens: 700 }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 16 }),
+            conversation: None,
             shared_prefix: Some(SharedPrefixConfig {
                 fraction: 0.5,
                 tokens: 512,
@@ -1369,6 +1375,7 @@ mod tests {
             prompt: Some(crate::workload::LengthDist::Constant { tokens: 1000 }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 8 }),
             shared_prefix: None,
+            conversation: None,
         };
         let requests = crate::workload::generate(&traffic, None, 8.0, 400, 3);
         let last_s = requests.last().unwrap().arrival_s;

@@ -85,6 +85,10 @@ pub enum PolicyName {
     /// `least_load` with `use_reported_throughput = false`: every worker's
     /// work divided by `default_throughput`.
     LeastLoadFixedRate,
+    /// `least_load` with `prefix_affinity = false`: the request's whole
+    /// prompt counts on every worker, cached or not. Not in the default set;
+    /// name it in `policies`.
+    LeastLoadNoPrefix,
     /// A reference: least true queued uncached prefill seconds, ties at random.
     LeastTrueQueue,
     /// The reference: the earliest projected first token for this request
@@ -129,6 +133,7 @@ impl PolicyName {
             PolicyName::LeastLoadSincePoll => "least_load_since_poll",
             PolicyName::LeastLoadReportedRate => "least_load_reported_rate",
             PolicyName::LeastLoadFixedRate => "least_load_fixed_rate",
+            PolicyName::LeastLoadNoPrefix => "least_load_no_prefix",
             PolicyName::LeastTrueQueue => "least_true_queue",
             PolicyName::Oracle => "oracle",
         }
@@ -483,6 +488,47 @@ fn one() -> u32 {
     1
 }
 
+/// Multi-turn conversations: each session belongs to one of `apps` apps and
+/// opens with that app's system prompt; turn `k + 1` resends turn `k`'s
+/// prompt, its answer and a new user message (the traffic's `prompt`
+/// distribution); turns are `think_time_s` apart on average (exponential,
+/// open loop: a turn does not wait for the previous answer); the number of
+/// turns is geometric with mean `mean_turns`, at most `max_turns`, and a
+/// session ends early when its next prompt would exceed `max_context_tokens`.
+/// Sessions start at the traffic's arrival process, at the request rate
+/// divided by the mean turns a session really has.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConversationConfig {
+    /// Distinct apps, each with its own system prompt, ≥ 1.
+    #[serde(default = "four")]
+    pub apps: u32,
+    /// Length of every app's system prompt, tokens, ≥ 1.
+    pub system_tokens: u32,
+    /// Mean turns per session (geometric), ≥ 1.
+    pub mean_turns: f64,
+    /// Turns per session at most, ≥ 1.
+    #[serde(default = "thirty_two")]
+    pub max_turns: u32,
+    /// Mean think time between a session's turns, seconds, ≥ 0.
+    pub think_time_s: f64,
+    /// A session ends before a prompt longer than this, tokens.
+    #[serde(default = "context_default")]
+    pub max_context_tokens: u32,
+}
+
+fn four() -> u32 {
+    4
+}
+
+fn thirty_two() -> u32 {
+    32
+}
+
+fn context_default() -> u32 {
+    32_768
+}
+
 /// One worker's speed change: from `at_s` (or `at_fraction` of the last
 /// arrival's time) on, worker `worker` (0-based, in fleet order) runs at
 /// `factor` × its nominal speed (`Engine::set_speed`).
@@ -520,6 +566,45 @@ pub struct TrafficConfig {
     pub prompt: Option<LengthDist>,
     pub output: Option<LengthDist>,
     pub shared_prefix: Option<SharedPrefixConfig>,
+    /// Multi-turn sessions; `prompt` is then each turn's new user message.
+    pub conversation: Option<ConversationConfig>,
+}
+
+impl ConversationConfig {
+    /// Checks the parameters: `(key, message)` on the first bad one.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if self.apps == 0 {
+            return Err(("apps", "must be at least 1".into()));
+        }
+        if self.system_tokens == 0 {
+            return Err(("system_tokens", "must be at least 1".into()));
+        }
+        if !(self.mean_turns.is_finite() && self.mean_turns >= 1.0) {
+            return Err((
+                "mean_turns",
+                format!("must be finite and at least 1, got {}", self.mean_turns),
+            ));
+        }
+        if self.max_turns == 0 {
+            return Err(("max_turns", "must be at least 1".into()));
+        }
+        if !(self.think_time_s.is_finite() && self.think_time_s >= 0.0) {
+            return Err((
+                "think_time_s",
+                format!("must be finite and not negative, got {}", self.think_time_s),
+            ));
+        }
+        if self.max_context_tokens <= self.system_tokens {
+            return Err((
+                "max_context_tokens",
+                format!(
+                    "must exceed system_tokens ({}), got {}",
+                    self.system_tokens, self.max_context_tokens
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Scenario {
@@ -877,6 +962,22 @@ impl Scenario {
                     None => {}
                 }
             }
+            if let Some(conversation) = &traffic.conversation {
+                if is_trace {
+                    return Err(self.invalid(&field("conversation"), "cannot be used with a trace"));
+                }
+                if traffic.shared_prefix.is_some() {
+                    return Err(self.invalid(
+                        &field("conversation"),
+                        "and shared_prefix cannot be combined (the system prompt is the shared prefix)",
+                    ));
+                }
+                conversation.validate().map_err(|(key, message)| {
+                    self.invalid(&field(&format!("conversation.{key}")), message)
+                })?;
+                let output_max = traffic.output.map_or(0, |d| u64::from(d.max_tokens()));
+                max_tokens = u64::from(conversation.max_context_tokens) + output_max;
+            }
             if max_tokens > min_kv_tokens {
                 return Err(self.invalid(
                     &field("prompt"),
@@ -1030,7 +1131,7 @@ output = { dist = "constant", tokens = 10 }
 
     #[test]
     fn impossible_values_are_clear_errors() {
-        let cases: [(&str, &str, &str); 11] = [
+        let cases: [(&str, &str, &str); 17] = [
             (
                 "utilizations = [0.5]",
                 "utilizations = [1.5]",
@@ -1085,6 +1186,36 @@ output = { dist = "constant", tokens = 10 }
                 "tokens = 200 }",
                 "tokens = 200 }\nshared_prefix = { fraction = 1.5, tokens = 64 }",
                 "shared_prefix.fraction must be in [0, 1], got 1.5",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 0.5, think_time_s = 1.0 }",
+                "conversation.mean_turns must be finite and at least 1, got 0.5",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { apps = 0, system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0 }",
+                "conversation.apps must be at least 1",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = -1.0 }",
+                "conversation.think_time_s must be finite and not negative",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0, max_context_tokens = 100 }",
+                "conversation.max_context_tokens must exceed system_tokens",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0, max_context_tokens = 100000000 }",
+                "exceeds the smallest kv_capacity_tokens",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0 }\nshared_prefix = { fraction = 0.5, tokens = 64 }",
+                "cannot be combined",
             ),
         ];
         for (from, to, expected) in cases {

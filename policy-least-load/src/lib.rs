@@ -98,6 +98,7 @@
 
 mod params;
 mod policy;
+pub mod prefix;
 pub mod rate;
 mod score;
 mod state;

@@ -110,6 +110,23 @@ pub struct LeastLoadParams {
     /// (another GPU, a degraded engine) are larger and count in full.
     /// Finite, in `[0, 1)`; 0 trusts every difference.
     pub rate_deadband_ratio: f64,
+    /// Prefix affinity: the request's own tokens on a worker are only those
+    /// the worker is not expected to hold in its prefix cache, from a
+    /// router-side index of the block hashes dispatched to it. Applies under
+    /// `rate = "learned"` (the other rates count no own tokens).
+    pub prefix_affinity: bool,
+    /// The index's granularity, tokens: the request's chained block hashes
+    /// are read every this many tokens (rounded up to whole blocks). ≥ 1.
+    pub prefix_index_block_tokens: u64,
+    /// Tokens of prompt each worker's prefix cache is assumed to hold: a
+    /// block is forgotten once this many newer tokens were dispatched to
+    /// the worker (least recently used first). ≥ 1.
+    pub prefix_cache_tokens: u64,
+    /// Blocks the index holds in all at most (about 80 bytes each); the
+    /// least recently used go first. ≥ 16.
+    pub prefix_index_max_blocks: u64,
+    /// A block not dispatched for this long is forgotten. Finite, > 0.
+    pub prefix_max_age_secs: f64,
 }
 
 impl Default for LeastLoadParams {
@@ -124,6 +141,11 @@ impl Default for LeastLoadParams {
             rate: RateMode::Learned,
             rate_half_life_secs: 30.0,
             rate_deadband_ratio: 0.1,
+            prefix_affinity: true,
+            prefix_index_block_tokens: 256,
+            prefix_cache_tokens: 400_000,
+            prefix_index_max_blocks: 131_072,
+            prefix_max_age_secs: 3600.0,
         }
     }
 }
@@ -156,6 +178,11 @@ impl LeastLoadParams {
             "rate": self.rate.as_str(),
             "rate_half_life_secs": self.rate_half_life_secs,
             "rate_deadband_ratio": self.rate_deadband_ratio,
+            "prefix_affinity": self.prefix_affinity,
+            "prefix_index_block_tokens": self.prefix_index_block_tokens,
+            "prefix_cache_tokens": self.prefix_cache_tokens,
+            "prefix_index_max_blocks": self.prefix_index_max_blocks,
+            "prefix_max_age_secs": self.prefix_max_age_secs,
         })
     }
 }
@@ -175,6 +202,11 @@ struct RawParams {
     rate: Option<String>,
     rate_half_life_secs: f64,
     rate_deadband_ratio: f64,
+    prefix_affinity: bool,
+    prefix_index_block_tokens: i64,
+    prefix_cache_tokens: i64,
+    prefix_index_max_blocks: i64,
+    prefix_max_age_secs: f64,
     /// The original key: `true` is `rate = "reported"`, `false` is
     /// `rate = "fixed"`; giving both keys is an error.
     use_reported_throughput: Option<bool>,
@@ -201,6 +233,13 @@ impl From<LeastLoadParams> for RawParams {
             rate: Some(params.rate.as_str().to_owned()),
             rate_half_life_secs: params.rate_half_life_secs,
             rate_deadband_ratio: params.rate_deadband_ratio,
+            prefix_affinity: params.prefix_affinity,
+            prefix_index_block_tokens: i64::try_from(params.prefix_index_block_tokens)
+                .unwrap_or(i64::MAX),
+            prefix_cache_tokens: i64::try_from(params.prefix_cache_tokens).unwrap_or(i64::MAX),
+            prefix_index_max_blocks: i64::try_from(params.prefix_index_max_blocks)
+                .unwrap_or(i64::MAX),
+            prefix_max_age_secs: params.prefix_max_age_secs,
             use_reported_throughput: None,
         }
     }
@@ -310,7 +349,43 @@ impl RawParams {
                 "a finite ratio in [0, 1)",
             ));
         }
+        let at_least = |key: &'static str, value: i64, min: u64, allowed: &'static str| {
+            u64::try_from(value)
+                .ok()
+                .filter(|v| *v >= min)
+                .ok_or_else(|| invalid(key, value.to_string(), allowed))
+        };
+        let prefix_index_block_tokens = at_least(
+            "prefix_index_block_tokens",
+            self.prefix_index_block_tokens,
+            1,
+            "an integer number of tokens >= 1",
+        )?;
+        let prefix_cache_tokens = at_least(
+            "prefix_cache_tokens",
+            self.prefix_cache_tokens,
+            1,
+            "an integer number of tokens >= 1",
+        )?;
+        let prefix_index_max_blocks = at_least(
+            "prefix_index_max_blocks",
+            self.prefix_index_max_blocks,
+            16,
+            "an integer number of blocks >= 16",
+        )?;
+        if !(self.prefix_max_age_secs.is_finite() && self.prefix_max_age_secs > 0.0) {
+            return Err(invalid(
+                "prefix_max_age_secs",
+                self.prefix_max_age_secs.to_string(),
+                "a finite number of seconds > 0",
+            ));
+        }
         Ok(LeastLoadParams {
+            prefix_affinity: self.prefix_affinity,
+            prefix_index_block_tokens,
+            prefix_cache_tokens,
+            prefix_index_max_blocks,
+            prefix_max_age_secs: self.prefix_max_age_secs,
             kv_pressure_weight: self.kv_pressure_weight,
             default_throughput: self.default_throughput,
             mean_prefill_tokens,
@@ -360,6 +435,11 @@ mod tests {
             "rate": "fixed",
             "rate_half_life_secs": 5.0,
             "rate_deadband_ratio": 0.25,
+            "prefix_affinity": false,
+            "prefix_index_block_tokens": 128,
+            "prefix_cache_tokens": 1000,
+            "prefix_index_max_blocks": 64,
+            "prefix_max_age_secs": 5.0,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -374,6 +454,11 @@ mod tests {
                 rate: RateMode::Fixed,
                 rate_half_life_secs: 5.0,
                 rate_deadband_ratio: 0.25,
+                prefix_affinity: false,
+                prefix_index_block_tokens: 128,
+                prefix_cache_tokens: 1000,
+                prefix_index_max_blocks: 64,
+                prefix_max_age_secs: 5.0,
             }
         );
         // The section round-trips.
@@ -421,6 +506,22 @@ mod tests {
             (
                 json!({"rate_half_life_secs": 0}),
                 "least_load.rate_half_life_secs = 0 is invalid: must be a finite number of seconds > 0",
+            ),
+            (
+                json!({"prefix_index_block_tokens": 0}),
+                "least_load.prefix_index_block_tokens = 0 is invalid: must be an integer number of tokens >= 1",
+            ),
+            (
+                json!({"prefix_cache_tokens": -5}),
+                "least_load.prefix_cache_tokens = -5 is invalid: must be an integer number of tokens >= 1",
+            ),
+            (
+                json!({"prefix_index_max_blocks": 3}),
+                "least_load.prefix_index_max_blocks = 3 is invalid: must be an integer number of blocks >= 16",
+            ),
+            (
+                json!({"prefix_max_age_secs": 0.0}),
+                "least_load.prefix_max_age_secs = 0 is invalid: must be a finite number of seconds > 0",
             ),
             (
                 json!({"rate_deadband_ratio": 1.0}),

@@ -11,6 +11,7 @@ use policy_core::{
     WorkerId, WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
+use crate::prefix::{Matches, PrefixIndex};
 use crate::rate::{FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, RateProbe};
 use crate::score::{
     Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
@@ -67,10 +68,11 @@ impl Strategy {
 /// every replica's pending work; `remote_tok` and `remote_req` are the part
 /// other replicas published, and `remote_age_s` how long ago the stalest of
 /// their entries was confirmed (0 with none).
-pub const COLUMNS: [&str; 13] = [
+pub const COLUMNS: [&str; 14] = [
     "queued_tok",
     "inflight_tok",
     "request_tok",
+    "cached_tok",
     "rate_tps",
     "rate_samples",
     "kv_ratio",
@@ -103,6 +105,36 @@ pub struct LeastLoad {
     next_poll: AtomicU64,
     /// What a worker without a learned rate is scored at.
     fleet_rate: FleetRate,
+    /// Where prompt prefixes were sent (`prefix_affinity`), else `None`.
+    prefix: Option<parking_lot::Mutex<PrefixIndex>>,
+}
+
+/// The request's own work as a selection counts it on each worker: its
+/// tokens under the learned rate (0 otherwise), less what the worker is
+/// expected to hold of its prefix.
+#[derive(Debug, Clone, Copy, Default)]
+struct OwnWork {
+    tokens: u64,
+    matches: Matches,
+}
+
+impl OwnWork {
+    /// Expected cached tokens on the worker: at least one token is always computed.
+    #[inline]
+    fn cached_tokens(&self, worker: WorkerId, prompt_tokens: u64) -> u64 {
+        if self.matches.is_empty() {
+            return 0;
+        }
+        self.matches
+            .cached_tokens(worker.slot())
+            .min(prompt_tokens.saturating_sub(1))
+    }
+
+    #[inline]
+    fn on(&self, worker: WorkerId) -> u64 {
+        self.tokens
+            .saturating_sub(self.cached_tokens(worker, self.tokens))
+    }
 }
 
 /// One candidate as a selection sees it.
@@ -180,6 +212,14 @@ impl LeastLoad {
             rng: TieBreaker::new(context.rng_seed),
             timeline: Timeline::default(),
             next_poll: AtomicU64::new(0),
+            prefix: params.prefix_affinity.then(|| {
+                parking_lot::Mutex::new(PrefixIndex::new(
+                    params.prefix_index_block_tokens,
+                    params.prefix_cache_tokens,
+                    params.prefix_index_max_blocks,
+                    params.prefix_max_age_secs,
+                ))
+            }),
         })
     }
 
@@ -247,6 +287,22 @@ impl LeastLoad {
         match self.params.rate {
             RateMode::Learned => tokens,
             RateMode::Reported | RateMode::Fixed => 0,
+        }
+    }
+
+    /// The request's own work: its tokens under the learned rate, and where
+    /// the prefix index expects its prefix to be cached (with
+    /// `prefix_affinity` under the learned rate; nowhere otherwise).
+    fn own_work(&self, tokens: u64, request: &RequestInfo) -> OwnWork {
+        let own_tokens = self.own_tokens(tokens);
+        OwnWork {
+            tokens: own_tokens,
+            matches: match &self.prefix {
+                Some(index) if own_tokens > 0 && !request.prefix.is_empty() => {
+                    index.lock().lookup(&request.prefix)
+                }
+                _ => Matches::default(),
+            },
         }
     }
 
@@ -352,8 +408,9 @@ impl LeastLoad {
         candidates: &[WorkerId],
         fleet: &mut Option<Fleet>,
         now_nanos: i64,
-        own_tokens: u64,
+        own: &OwnWork,
     ) -> Option<f64> {
+        let own_tokens = own.on(slot.id);
         let state = &slot.state;
         let stats = state.ledger.stats();
         let remote = self.remote(state);
@@ -398,7 +455,7 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
-        own_tokens: u64,
+        own: &OwnWork,
     ) -> Option<Scored<'v>> {
         let tolerance_secs = self.params.tie_tolerance_secs;
         let mut fleet = None;
@@ -409,7 +466,7 @@ impl LeastLoad {
                 continue;
             };
             let Some(score_secs) =
-                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own_tokens)
+                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own)
             else {
                 continue;
             };
@@ -438,7 +495,7 @@ impl LeastLoad {
                     continue;
                 };
                 if let Some(score_secs) =
-                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own_tokens)
+                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own)
                 {
                     offer(Scored { slot, score_secs });
                 }
@@ -463,11 +520,11 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
-        own_tokens: u64,
+        own: &OwnWork,
     ) -> Option<Scored<'v>> {
         let count = candidates.len() as u64;
         if count <= 2 {
-            return self.argmin(view, candidates, now_nanos, own_tokens);
+            return self.argmin(view, candidates, now_nanos, own);
         }
         let first = self.rng.below(count);
         let mut second = self.rng.below(count - 1);
@@ -476,8 +533,8 @@ impl LeastLoad {
         }
         // Indices are below `candidates.len()`, so the casts are lossless.
         let pair = [candidates[first as usize], candidates[second as usize]];
-        self.argmin(view, &pair, now_nanos, own_tokens)
-            .or_else(|| self.argmin(view, candidates, now_nanos, own_tokens))
+        self.argmin(view, &pair, now_nanos, own)
+            .or_else(|| self.argmin(view, candidates, now_nanos, own))
     }
 
     fn choose<'v>(
@@ -485,13 +542,13 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
-        own_tokens: u64,
+        own: &OwnWork,
     ) -> Option<Scored<'v>> {
         // One candidate goes through the argmin too: the cap must still
         // apply (and is checked again under the ledger's lock when crediting).
         match self.strategy {
-            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos, own_tokens),
-            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos, own_tokens),
+            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos, own),
+            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos, own),
         }
     }
 }
@@ -529,16 +586,19 @@ impl Policy for LeastLoad {
             return None;
         }
         let tokens = request.tokens.or(self.params.mean_prefill_tokens);
-        let own_tokens = self.own_tokens(tokens);
         let now_nanos = self.timeline.nanos(now);
+        let own = self.own_work(tokens, request);
         let view = self.workers.read();
         let seq = next_dispatch_seq();
         // A failed credit means a concurrent selection filled the chosen
         // worker's cap after it was scored; scoring again sees that. Bounded,
         // because each retry follows another selection's success.
         for _ in 0..=candidates.len() {
-            let chosen = self.choose(&view, candidates, now_nanos, own_tokens)?;
+            let chosen = self.choose(&view, candidates, now_nanos, &own)?;
             let state = &chosen.slot.state;
+            // The engine computes only what its cache does not hold.
+            let cached_tokens = own.cached_tokens(chosen.slot.id, tokens);
+            let tokens = tokens - cached_tokens;
             // The veto and the credit are one critical section; the note is
             // what the first token will teach the worker's rate.
             let credited = state.ledger.try_credit_noted(seq, tokens, |stats| {
@@ -557,6 +617,15 @@ impl Policy for LeastLoad {
                 })
             });
             if credited {
+                if let Some(index) = &self.prefix {
+                    let now_ms = u32::try_from(now_nanos.max(0) / 1_000_000).unwrap_or(u32::MAX);
+                    index.lock().record(
+                        chosen.slot.id.slot(),
+                        &request.prefix,
+                        cached_tokens,
+                        now_ms,
+                    );
+                }
                 state.last_dispatch.record(now_nanos);
                 if self.params.inflight == InflightMode::SincePoll {
                     state.since_poll.add(tokens);
@@ -682,9 +751,12 @@ impl Policy for LeastLoad {
         let slots: Vec<&Slot<WorkerState>> =
             candidates.iter().filter_map(|id| view.get(*id)).collect();
         let fleet = self.fleet(slots.iter().copied(), now_nanos);
-        let own_tokens = self.own_tokens(request.tokens.or(self.params.mean_prefill_tokens));
+        let prompt_tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let own = self.own_work(prompt_tokens, request);
         let mut admitted_scores = Vec::new();
         for slot in slots {
+            let own_tokens = own.on(slot.id);
+            let cached_tokens = own.cached_tokens(slot.id, own.tokens);
             let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
             let stats = slot.state.ledger.stats();
             let remote = self.remote(&slot.state);
@@ -758,6 +830,7 @@ impl Policy for LeastLoad {
                     b.queued_tokens as f64,
                     b.inflight_tokens as f64,
                     b.request_tokens as f64,
+                    cached_tokens as f64,
                     b.throughput_tps,
                     rate.samples() as f64,
                     b.kv_usage_ratio,

@@ -21,6 +21,8 @@ pub fn request_info(body: &Value, chars_per_token: f64) -> RequestInfo {
         tokens: token_count(body, chars_per_token),
         streaming,
         model,
+        // Prompt block hashes are not computed from HTTP bodies yet: unknown.
+        prefix: Default::default(),
     }
 }
 
