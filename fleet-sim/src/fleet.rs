@@ -1294,6 +1294,7 @@ mod tests {
             }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
             shared_prefix: None,
+            conversation: None,
         };
         let requests = crate::workload::generate(&traffic, None, 60.0, 4000, 3);
         let cell = Cell {
