@@ -26,6 +26,12 @@
 //! - **rate sample** (scenarios with a slowdown): every poll interval, each
 //!   replica's rate for the slowed worker is read from its policy's
 //!   `explain` table, next to the engine's true `prefill_tps`.
+//! - **sync tick / sync delivery** (several replicas with a periodic sync,
+//!   [`SyncConfig::Periodic`](crate::SyncConfig::Periodic)): a replica publishes its
+//!   changed pending work; the message reaches the other replicas' policies
+//!   `latency_s` later ([`SyncChannel`](crate::SyncChannel)). With the ideal sync, a
+//!   replica's change is handed to the others at the dispatch or first
+//!   token that made it.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -33,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, RequestInfo, TokenCount, WorkerId,
-    WorkerInfo,
+    Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, PrefixBlocks, RequestInfo,
+    TokenCount, WorkerId, WorkerInfo,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -44,7 +50,8 @@ use super::metrics::{CellStats, summarize};
 use super::scenario::{
     LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
 };
-use super::workload::{RequestSpec, prefix_hashes};
+use super::sync::{SyncChannel, worker_url};
+use super::workload::RequestSpec;
 use engine_model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
 };
@@ -124,6 +131,9 @@ pub fn build_policy(
             "least_load",
             serde_json::json!({"use_reported_throughput": false}),
         ),
+        PolicyName::LeastLoadNoPrefix => {
+            ("least_load", serde_json::json!({"prefix_affinity": false}))
+        }
         other => (other.as_str(), serde_json::Value::Null),
     };
     registry
@@ -314,6 +324,11 @@ enum Kind {
     },
     Slowdown,
     RateSample,
+    SyncTick {
+        replica: u32,
+    },
+    /// The oldest sync message in flight arrives.
+    SyncDeliver,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -474,10 +489,9 @@ impl Router {
             };
             if let Some(policy) = build_policy(registry, cell.policy, &context)? {
                 for (index, id) in ids.iter().enumerate() {
-                    let url = format!("http://sim-worker-{index}:30000");
                     policy.add_worker(
                         *id,
-                        WorkerInfo::new(url, cell.workers[index].0.backend_name()),
+                        WorkerInfo::new(worker_url(index), cell.workers[index].0.backend_name()),
                     );
                 }
                 policies.push(policy);
@@ -506,7 +520,7 @@ impl Router {
     fn route(
         &mut self,
         id: usize,
-        prompt_tokens: u32,
+        info: &RequestInfo,
         request: impl Fn(&EngineParams) -> EngineRequest,
         engines: &[Engine],
         now_s: f64,
@@ -528,23 +542,42 @@ impl Router {
         } else {
             0
         };
-        // Every simulated request is measured at its first token, as a
-        // stream is.
-        let request = RequestInfo::new(TokenCount::Exact(u64::from(prompt_tokens))).streaming(true);
-        let dispatch = self.policies[replica]
-            .select(&self.ids, &request, now)
-            .ok_or(SimError::NoWorker {
-                policy: policy.as_str(),
-                request: id as u64,
-            })?;
+        let dispatch =
+            self.policies[replica]
+                .select(&self.ids, info, now)
+                .ok_or(SimError::NoWorker {
+                    policy: policy.as_str(),
+                    request: id as u64,
+                })?;
         self.dispatches[id] = Some((replica as u32, dispatch));
         Ok(dispatch.worker.slot().min(self.ids.len() - 1))
     }
 
-    /// The policy that dispatched request `id` and its dispatch (none for the references).
-    fn dispatch(&self, id: u64) -> Option<(&dyn Policy, &Dispatch)> {
+    /// The replica and policy that dispatched request `id`, and its
+    /// dispatch (none for the references).
+    fn dispatch(&self, id: u64) -> Option<(usize, &dyn Policy, &Dispatch)> {
         let (replica, dispatch) = self.dispatches.get(id as usize)?.as_ref()?;
-        Some((self.policies[*replica as usize].as_ref(), dispatch))
+        let replica = *replica as usize;
+        Some((replica, self.policies[replica].as_ref(), dispatch))
+    }
+}
+
+/// A replica's pending work on a worker may have changed: the sync channel
+/// shares it now (ideal), or publishes it if it grew (`publish_dispatches`),
+/// scheduling its delivery.
+fn sync_changed(
+    sync: &mut Option<SyncChannel>,
+    router: &Router,
+    queue: &mut Queue,
+    (replica, worker): (usize, usize),
+    now_s: f64,
+    now: Instant,
+) {
+    if let Some(sync) = sync
+        && let Some(arrives_s) =
+            sync.changed(replica, worker, &router.policies, &router.ids, now_s, now)
+    {
+        queue.push(arrives_s, Kind::SyncDeliver);
     }
 }
 
@@ -598,6 +631,8 @@ struct CellRun<'a> {
     rate_trace: Option<RateTrace>,
     /// The request the rate samples are explained for: the cell's mean prompt.
     probe: RequestInfo,
+    /// The replicas' sync channel (several replicas with sync on).
+    sync: Option<SyncChannel>,
 }
 
 impl<'a> CellRun<'a> {
@@ -610,8 +645,25 @@ impl<'a> CellRun<'a> {
         let fleet = Fleet::new(cell)?;
         let router = Router::new(cell, registry)?;
         let mut queue = Queue::default();
+        let mut sync = None;
         if !router.is_reference() {
             schedule_first_polls(cell, &mut queue);
+            sync = SyncChannel::new(
+                cell.router.sync,
+                router.policies.len(),
+                cell.workers.len(),
+                mix(cell.seed ^ 0x5_c7a7),
+            );
+            if let Some(channel) = &sync {
+                for (replica, &first_s) in channel.first_ticks_s().iter().enumerate() {
+                    queue.push(
+                        first_s,
+                        Kind::SyncTick {
+                            replica: replica as u32,
+                        },
+                    );
+                }
+            }
         }
         if let Some(first) = cell.requests.first() {
             queue.push(first.arrival_s, Kind::Arrival);
@@ -658,6 +710,7 @@ impl<'a> CellRun<'a> {
             scratch: Vec::new(),
             rate_trace,
             probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
+            sync,
         })
     }
 
@@ -681,6 +734,12 @@ impl<'a> CellRun<'a> {
                 } => self.complete_poll(replica as usize, worker as usize, mark, snapshot, now_s),
                 Kind::Slowdown => self.slow_down()?,
                 Kind::RateSample => self.sample_rates(now_s),
+                Kind::SyncTick { replica } => self.sync_tick(replica, now_s),
+                Kind::SyncDeliver => {
+                    if let Some(sync) = &mut self.sync {
+                        sync.deliver(&self.router.policies, self.clock.at(now_s));
+                    }
+                }
             }
         }
         Ok(())
@@ -690,7 +749,7 @@ impl<'a> CellRun<'a> {
     /// (which starts a step if idle); schedules the next arrival.
     fn arrive(&mut self, now_s: f64) -> Result<(), SimError> {
         let id = self.next_arrival;
-        let spec = self.cell.requests[id];
+        let spec = &self.cell.requests[id];
         self.next_arrival += 1;
         if let Some(next) = self.cell.requests.get(self.next_arrival) {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
@@ -701,24 +760,37 @@ impl<'a> CellRun<'a> {
             prompt_tokens: spec.prompt_tokens,
             output_tokens: spec.output_tokens,
             arrival_s: now_s,
-            prefix_block_hashes: match (spec.prefix_group, shared_prefix) {
-                (Some(group), Some(prefix)) => prefix_hashes(
-                    group,
-                    prefix.tokens,
-                    spec.prompt_tokens,
-                    params.block_size_tokens,
-                ),
-                _ => Vec::new(),
-            },
+            prefix_block_hashes: spec.block_hashes(shared_prefix, params.block_size_tokens),
         };
-        let worker = self.router.route(
-            id,
-            spec.prompt_tokens,
-            request,
-            &self.fleet.engines,
-            now_s,
-            self.clock.at(now_s),
-        )?;
+        let now = self.clock.at(now_s);
+        // The router hashes the prompt as the first worker's engine does.
+        let block_tokens = self
+            .cell
+            .workers
+            .first()
+            .map_or(16, |w| w.1.block_size_tokens);
+        let prefix = PrefixBlocks::new(
+            block_tokens,
+            spec.chained_block_hashes(shared_prefix, block_tokens),
+        );
+        // Every simulated request is measured at its first token, as a
+        // stream is.
+        let info = RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)))
+            .streaming(true)
+            .prefix_blocks(prefix);
+        let worker = self
+            .router
+            .route(id, &info, request, &self.fleet.engines, now_s, now)?;
+        if let Some((replica, _)) = self.router.dispatches[id] {
+            sync_changed(
+                &mut self.sync,
+                &self.router,
+                &mut self.queue,
+                (replica as usize, worker),
+                now_s,
+                now,
+            );
+        }
         let engine = &mut self.fleet.engines[worker];
         let params = engine.params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
@@ -739,13 +811,29 @@ impl<'a> CellRun<'a> {
         for engine_event in self.scratch.drain(..) {
             match engine_event {
                 EngineEvent::FirstToken { id, .. } => {
-                    if let Some((policy, dispatch)) = self.router.dispatch(id) {
+                    if let Some((replica, policy, dispatch)) = self.router.dispatch(id) {
                         policy.first_token(dispatch, now);
+                        sync_changed(
+                            &mut self.sync,
+                            &self.router,
+                            &mut self.queue,
+                            (replica, worker),
+                            now_s,
+                            now,
+                        );
                     }
                 }
                 EngineEvent::Finished(record) => {
-                    if let Some((policy, dispatch)) = self.router.dispatch(record.id) {
+                    if let Some((replica, policy, dispatch)) = self.router.dispatch(record.id) {
                         policy.finish(dispatch, now);
+                        sync_changed(
+                            &mut self.sync,
+                            &self.router,
+                            &mut self.queue,
+                            (replica, worker),
+                            now_s,
+                            now,
+                        );
                     }
                     self.records.push(record);
                 }
@@ -816,6 +904,31 @@ impl<'a> CellRun<'a> {
         }
     }
 
+    /// A replica's sync publish tick: its message (if any) is scheduled for
+    /// delivery, and its next tick one publish interval later, as long as
+    /// the policy counts other replicas.
+    fn sync_tick(&mut self, replica: u32, now_s: f64) {
+        let Some(sync) = &mut self.sync else {
+            return;
+        };
+        let now = self.clock.at(now_s);
+        if let Some(arrives_s) = sync.tick(
+            replica as usize,
+            &self.router.policies,
+            &self.router.ids,
+            now_s,
+            now,
+        ) {
+            self.queue.push(arrives_s, Kind::SyncDeliver);
+        }
+        if sync.is_active()
+            && let Some(interval_s) = sync.publish_interval_s()
+        {
+            self.queue
+                .push(now_s + interval_s, Kind::SyncTick { replica });
+        }
+    }
+
     /// The slowed worker's engine changes speed.
     fn slow_down(&mut self) -> Result<(), SimError> {
         if let Some(slowdown) = self.cell.slowdown {
@@ -874,6 +987,7 @@ impl<'a> CellRun<'a> {
             preemptions,
             self.poll_failures,
         );
+        stats.sync = self.sync.as_ref().map(SyncChannel::stats);
         stats.rate_trace = self.rate_trace.filter(|trace| {
             trace
                 .samples
@@ -887,7 +1001,7 @@ impl<'a> CellRun<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scenario::RouterPoint;
+    use crate::scenario::{RouterPoint, SyncConfig};
 
     fn router() -> RouterPoint {
         RouterPoint {
@@ -900,6 +1014,8 @@ mod tests {
             report_at: ReportAt::Send,
             sweeps_poll_interval: false,
             sweeps_replicas: false,
+            sync: SyncConfig::Off {},
+            sweeps_sync: false,
         }
     }
 
@@ -1034,6 +1150,7 @@ mod tests {
             prompt_tokens,
             output_tokens: 1,
             prefix_group: None,
+            segments: None,
         };
         let requests = vec![spec(0.0, 1000), spec(0.01, 100), spec(0.5, 100)];
         let registry = policy_registry();
@@ -1090,6 +1207,7 @@ mod tests {
             }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
             shared_prefix: None,
+            conversation: None,
         };
         let requests = crate::workload::generate(&traffic, None, 30.0, 2000, 9);
         let registry = policy_registry();
@@ -1121,6 +1239,7 @@ mod tests {
             arrival: crate::scenario::ArrivalConfig::Poisson {},
             prompt: Some(crate::workload::LengthDist::Constant { tokens: 700 }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 16 }),
+            conversation: None,
             shared_prefix: Some(SharedPrefixConfig {
                 fraction: 0.5,
                 tokens: 512,
@@ -1161,6 +1280,93 @@ mod tests {
         }
     }
 
+    /// A size-skewed cell of 4 replicas over 8 workers at about 0.85 load.
+    fn replica_cell_stats(policy: PolicyName, sync: SyncConfig, seed: u64) -> CellStats {
+        let workers = vec![(LoadReport::Sglang, EngineParams::default()); 8];
+        let traffic = crate::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(crate::workload::LengthDist::Bimodal {
+                short_tokens: 200,
+                long_tokens: 6000,
+                long_fraction: 0.1,
+                spread: 0.0,
+            }),
+            output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
+            shared_prefix: None,
+            conversation: None,
+        };
+        let requests = crate::workload::generate(&traffic, None, 60.0, 4000, 3);
+        let cell = Cell {
+            workers: &workers,
+            requests: &requests,
+            shared_prefix: None,
+            router: RouterPoint {
+                replicas: 4,
+                replica_phase: PhaseMode::Random,
+                sync,
+                sweeps_sync: true,
+                ..router()
+            },
+            policy,
+            seed,
+            slowdown: None,
+        };
+        run_cell(&cell, &policy_registry()).unwrap()
+    }
+
+    #[test]
+    fn a_cell_with_a_lossy_sync_repeats_exactly_and_sync_helps() {
+        let lossy = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.002,
+            loss_ratio: 0.2,
+            entry_ttl_s: 1.0,
+            publish_dispatches: false,
+        };
+        let a = replica_cell_stats(PolicyName::LeastLoad, lossy, 5);
+        assert_eq!(a, replica_cell_stats(PolicyName::LeastLoad, lossy, 5));
+        let stats = a.sync.unwrap();
+        assert!(stats.deliveries_lost > 0, "{stats:?}");
+        assert!(stats.entries_applied > 0, "{stats:?}");
+        // About one copy in five lost.
+        let lost_ratio = stats.deliveries_lost as f64 / stats.deliveries as f64;
+        assert!((0.15..0.25).contains(&lost_ratio), "{stats:?}");
+        // Nothing to share without sync; the ideal channel counts every
+        // dispatch and first token once per other replica.
+        let off = replica_cell_stats(PolicyName::LeastLoad, SyncConfig::Off {}, 5);
+        assert_eq!(off.sync, None);
+        let ideal = replica_cell_stats(PolicyName::LeastLoad, SyncConfig::Ideal {}, 5);
+        let ideal_stats = ideal.sync.unwrap();
+        assert_eq!(ideal_stats.messages, 2 * 4000);
+        assert_eq!(ideal_stats.entries_applied, 3 * 2 * 4000);
+        assert!(
+            ideal.ttft_p99_s < off.ttft_p99_s && a.ttft_p99_s < off.ttft_p99_s,
+            "p99 off {} lossy 20 ms {} ideal {}",
+            off.ttft_p99_s,
+            a.ttft_p99_s,
+            ideal.ttft_p99_s
+        );
+    }
+
+    #[test]
+    fn a_policy_that_ignores_sync_routes_as_without_it() {
+        let sync = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.001,
+            loss_ratio: 0.0,
+            entry_ttl_s: 1.0,
+            publish_dispatches: false,
+        };
+        let synced = replica_cell_stats(PolicyName::RoundRobin, sync, 2);
+        let stats = synced.sync.unwrap();
+        assert!(stats.entries_unsupported > 0 && stats.entries_applied == 0);
+        // The channel stopped at the first answer.
+        assert!(stats.messages <= 4, "{stats:?}");
+        let off = replica_cell_stats(PolicyName::RoundRobin, SyncConfig::Off {}, 2);
+        assert_eq!(synced.ttft_cdf_s, off.ttft_cdf_s);
+    }
+
     #[test]
     fn a_slowdown_changes_the_engine_and_the_rates_are_sampled() {
         let workers = vec![(LoadReport::Sglang, EngineParams::default()); 2];
@@ -1170,6 +1376,7 @@ mod tests {
             prompt: Some(crate::workload::LengthDist::Constant { tokens: 1000 }),
             output: Some(crate::workload::LengthDist::Constant { tokens: 8 }),
             shared_prefix: None,
+            conversation: None,
         };
         let requests = crate::workload::generate(&traffic, None, 8.0, 400, 3);
         let last_s = requests.last().unwrap().arrival_s;

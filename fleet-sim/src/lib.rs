@@ -28,6 +28,7 @@ mod metrics;
 mod report;
 mod run;
 mod scenario;
+mod sync;
 mod workload;
 
 use std::path::{Path, PathBuf};
@@ -39,15 +40,17 @@ pub use fleet::{
     least_true_queue_pick, oracle_pick, policy_registry, run_cell,
 };
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
-pub use report::{markdown, summary_table, write_outputs};
+pub use report::{markdown, summary_table, sync_table, write_outputs};
 pub use run::{
     LoadRate, RATE_TOLERANCE, RateTracking, Report, ResultRow, RunOptions, ScenarioOutcome,
     TrafficCapacity, capacities, capacity_rps, run_scenarios,
 };
 pub use scenario::{
-    ArrivalConfig, LoadReport, PhaseMode, PolicyName, ReportAt, RouterConfig, RouterPoint,
-    STANDARD_SCENARIOS, Scenario, SharedPrefixConfig, SlowdownConfig, TrafficConfig, WorkerGroup,
+    ArrivalConfig, DEFAULT_SYNC_ENTRY_TTL_S, DEFAULT_SYNC_LATENCY_S, LoadReport, PhaseMode,
+    PolicyName, ReportAt, RouterConfig, RouterPoint, STANDARD_SCENARIOS, Scenario,
+    SharedPrefixConfig, SlowdownConfig, SyncConfig, TrafficConfig, WorkerGroup,
 };
+pub use sync::{SyncChannel, SyncStats, counts_replica_pending, replica_id, worker_url};
 pub use workload::{LengthDist, RequestSpec, Trace, generate};
 
 /// `engine-sim sim`: run one scenario file, or the standard set.

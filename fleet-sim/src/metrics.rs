@@ -3,6 +3,7 @@
 use engine_model::RequestRecord;
 
 use super::fleet::RateTrace;
+use super::sync::SyncStats;
 
 /// Points of the TTFT CDF kept per cell (quantiles 0, 1/N, …, 1).
 pub const CDF_POINTS: usize = 201;
@@ -34,6 +35,8 @@ pub struct CellStats {
     /// The policies' rate for the slowed worker (cells with a slowdown and
     /// a policy with a rate column).
     pub rate_trace: Option<RateTrace>,
+    /// What the replicas' sync channel did (cells with sync on).
+    pub sync: Option<SyncStats>,
 }
 
 /// Nearest-rank percentile of sorted values: the smallest value with at
@@ -105,6 +108,7 @@ pub fn summarize(
         ttft_cdf_s,
         ttft_sorted_s: if cfg!(test) { ttft } else { Vec::new() },
         rate_trace: None,
+        sync: None,
     }
 }
 

@@ -8,6 +8,7 @@ use plotters::prelude::*;
 use super::error::SimError;
 use super::metrics::CDF_POINTS;
 use super::run::{RATE_TOLERANCE, Report, ResultRow, ScenarioOutcome};
+use super::scenario::SyncConfig;
 
 const COLOURS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
@@ -54,44 +55,79 @@ fn distinct_traffic(rows: &[ResultRow]) -> Vec<String> {
     values
 }
 
-/// A row's router-side sweep value, for headings and file names.
+/// A row's router-side sweep values, for headings and file names.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Sweep {
-    None,
-    Interval(f64),
-    Replicas(u32),
+struct Sweep {
+    interval: Option<f64>,
+    replicas: Option<u32>,
+    sync: Option<SyncConfig>,
 }
 
 fn sweep_of(row: &ResultRow) -> Sweep {
-    match (row.poll_interval_s, row.router_replicas) {
-        (Some(interval), _) => Sweep::Interval(interval),
-        (None, Some(replicas)) => Sweep::Replicas(replicas),
-        (None, None) => Sweep::None,
+    Sweep {
+        interval: row.poll_interval_s,
+        replicas: row.router_replicas,
+        sync: row.sync,
     }
 }
 
 impl Sweep {
+    /// `, 4 router replicas, sync 20ms`.
     fn heading(self) -> String {
-        match self {
-            Sweep::None => String::new(),
-            Sweep::Interval(interval) => format!(", poll interval {interval} s"),
-            Sweep::Replicas(replicas) => format!(", {replicas} router replicas"),
+        let mut out = String::new();
+        if let Some(interval) = self.interval {
+            out.push_str(&format!(", poll interval {interval} s"));
         }
+        if let Some(replicas) = self.replicas {
+            out.push_str(&format!(", {replicas} router replicas"));
+        }
+        if let Some(sync) = self.sync {
+            out.push_str(&format!(", sync={}", sync.label()));
+        }
+        out
     }
 
+    /// `-r4-sync20ms`.
     fn suffix(self) -> String {
-        match self {
-            Sweep::None => String::new(),
-            Sweep::Interval(interval) => format!("-poll{interval}s"),
-            Sweep::Replicas(replicas) => format!("-r{replicas}"),
+        let mut out = String::new();
+        if let Some(interval) = self.interval {
+            out.push_str(&format!("-poll{interval}s"));
+        }
+        if let Some(replicas) = self.replicas {
+            out.push_str(&format!("-r{replicas}"));
+        }
+        if let Some(sync) = self.sync {
+            out.push_str(&format!("-sync{}", sync.label().replace([' ', '%'], "")));
+        }
+        out
+    }
+
+    /// The summary tables' setting column: `poll 1 s`, `4 replicas`,
+    /// `4 replicas, sync=20ms`, `-`.
+    fn setting(self) -> String {
+        let mut parts = Vec::new();
+        if let Some(interval) = self.interval {
+            parts.push(format!("poll {interval} s"));
+        }
+        if let Some(replicas) = self.replicas {
+            parts.push(format!("{replicas} replicas"));
+        }
+        if let Some(sync) = self.sync {
+            parts.push(format!("sync={}", sync.label()));
+        }
+        if parts.is_empty() {
+            "-".to_owned()
+        } else {
+            parts.join(", ")
         }
     }
 
+    /// The swept knob's value on a plot's x axis.
     fn value(self) -> f64 {
-        match self {
-            Sweep::None => 0.0,
-            Sweep::Interval(interval) => interval,
-            Sweep::Replicas(replicas) => f64::from(replicas),
+        match (self.interval, self.replicas) {
+            (Some(interval), _) => interval,
+            (None, Some(replicas)) => f64::from(replicas),
+            (None, None) => 0.0,
         }
     }
 }
@@ -176,6 +212,18 @@ pub fn markdown(report: &Report) -> String {
             }
         }
     }
+    if let Some(table) = sync_table(report) {
+        let _ = writeln!(
+            out,
+            "\n## Router replicas and sync\n\n\
+             p99 TTFT (s) of each policy that counts other replicas' pending work, with one \
+             router and at each replica count and sync setting, and its ratio to one router's \
+             (`off`: no sync; `ideal`: every change seen by every replica at once; `20ms`: \
+             published every 20 ms). Policies that ignore other replicas run only without \
+             sync.\n"
+        );
+        out.push_str(&table);
+    }
     if !report.rate_tracking.is_empty() {
         let _ = writeln!(
             out,
@@ -198,11 +246,12 @@ pub fn markdown(report: &Report) -> String {
             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for tracking in &report.rate_tracking {
-            let setting = match (tracking.poll_interval_s, tracking.router_replicas) {
-                (Some(interval), _) => format!("poll {interval} s"),
-                (None, Some(replicas)) => format!("{replicas} replicas"),
-                (None, None) => "-".to_owned(),
-            };
+            let setting = Sweep {
+                interval: tracking.poll_interval_s,
+                replicas: tracking.router_replicas,
+                sync: tracking.sync,
+            }
+            .setting();
             let _ = writeln!(
                 out,
                 "| {} | {setting} | {} | {} | {} | {:.1} | {:.0} | {:.0} | {} | {} | {} | {} |",
@@ -225,7 +274,8 @@ pub fn markdown(report: &Report) -> String {
 
 /// p99 and mean TTFT (s) per policy (columns) for each traffic, router
 /// setting and load (rows), as two Markdown tables, each ending in
-/// `least_load`'s ratio to the best reference of the row.
+/// `least_load`'s ratio to the best reference of the row; then, for a
+/// replica sweep with sync, the [`sync_table`].
 pub fn summary_table(report: &Report) -> String {
     let mut out = String::from("p99 TTFT (s):\n\n");
     out.push_str(&metric_table(
@@ -239,7 +289,83 @@ pub fn summary_table(report: &Report) -> String {
         |row| row.ttft_mean_s,
         |row| row.ttft_mean_vs_best_reference,
     ));
+    if let Some(table) = sync_table(report) {
+        out.push_str("\np99 TTFT (s) by replicas and sync, and its ratio to one router's:\n\n");
+        out.push_str(&table);
+    }
     out
+}
+
+/// For a replica sweep with sync: each policy that counts other replicas'
+/// work (the ones with rows under sync), per traffic and load, its p99 TTFT
+/// with one router and at every (replicas, sync) setting, each with its
+/// ratio to one router's (`1.478 (1.93×)`). `None` without such rows.
+pub fn sync_table(report: &Report) -> Option<String> {
+    let rows = &report.results;
+    let synced = |row: &ResultRow| row.sync.is_some_and(|sync| !sync.is_off());
+    if !rows
+        .iter()
+        .any(|row| synced(row) && row.router_replicas.is_some())
+    {
+        return None;
+    }
+    let policies = distinct(
+        &rows
+            .iter()
+            .filter(|row| synced(row))
+            .cloned()
+            .collect::<Vec<_>>(),
+        |r| r.policy,
+    );
+    let mut columns: Vec<(u32, SyncConfig)> = Vec::new();
+    for row in rows {
+        let (Some(replicas), Some(sync)) = (row.router_replicas, row.sync) else {
+            continue;
+        };
+        if replicas > 1 && !columns.contains(&(replicas, sync)) {
+            columns.push((replicas, sync));
+        }
+    }
+    let mut out = String::from("| traffic | load | policy | 1 router |");
+    for (replicas, sync) in &columns {
+        let _ = write!(out, " {replicas} replicas, sync={} |", sync.label());
+    }
+    out.push_str("\n|---|---:|---|---:|");
+    for _ in &columns {
+        out.push_str("---:|");
+    }
+    out.push('\n');
+    for traffic in distinct_traffic(rows) {
+        for utilization in distinct(rows, |r| r.utilization) {
+            for policy in &policies {
+                let find = |replicas: u32, sync: SyncConfig| {
+                    report.sync_row(&traffic, utilization, policy, replicas, sync)
+                };
+                let one = find(1, SyncConfig::default()).map(|row| row.ttft_p99_s);
+                let _ = write!(
+                    out,
+                    "| {traffic} | {utilization} | {policy} | {} |",
+                    optional(one, 3)
+                );
+                for &(replicas, sync) in &columns {
+                    match find(replicas, sync) {
+                        Some(row) => {
+                            let _ = write!(out, " {:.3}", row.ttft_p99_s);
+                            match one {
+                                Some(one) if one > 0.0 => {
+                                    let _ = write!(out, " ({:.2}×) |", row.ttft_p99_s / one);
+                                }
+                                _ => out.push_str(" |"),
+                            }
+                        }
+                        None => out.push_str(" - |"),
+                    }
+                }
+                out.push('\n');
+            }
+        }
+    }
+    Some(out)
 }
 
 /// One metric per policy (columns) for each traffic, setting and load
@@ -281,12 +407,7 @@ fn metric_table(
             }
         }
         for (sweep, utilization) in keys {
-            let setting = match sweep {
-                Sweep::None => "-".to_owned(),
-                Sweep::Interval(interval) => format!("poll {interval} s"),
-                Sweep::Replicas(replicas) => format!("{replicas} replicas"),
-            };
-            let _ = write!(out, "| {traffic} | {setting} | {utilization} |");
+            let _ = write!(out, "| {traffic} | {} | {utilization} |", sweep.setting());
             let of_cell = |policy: &str| {
                 of_traffic.iter().find(|r| {
                     r.policy == policy && sweep_of(r) == sweep && r.utilization == utilization
@@ -427,22 +548,46 @@ fn write_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimError> {
             )?;
         }
         // p99 TTFT against the swept knob.
-        if sweeps.len() > 1 || sweeps.iter().any(|s| *s != Sweep::None) {
-            let (name, axis, log_x) = match sweeps.first() {
-                Some(Sweep::Replicas(_)) => ("replicas", "router replicas", false),
+        if sweeps
+            .iter()
+            .any(|s| s.interval.is_some() || s.replicas.is_some())
+        {
+            let (name, axis, log_x) = match sweeps.first().map(|s| s.interval) {
+                Some(None) => ("replicas", "router replicas", false),
                 _ => ("poll-interval", "poll interval (s)", true),
             };
+            // One line per policy and sync setting; the one-replica row
+            // (no sync) starts every sync setting's line.
+            let mut lines: Vec<(&str, Option<SyncConfig>)> = Vec::new();
+            for row in &of_traffic {
+                let line = (row.policy, row.sync);
+                if !lines.contains(&line) {
+                    lines.push(line);
+                }
+            }
             for &utilization in &utilizations {
-                let series: Vec<(&str, Vec<(f64, f64)>)> = policies
+                let series: Vec<(String, Vec<(f64, f64)>)> = lines
                     .iter()
-                    .map(|&policy| {
+                    .map(|&(policy, sync)| {
                         let points = of_traffic
                             .iter()
-                            .filter(|r| r.policy == policy && r.utilization == utilization)
+                            .filter(|r| {
+                                r.policy == policy
+                                    && r.utilization == utilization
+                                    && (r.sync == sync || r.router_replicas == Some(1))
+                            })
                             .map(|r| (sweep_of(r).value(), r.ttft_p99_s.max(1e-4)))
                             .collect();
-                        (policy, points)
+                        let name = match sync {
+                            Some(sync) => format!("{policy} sync={}", sync.label()),
+                            None => policy.to_owned(),
+                        };
+                        (name, points)
                     })
+                    .collect();
+                let series: Vec<(&str, Vec<(f64, f64)>)> = series
+                    .iter()
+                    .map(|(name, points)| (name.as_str(), points.clone()))
                     .collect();
                 let path = dir.join(format!("p99-vs-{name}-{traffic}-u{utilization}.svg"));
                 let title =
@@ -695,5 +840,94 @@ output = { dist = "constant", tokens = 8 }
         let json = std::fs::read_to_string(written.join("report.json")).unwrap();
         assert!(json.contains("\"poll_interval_s\": 2.0"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_sync_sweep_reports_each_setting_and_a_ratio_to_one_router() {
+        let text = SCENARIO
+            .replace("name = \"tiny\"", "name = \"tiny-sync\"")
+            .replace("count = 2", "count = 4")
+            .replace("utilizations = [0.5, 0.8]", "utilizations = [0.8]")
+            .replace(
+                "sweep_poll_interval_s = [0.5, 2.0]",
+                "sweep_replicas = [1, 2]\nsweep_sync = [{ mode = \"off\" }, { mode = \"ideal\" }]",
+            );
+        let scenario =
+            Scenario::from_toml_str(&text, Path::new("tiny-sync.toml"), PathBuf::new()).unwrap();
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        let outcomes = run_scenarios(&[scenario], &options).unwrap();
+        let report = &outcomes[0].report;
+        // One router: 3 policies; 2 replicas without sync: 3; with ideal
+        // sync, only least_load (round_robin ignores it, the oracle too).
+        let labels: Vec<(&str, u32, String)> = report
+            .results
+            .iter()
+            .map(|r| {
+                (
+                    r.policy,
+                    r.router_replicas.unwrap(),
+                    r.sync_label().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(labels.len(), 7, "{labels:?}");
+        assert!(labels.contains(&("least_load", 2, "ideal".to_owned())));
+        assert!(!labels.contains(&("round_robin", 2, "ideal".to_owned())));
+        let ideal = report
+            .sync_row("size-skew", 0.8, "least_load", 2, SyncConfig::Ideal {})
+            .unwrap();
+        assert!(ideal.ttft_p99_vs_best_reference.is_some());
+        assert!(
+            ideal
+                .sync_stats
+                .is_some_and(|stats| stats.entries_applied > 0)
+        );
+        let summary = summary_table(report);
+        assert!(
+            summary.contains("| size-skew | 2 replicas, sync=ideal | 0.8 |"),
+            "{summary}"
+        );
+        let table = sync_table(report).unwrap();
+        assert!(
+            table.contains("| 1 router | 2 replicas, sync=off | 2 replicas, sync=ideal |"),
+            "{table}"
+        );
+        let one = report
+            .sync_row("size-skew", 0.8, "least_load", 1, SyncConfig::Off {})
+            .unwrap()
+            .ttft_p99_s;
+        assert!(
+            table.contains(&format!(
+                "{:.3} ({:.2}×)",
+                ideal.ttft_p99_s,
+                ideal.ttft_p99_s / one
+            )),
+            "{table}"
+        );
+        assert!(
+            markdown(report)
+                .contains("## size-skew, utilization 0.8, 2 router replicas, sync=ideal")
+        );
+        let dir =
+            std::env::temp_dir().join(format!("fleet-sim-sync-report-test-{}", std::process::id()));
+        let written = write_outputs(&outcomes[0], &dir, true).unwrap();
+        for file in [
+            "ttft-cdf-size-skew-r2-syncideal-u0.8.svg",
+            "p99-vs-replicas-size-skew-u0.8.svg",
+        ] {
+            let path = written.join(file);
+            assert!(path.exists(), "{} missing", path.display());
+        }
+        let json = std::fs::read_to_string(written.join("report.json")).unwrap();
+        assert!(json.contains("\"mode\": \"ideal\""), "{json}");
+        let _ = std::fs::remove_dir_all(&dir);
+        // Without sync, no sync table.
+        let plain =
+            Scenario::from_toml_str(SCENARIO, Path::new("tiny.toml"), PathBuf::new()).unwrap();
+        let outcomes = run_scenarios(&[plain], &options).unwrap();
+        assert!(sync_table(&outcomes[0].report).is_none());
     }
 }

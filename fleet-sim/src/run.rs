@@ -1,6 +1,10 @@
 //! Runs scenarios: derives the arrival rates from fleet capacity, generates
 //! the workloads, runs every (traffic, router setting, load, policy) cell on
 //! a few threads and assembles the reports.
+//!
+//! A policy that does not count other replicas' pending work (the
+//! baselines, the references) runs only at the router settings without
+//! sync: with sync on it would make the same choices.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -10,7 +14,8 @@ use serde::Serialize;
 use super::error::SimError;
 use super::fleet::{Cell, RateTrace, Slowdown, policy_registry, run_cell};
 use super::metrics::CellStats;
-use super::scenario::{LoadReport, PolicyName, RouterPoint, Scenario};
+use super::scenario::{LoadReport, PolicyName, RouterPoint, Scenario, SyncConfig};
+use super::sync::{SyncStats, counts_replica_pending};
 use super::workload::{RequestSpec, Trace, generate, mean_lengths};
 use engine_model::{EngineParams, mix};
 
@@ -67,6 +72,8 @@ pub struct RateTracking {
     pub poll_interval_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router_replicas: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync: Option<SyncConfig>,
     pub replica: u32,
     pub worker: usize,
     pub slowdown_at_s: f64,
@@ -128,6 +135,7 @@ impl RateTracking {
                     policy: row.policy,
                     poll_interval_s: row.poll_interval_s,
                     router_replicas: row.router_replicas,
+                    sync: row.sync,
                     replica: replica as u32,
                     worker: trace.worker,
                     slowdown_at_s: at_s,
@@ -172,6 +180,9 @@ pub struct ResultRow {
     pub poll_interval_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router_replicas: Option<u32>,
+    /// How the replicas shared their pending work (scenarios with sync).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync: Option<SyncConfig>,
     pub requests: usize,
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
@@ -192,6 +203,17 @@ pub struct ResultRow {
     /// The same for the mean TTFT.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_mean_vs_best_reference: Option<f64>,
+    /// What the sync channel did (cells with sync on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_stats: Option<SyncStats>,
+}
+
+impl ResultRow {
+    /// The row's sync setting as reports name it (`off`, `20ms`, `ideal`),
+    /// if the scenario has one.
+    pub fn sync_label(&self) -> Option<String> {
+        self.sync.as_ref().map(SyncConfig::label)
+    }
 }
 
 /// A scenario's report, and the TTFT CDF and rate trace of each row (same
@@ -220,6 +242,25 @@ impl Report {
                 && row.policy == policy
                 && (poll_interval_s.is_none() || row.poll_interval_s == poll_interval_s)
                 && (router_replicas.is_none() || row.router_replicas == router_replicas)
+        })
+    }
+
+    /// The row of this traffic, load, policy, replica count and sync
+    /// setting (one replica's row is `SyncConfig::Off {}`).
+    pub fn sync_row(
+        &self,
+        traffic: &str,
+        utilization: f64,
+        policy: &str,
+        router_replicas: u32,
+        sync: SyncConfig,
+    ) -> Option<&ResultRow> {
+        self.results.iter().find(|row| {
+            row.traffic == traffic
+                && (row.utilization - utilization).abs() < 1e-9
+                && row.policy == policy
+                && row.router_replicas.unwrap_or(1) == router_replicas
+                && row.sync.unwrap_or_default() == sync
         })
     }
 }
@@ -363,12 +404,22 @@ pub fn run_scenarios(
     options: &RunOptions,
 ) -> Result<Vec<ScenarioOutcome>, SimError> {
     let plans: Vec<Plan<'_>> = scenarios.iter().map(plan).collect::<Result<_, _>>()?;
+    let registry = policy_registry();
     let mut jobs = Vec::new();
     for (p, plan) in plans.iter().enumerate() {
+        let counts_sync: Vec<bool> = plan
+            .scenario
+            .policies
+            .iter()
+            .map(|&name| counts_replica_pending(&registry, name))
+            .collect();
         for traffic in 0..plan.scenario.traffic.len() {
             for point in 0..plan.points.len() {
                 for utilization in 0..plan.scenario.utilizations.len() {
-                    for policy in 0..plan.scenario.policies.len() {
+                    for (policy, &counts_sync) in counts_sync.iter().enumerate() {
+                        if !plan.points[point].sync.is_off() && !counts_sync {
+                            continue;
+                        }
                         jobs.push(Job {
                             plan: p,
                             traffic,
@@ -401,13 +452,26 @@ pub fn run_scenarios(
         let scenario = plan.scenario;
         let requests = &plan.workloads[job.traffic][job.utilization];
         let last_arrival_s = requests.last().map_or(0.0, |spec| spec.arrival_s);
+        let point = plan.points[job.point];
+        // The points of one poll interval and replica count share their
+        // seed whatever the sync: the same engines, phases and replica
+        // draws, so sync settings differ by the sync alone.
+        let seed_point = plan
+            .points
+            .iter()
+            .position(|other| {
+                other.poll_interval_s == point.poll_interval_s && other.replicas == point.replicas
+            })
+            .unwrap_or(job.point);
         let cell = Cell {
             workers: &plan.workers,
             requests,
             shared_prefix: scenario.traffic[job.traffic].shared_prefix,
-            router: plan.points[job.point],
+            router: point,
             policy: scenario.policies[job.policy],
-            seed: mix(workload_seed(scenario.seed, job.traffic, job.utilization) ^ job.point as u64),
+            seed: mix(
+                workload_seed(scenario.seed, job.traffic, job.utilization) ^ seed_point as u64
+            ),
             slowdown: scenario.slowdown.map(|slowdown| Slowdown {
                 worker: slowdown.worker as usize,
                 at_s: slowdown.at_s(last_arrival_s),
@@ -481,6 +545,7 @@ pub fn run_scenarios(
             policy: scenario.policies[job.policy].as_str(),
             poll_interval_s: point.sweeps_poll_interval.then_some(point.poll_interval_s),
             router_replicas: point.sweeps_replicas.then_some(point.replicas),
+            sync: point.sweeps_sync.then_some(point.sync),
             requests: cell.requests,
             ttft_p50_s: cell.ttft_p50_s,
             ttft_p90_s: cell.ttft_p90_s,
@@ -496,6 +561,7 @@ pub fn run_scenarios(
             poll_failures: cell.poll_failures,
             ttft_p99_vs_best_reference: None,
             ttft_mean_vs_best_reference: None,
+            sync_stats: cell.sync,
         };
         let outcome = &mut outcomes[job.plan];
         if let Some(trace) = &cell.rate_trace {
@@ -515,7 +581,9 @@ pub fn run_scenarios(
 }
 
 /// Fills every row's ratios to the best reference of its traffic, setting
-/// and load (when a reference ran there).
+/// and load (when a reference ran there). The references ignore sync (they
+/// run only without it), so a row with sync compares with the references
+/// of its poll interval and replica count.
 fn compare_with_references(rows: &mut [ResultRow]) {
     let references: Vec<&str> = PolicyName::REFERENCES.iter().map(|p| p.as_str()).collect();
     let same_cell = |a: &ResultRow, b: &ResultRow| {

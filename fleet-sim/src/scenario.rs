@@ -6,14 +6,14 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use super::error::SimError;
 use super::workload::{LengthDist, Trace};
 use engine_model::EngineParams;
 
 /// The standard scenario names, in the order they are run and reported.
-pub const STANDARD_SCENARIOS: [&str; 13] = [
+pub const STANDARD_SCENARIOS: [&str; 14] = [
     "uniform",
     "size-skew",
     "heavy-tail",
@@ -27,6 +27,7 @@ pub const STANDARD_SCENARIOS: [&str; 13] = [
     "rate-spread-vllm",
     "bursty-long",
     "slowdown",
+    "replicas-hetero",
 ];
 
 /// The most workers a scenario may have.
@@ -84,6 +85,10 @@ pub enum PolicyName {
     /// `least_load` with `use_reported_throughput = false`: every worker's
     /// work divided by `default_throughput`.
     LeastLoadFixedRate,
+    /// `least_load` with `prefix_affinity = false`: the request's whole
+    /// prompt counts on every worker, cached or not. Not in the default set;
+    /// name it in `policies`.
+    LeastLoadNoPrefix,
     /// A reference: least true queued uncached prefill seconds, ties at random.
     LeastTrueQueue,
     /// The reference: the earliest projected first token for this request
@@ -128,6 +133,7 @@ impl PolicyName {
             PolicyName::LeastLoadSincePoll => "least_load_since_poll",
             PolicyName::LeastLoadReportedRate => "least_load_reported_rate",
             PolicyName::LeastLoadFixedRate => "least_load_fixed_rate",
+            PolicyName::LeastLoadNoPrefix => "least_load_no_prefix",
             PolicyName::LeastTrueQueue => "least_true_queue",
             PolicyName::Oracle => "oracle",
         }
@@ -234,6 +240,149 @@ pub enum ReportAt {
     Completion,
 }
 
+/// The one-way latency of a sync message when a scenario does not set it:
+/// one hop through a broker on the same network.
+pub const DEFAULT_SYNC_LATENCY_S: f64 = 0.001;
+/// The sync entry TTL when a scenario does not set it (the router's
+/// `sync.entry_ttl_ms` default).
+pub const DEFAULT_SYNC_ENTRY_TTL_S: f64 = 1.0;
+
+fn default_sync_latency_s() -> f64 {
+    DEFAULT_SYNC_LATENCY_S
+}
+
+fn default_sync_entry_ttl_s() -> f64 {
+    DEFAULT_SYNC_ENTRY_TTL_S
+}
+
+/// How router replicas share their pending work (`docs/replicas.md`), as
+/// the simulator models the channel. Scenario files name the mode by its
+/// `mode` key: `{ mode = "off" }`, `{ mode = "ideal" }`,
+/// `{ mode = "periodic", publish_interval_s = 0.02 }`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum SyncConfig {
+    /// No sync: each replica counts only its own pending work.
+    Off {},
+    /// The limit: every change of a replica's pending work on a worker
+    /// (a dispatch, a first token) reaches every other replica at that
+    /// instant, and nothing is lost or expires.
+    Ideal {},
+    /// The router's channel: every `publish_interval_s` (at a seeded phase
+    /// per replica) each replica reads its own pending work per worker
+    /// (`Policy::worker_stats`) and publishes the workers whose work changed
+    /// (every worker every `entry_ttl_s / 4`) with its next sequence number;
+    /// each message reaches every other replica `latency_s` later, or is
+    /// lost for that replica with probability `loss_ratio` (seeded). Each
+    /// replica drops the others' entries not confirmed within `entry_ttl_s`,
+    /// checked every `entry_ttl_s / 8` (at least one publish interval), as
+    /// the router does.
+    ///
+    /// With `publish_dispatches = true`, a replica also publishes a
+    /// worker's state the moment its pending work there grows (a
+    /// dispatch), through the same channel (latency, loss, sequence); the
+    /// ticks then carry the decreases (first tokens) and the full states.
+    /// The router does not do this: it measures what doing it would gain.
+    Periodic {
+        publish_interval_s: f64,
+        #[serde(default = "default_sync_latency_s")]
+        latency_s: f64,
+        #[serde(default)]
+        loss_ratio: f64,
+        #[serde(default = "default_sync_entry_ttl_s")]
+        entry_ttl_s: f64,
+        #[serde(default)]
+        publish_dispatches: bool,
+    },
+}
+
+impl Default for SyncConfig {
+    fn default() -> SyncConfig {
+        SyncConfig::Off {}
+    }
+}
+
+impl SyncConfig {
+    /// Whether replicas share anything.
+    pub fn is_off(&self) -> bool {
+        matches!(self, SyncConfig::Off {})
+    }
+
+    /// The name in reports: `off`, `ideal`, `20ms` (a periodic channel by
+    /// its publish interval, then whatever differs from the defaults:
+    /// `20ms+dispatches lat 5ms loss 10% ttl 2s`).
+    pub fn label(&self) -> String {
+        match *self {
+            SyncConfig::Off {} => "off".to_owned(),
+            SyncConfig::Ideal {} => "ideal".to_owned(),
+            SyncConfig::Periodic {
+                publish_interval_s,
+                latency_s,
+                loss_ratio,
+                entry_ttl_s,
+                publish_dispatches,
+            } => {
+                let mut label = format!("{}ms", trimmed(publish_interval_s * 1000.0));
+                if publish_dispatches {
+                    label.push_str("+dispatches");
+                }
+                if latency_s != DEFAULT_SYNC_LATENCY_S {
+                    label.push_str(&format!(" lat {}ms", trimmed(latency_s * 1000.0)));
+                }
+                if loss_ratio > 0.0 {
+                    label.push_str(&format!(" loss {}%", trimmed(loss_ratio * 100.0)));
+                }
+                if entry_ttl_s != DEFAULT_SYNC_ENTRY_TTL_S {
+                    label.push_str(&format!(" ttl {}s", trimmed(entry_ttl_s)));
+                }
+                label
+            }
+        }
+    }
+
+    /// Checks the ranges the router's `[sync]` section enforces (the TTL at
+    /// least four publish intervals), and the channel's own.
+    fn validate(&self) -> Result<(), String> {
+        let SyncConfig::Periodic {
+            publish_interval_s,
+            latency_s,
+            loss_ratio,
+            entry_ttl_s,
+            ..
+        } = *self
+        else {
+            return Ok(());
+        };
+        if !(publish_interval_s.is_finite() && publish_interval_s > 0.0) {
+            return Err(format!(
+                "publish_interval_s must be finite and positive, got {publish_interval_s}"
+            ));
+        }
+        if !(latency_s.is_finite() && latency_s >= 0.0) {
+            return Err(format!(
+                "latency_s must be finite and not negative, got {latency_s}"
+            ));
+        }
+        if !(loss_ratio.is_finite() && (0.0..=1.0).contains(&loss_ratio)) {
+            return Err(format!("loss_ratio must be in [0, 1], got {loss_ratio}"));
+        }
+        if !(entry_ttl_s.is_finite() && entry_ttl_s >= 4.0 * publish_interval_s) {
+            return Err(format!(
+                "entry_ttl_s must be at least 4 × publish_interval_s ({} s), got {entry_ttl_s}",
+                4.0 * publish_interval_s
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A number with at most three decimals and no trailing zeros.
+fn trimmed(value: f64) -> String {
+    let text = format!("{value:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    text.to_owned()
+}
+
 /// The router side.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -255,6 +404,12 @@ pub struct RouterConfig {
     pub sweep_poll_interval_s: Option<Vec<f64>>,
     /// Sweep: run every replica count listed instead of `replicas`.
     pub sweep_replicas: Option<Vec<u32>>,
+    /// How replicas share their pending work (default: off).
+    pub sync: SyncConfig,
+    /// Sweep: run every sync setting listed instead of `sync`, at each point
+    /// of the other sweep (one replica runs once, without sync: it has no
+    /// one to share with).
+    pub sweep_sync: Option<Vec<SyncConfig>>,
 }
 
 impl Default for RouterConfig {
@@ -269,6 +424,8 @@ impl Default for RouterConfig {
             report_at: ReportAt::Send,
             sweep_poll_interval_s: None,
             sweep_replicas: None,
+            sync: SyncConfig::default(),
+            sweep_sync: None,
         }
     }
 }
@@ -287,6 +444,11 @@ pub struct RouterPoint {
     pub sweeps_poll_interval: bool,
     /// Whether this point is part of a replica sweep (report replicas per row).
     pub sweeps_replicas: bool,
+    /// How the replicas share their pending work (always off with one).
+    pub sync: SyncConfig,
+    /// Whether this point is part of a sync sweep, or sync is on (report
+    /// the sync setting per row).
+    pub sweeps_sync: bool,
 }
 
 /// The arrival process.
@@ -326,6 +488,47 @@ fn one() -> u32 {
     1
 }
 
+/// Multi-turn conversations: each session belongs to one of `apps` apps and
+/// opens with that app's system prompt; turn `k + 1` resends turn `k`'s
+/// prompt, its answer and a new user message (the traffic's `prompt`
+/// distribution); turns are `think_time_s` apart on average (exponential,
+/// open loop: a turn does not wait for the previous answer); the number of
+/// turns is geometric with mean `mean_turns`, at most `max_turns`, and a
+/// session ends early when its next prompt would exceed `max_context_tokens`.
+/// Sessions start at the traffic's arrival process, at the request rate
+/// divided by the mean turns a session really has.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConversationConfig {
+    /// Distinct apps, each with its own system prompt, ≥ 1.
+    #[serde(default = "four")]
+    pub apps: u32,
+    /// Length of every app's system prompt, tokens, ≥ 1.
+    pub system_tokens: u32,
+    /// Mean turns per session (geometric), ≥ 1.
+    pub mean_turns: f64,
+    /// Turns per session at most, ≥ 1.
+    #[serde(default = "thirty_two")]
+    pub max_turns: u32,
+    /// Mean think time between a session's turns, seconds, ≥ 0.
+    pub think_time_s: f64,
+    /// A session ends before a prompt longer than this, tokens.
+    #[serde(default = "context_default")]
+    pub max_context_tokens: u32,
+}
+
+fn four() -> u32 {
+    4
+}
+
+fn thirty_two() -> u32 {
+    32
+}
+
+fn context_default() -> u32 {
+    32_768
+}
+
 /// One worker's speed change: from `at_s` (or `at_fraction` of the last
 /// arrival's time) on, worker `worker` (0-based, in fleet order) runs at
 /// `factor` × its nominal speed (`Engine::set_speed`).
@@ -363,6 +566,45 @@ pub struct TrafficConfig {
     pub prompt: Option<LengthDist>,
     pub output: Option<LengthDist>,
     pub shared_prefix: Option<SharedPrefixConfig>,
+    /// Multi-turn sessions; `prompt` is then each turn's new user message.
+    pub conversation: Option<ConversationConfig>,
+}
+
+impl ConversationConfig {
+    /// Checks the parameters: `(key, message)` on the first bad one.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if self.apps == 0 {
+            return Err(("apps", "must be at least 1".into()));
+        }
+        if self.system_tokens == 0 {
+            return Err(("system_tokens", "must be at least 1".into()));
+        }
+        if !(self.mean_turns.is_finite() && self.mean_turns >= 1.0) {
+            return Err((
+                "mean_turns",
+                format!("must be finite and at least 1, got {}", self.mean_turns),
+            ));
+        }
+        if self.max_turns == 0 {
+            return Err(("max_turns", "must be at least 1".into()));
+        }
+        if !(self.think_time_s.is_finite() && self.think_time_s >= 0.0) {
+            return Err((
+                "think_time_s",
+                format!("must be finite and not negative, got {}", self.think_time_s),
+            ));
+        }
+        if self.max_context_tokens <= self.system_tokens {
+            return Err((
+                "max_context_tokens",
+                format!(
+                    "must exceed system_tokens ({}), got {}",
+                    self.system_tokens, self.max_context_tokens
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Scenario {
@@ -417,10 +659,17 @@ impl Scenario {
             .collect()
     }
 
-    /// The router settings to run: one per sweep value, or just one.
+    /// The router settings to run: one per sweep value, or just one; with
+    /// a sync sweep, one per sync setting at each of those (one replica
+    /// once, without sync).
     pub fn router_points(&self) -> Vec<RouterPoint> {
         let router = &self.router;
-        let point = |poll_interval_s: f64, replicas: u32| RouterPoint {
+        let syncs: Vec<SyncConfig> = router
+            .sweep_sync
+            .clone()
+            .unwrap_or_else(|| vec![router.sync]);
+        let sweeps_sync = router.sweep_sync.is_some() || !router.sync.is_off();
+        let point = |poll_interval_s: f64, replicas: u32, sync: SyncConfig| RouterPoint {
             poll_interval_s,
             stale_after_s: router.stale_after_s.unwrap_or(3.0 * poll_interval_s),
             poll_latency_s: router.poll_latency_s,
@@ -430,20 +679,30 @@ impl Scenario {
             report_at: router.report_at,
             sweeps_poll_interval: router.sweep_poll_interval_s.is_some(),
             sweeps_replicas: router.sweep_replicas.is_some(),
+            sync,
+            sweeps_sync,
         };
-        if let Some(intervals) = &router.sweep_poll_interval_s {
-            intervals
-                .iter()
-                .map(|&i| point(i, router.replicas))
-                .collect()
+        let bases: Vec<(f64, u32)> = if let Some(intervals) = &router.sweep_poll_interval_s {
+            intervals.iter().map(|&i| (i, router.replicas)).collect()
         } else if let Some(replicas) = &router.sweep_replicas {
             replicas
                 .iter()
-                .map(|&r| point(router.poll_interval_s, r))
+                .map(|&r| (router.poll_interval_s, r))
                 .collect()
         } else {
-            vec![point(router.poll_interval_s, router.replicas)]
+            vec![(router.poll_interval_s, router.replicas)]
+        };
+        let mut points = Vec::new();
+        for (poll_interval_s, replicas) in bases {
+            if replicas == 1 {
+                points.push(point(poll_interval_s, 1, SyncConfig::default()));
+                continue;
+            }
+            for &sync in &syncs {
+                points.push(point(poll_interval_s, replicas, sync));
+            }
         }
+        points
     }
 
     fn invalid(&self, field: &str, message: impl Into<String>) -> SimError {
@@ -584,8 +843,27 @@ impl Scenario {
         if router.sweep_poll_interval_s.is_some() && router.sweep_replicas.is_some() {
             return Err(self.invalid(
                 "router",
-                "sweeps one knob at most: sweep_poll_interval_s or sweep_replicas",
+                "sweeps sweep_poll_interval_s or sweep_replicas, not both (sweep_sync goes with either)",
             ));
+        }
+        router
+            .sync
+            .validate()
+            .map_err(|message| self.invalid("router.sync", message))?;
+        if let Some(syncs) = &router.sweep_sync {
+            if syncs.is_empty() {
+                return Err(self.invalid("router.sweep_sync", "must not be empty"));
+            }
+            for (i, sync) in syncs.iter().enumerate() {
+                sync.validate()
+                    .map_err(|message| self.invalid(&format!("router.sweep_sync[{i}]"), message))?;
+                if syncs[..i].contains(sync) {
+                    return Err(self.invalid(
+                        &format!("router.sweep_sync[{i}]"),
+                        format!("lists sync {} twice", sync.label()),
+                    ));
+                }
+            }
         }
         if let Some(intervals) = &router.sweep_poll_interval_s {
             if intervals.is_empty() {
@@ -683,6 +961,22 @@ impl Scenario {
                     }
                     None => {}
                 }
+            }
+            if let Some(conversation) = &traffic.conversation {
+                if is_trace {
+                    return Err(self.invalid(&field("conversation"), "cannot be used with a trace"));
+                }
+                if traffic.shared_prefix.is_some() {
+                    return Err(self.invalid(
+                        &field("conversation"),
+                        "and shared_prefix cannot be combined (the system prompt is the shared prefix)",
+                    ));
+                }
+                conversation.validate().map_err(|(key, message)| {
+                    self.invalid(&field(&format!("conversation.{key}")), message)
+                })?;
+                let output_max = traffic.output.map_or(0, |d| u64::from(d.max_tokens()));
+                max_tokens = u64::from(conversation.max_context_tokens) + output_max;
             }
             if max_tokens > min_kv_tokens {
                 return Err(self.invalid(
@@ -837,7 +1131,7 @@ output = { dist = "constant", tokens = 10 }
 
     #[test]
     fn impossible_values_are_clear_errors() {
-        let cases: [(&str, &str, &str); 11] = [
+        let cases: [(&str, &str, &str); 17] = [
             (
                 "utilizations = [0.5]",
                 "utilizations = [1.5]",
@@ -893,6 +1187,36 @@ output = { dist = "constant", tokens = 10 }
                 "tokens = 200 }\nshared_prefix = { fraction = 1.5, tokens = 64 }",
                 "shared_prefix.fraction must be in [0, 1], got 1.5",
             ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 0.5, think_time_s = 1.0 }",
+                "conversation.mean_turns must be finite and at least 1, got 0.5",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { apps = 0, system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0 }",
+                "conversation.apps must be at least 1",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = -1.0 }",
+                "conversation.think_time_s must be finite and not negative",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0, max_context_tokens = 100 }",
+                "conversation.max_context_tokens must exceed system_tokens",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0, max_context_tokens = 100000000 }",
+                "exceeds the smallest kv_capacity_tokens",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0 }\nshared_prefix = { fraction = 0.5, tokens = 64 }",
+                "cannot be combined",
+            ),
         ];
         for (from, to, expected) in cases {
             let text = MINIMAL.replacen(from, to, 1);
@@ -917,7 +1241,7 @@ output = { dist = "constant", tokens = 10 }
         );
         let mut text = MINIMAL.to_owned();
         text.push_str("[router]\nsweep_replicas = [1]\nsweep_poll_interval_s = [1.0]\n");
-        assert!(error_text(&parse(&text).unwrap_err()).contains("sweeps one knob at most"));
+        assert!(error_text(&parse(&text).unwrap_err()).contains("not both"));
     }
 
     #[test]
@@ -963,6 +1287,99 @@ output = { dist = "constant", tokens = 10 }
                 "expected {expected:?} in {message:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_sync_sweep_runs_at_every_replica_count_but_one() {
+        let mut text = MINIMAL.to_owned();
+        text.push_str(
+            "[router]\nsweep_replicas = [1, 4]\nsweep_sync = [\n  { mode = \"off\" },\n  \
+             { mode = \"periodic\", publish_interval_s = 0.02 },\n  \
+             { mode = \"periodic\", publish_interval_s = 0.1, latency_s = 0.005, loss_ratio = 0.01, entry_ttl_s = 2.0, publish_dispatches = true },\n  \
+             { mode = \"ideal\" },\n]\n",
+        );
+        let points = parse(&text).unwrap().router_points();
+        let summary: Vec<(u32, String)> = points
+            .iter()
+            .map(|point| (point.replicas, point.sync.label()))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (1, "off".to_owned()),
+                (4, "off".to_owned()),
+                (4, "20ms".to_owned()),
+                (4, "100ms+dispatches lat 5ms loss 1% ttl 2s".to_owned()),
+                (4, "ideal".to_owned()),
+            ]
+        );
+        assert!(points.iter().all(|p| p.sweeps_sync && p.sweeps_replicas));
+        assert_eq!(
+            points[2].sync,
+            SyncConfig::Periodic {
+                publish_interval_s: 0.02,
+                latency_s: DEFAULT_SYNC_LATENCY_S,
+                loss_ratio: 0.0,
+                entry_ttl_s: DEFAULT_SYNC_ENTRY_TTL_S,
+                publish_dispatches: false,
+            }
+        );
+        // One sync setting, not swept: on every point with replicas to share.
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router]\nreplicas = 3\nsync = { mode = \"ideal\" }\n");
+        let points = parse(&text).unwrap().router_points();
+        assert_eq!(points.len(), 1);
+        assert_eq!(points[0].sync, SyncConfig::Ideal {});
+        assert!(points[0].sweeps_sync);
+        // Without sync, rows carry no sync setting.
+        assert!(!parse(MINIMAL).unwrap().router_points()[0].sweeps_sync);
+    }
+
+    #[test]
+    fn impossible_sync_settings_are_clear_errors() {
+        for (sync, expected) in [
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.0 }",
+                "router.sync publish_interval_s must be finite and positive, got 0",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.02, latency_s = -1.0 }",
+                "router.sync latency_s must be finite and not negative, got -1",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.02, loss_ratio = 1.5 }",
+                "router.sync loss_ratio must be in [0, 1], got 1.5",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_s = 0.5, entry_ttl_s = 1.0 }",
+                "router.sync entry_ttl_s must be at least 4 × publish_interval_s (2 s), got 1",
+            ),
+            (
+                "{ mode = \"periodic\", publish_interval_ms = 20 }",
+                "unknown field `publish_interval_ms`",
+            ),
+            ("{ mode = \"gossip\" }", "unknown variant `gossip`"),
+            (
+                "{ mode = \"ideal\", latency_s = 0.1 }",
+                "unknown field `latency_s`",
+            ),
+        ] {
+            let text = format!("{MINIMAL}[router]\nsync = {sync}\n");
+            let message = error_text(&parse(&text).unwrap_err());
+            assert!(
+                message.contains(expected),
+                "expected {expected:?} in {message:?}"
+            );
+        }
+        let text = format!(
+            "{MINIMAL}[router]\nsweep_sync = [{{ mode = \"ideal\" }}, {{ mode = \"ideal\" }}]\n"
+        );
+        assert!(
+            error_text(&parse(&text).unwrap_err())
+                .contains("router.sweep_sync[1] lists sync ideal twice")
+        );
+        let text = format!("{MINIMAL}[router]\nsweep_sync = []\n");
+        assert!(error_text(&parse(&text).unwrap_err()).contains("must not be empty"));
     }
 
     #[test]

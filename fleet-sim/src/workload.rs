@@ -1,15 +1,17 @@
 //! The workload generator: arrival times and prompt/output lengths, seeded.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use engine_model::mix;
+use engine_model::model::chain_block_hash;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
 use serde::Deserialize;
 
 use super::error::SimError;
-use super::scenario::{ArrivalConfig, SharedPrefixConfig, TrafficConfig};
+use super::scenario::{ArrivalConfig, ConversationConfig, SharedPrefixConfig, TrafficConfig};
 
 /// The standard normal quantile at 0.99.
 const Z_99: f64 = 2.326_347_874_040_841;
@@ -309,14 +311,96 @@ impl Trace {
     }
 }
 
+/// A run of prompt tokens with one identity: a system prompt, a user
+/// message, an answer. Two prompts that open with the same segments open
+/// with the same tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub id: u64,
+    pub tokens: u32,
+}
+
 /// One generated request.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestSpec {
     pub arrival_s: f64,
     pub prompt_tokens: u32,
     pub output_tokens: u32,
     /// The shared prefix it opens with, if any.
     pub prefix_group: Option<u32>,
+    /// The whole prompt as segments (multi-turn traffic: system prompt,
+    /// then each turn's user message and answer); `None` for the other mixes.
+    pub segments: Option<Arc<[Segment]>>,
+}
+
+impl RequestSpec {
+    /// The content hash of each full block of `block_tokens` tokens the
+    /// engine may cache (the engine chains them): the shared prefix's blocks,
+    /// or every full block of a multi-turn prompt.
+    pub fn block_hashes(
+        &self,
+        shared_prefix: Option<SharedPrefixConfig>,
+        block_tokens: u32,
+    ) -> Vec<u64> {
+        if let Some(segments) = &self.segments {
+            return segment_hashes(segments, block_tokens);
+        }
+        match (self.prefix_group, shared_prefix) {
+            (Some(group), Some(prefix)) => {
+                prefix_hashes(group, prefix.tokens, self.prompt_tokens, block_tokens)
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The chained hashes of its blocks of `block_tokens` (what a router's
+    /// prefix index keys on): block `i`'s hash names the whole prefix up to
+    /// the end of block `i`, chained as the engine chains them.
+    pub fn chained_block_hashes(
+        &self,
+        shared_prefix: Option<SharedPrefixConfig>,
+        block_tokens: u32,
+    ) -> Vec<u64> {
+        let mut previous = 0u64;
+        self.block_hashes(shared_prefix, block_tokens)
+            .into_iter()
+            .map(|content| {
+                previous = chain_block_hash(previous, content);
+                previous
+            })
+            .collect()
+    }
+}
+
+/// The content hash of each full block of a prompt made of `segments`: a
+/// block's hash depends on the segments it covers and where in them it starts,
+/// so equal leading segments give equal leading blocks.
+pub fn segment_hashes(segments: &[Segment], block_tokens: u32) -> Vec<u64> {
+    let block_tokens = block_tokens.max(1);
+    let total: u64 = segments.iter().map(|s| u64::from(s.tokens)).sum();
+    let blocks = (total / u64::from(block_tokens)) as usize;
+    let mut hashes = Vec::with_capacity(blocks);
+    let mut segment = 0usize;
+    let mut offset = 0u32;
+    for _ in 0..blocks {
+        let mut hash = 0x5e9_0000_0000_0000u64;
+        let mut left = block_tokens;
+        while left > 0 {
+            let Some(current) = segments.get(segment) else {
+                break;
+            };
+            let take = (current.tokens - offset).min(left);
+            hash = mix(hash ^ mix(current.id ^ (u64::from(offset) << 40)) ^ u64::from(take));
+            left -= take;
+            offset += take;
+            if offset == current.tokens {
+                segment += 1;
+                offset = 0;
+            }
+        }
+        hashes.push(hash);
+    }
+    hashes
 }
 
 /// Mean prompt and output lengths of a traffic mix, tokens, and the mean
@@ -329,6 +413,11 @@ pub fn mean_lengths(traffic: &TrafficConfig, trace: Option<&Trace>) -> (f64, f64
             traffic.output.map_or(0.0, |d| d.mean_tokens()),
         ),
     };
+    if let (Some(conversation), Some(user), Some(answer)) =
+        (traffic.conversation, traffic.prompt, traffic.output)
+    {
+        return conversation_means(&conversation, &user, &answer);
+    }
     let cached = traffic.shared_prefix.map_or(0.0, |prefix| {
         // Only full blocks are cached, at least one prompt token is computed;
         // a prompt shorter than the prefix shares only its own length.
@@ -361,9 +450,13 @@ pub fn generate(
                 prompt_tokens: prompt,
                 output_tokens: output,
                 prefix_group: prefix_group(traffic.shared_prefix.as_ref(), &mut rng),
+                segments: None,
             });
         }
         return requests;
+    }
+    if let Some(conversation) = &traffic.conversation {
+        return generate_conversations(traffic, conversation, rate_rps, count, &mut rng);
     }
     let mut arrivals = Arrivals::new(&traffic.arrival, rate_rps);
     let (Some(prompt), Some(output)) = (traffic.prompt, traffic.output) else {
@@ -376,8 +469,164 @@ pub fn generate(
             prompt_tokens: prompt.sample(&mut rng),
             output_tokens: output.sample(&mut rng),
             prefix_group: prefix_group(traffic.shared_prefix.as_ref(), &mut rng),
+            segments: None,
         });
     }
+    requests
+}
+
+/// Sessions drawn to estimate a conversation mix's means.
+const MEAN_SESSIONS: usize = 20_000;
+
+/// Mean prompt, output and warm-cache cached prompt tokens of a
+/// conversation mix, from `MEAN_SESSIONS` sessions drawn with a fixed seed:
+/// turn 1 finds its app's system prompt cached, turn `k + 1` turn `k`'s
+/// prompt (answers are not cached; whole blocks are not rounded).
+fn conversation_means(
+    conversation: &ConversationConfig,
+    user: &LengthDist,
+    answer: &LengthDist,
+) -> (f64, f64, f64) {
+    let mut rng = SmallRng::seed_from_u64(0xc0_4e45);
+    let (mut requests, mut prompt_sum, mut output_sum, mut cached_sum) = (0u64, 0.0, 0.0, 0.0);
+    for session in 0..MEAN_SESSIONS {
+        for turn in session_turns(conversation, user, answer, session as u64, 0, &mut rng) {
+            requests += 1;
+            prompt_sum += f64::from(turn.prompt_tokens);
+            output_sum += f64::from(turn.output_tokens);
+            cached_sum += f64::from(turn.cached_tokens);
+        }
+    }
+    let n = requests.max(1) as f64;
+    (prompt_sum / n, output_sum / n, cached_sum / n)
+}
+
+/// One turn of a session, before its arrival time is drawn.
+struct Turn {
+    prompt_tokens: u32,
+    output_tokens: u32,
+    /// What a warm cache holds of it: the system prompt, or the previous prompt.
+    cached_tokens: u32,
+    segments: Arc<[Segment]>,
+}
+
+/// The turns of one session (`session` numbers it; `salt` keeps sessions of
+/// different workloads apart).
+fn session_turns(
+    conversation: &ConversationConfig,
+    user: &LengthDist,
+    answer: &LengthDist,
+    session: u64,
+    salt: u64,
+    rng: &mut SmallRng,
+) -> Vec<Turn> {
+    let app = rng.random_range(0..conversation.apps);
+    let continue_p = 1.0 - 1.0 / conversation.mean_turns;
+    let mut turns_left = 1u32;
+    while turns_left < conversation.max_turns && rng.random::<f64>() < continue_p {
+        turns_left += 1;
+    }
+    let session_id = mix(salt ^ mix(0x5e55_1000_0000_0000 ^ session));
+    let mut history = vec![Segment {
+        id: mix(0xa99_0000_0000 ^ u64::from(app)),
+        tokens: conversation.system_tokens,
+    }];
+    let mut cached = conversation.system_tokens;
+    let mut turns = Vec::with_capacity(turns_left as usize);
+    for turn in 0..turns_left {
+        let message = Segment {
+            id: mix(session_id ^ (u64::from(turn) << 1)),
+            tokens: user.sample(rng),
+        };
+        let answer_tokens = answer.sample(rng);
+        let prompt: u64 =
+            history.iter().map(|s| u64::from(s.tokens)).sum::<u64>() + u64::from(message.tokens);
+        if prompt > u64::from(conversation.max_context_tokens) {
+            break;
+        }
+        history.push(message);
+        let segments: Arc<[Segment]> = history.clone().into();
+        turns.push(Turn {
+            prompt_tokens: prompt as u32,
+            output_tokens: answer_tokens,
+            cached_tokens: cached.min(prompt as u32 - 1),
+            segments,
+        });
+        cached = prompt as u32;
+        history.push(Segment {
+            id: mix(session_id ^ (u64::from(turn) << 1) ^ 1),
+            tokens: answer_tokens,
+        });
+    }
+    turns
+}
+
+/// Multi-turn requests: sessions start at `rate_rps / mean turns` and their
+/// turns follow `think_time_s` apart; sessions are drawn until `count`
+/// requests arrive before the last session start, then the earliest `count`
+/// are kept, in arrival order.
+fn generate_conversations(
+    traffic: &TrafficConfig,
+    conversation: &ConversationConfig,
+    rate_rps: f64,
+    count: usize,
+    rng: &mut SmallRng,
+) -> Vec<RequestSpec> {
+    let (Some(user), Some(answer)) = (traffic.prompt, traffic.output) else {
+        return Vec::new();
+    };
+    // Mean turns really taken (max_turns and max_context_tokens cut sessions).
+    let mean_turns = {
+        let mut probe = SmallRng::seed_from_u64(0x7e_a175);
+        let sessions = 2000u64;
+        let turns: usize = (0..sessions)
+            .map(|s| session_turns(conversation, &user, &answer, s, 1, &mut probe).len())
+            .sum();
+        (turns as f64 / sessions as f64).max(1.0)
+    };
+    let mut starts = Arrivals::new(&traffic.arrival, rate_rps / mean_turns);
+    let think = Exp::new(1.0 / conversation.think_time_s.max(1e-9)).ok();
+    let salt = rng.random::<u64>();
+    let mut requests: Vec<RequestSpec> = Vec::with_capacity(count + count / 4);
+    let mut session = 0u64;
+    let mut arrived_before_last_start = 0usize;
+    let mut pending_times: Vec<f64> = Vec::new();
+    while arrived_before_last_start < count {
+        let start_s = starts.next(rng);
+        if !start_s.is_finite() {
+            break;
+        }
+        let mut at_s = start_s;
+        for (index, turn) in session_turns(conversation, &user, &answer, session, salt, rng)
+            .into_iter()
+            .enumerate()
+        {
+            if index > 0 {
+                at_s += think.map_or(0.0, |d| d.sample(rng));
+            }
+            pending_times.push(at_s);
+            requests.push(RequestSpec {
+                arrival_s: at_s,
+                prompt_tokens: turn.prompt_tokens,
+                output_tokens: turn.output_tokens,
+                prefix_group: None,
+                segments: Some(turn.segments),
+            });
+        }
+        session += 1;
+        // Count the turns that arrive before this start (each is counted
+        // once: later starts are later).
+        pending_times.retain(|&t| {
+            if t <= start_s {
+                arrived_before_last_start += 1;
+                false
+            } else {
+                true
+            }
+        });
+    }
+    requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+    requests.truncate(count);
     requests
 }
 
@@ -492,6 +741,7 @@ mod tests {
             prompt: Some(prompt),
             output: Some(LengthDist::Constant { tokens: 10 }),
             shared_prefix: None,
+            conversation: None,
         }
     }
 
@@ -682,6 +932,7 @@ mod tests {
             prompt: None,
             output: None,
             shared_prefix: None,
+            conversation: None,
         };
         // Twice the trace's rate: half the gaps; the fourth request starts a second lap.
         let requests = super::generate(&t, Some(&trace), 4.0, 5, 1);
@@ -706,6 +957,111 @@ mod tests {
                 .to_string();
             assert!(error.contains(message), "{error}");
         }
+    }
+
+    fn conversation_traffic() -> (TrafficConfig, ConversationConfig) {
+        let conversation = ConversationConfig {
+            apps: 3,
+            system_tokens: 1000,
+            mean_turns: 4.0,
+            max_turns: 12,
+            think_time_s: 5.0,
+            max_context_tokens: 8000,
+        };
+        let mut t = traffic(
+            ArrivalConfig::Poisson {},
+            LengthDist::Constant { tokens: 100 },
+        );
+        t.conversation = Some(conversation);
+        (t, conversation)
+    }
+
+    #[test]
+    fn conversation_turns_resend_the_history_and_share_its_blocks() {
+        let (t, _) = conversation_traffic();
+        let requests = super::generate(&t, None, 20.0, 5000, 5);
+        assert_eq!(requests.len(), 5000);
+        assert!(
+            requests
+                .windows(2)
+                .all(|w| w[1].arrival_s >= w[0].arrival_s)
+        );
+        let span = requests[requests.len() - 1].arrival_s - requests[0].arrival_s;
+        let rate = requests.len() as f64 / span;
+        assert!((rate / 20.0 - 1.0).abs() < 0.15, "rate {rate}");
+        let mut follow_ups = 0;
+        let mut system_prompts = std::collections::HashSet::new();
+        for request in &requests {
+            let segments = request.segments.as_ref().unwrap();
+            system_prompts.insert(segments[0].id);
+            assert_eq!(segments[0].tokens, 1000);
+            let total: u32 = segments.iter().map(|s| s.tokens).sum();
+            assert_eq!(total, request.prompt_tokens);
+            assert!(request.prompt_tokens <= 8000);
+            // Turn k + 1 = turn k's prompt + its answer (10 tokens) + a new message.
+            let turn_k = segments.len() / 2;
+            if turn_k > 0 {
+                let previous = requests.iter().find(|r| {
+                    r.segments.as_ref().unwrap().len() + 2 == segments.len()
+                        && r.segments.as_ref().unwrap()[..] == segments[..segments.len() - 2]
+                });
+                if let Some(previous) = previous {
+                    follow_ups += 1;
+                    assert_eq!(request.prompt_tokens, previous.prompt_tokens + 10 + 100);
+                    assert!(request.arrival_s > previous.arrival_s);
+                    let a = previous.chained_block_hashes(None, 16);
+                    let b = request.chained_block_hashes(None, 16);
+                    assert_eq!(a.len(), previous.prompt_tokens as usize / 16);
+                    assert_eq!(a[..], b[..a.len()]);
+                }
+            }
+        }
+        assert!(follow_ups > 1000, "{follow_ups}");
+        assert_eq!(system_prompts.len(), 3);
+        // Different sessions of one app share only the system prompt's blocks.
+        let firsts: Vec<&RequestSpec> = requests
+            .iter()
+            .filter(|r| r.segments.as_ref().unwrap().len() == 2)
+            .collect();
+        let (a, b) = (&firsts[0], &firsts[1]);
+        let (ha, hb) = (
+            a.chained_block_hashes(None, 16),
+            b.chained_block_hashes(None, 16),
+        );
+        let same_app = a.segments.as_ref().unwrap()[0] == b.segments.as_ref().unwrap()[0];
+        let shared = ha.iter().zip(&hb).take_while(|(x, y)| x == y).count();
+        assert_eq!(shared, if same_app { 1000 / 16 } else { 0 });
+        assert_eq!(requests, super::generate(&t, None, 20.0, 5000, 5));
+        assert_ne!(requests, super::generate(&t, None, 20.0, 5000, 6));
+    }
+
+    #[test]
+    fn conversation_means_count_the_previous_prompt_as_cached() {
+        let (t, conversation) = conversation_traffic();
+        let (prompt, output, cached) = mean_lengths(&t, None);
+        assert_eq!(output, 10.0);
+        // Uncached: the first turn's message (and its system prompt's
+        // remainder nothing), later turns' answer + message: ≈ 100 + 10 × (1 − 1/turns).
+        let uncached = prompt - cached;
+        assert!((100.0..=110.0).contains(&uncached), "{uncached}");
+        assert!(
+            prompt > f64::from(conversation.system_tokens) + 100.0,
+            "{prompt}"
+        );
+    }
+
+    #[test]
+    fn segment_hashes_depend_on_content_and_offset() {
+        let a = [Segment { id: 1, tokens: 40 }, Segment { id: 2, tokens: 40 }];
+        let b = [Segment { id: 1, tokens: 40 }, Segment { id: 3, tokens: 40 }];
+        let (ha, hb) = (segment_hashes(&a, 16), segment_hashes(&b, 16));
+        assert_eq!(ha.len(), 5);
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        // Block 0 and block 1 of one segment differ.
+        assert_ne!(ha[0], ha[1]);
+        assert!(segment_hashes(&[], 16).is_empty());
+        assert_eq!(segment_hashes(&a, 0).len(), 80);
     }
 
     #[test]

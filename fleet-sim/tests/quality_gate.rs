@@ -16,7 +16,17 @@
 //! traffic: `least_load`'s p99 TTFT is at most 1.05 × the better of
 //! `least_load_reported_rate`'s and `least_load_fixed_rate`'s and at most
 //! every baseline's (`random`, `round_robin`, `least_requests`,
-//! `power_of_two`); its mean TTFT likewise.
+//! `power_of_two`); its mean TTFT likewise. Each statistic is the average
+//! over three seeds (the shipped one and the next two): a p99 of 5,000
+//! requests at 0.9 moves by 10 to 15 % from one seed to the next on its own,
+//! so one seed would gate on luck.
+//!
+//! The replica-sync gate (issue 15), on the shipped `replicas.toml` at
+//! 5,000 requests per cell, `least_load` only, one router against 4
+//! replicas, for both traffics at 0.8 and 0.9: with the ideal sync channel
+//! p99 TTFT is within 1.10 × one router's (the policy contract and the
+//! channel deliver an exact view), and with the router's channel (20 ms
+//! ticks, and each dispatch published at once) within 1.10 ×, the goal.
 //!
 //! The gates compare deployable policies only, so the references are not run.
 
@@ -27,8 +37,8 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use fleet_sim::{
-    PolicyName, Report, ResultRow, RunOptions, Scenario, ScenarioOutcome, run_scenarios,
-    summary_table,
+    PolicyName, Report, ResultRow, RunOptions, Scenario, ScenarioOutcome, SyncConfig,
+    run_scenarios, summary_table,
 };
 
 const REQUESTS_PER_CELL: f64 = 5000.0;
@@ -48,15 +58,22 @@ const GATED_POLICIES: [PolicyName; 8] = [
     PolicyName::LeastLoadFixedRate,
 ];
 const BASELINES: [&str; 4] = ["random", "round_robin", "least_requests", "power_of_two"];
-/// `least_load` within this factor of the better explicit-rate variant. The
-/// goal is 1.05; at this gate's 5,000 requests a cell, poll-jitter size-skew
-/// at 0.9 measures 1.054 (1.048 at the standard set's 20,000), so the gate
-/// holds the line just above it rather than pass on a seed's luck.
-const V2_MARGIN: f64 = 1.06;
+/// `least_load` within this factor of the better explicit-rate variant:
+/// the goal.
+const V2_MARGIN: f64 = 1.05;
+/// The v2 gate's seeds, after each scenario's own: their statistics are
+/// averaged.
+const V2_EXTRA_SEEDS: [u64; 2] = [1, 2];
 /// `least_load` within this factor of every baseline: "never behind". On
 /// uniform traffic least_load and round_robin make the same choices up to
 /// the tie rule's draws, 0.1 to 0.5 % apart: a tie, not a loss.
 const BASELINE_MARGIN: f64 = 1.01;
+/// With the ideal sync, 4 replicas' p99 TTFT within this factor of one
+/// router's (measured: at most 1.04, size-skew at 0.9).
+const IDEAL_SYNC_MARGIN: f64 = 1.10;
+/// With the router's channel at 20 ms (ticks, and each dispatch at once),
+/// within this factor: the goal.
+const SYNC_20MS_MARGIN: f64 = 1.10;
 const DEPLOYABLE: [&str; 6] = [
     "random",
     "round_robin",
@@ -105,11 +122,7 @@ fn outcomes() -> &'static [ScenarioOutcome] {
             shipped("uniform"),
             shipped("poll-jitter"),
         ];
-        let options = RunOptions {
-            threads: 2,
-            progress: false,
-        };
-        run_scenarios(&scenarios, &options).unwrap()
+        run_scenarios(&scenarios, &options()).unwrap()
     })
 }
 
@@ -135,12 +148,48 @@ fn rate_outcomes() -> &'static [ScenarioOutcome] {
             scenario.router.sweep_replicas = None;
             scenario.router.replicas = 1;
         }
-        let options = RunOptions {
-            threads: 2,
-            progress: false,
-        };
-        run_scenarios(&scenarios, &options).unwrap()
+        run_with_extra_seeds(scenarios)
     })
+}
+
+/// The gated scenarios at the v2 gate's extra seeds (their shipped seed is
+/// in [`outcomes`]), once per test binary.
+fn gated_extra_seed_outcomes() -> &'static [ScenarioOutcome] {
+    static OUTCOMES: OnceLock<Vec<ScenarioOutcome>> = OnceLock::new();
+    OUTCOMES.get_or_init(|| {
+        let scenarios = ["size-skew", "uniform", "poll-jitter"]
+            .iter()
+            .flat_map(|name| {
+                V2_EXTRA_SEEDS.iter().map(|extra| {
+                    let mut scenario = shipped(name);
+                    scenario.seed += extra;
+                    scenario
+                })
+            })
+            .collect::<Vec<_>>();
+        run_scenarios(&scenarios, &options()).unwrap()
+    })
+}
+
+/// Runs `scenarios` at their own seeds and at the extra ones.
+fn run_with_extra_seeds(scenarios: Vec<Scenario>) -> Vec<ScenarioOutcome> {
+    let mut all = Vec::new();
+    for scenario in scenarios {
+        for extra in V2_EXTRA_SEEDS {
+            let mut reseeded = scenario.clone();
+            reseeded.seed += extra;
+            all.push(reseeded);
+        }
+        all.push(scenario);
+    }
+    run_scenarios(&all, &options()).unwrap()
+}
+
+fn options() -> RunOptions {
+    RunOptions {
+        threads: 2,
+        progress: false,
+    }
 }
 
 fn row<'a>(report: &'a Report, traffic: &str, load: f64, policy: &str) -> &'a ResultRow {
@@ -152,10 +201,14 @@ fn row<'a>(report: &'a Report, traffic: &str, load: f64, policy: &str) -> &'a Re
 /// One TTFT statistic of a row.
 type Metric = fn(&ResultRow) -> f64;
 
-/// The v2 goal on every traffic of one report at the gated loads.
-fn v2_failures(report: &Report) -> Vec<String> {
+/// The v2 goal on every traffic of one scenario at the gated loads, each
+/// statistic averaged over `reports` (the scenario at its seeds).
+fn v2_failures(reports: &[&Report]) -> Vec<String> {
+    let Some(first) = reports.first() else {
+        return Vec::new();
+    };
     let mut traffics: Vec<&str> = Vec::new();
-    for row in &report.results {
+    for row in &first.results {
         if !traffics.contains(&row.traffic.as_str()) {
             traffics.push(&row.traffic);
         }
@@ -166,26 +219,33 @@ fn v2_failures(report: &Report) -> Vec<String> {
             let metrics: [(&str, Metric); 2] =
                 [("p99", |r| r.ttft_p99_s), ("mean", |r| r.ttft_mean_s)];
             for (metric, value) in metrics {
-                let least_load = value(row(report, traffic, load, "least_load"));
-                let reported = value(row(report, traffic, load, "least_load_reported_rate"));
-                let fixed = value(row(report, traffic, load, "least_load_fixed_rate"));
+                let over_seeds = |policy: &str| {
+                    reports
+                        .iter()
+                        .map(|report| value(row(report, traffic, load, policy)))
+                        .sum::<f64>()
+                        / reports.len() as f64
+                };
+                let least_load = over_seeds("least_load");
+                let reported = over_seeds("least_load_reported_rate");
+                let fixed = over_seeds("least_load_fixed_rate");
                 let better = reported.min(fixed);
                 if least_load > V2_MARGIN * better {
                     failures.push(format!(
                         "{} {traffic} at {load}: least_load {metric} TTFT {least_load:.4} s > \
                          {V2_MARGIN} × {better:.4} s (reported rate {reported:.4}, fixed rate \
                          {fixed:.4}): ratio {:.3}",
-                        report.scenario,
+                        first.scenario,
                         least_load / better
                     ));
                 }
                 for baseline in BASELINES {
-                    let theirs = value(row(report, traffic, load, baseline));
+                    let theirs = over_seeds(baseline);
                     if least_load > BASELINE_MARGIN * theirs {
                         failures.push(format!(
                             "{} {traffic} at {load}: least_load {metric} TTFT {least_load:.5} s \
                              is behind {baseline}'s {theirs:.5} s: ratio {:.4}",
-                            report.scenario,
+                            first.scenario,
                             least_load / theirs
                         ));
                     }
@@ -196,19 +256,33 @@ fn v2_failures(report: &Report) -> Vec<String> {
     failures
 }
 
-fn v2_verdict(outcomes: &[ScenarioOutcome]) {
-    let mut failures = Vec::new();
-    let mut tables = String::new();
+/// Checks the v2 goal on `outcomes`: every scenario at each of its seeds.
+fn v2_verdict<'a>(outcomes: impl IntoIterator<Item = &'a ScenarioOutcome>) {
+    let mut by_scenario: Vec<Vec<&Report>> = Vec::new();
     for outcome in outcomes {
         let report = &outcome.report;
-        let found = v2_failures(report);
+        match by_scenario
+            .iter_mut()
+            .find(|reports| reports[0].scenario == report.scenario)
+        {
+            Some(reports) => reports.push(report),
+            None => by_scenario.push(vec![report]),
+        }
+    }
+    let mut failures = Vec::new();
+    let mut tables = String::new();
+    for reports in &by_scenario {
+        let found = v2_failures(reports);
         if !found.is_empty() {
-            tables.push_str(&format!(
-                "\n{} ({} requests per cell):\n{}",
-                report.scenario,
-                report.requests_per_cell,
-                summary_table(report)
-            ));
+            for report in reports {
+                tables.push_str(&format!(
+                    "\n{} seed {} ({} requests per cell):\n{}",
+                    report.scenario,
+                    report.seed,
+                    report.requests_per_cell,
+                    summary_table(report)
+                ));
+            }
         }
         failures.extend(found);
     }
@@ -284,12 +358,83 @@ fn gate_poll_jitter_least_load_is_within_10_percent_of_round_robin() {
 
 #[test]
 fn gate_v2_least_load_leads_the_rate_variants_and_the_baselines_on_the_gated_scenarios() {
-    v2_verdict(outcomes());
+    v2_verdict(outcomes().iter().chain(gated_extra_seed_outcomes()));
 }
 
 #[test]
 fn gate_v2_least_load_leads_the_rate_variants_and_the_baselines_on_the_rate_scenarios() {
     v2_verdict(rate_outcomes());
+}
+
+/// The shipped replica sweep at 5,000 requests per cell, `least_load` at one
+/// router and at 4 replicas with the 20 ms and the ideal sync channel (the
+/// shipped file's own settings), once per test binary. Its seeds are the
+/// shipped run's: these rows are `engine-sim sim --scenario
+/// fleet-sim/scenarios/replicas.toml --requests-scale 0.25`'s.
+fn sync_outcome() -> &'static ScenarioOutcome {
+    static OUTCOME: OnceLock<ScenarioOutcome> = OnceLock::new();
+    OUTCOME.get_or_init(|| {
+        let mut scenario = shipped_with("replicas", REQUESTS_PER_CELL);
+        scenario.policies = vec![PolicyName::LeastLoad];
+        let shipped = scenario.router.sweep_sync.take().unwrap();
+        let wanted = |sync: &SyncConfig| {
+            matches!(sync, SyncConfig::Ideal {})
+                || matches!(sync, SyncConfig::Periodic { publish_interval_s, publish_dispatches: true, .. } if *publish_interval_s == 0.02)
+        };
+        let syncs: Vec<SyncConfig> = shipped.into_iter().filter(wanted).collect();
+        assert_eq!(syncs.len(), 2, "replicas.toml sweeps 20 ms and ideal sync");
+        scenario.router.sweep_sync = Some(syncs);
+        scenario.router.sweep_replicas = Some(vec![1, 4]);
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        run_scenarios(&[scenario], &options)
+            .unwrap()
+            .pop()
+            .unwrap()
+    })
+}
+
+#[test]
+fn gate_sync_brings_4_replicas_close_to_one_router() {
+    let report = &sync_outcome().report;
+    let mut failures = Vec::new();
+    for traffic in ["size-skew", "heavy-tail"] {
+        for load in LOADS {
+            let p99 = |replicas, sync| {
+                report
+                    .sync_row(traffic, load, "least_load", replicas, sync)
+                    .unwrap_or_else(|| panic!("no row for {traffic} {load} {replicas}"))
+                    .ttft_p99_s
+            };
+            let one = p99(1, SyncConfig::Off {});
+            for (sync, margin) in [
+                (SyncConfig::Ideal {}, IDEAL_SYNC_MARGIN),
+                (
+                    SyncConfig::Periodic {
+                        publish_interval_s: 0.02,
+                        latency_s: fleet_sim::DEFAULT_SYNC_LATENCY_S,
+                        loss_ratio: 0.0,
+                        entry_ttl_s: fleet_sim::DEFAULT_SYNC_ENTRY_TTL_S,
+                        publish_dispatches: true,
+                    },
+                    SYNC_20MS_MARGIN,
+                ),
+            ] {
+                let four = p99(4, sync);
+                if four > margin * one {
+                    failures.push(format!(
+                        "{traffic} at {load}: 4 replicas with sync={} p99 {four:.4} s > {margin} × \
+                         one router's {one:.4} s: ratio {:.3}",
+                        sync.label(),
+                        four / one
+                    ));
+                }
+            }
+        }
+    }
+    verdict("replica sync", &failures, report);
 }
 
 #[test]

@@ -69,7 +69,7 @@ pub use registry::{
     BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,
 };
 pub use replica::{ReplicaPending, ReplicaPendingOutcome, worker_url_key};
-pub use request::{RequestInfo, TokenCount};
+pub use request::{PrefixBlocks, RequestInfo, TokenCount};
 pub use rng::{ArgMin, RankKey, TieBreaker};
 pub use score_table::{ScoreRow, ScoreTable, format_value};
 pub use slots::{SeqHasher, Slot, SlotsView, WorkerLedger, WorkerSlots};

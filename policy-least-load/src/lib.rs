@@ -5,7 +5,7 @@
 //! seconds, and the request goes to the lowest score:
 //!
 //! ```text
-//! score = (queued_tokens + inflight_tokens) / rate
+//! score = (queued_tokens + inflight_tokens + request_tokens) / rate
 //!         + kv_pressure_weight * k / (1 - k)
 //! ```
 //!
@@ -15,12 +15,18 @@
 //! - `inflight_tokens`: this router's pending work there, credited at `select`
 //!   and released at the first token (or at `finish`), so it needs no reset and
 //!   does not depend on when each worker was last polled;
+//! - `request_tokens`: the request's own prompt, under the learned rate: its
+//!   own prefill is part of its wait, and takes four times longer on a
+//!   worker four times slower;
 //! - `rate`: how fast the worker clears prompt tokens, tokens/s, learned per
-//!   worker from this router's own dispatches (the work ahead of each request
-//!   and when its first token came; see [`rate`]), starting at
-//!   `default_throughput`. `rate = "reported"` divides by the worker's
-//!   reported generation rate instead, `rate = "fixed"` by
-//!   `default_throughput` for every worker;
+//!   worker from this router's own dispatches (the tokens whose first tokens
+//!   came back over the busy time it took; see [`rate`]). A worker with
+//!   fewer than four samples, or whose rate is within `rate_deadband_ratio`
+//!   (10 %) of the fleet's, is scored at the fleet's (the geometric mean of
+//!   the learned rates; `default_throughput` before any).
+//!   `rate = "reported"` divides by the worker's reported generation rate
+//!   instead, `rate = "fixed"` by `default_throughput` for every worker,
+//!   and both leave `request_tokens` out, as the original score did;
 //! - `k`: KV-cache usage, a barrier that steers away from near-full workers.
 //!
 //! Scores within `tie_tolerance_secs` (default 10 ms) of the best are ties,
@@ -57,7 +63,8 @@
 //! policy.add_worker(a, WorkerInfo::new("http://10.0.0.1:30000", "sglang"));
 //! policy.add_worker(b, WorkerInfo::new("http://10.0.0.2:30000", "sglang"));
 //!
-//! // Worker a reports 6000 queued tokens at 2000 tok/s: 3 s of work.
+//! // Worker a reports 6000 queued tokens; at the prior rate, 2000 tok/s,
+//! // 3 s of work.
 //! let t0 = Instant::now();
 //! let busy = SchedulerLoadSnapshot {
 //!     num_waiting_reqs: 1,
@@ -76,7 +83,8 @@
 //! assert_eq!(dispatch.worker, b);
 //! assert_eq!(policy.worker_stats(b).unwrap().pending_tokens, 500);
 //! let table = policy.explain(&[a, b], &request, now);
-//! assert_eq!(table.value(a, "score_s"), Some(3.0));
+//! // 3 s, and the request's own 500 tokens: 0.25 s.
+//! assert_eq!(table.value(a, "score_s"), Some(3.25));
 //!
 //! policy.first_token(&dispatch, now);
 //! assert_eq!(policy.worker_stats(b).unwrap().pending_tokens, 0);
@@ -90,6 +98,7 @@
 
 mod params;
 mod policy;
+pub mod prefix;
 pub mod rate;
 mod score;
 mod state;

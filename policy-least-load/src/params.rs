@@ -102,6 +102,31 @@ pub struct LeastLoadParams {
     /// within a few half-lives of traffic. Idle time changes nothing: with no
     /// new samples, old ones keep their relative weights. Finite, > 0.
     pub rate_half_life_secs: f64,
+    /// A learned rate within this fraction of the fleet's (the geometric
+    /// mean of every learned rate) counts as the fleet's. Workers of one
+    /// build on one kind of GPU learn rates a few percent apart from noise
+    /// and load alone; scoring those differences would steer long prompts
+    /// to whichever looks fastest and load it unevenly. Real differences
+    /// (another GPU, a degraded engine) are larger and count in full.
+    /// Finite, in `[0, 1)`; 0 trusts every difference.
+    pub rate_deadband_ratio: f64,
+    /// Prefix affinity: the request's own tokens on a worker are only those
+    /// the worker is not expected to hold in its prefix cache, from a
+    /// router-side index of the block hashes dispatched to it. Applies under
+    /// `rate = "learned"` (the other rates count no own tokens).
+    pub prefix_affinity: bool,
+    /// The index's granularity, tokens: the request's chained block hashes
+    /// are read every this many tokens (rounded up to whole blocks). ≥ 1.
+    pub prefix_index_block_tokens: u64,
+    /// Tokens of prompt each worker's prefix cache is assumed to hold: a
+    /// block is forgotten once this many newer tokens were dispatched to
+    /// the worker (least recently used first). ≥ 1.
+    pub prefix_cache_tokens: u64,
+    /// Blocks the index holds in all at most (about 80 bytes each); the
+    /// least recently used go first. ≥ 16.
+    pub prefix_index_max_blocks: u64,
+    /// A block not dispatched for this long is forgotten. Finite, > 0.
+    pub prefix_max_age_secs: f64,
 }
 
 impl Default for LeastLoadParams {
@@ -115,6 +140,12 @@ impl Default for LeastLoadParams {
             tie_tolerance_secs: 0.01,
             rate: RateMode::Learned,
             rate_half_life_secs: 30.0,
+            rate_deadband_ratio: 0.1,
+            prefix_affinity: true,
+            prefix_index_block_tokens: 256,
+            prefix_cache_tokens: 400_000,
+            prefix_index_max_blocks: 131_072,
+            prefix_max_age_secs: 3600.0,
         }
     }
 }
@@ -146,6 +177,12 @@ impl LeastLoadParams {
             "tie_tolerance_secs": self.tie_tolerance_secs,
             "rate": self.rate.as_str(),
             "rate_half_life_secs": self.rate_half_life_secs,
+            "rate_deadband_ratio": self.rate_deadband_ratio,
+            "prefix_affinity": self.prefix_affinity,
+            "prefix_index_block_tokens": self.prefix_index_block_tokens,
+            "prefix_cache_tokens": self.prefix_cache_tokens,
+            "prefix_index_max_blocks": self.prefix_index_max_blocks,
+            "prefix_max_age_secs": self.prefix_max_age_secs,
         })
     }
 }
@@ -164,6 +201,12 @@ struct RawParams {
     tie_tolerance_secs: f64,
     rate: Option<String>,
     rate_half_life_secs: f64,
+    rate_deadband_ratio: f64,
+    prefix_affinity: bool,
+    prefix_index_block_tokens: i64,
+    prefix_cache_tokens: i64,
+    prefix_index_max_blocks: i64,
+    prefix_max_age_secs: f64,
     /// The original key: `true` is `rate = "reported"`, `false` is
     /// `rate = "fixed"`; giving both keys is an error.
     use_reported_throughput: Option<bool>,
@@ -189,6 +232,14 @@ impl From<LeastLoadParams> for RawParams {
             tie_tolerance_secs: params.tie_tolerance_secs,
             rate: Some(params.rate.as_str().to_owned()),
             rate_half_life_secs: params.rate_half_life_secs,
+            rate_deadband_ratio: params.rate_deadband_ratio,
+            prefix_affinity: params.prefix_affinity,
+            prefix_index_block_tokens: i64::try_from(params.prefix_index_block_tokens)
+                .unwrap_or(i64::MAX),
+            prefix_cache_tokens: i64::try_from(params.prefix_cache_tokens).unwrap_or(i64::MAX),
+            prefix_index_max_blocks: i64::try_from(params.prefix_index_max_blocks)
+                .unwrap_or(i64::MAX),
+            prefix_max_age_secs: params.prefix_max_age_secs,
             use_reported_throughput: None,
         }
     }
@@ -290,7 +341,51 @@ impl RawParams {
                 "a finite number of seconds > 0",
             ));
         }
+        if !(self.rate_deadband_ratio.is_finite() && (0.0..1.0).contains(&self.rate_deadband_ratio))
+        {
+            return Err(invalid(
+                "rate_deadband_ratio",
+                self.rate_deadband_ratio.to_string(),
+                "a finite ratio in [0, 1)",
+            ));
+        }
+        let at_least = |key: &'static str, value: i64, min: u64, allowed: &'static str| {
+            u64::try_from(value)
+                .ok()
+                .filter(|v| *v >= min)
+                .ok_or_else(|| invalid(key, value.to_string(), allowed))
+        };
+        let prefix_index_block_tokens = at_least(
+            "prefix_index_block_tokens",
+            self.prefix_index_block_tokens,
+            1,
+            "an integer number of tokens >= 1",
+        )?;
+        let prefix_cache_tokens = at_least(
+            "prefix_cache_tokens",
+            self.prefix_cache_tokens,
+            1,
+            "an integer number of tokens >= 1",
+        )?;
+        let prefix_index_max_blocks = at_least(
+            "prefix_index_max_blocks",
+            self.prefix_index_max_blocks,
+            16,
+            "an integer number of blocks >= 16",
+        )?;
+        if !(self.prefix_max_age_secs.is_finite() && self.prefix_max_age_secs > 0.0) {
+            return Err(invalid(
+                "prefix_max_age_secs",
+                self.prefix_max_age_secs.to_string(),
+                "a finite number of seconds > 0",
+            ));
+        }
         Ok(LeastLoadParams {
+            prefix_affinity: self.prefix_affinity,
+            prefix_index_block_tokens,
+            prefix_cache_tokens,
+            prefix_index_max_blocks,
+            prefix_max_age_secs: self.prefix_max_age_secs,
             kv_pressure_weight: self.kv_pressure_weight,
             default_throughput: self.default_throughput,
             mean_prefill_tokens,
@@ -299,6 +394,7 @@ impl RawParams {
             tie_tolerance_secs: self.tie_tolerance_secs,
             rate,
             rate_half_life_secs: self.rate_half_life_secs,
+            rate_deadband_ratio: self.rate_deadband_ratio,
         })
     }
 }
@@ -324,6 +420,7 @@ mod tests {
         assert_eq!(defaults.tie_tolerance_secs, 0.01);
         assert_eq!(defaults.rate, RateMode::Learned);
         assert_eq!(defaults.rate_half_life_secs, 30.0);
+        assert_eq!(defaults.rate_deadband_ratio, 0.1);
     }
 
     #[test]
@@ -337,6 +434,12 @@ mod tests {
             "tie_tolerance_secs": 0.0,
             "rate": "fixed",
             "rate_half_life_secs": 5.0,
+            "rate_deadband_ratio": 0.25,
+            "prefix_affinity": false,
+            "prefix_index_block_tokens": 128,
+            "prefix_cache_tokens": 1000,
+            "prefix_index_max_blocks": 64,
+            "prefix_max_age_secs": 5.0,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -350,6 +453,12 @@ mod tests {
                 tie_tolerance_secs: 0.0,
                 rate: RateMode::Fixed,
                 rate_half_life_secs: 5.0,
+                rate_deadband_ratio: 0.25,
+                prefix_affinity: false,
+                prefix_index_block_tokens: 128,
+                prefix_cache_tokens: 1000,
+                prefix_index_max_blocks: 64,
+                prefix_max_age_secs: 5.0,
             }
         );
         // The section round-trips.
@@ -397,6 +506,30 @@ mod tests {
             (
                 json!({"rate_half_life_secs": 0}),
                 "least_load.rate_half_life_secs = 0 is invalid: must be a finite number of seconds > 0",
+            ),
+            (
+                json!({"prefix_index_block_tokens": 0}),
+                "least_load.prefix_index_block_tokens = 0 is invalid: must be an integer number of tokens >= 1",
+            ),
+            (
+                json!({"prefix_cache_tokens": -5}),
+                "least_load.prefix_cache_tokens = -5 is invalid: must be an integer number of tokens >= 1",
+            ),
+            (
+                json!({"prefix_index_max_blocks": 3}),
+                "least_load.prefix_index_max_blocks = 3 is invalid: must be an integer number of blocks >= 16",
+            ),
+            (
+                json!({"prefix_max_age_secs": 0.0}),
+                "least_load.prefix_max_age_secs = 0 is invalid: must be a finite number of seconds > 0",
+            ),
+            (
+                json!({"rate_deadband_ratio": 1.0}),
+                "least_load.rate_deadband_ratio = 1 is invalid: must be a finite ratio in [0, 1)",
+            ),
+            (
+                json!({"rate_deadband_ratio": -0.1}),
+                "least_load.rate_deadband_ratio = -0.1 is invalid: must be a finite ratio in [0, 1)",
             ),
             (
                 json!({"inflight": "since-poll"}),

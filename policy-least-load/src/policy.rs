@@ -11,7 +11,8 @@ use policy_core::{
     WorkerId, WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
-use crate::rate::{LearnedSource, RateProbe};
+use crate::prefix::{Matches, PrefixIndex};
+use crate::rate::{FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, RateProbe};
 use crate::score::{
     Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
     ThroughputSource, score, wait_secs,
@@ -67,9 +68,11 @@ impl Strategy {
 /// every replica's pending work; `remote_tok` and `remote_req` are the part
 /// other replicas published, and `remote_age_s` how long ago the stalest of
 /// their entries was confirmed (0 with none).
-pub const COLUMNS: [&str; 12] = [
+pub const COLUMNS: [&str; 14] = [
     "queued_tok",
     "inflight_tok",
+    "request_tok",
+    "cached_tok",
     "rate_tps",
     "rate_samples",
     "kv_ratio",
@@ -100,6 +103,38 @@ pub struct LeastLoad {
     rng: TieBreaker,
     timeline: Timeline,
     next_poll: AtomicU64,
+    /// What a worker without a learned rate is scored at.
+    fleet_rate: FleetRate,
+    /// Where prompt prefixes were sent (`prefix_affinity`), else `None`.
+    prefix: Option<parking_lot::Mutex<PrefixIndex>>,
+}
+
+/// The request's own work as a selection counts it on each worker: its
+/// tokens under the learned rate (0 otherwise), less what the worker is
+/// expected to hold of its prefix.
+#[derive(Debug, Clone, Copy, Default)]
+struct OwnWork {
+    tokens: u64,
+    matches: Matches,
+}
+
+impl OwnWork {
+    /// Expected cached tokens on the worker: at least one token is always computed.
+    #[inline]
+    fn cached_tokens(&self, worker: WorkerId, prompt_tokens: u64) -> u64 {
+        if self.matches.is_empty() {
+            return 0;
+        }
+        self.matches
+            .cached_tokens(worker.slot())
+            .min(prompt_tokens.saturating_sub(1))
+    }
+
+    #[inline]
+    fn on(&self, worker: WorkerId) -> u64 {
+        self.tokens
+            .saturating_sub(self.cached_tokens(worker, self.tokens))
+    }
 }
 
 /// One candidate as a selection sees it.
@@ -170,12 +205,21 @@ impl LeastLoad {
         let params = params.validate(strategy.name())?;
         Ok(LeastLoad {
             strategy,
+            fleet_rate: FleetRate::new(params.default_throughput, params.rate_deadband_ratio),
             params,
             stale_after_nanos: i64::try_from(context.stale_after.as_nanos()).unwrap_or(i64::MAX),
             workers: WorkerSlots::new(),
             rng: TieBreaker::new(context.rng_seed),
             timeline: Timeline::default(),
             next_poll: AtomicU64::new(0),
+            prefix: params.prefix_affinity.then(|| {
+                parking_lot::Mutex::new(PrefixIndex::new(
+                    params.prefix_index_block_tokens,
+                    params.prefix_cache_tokens,
+                    params.prefix_index_max_blocks,
+                    params.prefix_max_age_secs,
+                ))
+            }),
         })
     }
 
@@ -236,23 +280,51 @@ impl LeastLoad {
             .filter(|hot| hot.is_fresh(now_nanos, self.stale_after_nanos))
     }
 
-    /// The geometric mean of the rates learned so far, if any worker has a
-    /// sample.
-    fn fleet_learned_tps(&self) -> Option<f64> {
-        let view = self.workers.read();
-        let (sum_ln, count) = view
-            .iter()
-            .filter(|slot| slot.state.rate.source() == LearnedSource::Learned)
-            .fold((0.0f64, 0u32), |(sum_ln, count), slot| {
-                (sum_ln + slot.state.rate.rate_tps().ln(), count + 1)
-            });
-        (count > 0).then(|| (sum_ln / f64::from(count)).exp())
+    /// The request's own tokens as the score counts them: under the learned
+    /// rate its own prefill is part of its wait, and takes longer on a slower
+    /// worker. The reported and fixed rates keep the original score.
+    fn own_tokens(&self, tokens: u64) -> u64 {
+        match self.params.rate {
+            RateMode::Learned => tokens,
+            RateMode::Reported | RateMode::Fixed => 0,
+        }
     }
 
-    /// The worker's learned rate (its prior before the first sample) when it
-    /// is the divisor, for the scorer: what the hot path divides by too.
+    /// The request's own work: its tokens under the learned rate, and where
+    /// the prefix index expects its prefix to be cached (with
+    /// `prefix_affinity` under the learned rate; nowhere otherwise).
+    fn own_work(&self, tokens: u64, request: &RequestInfo) -> OwnWork {
+        let own_tokens = self.own_tokens(tokens);
+        OwnWork {
+            tokens: own_tokens,
+            matches: match &self.prefix {
+                Some(index) if own_tokens > 0 && !request.prefix.is_empty() => {
+                    index.lock().lookup(&request.prefix)
+                }
+                _ => Matches::default(),
+            },
+        }
+    }
+
+    /// Recomputes the fleet's rate from every worker's learned rate.
+    fn refresh_fleet_rate(&self, view: &SlotsView<'_, WorkerState>) {
+        self.fleet_rate.set_from(
+            view.iter().filter_map(|slot| slot.state.rate.learned_tps()),
+            self.params.default_throughput,
+        );
+    }
+
+    /// The rate a worker's work is divided by under `rate = "learned"`: its
+    /// own once learned and outside the deadband, the fleet's otherwise.
+    #[inline]
+    fn worker_rate_tps(&self, state: &WorkerState) -> f64 {
+        self.fleet_rate.scoring_tps(state.rate.learned_tps())
+    }
+
+    /// The worker's rate when the learned rate is the divisor, for the
+    /// scorer: what the hot path divides by too.
     fn learned_tps(&self, state: &WorkerState) -> Option<f64> {
-        (self.params.rate == RateMode::Learned).then(|| state.rate.rate_tps())
+        (self.params.rate == RateMode::Learned).then(|| self.worker_rate_tps(state))
     }
 
     /// The rate and freshness of the given candidates as a whole.
@@ -314,12 +386,14 @@ impl LeastLoad {
         snapshot: Option<&StoredSnapshot>,
         stats: WorkerStats,
         remote: PendingWork,
+        own_tokens: u64,
         fleet: Fleet,
     ) -> ScoreBreakdown {
         let any_fresh = snapshot.is_some() || fleet.any_fresh;
         score(
             snapshot.map(|snapshot| &snapshot.terms),
             self.inflight_tokens(state, stats, remote, any_fresh),
+            own_tokens,
             self.learned_tps(state),
             fleet,
             &self.params,
@@ -334,7 +408,9 @@ impl LeastLoad {
         candidates: &[WorkerId],
         fleet: &mut Option<Fleet>,
         now_nanos: i64,
+        own: &OwnWork,
     ) -> Option<f64> {
+        let own_tokens = own.on(slot.id);
         let state = &slot.state;
         let stats = state.ledger.stats();
         let remote = self.remote(state);
@@ -347,16 +423,18 @@ impl LeastLoad {
             // The common case, kept to a few loads and one division.
             Some(hot) => wait_secs(
                 hot.queued_tokens,
-                self.inflight_tokens(state, stats, remote, true),
+                self.inflight_tokens(state, stats, remote, true)
+                    .saturating_add(own_tokens),
                 match self.params.rate {
-                    RateMode::Learned => state.rate.rate_tps(),
+                    RateMode::Learned => self.worker_rate_tps(state),
                     RateMode::Reported | RateMode::Fixed => hot.throughput_tps,
                 },
                 hot.kv_barrier_secs,
             ),
             None => {
                 let fleet = self.lazy_fleet(fleet, view, candidates, now_nanos);
-                self.breakdown(state, None, stats, remote, fleet).score_secs
+                self.breakdown(state, None, stats, remote, own_tokens, fleet)
+                    .score_secs
             }
         })
     }
@@ -377,6 +455,7 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        own: &OwnWork,
     ) -> Option<Scored<'v>> {
         let tolerance_secs = self.params.tie_tolerance_secs;
         let mut fleet = None;
@@ -387,7 +466,7 @@ impl LeastLoad {
                 continue;
             };
             let Some(score_secs) =
-                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+                self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own)
             else {
                 continue;
             };
@@ -416,7 +495,7 @@ impl LeastLoad {
                     continue;
                 };
                 if let Some(score_secs) =
-                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos)
+                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own)
                 {
                     offer(Scored { slot, score_secs });
                 }
@@ -441,10 +520,11 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        own: &OwnWork,
     ) -> Option<Scored<'v>> {
         let count = candidates.len() as u64;
         if count <= 2 {
-            return self.argmin(view, candidates, now_nanos);
+            return self.argmin(view, candidates, now_nanos, own);
         }
         let first = self.rng.below(count);
         let mut second = self.rng.below(count - 1);
@@ -453,8 +533,8 @@ impl LeastLoad {
         }
         // Indices are below `candidates.len()`, so the casts are lossless.
         let pair = [candidates[first as usize], candidates[second as usize]];
-        self.argmin(view, &pair, now_nanos)
-            .or_else(|| self.argmin(view, candidates, now_nanos))
+        self.argmin(view, &pair, now_nanos, own)
+            .or_else(|| self.argmin(view, candidates, now_nanos, own))
     }
 
     fn choose<'v>(
@@ -462,12 +542,13 @@ impl LeastLoad {
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        own: &OwnWork,
     ) -> Option<Scored<'v>> {
         // One candidate goes through the argmin too: the cap must still
         // apply (and is checked again under the ledger's lock when crediting).
         match self.strategy {
-            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos),
-            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos),
+            Strategy::LeastLoad => self.argmin(view, candidates, now_nanos, own),
+            Strategy::PowerOfTwo => self.power_of_two(view, candidates, now_nanos, own),
         }
     }
 }
@@ -485,15 +566,14 @@ impl Policy for LeastLoad {
         // A worker joining a fleet that has learned its rates starts from
         // theirs (most fleets run one engine build on one kind of GPU), so
         // it is neither flooded nor starved while it learns its own.
-        let prior_tps = self
-            .fleet_learned_tps()
-            .unwrap_or(self.params.default_throughput);
+        let prior_tps = self.fleet_rate.tps();
         self.workers
             .insert(id, info, WorkerState::new(&self.params, prior_tps));
     }
 
     fn remove_worker(&self, id: WorkerId) {
         self.workers.remove(id);
+        self.refresh_fleet_rate(&self.workers.read());
     }
 
     fn select(
@@ -507,31 +587,45 @@ impl Policy for LeastLoad {
         }
         let tokens = request.tokens.or(self.params.mean_prefill_tokens);
         let now_nanos = self.timeline.nanos(now);
+        let own = self.own_work(tokens, request);
         let view = self.workers.read();
         let seq = next_dispatch_seq();
         // A failed credit means a concurrent selection filled the chosen
         // worker's cap after it was scored; scoring again sees that. Bounded,
         // because each retry follows another selection's success.
         for _ in 0..=candidates.len() {
-            let chosen = self.choose(&view, candidates, now_nanos)?;
+            let chosen = self.choose(&view, candidates, now_nanos, &own)?;
             let state = &chosen.slot.state;
+            // The engine computes only what its cache does not hold.
+            let cached_tokens = own.cached_tokens(chosen.slot.id, tokens);
+            let tokens = tokens - cached_tokens;
             // The veto and the credit are one critical section; the note is
             // what the first token will teach the worker's rate.
             let credited = state.ledger.try_credit_noted(seq, tokens, |stats| {
                 let hot = self.fresh_hot(state, now_nanos);
                 let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
                 let remote = self.remote(state);
-                self.admits(others_waiting, stats, remote)
-                    .then(|| RateProbe {
+                self.admits(others_waiting, stats, remote).then(|| {
+                    let foreign_ahead_tokens = hot
+                        .map_or(0, |hot| hot.queued_tokens)
+                        .saturating_add(remote.tokens);
+                    RateProbe {
                         dispatched_nanos: now_nanos,
-                        work_ahead_tokens: hot
-                            .map_or(0, |hot| hot.queued_tokens)
-                            .saturating_add(stats.pending_tokens)
-                            .saturating_add(remote.tokens),
+                        foreign_ahead_tokens,
                         learn: request.streaming,
-                    })
+                    }
+                })
             });
             if credited {
+                if let Some(index) = &self.prefix {
+                    let now_ms = u32::try_from(now_nanos.max(0) / 1_000_000).unwrap_or(u32::MAX);
+                    index.lock().record(
+                        chosen.slot.id.slot(),
+                        &request.prefix,
+                        cached_tokens,
+                        now_ms,
+                    );
+                }
                 state.last_dispatch.record(now_nanos);
                 if self.params.inflight == InflightMode::SincePoll {
                     state.since_poll.add(tokens);
@@ -560,11 +654,20 @@ impl Policy for LeastLoad {
         if probe.learn {
             let now_nanos = self.timeline.nanos(now);
             // A bad sample is dropped and counted by the estimator.
-            let _ = slot.state.rate.observe(
-                probe.work_ahead_tokens.saturating_add(tokens),
-                now_nanos.saturating_sub(probe.dispatched_nanos),
+            let was_scored = slot.state.rate.learned_tps().is_some();
+            let _ = slot.state.rate.observe_first_token(
+                &probe,
+                tokens,
                 now_nanos,
+                Some(self.fleet_rate.tps()),
             );
+            // A worker that starts being scored at its own rate joins the
+            // fleet's at once (once in its life); otherwise the fleet's
+            // follows its workers at most every refresh period.
+            let now_scored = !was_scored && slot.state.rate.learned_tps().is_some();
+            if self.fleet_rate.claim_refresh(now_nanos) || now_scored {
+                self.refresh_fleet_rate(&view);
+            }
         }
     }
 
@@ -648,22 +751,42 @@ impl Policy for LeastLoad {
         let slots: Vec<&Slot<WorkerState>> =
             candidates.iter().filter_map(|id| view.get(*id)).collect();
         let fleet = self.fleet(slots.iter().copied(), now_nanos);
+        let prompt_tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let own = self.own_work(prompt_tokens, request);
         let mut admitted_scores = Vec::new();
         for slot in slots {
+            let own_tokens = own.on(slot.id);
+            let cached_tokens = own.cached_tokens(slot.id, own.tokens);
             let snapshot = self.fresh_snapshot(&slot.state, now_nanos);
             let stats = slot.state.ledger.stats();
             let remote = self.remote(&slot.state);
-            let b = self.breakdown(&slot.state, snapshot.as_ref(), stats, remote, fleet);
+            let b = self.breakdown(
+                &slot.state,
+                snapshot.as_ref(),
+                stats,
+                remote,
+                own_tokens,
+                fleet,
+            );
             let others_waiting = snapshot.map_or(0, |snapshot| snapshot.others_waiting_requests);
             let waiting = LeastLoad::waiting_estimate(others_waiting, stats, remote);
             let mut note = b.rule.to_string();
             let rate = &slot.state.rate;
             match (self.params.rate, rate.source()) {
                 (RateMode::Learned, LearnedSource::Prior) => {
-                    note.push_str("; rate: prior (no samples yet)");
+                    note.push_str(&format!(
+                        "; rate: the fleet's while learning ({} of {MIN_SAMPLES_TO_SCORE} samples)",
+                        rate.samples()
+                    ));
                 }
                 (RateMode::Learned, LearnedSource::Learned) => {
                     note.push_str(&format!("; rate: learned from {} samples", rate.samples()));
+                    if rate.learned_tps() != Some(b.throughput_tps) {
+                        note.push_str(&format!(
+                            " ({:.0} tok/s, within the deadband of the fleet's)",
+                            rate.rate_tps()
+                        ));
+                    }
                 }
                 (RateMode::Reported | RateMode::Fixed, LearnedSource::Prior) => {}
                 (RateMode::Reported | RateMode::Fixed, LearnedSource::Learned) => {
@@ -706,6 +829,8 @@ impl Policy for LeastLoad {
                 values: vec![
                     b.queued_tokens as f64,
                     b.inflight_tokens as f64,
+                    b.request_tokens as f64,
+                    cached_tokens as f64,
                     b.throughput_tps,
                     rate.samples() as f64,
                     b.kv_usage_ratio,

@@ -4,14 +4,26 @@
 //! the token-work ahead of it on the worker (the queued and pending terms the
 //! score used) and the request's own tokens; when the first token comes back,
 //! it knows how long clearing all of that took. Each such sample implies a
-//! rate, `(work_ahead + own_tokens) / time_to_first_token`, and the estimate
-//! is their weighted geometric mean:
+//! rate, work over time, and the estimate is their weighted geometric mean:
 //!
 //! ```text
 //! log rate = Σ w·tokens·log(implied rate) / Σ w·tokens
 //! ```
 //!
-//! where each sample's weight `w` halves every `rate_half_life_secs`. A
+//! where each sample's weight `w` halves every `rate_half_life_secs`.
+//!
+//! A sample is one engine step's worth of first tokens, measured as work
+//! conserved (see [`StepBatcher`]): the prompt tokens of ours whose first
+//! tokens came back together, plus the share of other routers' queue that
+//! was ahead of them, over the time since the worker last gave us first
+//! tokens (or since their dispatch, if it was idle for us). Each of our
+//! tokens is counted once, at its own first token, so prompts that
+//! overtake others in chunked prefill, several prompts finishing in one
+//! step, and prompts part-way through prefill at dispatch neither inflate
+//! nor deflate the rate: busy time is divided among the tokens it really
+//! cleared.
+//!
+//! A
 //! sample counts by its tokens, so a deep queue or a long prompt outweighs a
 //! short request whose wait is mostly the engine's fixed per-step cost. Idle
 //! time leaves the estimate where it is: every sample decays alike, and the
@@ -31,7 +43,7 @@
 //!   space, so a slow outlier weighs no more than a fast one), and a worker
 //!   that really changed speed is still followed, a bounded step per sample.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -41,6 +53,12 @@ pub const MIN_RATE_TPS: f64 = 1.0;
 pub const MAX_RATE_TPS: f64 = 1.0e8;
 /// A sample's implied rate counts as at most this factor off the estimate.
 pub const CLIP_FACTOR: f64 = 4.0;
+/// A worker is scored at its own rate from this many learned samples on;
+/// before that, at the fleet's. One or two samples say little (a request
+/// that waited for a step boundary, a prefix-cache hit), and a worker scored
+/// on them alone can look several times faster than the rest and draw
+/// every long prompt until the next samples correct it.
+pub const MIN_SAMPLES_TO_SCORE: u64 = 4;
 /// Decay never takes the estimate's weight below this many times its
 /// prior's: after an idle spell the estimate still outweighs the next few
 /// samples, so one of them cannot replace it.
@@ -51,11 +69,100 @@ const RETAINED_PRIOR_MULTIPLE: f64 = 8.0;
 pub struct RateProbe {
     /// When it was dispatched, on the policy's timeline.
     pub dispatched_nanos: i64,
-    /// Token-work ahead of it on the worker at dispatch: queued + pending.
-    pub work_ahead_tokens: u64,
+    /// Token-work ahead of it on the worker at dispatch that this router did
+    /// not send: the engine's queue of other traffic and other replicas'
+    /// pending work.
+    pub foreign_ahead_tokens: u64,
     /// Whether its first token measures prefill. A non-streaming answer's
     /// head comes with the whole answer, so it does not.
     pub learn: bool,
+}
+
+/// First tokens this close to the batch's latest are one engine step's.
+pub const SAME_STEP_NANOS: i64 = 2_000_000;
+
+/// One rate sample: `work_tokens` cleared in `elapsed_nanos`, ending at
+/// `end_nanos`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepSample {
+    pub work_tokens: u64,
+    pub elapsed_nanos: i64,
+    pub end_nanos: i64,
+}
+
+/// Gathers first tokens that come back together into one sample.
+///
+/// A first token within [`SAME_STEP_NANOS`] of the open batch's latest joins
+/// it; any later one closes it (the closed batch is the sample) and opens
+/// the next. A request's part of a batch:
+/// - its busy time starts at the previous batch's end (the worker was
+///   clearing our work until then) or at its dispatch if later (the worker
+///   was idle for us in between); the batch spans from its earliest member's
+///   start to its latest first token;
+/// - its work is its own tokens plus the share of the foreign work ahead of
+///   it that falls in that span (assumed cleared evenly over its wait).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepBatcher {
+    open: Option<StepSample>,
+    /// Where the open batch started.
+    open_start_nanos: i64,
+    previous_end_nanos: Option<i64>,
+}
+
+impl StepBatcher {
+    /// Adds the first token, at `first_token_nanos`, of a request of
+    /// `own_tokens` sent as `probe` says; returns the batch it closed.
+    pub fn add(
+        &mut self,
+        probe: &RateProbe,
+        own_tokens: u64,
+        first_token_nanos: i64,
+    ) -> Option<StepSample> {
+        let closed = match self.open {
+            Some(open) if first_token_nanos <= open.end_nanos.saturating_add(SAME_STEP_NANOS) => {
+                None
+            }
+            Some(open) => {
+                self.previous_end_nanos = Some(open.end_nanos);
+                self.open = None;
+                Some(StepSample {
+                    elapsed_nanos: open.end_nanos.saturating_sub(self.open_start_nanos),
+                    ..open
+                })
+            }
+            None => None,
+        };
+        let start_nanos = self
+            .previous_end_nanos
+            .map_or(probe.dispatched_nanos, |end| {
+                end.max(probe.dispatched_nanos)
+            })
+            .min(first_token_nanos);
+        let waited_nanos = first_token_nanos.saturating_sub(probe.dispatched_nanos);
+        let foreign_tokens = if waited_nanos > 0 {
+            let share = (first_token_nanos - start_nanos) as f64 / waited_nanos as f64;
+            (probe.foreign_ahead_tokens as f64 * share.clamp(0.0, 1.0)).round() as u64
+        } else {
+            probe.foreign_ahead_tokens
+        };
+        let work_tokens = own_tokens.saturating_add(foreign_tokens);
+        match self.open.as_mut() {
+            Some(open) => {
+                open.work_tokens = open.work_tokens.saturating_add(work_tokens);
+                open.end_nanos = open.end_nanos.max(first_token_nanos);
+                self.open_start_nanos = self.open_start_nanos.min(start_nanos);
+            }
+            None => {
+                self.open = Some(StepSample {
+                    work_tokens,
+                    elapsed_nanos: 0,
+                    end_nanos: first_token_nanos,
+                });
+                self.open_start_nanos = start_nanos;
+            }
+        }
+        closed
+    }
 }
 
 /// Why a sample was not learned.
@@ -72,9 +179,10 @@ pub enum DroppedSample {
 /// Where a worker's rate comes from now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LearnedSource {
-    /// No sample yet: the prior.
+    /// Fewer than [`MIN_SAMPLES_TO_SCORE`] samples: the prior (the fleet's
+    /// rate, in a policy).
     Prior,
-    /// At least one sample.
+    /// At least [`MIN_SAMPLES_TO_SCORE`] samples.
     Learned,
 }
 
@@ -87,6 +195,10 @@ pub struct RateEstimator {
     weighted_log_rate: f64,
     /// The least weight decay leaves.
     retained_weight_tokens: f64,
+    /// The prior's part of the weight (decayed with the rest) and its rate:
+    /// what [`rebase_prior`](Self::rebase_prior) moves.
+    prior_weight_tokens: f64,
+    prior_log_tps: f64,
     /// `exp(weighted_log_rate / weight_tokens)`, kept so the prior reads back
     /// exactly.
     rate_tps: f64,
@@ -109,6 +221,8 @@ impl RateEstimator {
             weight_tokens: prior_tokens,
             weighted_log_rate: prior_tokens * prior_tps.ln(),
             retained_weight_tokens: prior_tokens * RETAINED_PRIOR_MULTIPLE,
+            prior_weight_tokens: prior_tokens,
+            prior_log_tps: prior_tps.ln(),
             rate_tps: prior_tps,
             last_nanos: None,
             samples: 0,
@@ -145,6 +259,20 @@ impl RateEstimator {
         } else {
             LearnedSource::Learned
         }
+    }
+
+    /// Moves the prior to `prior_tps` while the worker has fewer than
+    /// [`MIN_SAMPLES_TO_SCORE`] samples (a no-op after that): its first
+    /// samples then refine the rate it was scored at, the fleet's, instead
+    /// of the configured default.
+    pub fn rebase_prior(&mut self, prior_tps: f64) {
+        if self.samples >= MIN_SAMPLES_TO_SCORE || !prior_tps.is_finite() {
+            return;
+        }
+        let prior_log_tps = prior_tps.clamp(MIN_RATE_TPS, MAX_RATE_TPS).ln();
+        self.weighted_log_rate += self.prior_weight_tokens * (prior_log_tps - self.prior_log_tps);
+        self.prior_log_tps = prior_log_tps;
+        self.rate_tps = self.log_rate().exp().clamp(MIN_RATE_TPS, MAX_RATE_TPS);
     }
 
     /// One dispatch's outcome: `work_tokens` (ahead plus its own) cleared
@@ -207,17 +335,24 @@ impl RateEstimator {
         // The mean is kept; only its weight shrinks, never below the floor
         // (nor below where it already is, while it is still young).
         let floor = self.retained_weight_tokens.min(self.weight_tokens);
-        self.weight_tokens = (self.weight_tokens * factor).max(floor);
+        let weight_tokens = (self.weight_tokens * factor).max(floor);
+        self.prior_weight_tokens *= weight_tokens / self.weight_tokens;
+        self.weight_tokens = weight_tokens;
         self.weighted_log_rate = self.weight_tokens * log_rate;
         self.last_nanos = Some(now_nanos);
     }
 }
 
-/// A worker's [`RateEstimator`], shared: selections read the rate with one
-/// atomic load; first tokens update it under a per-worker lock.
+/// A worker's [`RateEstimator`] and [`StepBatcher`], shared: selections read
+/// the rate with one atomic load; first tokens update it under a per-worker
+/// lock.
 #[derive(Debug)]
 pub struct LearnedRate {
-    estimator: Mutex<RateEstimator>,
+    learner: Mutex<(RateEstimator, StepBatcher)>,
+    /// The estimate's bits from [`MIN_SAMPLES_TO_SCORE`] samples on; 0 (no
+    /// rate) before, when selections use the fleet's rate instead.
+    learned_bits: AtomicU64,
+    /// The estimate, prior included: what the explain table shows.
     rate_bits: AtomicU64,
     samples: AtomicU64,
     dropped: AtomicU64,
@@ -226,15 +361,25 @@ pub struct LearnedRate {
 impl LearnedRate {
     pub fn new(estimator: RateEstimator) -> LearnedRate {
         LearnedRate {
+            learned_bits: AtomicU64::new(0),
             rate_bits: AtomicU64::new(estimator.rate_tps().to_bits()),
             samples: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
-            estimator: Mutex::new(estimator),
+            learner: Mutex::new((estimator, StepBatcher::default())),
         }
     }
 
+    /// The estimate, or its prior before the first sample.
     pub fn rate_tps(&self) -> f64 {
         f64::from_bits(self.rate_bits.load(Ordering::Relaxed))
+    }
+
+    /// The estimate once [`MIN_SAMPLES_TO_SCORE`] samples have been learned:
+    /// one atomic load, for the selection's hot loop.
+    #[inline]
+    pub fn learned_tps(&self) -> Option<f64> {
+        let bits = self.learned_bits.load(Ordering::Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
     }
 
     pub fn samples(&self) -> u64 {
@@ -246,27 +391,154 @@ impl LearnedRate {
     }
 
     pub fn source(&self) -> LearnedSource {
-        if self.samples() == 0 {
+        if self.samples() < MIN_SAMPLES_TO_SCORE {
             LearnedSource::Prior
         } else {
             LearnedSource::Learned
         }
     }
 
-    /// See [`RateEstimator::observe`].
+    /// Adds the first token, at `now_nanos`, of a request of `own_tokens`
+    /// sent as `probe` says to the worker's step batch; the batch it closes
+    /// is learned (see [`observe`](Self::observe) for `fleet_prior_tps`).
+    pub fn observe_first_token(
+        &self,
+        probe: &RateProbe,
+        own_tokens: u64,
+        now_nanos: i64,
+        fleet_prior_tps: Option<f64>,
+    ) -> Option<Result<(), DroppedSample>> {
+        let mut learner = self.learner.lock();
+        let sample = learner.1.add(probe, own_tokens, now_nanos)?;
+        Some(self.learn(
+            &mut learner.0,
+            sample.work_tokens,
+            sample.elapsed_nanos,
+            sample.end_nanos,
+            fleet_prior_tps,
+        ))
+    }
+
+    /// See [`RateEstimator::observe`]. Until the worker is scored at its
+    /// own rate, the prior moves to `fleet_prior_tps` (where given): what
+    /// this worker was scored at until now.
     pub fn observe(
         &self,
         work_tokens: u64,
         elapsed_nanos: i64,
         now_nanos: i64,
+        fleet_prior_tps: Option<f64>,
     ) -> Result<(), DroppedSample> {
-        let mut estimator = self.estimator.lock();
+        let mut learner = self.learner.lock();
+        self.learn(
+            &mut learner.0,
+            work_tokens,
+            elapsed_nanos,
+            now_nanos,
+            fleet_prior_tps,
+        )
+    }
+
+    fn learn(
+        &self,
+        estimator: &mut RateEstimator,
+        work_tokens: u64,
+        elapsed_nanos: i64,
+        now_nanos: i64,
+        fleet_prior_tps: Option<f64>,
+    ) -> Result<(), DroppedSample> {
+        if let Some(prior_tps) = fleet_prior_tps {
+            estimator.rebase_prior(prior_tps);
+        }
         let outcome = estimator.observe(work_tokens, elapsed_nanos, now_nanos);
-        self.rate_bits
-            .store(estimator.rate_tps().to_bits(), Ordering::Relaxed);
+        let rate_bits = estimator.rate_tps().to_bits();
+        self.rate_bits.store(rate_bits, Ordering::Relaxed);
+        if estimator.samples() >= MIN_SAMPLES_TO_SCORE {
+            self.learned_bits.store(rate_bits, Ordering::Relaxed);
+        }
         self.samples.store(estimator.samples(), Ordering::Relaxed);
         self.dropped.store(estimator.dropped(), Ordering::Relaxed);
         outcome
+    }
+}
+
+/// How often, at most, [`FleetRate`] is recomputed from the workers.
+pub const FLEET_RATE_REFRESH_NANOS: i64 = 100_000_000;
+
+/// The fleet's rate: the geometric mean of its workers' learned rates.
+///
+/// - A worker without a sample of its own is scored at it. A fixed default
+///   would make every unlearned worker look faster or slower than the
+///   learned ones, so a fleet would flood them, or never send them the
+///   request that teaches them.
+/// - A learned rate within the deadband of it is scored at it too (see
+///   `rate_deadband_ratio`): alike workers are scored alike.
+///
+/// Read with one atomic load; recomputed by whoever claims a refresh, at most
+/// every [`FLEET_RATE_REFRESH_NANOS`], so no request pays a scan.
+#[derive(Debug)]
+pub struct FleetRate {
+    tps_bits: AtomicU64,
+    refreshed_nanos: AtomicI64,
+    /// `1 + rate_deadband_ratio`.
+    deadband_factor: f64,
+}
+
+impl FleetRate {
+    pub fn new(default_tps: f64, deadband_ratio: f64) -> FleetRate {
+        FleetRate {
+            tps_bits: AtomicU64::new(default_tps.to_bits()),
+            refreshed_nanos: AtomicI64::new(i64::MIN),
+            deadband_factor: 1.0 + deadband_ratio.max(0.0),
+        }
+    }
+
+    #[inline]
+    pub fn tps(&self) -> f64 {
+        f64::from_bits(self.tps_bits.load(Ordering::Relaxed))
+    }
+
+    /// The rate a worker is scored at: its learned rate when that differs
+    /// from the fleet's by more than the deadband, else the fleet's.
+    #[inline]
+    pub fn scoring_tps(&self, learned_tps: Option<f64>) -> f64 {
+        let fleet_tps = self.tps();
+        match learned_tps {
+            Some(tps)
+                if tps > fleet_tps * self.deadband_factor
+                    || tps * self.deadband_factor < fleet_tps =>
+            {
+                tps
+            }
+            _ => fleet_tps,
+        }
+    }
+
+    /// Whether the caller should recompute it now: true for one caller per
+    /// refresh period.
+    pub fn claim_refresh(&self, now_nanos: i64) -> bool {
+        let last = self.refreshed_nanos.load(Ordering::Relaxed);
+        now_nanos.saturating_sub(last) >= FLEET_RATE_REFRESH_NANOS
+            && self
+                .refreshed_nanos
+                .compare_exchange(last, now_nanos, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// Sets it to the geometric mean of `learned_tps`, or `default_tps`
+    /// when there is none.
+    pub fn set_from(&self, learned_tps: impl Iterator<Item = f64>, default_tps: f64) {
+        let (sum_ln, count) = learned_tps
+            .filter(|tps| tps.is_finite() && *tps > 0.0)
+            .fold((0.0f64, 0u32), |(sum_ln, count), tps| {
+                (sum_ln + tps.ln(), count + 1)
+            });
+        let tps = if count > 0 {
+            (sum_ln / f64::from(count)).exp()
+        } else {
+            default_tps
+        };
+        self.tps_bits.store(tps.to_bits(), Ordering::Relaxed);
     }
 }
 
@@ -275,6 +547,7 @@ mod tests {
     use super::*;
 
     const SEC: i64 = 1_000_000_000;
+    const MS: i64 = 1_000_000;
 
     fn estimator() -> RateEstimator {
         RateEstimator::new(2000.0, 256, 20.0)
@@ -418,15 +691,161 @@ mod tests {
     fn the_shared_rate_mirrors_its_estimator() {
         let shared = LearnedRate::new(estimator());
         assert_eq!(shared.rate_tps(), 2000.0);
+        assert_eq!(shared.learned_tps(), None);
         assert_eq!(shared.source(), LearnedSource::Prior);
-        shared.observe(4000, SEC / 2, SEC).unwrap();
+        shared.observe(4000, SEC / 2, SEC, None).unwrap();
         assert!(shared.rate_tps() > 2000.0);
         assert_eq!(shared.samples(), 1);
+        // Not scored on one sample...
+        assert_eq!(shared.learned_tps(), None);
+        assert_eq!(shared.source(), LearnedSource::Prior);
+        for at in 2..=MIN_SAMPLES_TO_SCORE as i64 {
+            shared.observe(4000, SEC / 2, at * SEC, None).unwrap();
+        }
+        // ...but from the fourth on.
+        assert_eq!(shared.learned_tps(), Some(shared.rate_tps()));
         assert_eq!(
-            shared.observe(1, 600 * SEC, 2 * SEC),
+            shared.observe(1, 600 * SEC, 10 * SEC, None),
             Err(DroppedSample::Absurd)
         );
         assert_eq!(shared.dropped(), 1);
         assert_eq!(shared.source(), LearnedSource::Learned);
+    }
+
+    #[test]
+    fn a_first_sample_refines_the_fleet_rate_not_the_configured_default() {
+        // The worker was scored at the fleet's 8000 tok/s while unlearned;
+        // its first samples, at 8000 too, must leave it there, however the
+        // fleet's rate moved in between.
+        let shared = LearnedRate::new(estimator());
+        for (at, fleet_tps) in [(1, 2000.0), (2, 6000.0), (3, 8000.0), (4, 8000.0)] {
+            shared
+                .observe(800, SEC / 10, at * SEC, Some(fleet_tps))
+                .unwrap();
+        }
+        let learned = shared.learned_tps().unwrap();
+        assert!((learned - 8000.0).abs() < 1.0, "{learned}");
+        // Once scored, the fleet's rate no longer moves it.
+        shared.observe(800, SEC / 10, 5 * SEC, Some(100.0)).unwrap();
+        assert!((shared.rate_tps() - 8000.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn the_fleet_rate_is_the_geometric_mean_refreshed_once_per_period() {
+        let fleet = FleetRate::new(2000.0, 0.1);
+        assert_eq!(fleet.tps(), 2000.0);
+        fleet.set_from([4000.0, 16000.0, f64::NAN].into_iter(), 2000.0);
+        assert!((fleet.tps() - 8000.0).abs() < 1e-6);
+        fleet.set_from(std::iter::empty(), 2000.0);
+        assert_eq!(fleet.tps(), 2000.0);
+        assert!(fleet.claim_refresh(0));
+        assert!(!fleet.claim_refresh(FLEET_RATE_REFRESH_NANOS - 1));
+        assert!(fleet.claim_refresh(FLEET_RATE_REFRESH_NANOS));
+    }
+
+    #[test]
+    fn rates_within_the_deadband_score_as_the_fleets_and_others_as_learned() {
+        let fleet = FleetRate::new(8000.0, 0.1);
+        assert_eq!(fleet.scoring_tps(None), 8000.0);
+        assert_eq!(fleet.scoring_tps(Some(8700.0)), 8000.0);
+        assert_eq!(fleet.scoring_tps(Some(7300.0)), 8000.0);
+        assert_eq!(fleet.scoring_tps(Some(8900.0)), 8900.0);
+        assert_eq!(fleet.scoring_tps(Some(7200.0)), 7200.0);
+        assert_eq!(fleet.scoring_tps(Some(16000.0)), 16000.0);
+        // No deadband: every learned rate counts.
+        let exact = FleetRate::new(8000.0, 0.0);
+        assert_eq!(exact.scoring_tps(Some(8001.0)), 8001.0);
+        assert_eq!(exact.scoring_tps(Some(8000.0)), 8000.0);
+    }
+
+    fn probe(dispatched_secs: f64, foreign_ahead_tokens: u64) -> RateProbe {
+        RateProbe {
+            dispatched_nanos: (dispatched_secs * 1e9) as i64,
+            foreign_ahead_tokens,
+            learn: true,
+        }
+    }
+
+    #[test]
+    fn first_tokens_of_one_step_are_one_sample_over_the_busy_time() {
+        let mut batcher = StepBatcher::default();
+        // Idle worker: a request sent at 1 s comes back at 1.1 s.
+        assert_eq!(batcher.add(&probe(1.0, 0), 800, 1_100 * MS), None);
+        // Four queued behind it come back together at 1.3 s: the first of
+        // them closes the first batch.
+        let first = batcher.add(&probe(1.01, 0), 400, 1_300 * MS);
+        assert_eq!(
+            first,
+            Some(StepSample {
+                work_tokens: 800,
+                elapsed_nanos: 100 * MS,
+                end_nanos: 1_100 * MS
+            })
+        );
+        for _ in 0..3 {
+            assert_eq!(batcher.add(&probe(1.02, 0), 400, 1_300 * MS), None);
+        }
+        // The next step's closes the batch of four: 1600 tokens in the
+        // 200 ms since the previous batch.
+        let second = batcher.add(&probe(1.05, 0), 100, 1_400 * MS);
+        assert_eq!(
+            second,
+            Some(StepSample {
+                work_tokens: 1600,
+                elapsed_nanos: 200 * MS,
+                end_nanos: 1_300 * MS
+            })
+        );
+    }
+
+    #[test]
+    fn a_request_sent_after_an_idle_spell_counts_from_its_dispatch_with_its_foreign_share() {
+        let mut batcher = StepBatcher::default();
+        assert_eq!(batcher.add(&probe(0.0, 0), 100, 50 * MS), None);
+        // Sent at 5 s with 1000 foreign tokens ahead, back at 5.5 s.
+        let closed = batcher.add(&probe(5.0, 1000), 500, 5_500 * MS);
+        assert!(closed.is_some());
+        // Sent at 5.2 s with 1000 foreign tokens ahead, back at 6.2 s: it
+        // is measured from 5.5 s (the previous batch), so 70% of its wait
+        // and of its foreign work.
+        assert!(batcher.add(&probe(5.2, 1000), 300, 6_200 * MS).is_some());
+        let last = batcher.add(&probe(7.0, 0), 1, 7_100 * MS).unwrap();
+        assert_eq!(
+            last,
+            StepSample {
+                work_tokens: 300 + 700,
+                elapsed_nanos: 700 * MS,
+                end_nanos: 6_200 * MS
+            }
+        );
+    }
+
+    #[test]
+    fn a_busy_worker_is_learned_at_its_true_rate() {
+        // An 8000 tok/s engine clearing prompts of 1000 tokens in steps of
+        // 2000: two first tokens every 250 ms, the queue never empty, prompts
+        // part-way through prefill at every dispatch.
+        let shared = LearnedRate::new(RateEstimator::new(8000.0, 256, 30.0));
+        for step in 1..=40i64 {
+            for _ in 0..2 {
+                let learned =
+                    shared.observe_first_token(&probe(0.0, 0), 1000, step * SEC / 4, None);
+                assert!(learned.is_none_or(|outcome| outcome.is_ok()));
+            }
+        }
+        assert_eq!(shared.samples(), 39);
+        assert!(
+            (shared.rate_tps() - 8000.0).abs() < 1.0,
+            "{}",
+            shared.rate_tps()
+        );
+    }
+
+    #[test]
+    fn a_dropped_first_sample_still_leaves_the_worker_unlearned() {
+        let shared = LearnedRate::new(estimator());
+        let dropped = shared.observe(1000, 0, SEC, Some(8000.0));
+        assert_eq!(dropped, Err(DroppedSample::NoElapsedTime));
+        assert_eq!(shared.learned_tps(), None);
     }
 }

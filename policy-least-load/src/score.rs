@@ -243,9 +243,12 @@ impl MeanThroughput {
 pub struct ScoreBreakdown {
     pub queued_tokens: u64,
     pub inflight_tokens: u64,
+    /// The request's own tokens, counted under `rate = "learned"`: its own
+    /// prefill takes longer on a slower worker.
+    pub request_tokens: u64,
     pub throughput_tps: f64,
     pub kv_usage_ratio: f64,
-    /// `(queued + inflight) / throughput`.
+    /// `(queued + inflight + request) / throughput`.
     pub drain_secs: f64,
     pub kv_barrier_secs: f64,
     /// Always finite.
@@ -254,11 +257,13 @@ pub struct ScoreBreakdown {
 }
 
 /// Scores one worker: `terms` of its fresh snapshot (`None` without one),
-/// this router's in-flight tokens on it, and, under `rate = "learned"`, its
-/// learned rate (`None`: no estimate, so `default_throughput`).
+/// this router's in-flight tokens on it, the request's own tokens (0 to
+/// leave them out), and, under `rate = "learned"`, its learned rate (`None`:
+/// no estimate, so `default_throughput`).
 pub fn score(
     terms: Option<&SnapshotTerms>,
     inflight_tokens: u64,
+    request_tokens: u64,
     learned_tps: Option<f64>,
     fleet: Fleet,
     params: &LeastLoadParams,
@@ -307,19 +312,16 @@ pub fn score(
         .or_else(|| valid_throughput(params.default_throughput))
         .unwrap_or(1.0);
     let kv_barrier_secs = finite_or_max(kv_barrier_secs.max(0.0));
+    let ahead_tokens = inflight_tokens.saturating_add(request_tokens);
     ScoreBreakdown {
         queued_tokens,
         inflight_tokens,
+        request_tokens,
         throughput_tps,
         kv_usage_ratio,
-        drain_secs: drain_secs(queued_tokens, inflight_tokens, throughput_tps),
+        drain_secs: drain_secs(queued_tokens, ahead_tokens, throughput_tps),
         kv_barrier_secs,
-        score_secs: wait_secs(
-            queued_tokens,
-            inflight_tokens,
-            throughput_tps,
-            kv_barrier_secs,
-        ),
+        score_secs: wait_secs(queued_tokens, ahead_tokens, throughput_tps, kv_barrier_secs),
         rule,
     }
 }
@@ -354,7 +356,7 @@ pub fn score_worker(
     fleet: Fleet,
 ) -> ScoreBreakdown {
     let terms = load.map(|load| SnapshotTerms::new(load, pending_at_poll_start, params));
-    score(terms.as_ref(), pending_now.tokens, None, fleet, params)
+    score(terms.as_ref(), pending_now.tokens, 0, None, fleet, params)
 }
 
 fn valid_throughput(tps: f64) -> Option<f64> {

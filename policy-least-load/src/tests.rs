@@ -11,6 +11,7 @@ use policy_core::{
 use proptest::prelude::*;
 
 use crate::Strategy as Pick;
+use crate::rate::MIN_SAMPLES_TO_SCORE;
 use crate::{InflightMode, LeastLoad, LeastLoadParams, RateMode, register};
 
 fn fleet_with(strategy: Pick, params: LeastLoadParams, n: u32) -> (LeastLoad, Vec<WorkerId>) {
@@ -249,9 +250,9 @@ fn polled_at_different_moments(params: LeastLoadParams) -> (LeastLoad, Vec<Worke
 fn the_score_does_not_depend_on_poll_phase() {
     let (policy, ids, now) = polled_at_different_moments(LeastLoadParams::default());
     let table = policy.explain(&ids, &exact(100), now);
-    // Both: queue 0, pending 1000 → 1000 / 2000 = 0.5 s.
-    assert_eq!(score(&table, ids[0]), 0.5);
-    assert_eq!(score(&table, ids[1]), 0.5);
+    // Both: queue 0, pending 1000, the request's own 100 → 1100 / 2000.
+    assert_eq!(score(&table, ids[0]), 0.55);
+    assert_eq!(score(&table, ids[1]), 0.55);
     assert_eq!(table.chosen.len(), 2, "{table}");
 
     // The original estimator forgets worker 0's request at its poll and
@@ -561,7 +562,11 @@ fn dispatch_order(policy: &LeastLoad, ids: &[WorkerId], t0: Instant, count: u64)
 fn near_ties_go_to_the_least_recently_dispatched_worker() {
     let (policy, ids, t0) = near_tied_fleet(LeastLoadParams::default());
     let table = policy.explain(&ids, &exact(10), t0);
-    assert!(close(score(&table, ids[0]), 0.15 * 0.01 / 0.99), "{table}");
+    // The barrier, and the request's own 10 tokens at the prior.
+    assert!(
+        close(score(&table, ids[0]), 0.15 * 0.01 / 0.99 + 10.0 / 2000.0),
+        "{table}"
+    );
     assert_eq!(
         table.chosen.len(),
         3,
@@ -1059,32 +1064,40 @@ fn each_worker_learns_its_own_rate_and_the_score_divides_by_it() {
     // The fast worker's first sample is clipped (8x the prior), so a trace of
     // it stays.
     assert!((fast / 16_000.0 - 1.0).abs() < 0.03, "fast worker: {fast}");
+    // Each first token closes the previous one's sample: 39 of 40.
     assert!((slow / 4000.0 - 1.0).abs() < 0.02, "slow worker: {slow}");
     // The same queue is four times the wait on the slow worker.
     report(&policy, ids[0], &load(Some(8000), 2, Some(50.0), 0.0), at);
     report(&policy, ids[1], &load(Some(8000), 2, Some(50.0), 0.0), at);
     let table = policy.explain(&ids, &exact(100), at);
-    assert!(close(score(&table, ids[0]), 8000.0 / fast), "{table}");
-    assert!(close(score(&table, ids[1]), 8000.0 / slow), "{table}");
+    // The request's own 100 tokens are part of its wait.
+    assert!(close(score(&table, ids[0]), 8100.0 / fast), "{table}");
+    assert!(close(score(&table, ids[1]), 8100.0 / slow), "{table}");
     assert!(
-        table.rows[0].note.contains("learned from 40 samples"),
+        table.rows[0].note.contains("learned from 39 samples"),
         "{table}"
     );
-    assert_eq!(table.value(ids[0], "rate_samples"), Some(40.0));
+    assert_eq!(table.value(ids[0], "rate_samples"), Some(39.0));
     assert_eq!(policy.select(&ids, &exact(100), at).unwrap().worker, ids[0]);
 }
 
 #[test]
-fn the_work_ahead_at_dispatch_counts_in_the_sample() {
+fn the_foreign_work_ahead_at_dispatch_counts_in_the_sample() {
     let (policy, ids) = learned_fleet(1);
-    let t0 = Instant::now();
-    // 6000 tokens queued by others, then our 2000: 8000 tokens cleared in 1 s.
-    report(&policy, ids[0], &load(Some(6000), 3, None, 0.0), t0);
-    let dispatch = policy.select(&ids, &streamed(2000), t0).unwrap();
-    policy.first_token(&dispatch, t0 + Duration::from_secs(1));
-    let learned = rate(&policy, ids[0], t0 + Duration::from_secs(1));
-    // One sample against a light prior: most of the way from 2000 to 8000.
-    assert!(learned > 6000.0 && learned <= 8000.0, "{learned}");
+    let mut at = Instant::now();
+    // Each time, 6000 tokens queued by others, then our 2000: 8000 tokens
+    // cleared in 1 s. Each first token closes the previous one's sample.
+    for _ in 0..=MIN_SAMPLES_TO_SCORE {
+        report(&policy, ids[0], &load(Some(6000), 3, None, 0.0), at);
+        let dispatch = policy.select(&ids, &streamed(2000), at).unwrap();
+        at += Duration::from_secs(1);
+        policy.first_token(&dispatch, at);
+        policy.finish(&dispatch, at);
+        at += Duration::from_secs(5);
+    }
+    let learned = rate(&policy, ids[0], at);
+    // Four samples against a light prior: nearly all the way to 8000.
+    assert!(learned > 7500.0 && learned <= 8000.0, "{learned}");
 }
 
 #[test]
@@ -1101,7 +1114,12 @@ fn non_streaming_and_unanswered_requests_teach_nothing() {
     let table = policy.explain(&ids, &exact(1), t0 + Duration::from_secs(30));
     assert_eq!(table.value(ids[0], "rate_tps"), Some(2000.0));
     assert_eq!(table.value(ids[0], "rate_samples"), Some(0.0));
-    assert!(table.rows[0].note.contains("rate: prior"), "{table}");
+    assert!(
+        table.rows[0]
+            .note
+            .contains("rate: the fleet's while learning (0 of 4 samples)"),
+        "{table}"
+    );
 }
 
 #[test]
@@ -1111,10 +1129,15 @@ fn absurd_samples_are_dropped_and_counted() {
     // A first token that arrives before its dispatch.
     let dispatch = policy.select(&ids, &streamed(1000), t0).unwrap();
     policy.first_token(&dispatch, t0 - Duration::from_secs(1));
-    // A one-token request answered after ten minutes.
+    // A one-token request answered after ten minutes (it closes the first
+    // one's sample: nothing elapsed).
     let dispatch = policy.select(&ids, &streamed(1), t0).unwrap();
     policy.first_token(&dispatch, t0 + Duration::from_secs(600));
-    let table = policy.explain(&ids, &exact(1), t0 + Duration::from_secs(600));
+    // The next first token closes the one-token request's sample.
+    let later = t0 + Duration::from_secs(700);
+    let dispatch = policy.select(&ids, &streamed(1000), later).unwrap();
+    policy.first_token(&dispatch, later + Duration::from_secs(1));
+    let table = policy.explain(&ids, &exact(1), later + Duration::from_secs(1));
     assert_eq!(table.value(ids[0], "rate_tps"), Some(2000.0));
     assert!(table.rows[0].note.contains("2 dropped"), "{table}");
 }

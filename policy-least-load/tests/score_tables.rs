@@ -86,8 +86,9 @@ fn homogeneous_idle() {
     }
     let table = policy.explain(&ids, &request(), t0);
     insta::assert_snapshot!(table.to_string());
-    // Only the barrier: 0.15 * 0.2 / 0.8 = 0.0375 s, the same everywhere.
-    assert!((score(&table, ids[2]) - 0.0375).abs() < 1e-12);
+    // The request's own 512 tokens at the prior, 0.256 s, and the barrier,
+    // 0.15 * 0.2 / 0.8 = 0.0375 s: the same everywhere.
+    assert!((score(&table, ids[2]) - 0.2935).abs() < 1e-12);
     assert_eq!(table.chosen, ids, "all four tied");
     let winner = policy.select(&ids, &request(), t0).unwrap().worker;
     assert!(ids.contains(&winner));
@@ -108,9 +109,9 @@ fn size_skew() {
     hold(&policy, ids[1], &[200, 200, 200, 200], now);
     let table = policy.explain(&ids, &request(), now);
     insta::assert_snapshot!(table.to_string());
-    // 6000 / 2000 = 3 s against 800 / 2000 = 0.4 s.
-    assert_eq!(score(&table, ids[0]), 3.0);
-    assert_eq!(score(&table, ids[1]), 0.4);
+    // (6000 + 512) / 2000 = 3.256 s against (800 + 512) / 2000 = 0.656 s.
+    assert_eq!(score(&table, ids[0]), 3.256);
+    assert_eq!(score(&table, ids[1]), 0.656);
     assert_eq!(table.chosen, vec![ids[1]]);
     assert_eq!(policy.select(&ids, &request(), now).unwrap().worker, ids[1]);
 }
@@ -118,7 +119,8 @@ fn size_skew() {
 #[test]
 fn heterogeneous_throughput() {
     // Four workers whose rates were learned from traffic (worker 2 has had
-    // none: its prior). What each reports as its generation rate does not
+    // none: it is scored at the fleet's rate, the geometric mean of the
+    // others', 1260 tok/s). What each reports as its generation rate does not
     // matter under the learned rate.
     let (policy, ids) = fleet(4);
     let mut at = Instant::now();
@@ -131,16 +133,16 @@ fn heterogeneous_throughput() {
     report(&policy, ids[3], &load(Some(1000), 1, Some(9.0), 0.0), at);
     let table = policy.explain(&ids, &request(), at);
     insta::assert_snapshot!(table.to_string());
-    // About 2000 / 1000 = 2 s, 6000 / 4000 = 1.5 s and 1000 / 500 = 2 s;
-    // 2500 / 2000 = 1.25 s at worker 2's prior wins.
+    // With the request's own 512 tokens: about 2512 / 1000 = 2.5 s,
+    // 6512 / 4000 = 1.6 s, 3012 / 1260 = 2.4 s and 1512 / 500 = 3 s. The
+    // fast worker wins despite the longest queue.
     let near = |id: WorkerId, secs: f64| (score(&table, id) / secs - 1.0).abs() < 0.05;
     assert!(
-        near(ids[0], 2.0) && near(ids[1], 1.5) && near(ids[3], 2.0),
+        near(ids[0], 2.512) && near(ids[1], 1.628) && near(ids[2], 2.39) && near(ids[3], 3.024),
         "{table}"
     );
-    assert_eq!(score(&table, ids[2]), 1.25);
-    assert_eq!(table.chosen, vec![ids[2]]);
-    assert_eq!(policy.select(&ids, &request(), at).unwrap().worker, ids[2]);
+    assert_eq!(table.chosen, vec![ids[1]]);
+    assert_eq!(policy.select(&ids, &request(), at).unwrap().worker, ids[1]);
 }
 
 #[test]
@@ -180,8 +182,9 @@ fn near_full_kv() {
     report(&policy, ids[3], &load(Some(3000), 3, Some(2000.0), 0.1), t0);
     let table = policy.explain(&ids, &request(), t0);
     insta::assert_snapshot!(table.to_string());
-    assert!((score(&table, ids[1]) - 1.15).abs() < 1e-12);
-    assert!((score(&table, ids[2]) - 149.85).abs() < 1e-9);
+    // Each plus the request's own 512 tokens, 0.256 s.
+    assert!((score(&table, ids[1]) - 1.406).abs() < 1e-12);
+    assert!((score(&table, ids[2]) - 150.106).abs() < 1e-9);
     assert_eq!(table.chosen, vec![ids[1]]);
     assert_eq!(policy.select(&ids, &request(), t0).unwrap().worker, ids[1]);
 }

@@ -29,6 +29,9 @@ pub struct App {
     /// Forwards requests to workers, and carries the control-plane calls.
     pub upstream: UpstreamClient,
     pub metrics: Metrics,
+    /// Tells the replica-sync publisher about dispatches (a no-op without
+    /// `[sync]`).
+    pub sync_signal: crate::replica_sync::DispatchSignal,
 }
 
 impl std::fmt::Debug for App {
@@ -52,6 +55,7 @@ impl App {
         let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
             topology: Topology::new(policy, config.policy.clone()),
+            sync_signal: crate::replica_sync::DispatchSignal::new(config.sync.enabled),
             config,
             config_file,
             policies,

@@ -86,6 +86,8 @@ pub fn read_request(body: &[u8], chars_per_token: f64) -> Result<ReadRequest, Re
             tokens,
             streaming,
             model,
+            // Prompt block hashes are not computed from HTTP bodies yet: unknown.
+            prefix: Default::default(),
         },
         max_output_tokens,
     })
@@ -290,6 +292,8 @@ pub fn request_info(body: &Value, chars_per_token: f64) -> RequestInfo {
         tokens: token_count(body, chars_per_token),
         streaming,
         model,
+        // Prompt block hashes are not computed from HTTP bodies yet: unknown.
+        prefix: Default::default(),
     }
 }
 

@@ -168,6 +168,7 @@ fn choose(app: &App, request: &ClientRequest, tried: &[WorkerId]) -> Chosen {
     let Some(dispatch) = snapshot.policy.select(candidates, &request.info, now) else {
         return Chosen::Capped;
     };
+    app.sync_signal.dispatched(dispatch.worker);
     match snapshot.route(dispatch.worker) {
         Some(route) => Chosen::Worker(RequestTracker::new(
             route.clone(),

@@ -161,6 +161,48 @@ impl Publisher {
     }
 }
 
+impl Publisher {
+    /// A message with just `workers` whose pending work changed since last
+    /// published (a dispatch raised it): sent at once rather than at the next
+    /// tick, so the other replicas see a dispatch within the broker's
+    /// latency. `None` when none changed or a worker is new (the next tick
+    /// introduces it). Full states and removals are left to [`tick`](Self::tick).
+    pub fn dispatched<'u>(
+        &mut self,
+        workers: impl IntoIterator<Item = WorkerPending<'u>>,
+    ) -> Option<Vec<u8>> {
+        let mut entries: Vec<(&str, u64, u64)> = Vec::new();
+        self.changed.clear();
+        for worker in workers {
+            let slot = worker.id.slot();
+            let Some(Some(published)) = self.published.get_mut(slot) else {
+                continue;
+            };
+            if published.id != worker.id
+                || (published.tokens, published.requests) == (worker.tokens, worker.requests)
+            {
+                continue;
+            }
+            published.tokens = worker.tokens;
+            published.requests = worker.requests;
+            if !self.changed.contains(&slot) {
+                self.changed.push(slot);
+            }
+        }
+        if self.changed.is_empty() {
+            return None;
+        }
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        for slot in &self.changed {
+            if let Some(Some(published)) = self.published.get(*slot) {
+                entries.push((&published.url, published.tokens, published.requests));
+            }
+        }
+        Some(wire::encode(&self.replica, seq, false, &entries))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,5 +343,33 @@ mod tests {
                 owned(&[("http://new:1", 0, 0), ("http://old:1", 0, 0)])
             )
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dispatch_is_published_at_once_with_only_its_worker() {
+        let mut publisher = Publisher::new("a".into(), 10, Duration::from_secs(1));
+        let now = Instant::now();
+        // The first tick introduces the workers.
+        let first = publisher
+            .tick(now, [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 0, 0)])
+            .unwrap();
+        assert_eq!(decoded(&first).0, 10);
+        // A dispatch to worker 1: only it, at once, with the next seq.
+        let message = publisher
+            .dispatched([w(1, "http://w:1", 500, 1), w(1, "http://w:1", 500, 1)])
+            .unwrap();
+        assert_eq!(
+            decoded(&message),
+            (11, false, owned(&[("http://w:1", 500, 1)]))
+        );
+        // Nothing changed since: nothing to send; the tick sends nothing
+        // either (it was published).
+        assert_eq!(publisher.dispatched([w(1, "http://w:1", 500, 1)]), None);
+        assert_eq!(
+            publisher.tick(now, [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 500, 1)]),
+            None
+        );
+        // A worker no tick has seen yet waits for the tick.
+        assert_eq!(publisher.dispatched([w(2, "http://w:2", 9, 1)]), None);
     }
 }
