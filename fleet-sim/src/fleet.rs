@@ -105,6 +105,17 @@ pub struct RateTrace {
     pub samples: Vec<RateSample>,
 }
 
+impl RateTrace {
+    /// How many replicas' estimates the samples carry.
+    pub fn replica_count(&self) -> usize {
+        self.samples
+            .iter()
+            .map(|s| s.estimates_tps.len())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// The registry of every policy the simulator compares.
 pub fn policy_registry() -> PolicyRegistry {
     let mut registry = PolicyRegistry::with_baselines();
@@ -1193,22 +1204,38 @@ mod tests {
         }
     }
 
+    /// Poisson arrivals of `prompt`-sized prompts with `output_tokens` each.
+    fn poisson_traffic(
+        prompt: crate::workload::LengthDist,
+        output_tokens: u32,
+        shared_prefix: Option<SharedPrefixConfig>,
+    ) -> crate::scenario::TrafficConfig {
+        crate::scenario::TrafficConfig {
+            name: "t".into(),
+            arrival: crate::scenario::ArrivalConfig::Poisson {},
+            prompt: Some(prompt),
+            output: Some(crate::workload::LengthDist::Constant {
+                tokens: output_tokens,
+            }),
+            shared_prefix,
+            conversation: None,
+        }
+    }
+
+    /// 90 % 200-token and 10 % 6000-token prompts.
+    fn size_skew_prompts() -> crate::workload::LengthDist {
+        crate::workload::LengthDist::Bimodal {
+            short_tokens: 200,
+            long_tokens: 6000,
+            long_fraction: 0.1,
+            spread: 0.0,
+        }
+    }
+
     #[test]
     fn a_cell_is_deterministic() {
         let workers = vec![(LoadReport::Sglang, EngineParams::default()); 4];
-        let traffic = crate::scenario::TrafficConfig {
-            name: "t".into(),
-            arrival: crate::scenario::ArrivalConfig::Poisson {},
-            prompt: Some(crate::workload::LengthDist::Bimodal {
-                short_tokens: 200,
-                long_tokens: 6000,
-                long_fraction: 0.1,
-                spread: 0.0,
-            }),
-            output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
-            shared_prefix: None,
-            conversation: None,
-        };
+        let traffic = poisson_traffic(size_skew_prompts(), 32, None);
         let requests = crate::workload::generate(&traffic, None, 30.0, 2000, 9);
         let registry = policy_registry();
         for policy in PolicyName::ALL {
@@ -1234,18 +1261,15 @@ mod tests {
             .iter()
             .map(|&report| (report, EngineParams::default()))
             .collect();
-        let traffic = crate::scenario::TrafficConfig {
-            name: "t".into(),
-            arrival: crate::scenario::ArrivalConfig::Poisson {},
-            prompt: Some(crate::workload::LengthDist::Constant { tokens: 700 }),
-            output: Some(crate::workload::LengthDist::Constant { tokens: 16 }),
-            conversation: None,
-            shared_prefix: Some(SharedPrefixConfig {
+        let traffic = poisson_traffic(
+            crate::workload::LengthDist::Constant { tokens: 700 },
+            16,
+            Some(SharedPrefixConfig {
                 fraction: 0.5,
                 tokens: 512,
                 groups: 2,
             }),
-        };
+        );
         let requests = crate::workload::generate(&traffic, None, 40.0, 1500, 2);
         let registry = policy_registry();
         for report_at in [ReportAt::Send, ReportAt::Completion] {
@@ -1283,19 +1307,7 @@ mod tests {
     /// A size-skewed cell of 4 replicas over 8 workers at about 0.85 load.
     fn replica_cell_stats(policy: PolicyName, sync: SyncConfig, seed: u64) -> CellStats {
         let workers = vec![(LoadReport::Sglang, EngineParams::default()); 8];
-        let traffic = crate::scenario::TrafficConfig {
-            name: "t".into(),
-            arrival: crate::scenario::ArrivalConfig::Poisson {},
-            prompt: Some(crate::workload::LengthDist::Bimodal {
-                short_tokens: 200,
-                long_tokens: 6000,
-                long_fraction: 0.1,
-                spread: 0.0,
-            }),
-            output: Some(crate::workload::LengthDist::Constant { tokens: 32 }),
-            shared_prefix: None,
-            conversation: None,
-        };
+        let traffic = poisson_traffic(size_skew_prompts(), 32, None);
         let requests = crate::workload::generate(&traffic, None, 60.0, 4000, 3);
         let cell = Cell {
             workers: &workers,
@@ -1370,14 +1382,11 @@ mod tests {
     #[test]
     fn a_slowdown_changes_the_engine_and_the_rates_are_sampled() {
         let workers = vec![(LoadReport::Sglang, EngineParams::default()); 2];
-        let traffic = crate::scenario::TrafficConfig {
-            name: "t".into(),
-            arrival: crate::scenario::ArrivalConfig::Poisson {},
-            prompt: Some(crate::workload::LengthDist::Constant { tokens: 1000 }),
-            output: Some(crate::workload::LengthDist::Constant { tokens: 8 }),
-            shared_prefix: None,
-            conversation: None,
-        };
+        let traffic = poisson_traffic(
+            crate::workload::LengthDist::Constant { tokens: 1000 },
+            8,
+            None,
+        );
         let requests = crate::workload::generate(&traffic, None, 8.0, 400, 3);
         let last_s = requests.last().unwrap().arrival_s;
         let slowdown = Slowdown {

@@ -636,12 +636,7 @@ fn write_rate_plots(outcome: &ScenarioOutcome, dir: &Path) -> Result<(), SimErro
                     .collect();
                 series.push(("true prefill rate".to_owned(), truth));
             }
-            let replicas = trace
-                .samples
-                .iter()
-                .map(|s| s.estimates_tps.len())
-                .max()
-                .unwrap_or(0);
+            let replicas = trace.replica_count();
             for replica in 0..replicas {
                 let points: Vec<(f64, f64)> = trace
                     .samples

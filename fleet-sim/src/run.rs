@@ -101,12 +101,7 @@ impl RateTracking {
             .or(trace.samples.first())
             .map_or(0.0, |s| s.true_prefill_tps);
         let true_after = after.last().map_or(true_before, |s| s.true_prefill_tps);
-        let replicas = trace
-            .samples
-            .iter()
-            .map(|s| s.estimates_tps.len())
-            .max()
-            .unwrap_or(0);
+        let replicas = trace.replica_count();
         (0..replicas)
             .map(|replica| {
                 let estimate = |sample: &crate::fleet::RateSample| {
