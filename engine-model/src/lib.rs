@@ -54,11 +54,13 @@
 
 mod error;
 pub mod model;
+mod prefix_cache;
 pub mod reports;
 mod splitmix;
 
 pub use error::EngineError;
 pub use model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, StepSummary,
+    chain_block_hashes,
 };
 pub use splitmix::{SplitMix64, mix};

@@ -6,14 +6,15 @@
 //! clock multiplied by a time-scale factor. Nothing in here sleeps, reads a
 //! clock or allocates per step (events go into a caller-owned buffer).
 
+use std::cell::Cell;
 use std::cmp::Reverse;
-use std::collections::hash_map::Entry;
-use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::EngineError;
+use crate::prefix_cache::{PrefixCache, ROOT};
 use crate::splitmix::{SplitMix64, finalize};
 
 /// Per-worker engine parameters. Every field has a default; serde
@@ -155,6 +156,14 @@ pub struct EngineRequest {
     pub prefix_block_hashes: Vec<u64>,
 }
 
+impl EngineRequest {
+    /// The chained keys of its blocks, as the prefix cache keys them
+    /// ([`chain_block_hashes`] of `prefix_block_hashes`).
+    pub fn prefix_chain(&self) -> Vec<u64> {
+        chain_block_hashes(&self.prefix_block_hashes)
+    }
+}
+
 /// What happened to one request, reported when it finishes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RequestRecord {
@@ -294,10 +303,14 @@ struct Slot {
     cached_tokens_first: Option<u32>,
     /// Leading blocks of `chain` this request holds a reference on.
     pinned_blocks: u32,
+    /// The prefix cache's node where those blocks end ([`ROOT`] for none).
+    pinned_node: u32,
     /// KV tokens held outside the prefix cache.
     private_kv: u64,
-    /// Uncached prompt tokens counted in the waiting sum while waiting.
-    queued_uncached: u64,
+    /// While waiting: the leading blocks of `chain` found cached when its
+    /// estimate was last brought up to date (the waiting sum counts the
+    /// rest of `prefill_target`). A `Cell`, so reads bring it up to date.
+    queued_hit_blocks: Cell<u32>,
     decoding: bool,
     preemptions: u32,
 }
@@ -318,8 +331,9 @@ impl Slot {
             prefilled: 0,
             cached_tokens_first: None,
             pinned_blocks: 0,
+            pinned_node: ROOT,
             private_kv: 0,
-            queued_uncached: 0,
+            queued_hit_blocks: Cell::new(0),
             decoding: false,
             preemptions: 0,
         }
@@ -328,7 +342,7 @@ impl Slot {
 
 /// Keys are already well-mixed hashes: pass them through.
 #[derive(Debug, Default, Clone, Copy)]
-struct PassThroughHasher(u64);
+pub(crate) struct PassThroughHasher(u64);
 
 impl Hasher for PassThroughHasher {
     fn finish(&self) -> u64 {
@@ -344,90 +358,24 @@ impl Hasher for PassThroughHasher {
     }
 }
 
-type PassThrough = BuildHasherDefault<PassThroughHasher>;
-
-#[derive(Debug, Clone, Copy)]
-struct CachedBlock {
-    refs: u32,
-    /// LRU stamp while unreferenced.
-    tick: u64,
-}
-
-/// The prefix cache: blocks keyed by chained hash, reference-counted by the
-/// running requests that use them; unreferenced blocks are evictable, LRU.
-#[derive(Debug, Default)]
-struct PrefixCache {
-    blocks: HashMap<u64, CachedBlock, PassThrough>,
-    evictable: BTreeSet<(u64, u64)>,
-    tick: u64,
-    /// Bumped whenever a block enters or leaves the cache.
-    generation: u64,
-}
-
-impl PrefixCache {
-    fn leading_hits(&self, chain: &[u64]) -> usize {
-        chain
-            .iter()
-            .take_while(|hash| self.blocks.contains_key(hash))
-            .count()
-    }
-
-    fn pin(&mut self, hash: u64) {
-        if let Some(block) = self.blocks.get_mut(&hash) {
-            if block.refs == 0 {
-                self.evictable.remove(&(block.tick, hash));
-            }
-            block.refs += 1;
-        }
-    }
-
-    fn unpin(&mut self, hash: u64) {
-        if let Some(block) = self.blocks.get_mut(&hash) {
-            block.refs = block.refs.saturating_sub(1);
-            if block.refs == 0 {
-                self.tick += 1;
-                block.tick = self.tick;
-                self.evictable.insert((block.tick, hash));
-            }
-        }
-    }
-
-    /// Inserts a block held by one request; false when it was already cached
-    /// (then it is pinned instead).
-    fn insert_pinned(&mut self, hash: u64) -> bool {
-        match self.blocks.entry(hash) {
-            Entry::Occupied(mut occupied) => {
-                let block = occupied.get_mut();
-                if block.refs == 0 {
-                    self.evictable.remove(&(block.tick, hash));
-                }
-                block.refs += 1;
-                false
-            }
-            Entry::Vacant(vacant) => {
-                vacant.insert(CachedBlock { refs: 1, tick: 0 });
-                self.generation += 1;
-                true
-            }
-        }
-    }
-
-    /// Evicts the least recently used unreferenced block; false when none.
-    fn evict_one(&mut self) -> bool {
-        match self.evictable.pop_first() {
-            Some((_, hash)) => {
-                self.blocks.remove(&hash);
-                self.generation += 1;
-                true
-            }
-            None => false,
-        }
-    }
-}
+pub(crate) type PassThrough = BuildHasherDefault<PassThroughHasher>;
 
 /// Chains content hashes: block `i`'s key depends on every block before it.
 pub fn chain_block_hash(previous: u64, content: u64) -> u64 {
     finalize(previous ^ content.rotate_left(29) ^ 0x243f_6a88_85a3_08d3)
+}
+
+/// The chained keys of a prompt's blocks from their content hashes
+/// ([`chain_block_hash`] applied in order).
+pub fn chain_block_hashes(content_hashes: &[u64]) -> Vec<u64> {
+    let mut previous = 0u64;
+    content_hashes
+        .iter()
+        .map(|&content| {
+            previous = chain_block_hash(previous, content);
+            previous
+        })
+        .collect()
 }
 
 /// One continuous-batching engine (see the module docs and `docs/engine-model.md`).
@@ -461,12 +409,14 @@ pub struct Engine {
     last_step_end_s: f64,
     private_kv_tokens: u64,
     cached_kv_tokens: u64,
-    waiting_uncached_tokens: u64,
+    /// Uncached prompt tokens of the waiting requests, as of
+    /// `estimates_cache_generation` (see [`Engine::waiting_uncached_tokens`]).
+    waiting_uncached_tokens: Cell<u64>,
     running_prefill_remaining_tokens: u64,
     decoding_requests: u32,
     decode_tps: f64,
     /// The cache generation the waiting estimates were computed at.
-    estimates_cache_generation: u64,
+    estimates_cache_generation: Cell<u64>,
     prompt_tokens_total: u64,
     generation_tokens_total: u64,
     prefix_queries_tokens_total: u64,
@@ -496,11 +446,11 @@ impl Engine {
             last_step_end_s: 0.0,
             private_kv_tokens: 0,
             cached_kv_tokens: 0,
-            waiting_uncached_tokens: 0,
+            waiting_uncached_tokens: Cell::new(0),
             running_prefill_remaining_tokens: 0,
             decoding_requests: 0,
             decode_tps: 0.0,
-            estimates_cache_generation: 0,
+            estimates_cache_generation: Cell::new(0),
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             prefix_queries_tokens_total: 0,
@@ -590,7 +540,7 @@ impl Engine {
     /// The oracle's signal: uncached prefill work waiting plus the unfinished
     /// part of running (chunked) prefills, tokens.
     pub fn queued_prefill_tokens(&self) -> u64 {
-        self.waiting_uncached_tokens + self.running_prefill_remaining_tokens
+        self.waiting_uncached_tokens() + self.running_prefill_remaining_tokens
     }
 
     /// [`queued_prefill_tokens`](Engine::queued_prefill_tokens) / `prefill_tps`, seconds.
@@ -643,16 +593,21 @@ impl Engine {
         let prompt_tokens = prompt_tokens.max(1);
         let block = self.params.block_size_tokens;
         let max_blocks = ((prompt_tokens - 1) / block) as usize;
-        let mut previous = 0u64;
-        let mut hits = 0u32;
-        for &content in prefix_block_hashes.iter().take(max_blocks) {
-            previous = chain_block_hash(previous, content);
-            if !self.cache.blocks.contains_key(&previous) {
-                break;
-            }
-            hits += 1;
+        let content = &prefix_block_hashes[..prefix_block_hashes.len().min(max_blocks)];
+        self.cached_chain_tokens(prompt_tokens, &chain_block_hashes(content))
+    }
+
+    /// [`cached_prompt_tokens`](Engine::cached_prompt_tokens) from the
+    /// chained keys ([`EngineRequest::prefix_chain`]), for a caller that
+    /// asks several engines about one request and chains it once.
+    pub fn cached_chain_tokens(&self, prompt_tokens: u32, prefix_chain: &[u64]) -> u32 {
+        if !self.params.prefix_cache {
+            return 0;
         }
-        hits * block
+        let block = self.params.block_size_tokens;
+        let max_blocks = ((prompt_tokens.max(1) - 1) / block) as usize;
+        let chain = &prefix_chain[..prefix_chain.len().min(max_blocks)];
+        self.cache.leading_hits(chain) as u32 * block
     }
 
     /// A cheap lower bound of
@@ -662,11 +617,16 @@ impl Engine {
     /// most the jitter can take off), with nothing else in the way; a
     /// nanosecond less, for rounding. A caller looking for the earliest first
     /// token across engines projects only those whose bound is not already
-    /// beaten.
-    pub fn first_token_lower_bound_s(&self, now_s: f64, request: &EngineRequest) -> f64 {
+    /// beaten. `prefix_chain` is the request's
+    /// [`prefix_chain`](EngineRequest::prefix_chain).
+    pub fn first_token_lower_bound_s(
+        &self,
+        now_s: f64,
+        request: &EngineRequest,
+        prefix_chain: &[u64],
+    ) -> f64 {
         let prompt_tokens = request.prompt_tokens.max(1);
-        let own_uncached =
-            prompt_tokens - self.cached_prompt_tokens(prompt_tokens, &request.prefix_block_hashes);
+        let own_uncached = prompt_tokens - self.cached_chain_tokens(prompt_tokens, prefix_chain);
         let tokens = self.queued_prefill_tokens() + u64::from(own_uncached);
         now_s.max(self.clock_s)
             + tokens as f64 / self.params.prefill_tps * (1.0 - self.params.step_jitter)
@@ -692,8 +652,14 @@ impl Engine {
     /// use less the evictable cached blocks, a finished request frees its
     /// private KV and its pinned blocks) and keeps each waiting request's
     /// current uncached count. Infinite when the request could never be
-    /// admitted. Read-only: the engine is not changed.
-    pub fn first_token_projection_s(&self, now_s: f64, request: &EngineRequest) -> f64 {
+    /// admitted. Read-only: the engine is not changed. `prefix_chain` is the
+    /// request's [`prefix_chain`](EngineRequest::prefix_chain).
+    pub fn first_token_projection_s(
+        &self,
+        now_s: f64,
+        request: &EngineRequest,
+        prefix_chain: &[u64],
+    ) -> f64 {
         /// A request in the projected running batch that is still prefilling.
         struct Prefilling {
             remaining: u32,
@@ -706,8 +672,7 @@ impl Engine {
         let params = &self.params;
         let block = u64::from(params.block_size_tokens);
         let prompt_tokens = request.prompt_tokens.max(1);
-        let own_uncached =
-            prompt_tokens - self.cached_prompt_tokens(prompt_tokens, &request.prefix_block_hashes);
+        let own_uncached = prompt_tokens - self.cached_chain_tokens(prompt_tokens, prefix_chain);
         // (finish step, KV freed then): requests decoding.
         let mut decoding: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
         let mut prefilling: VecDeque<Prefilling> = VecDeque::new();
@@ -727,12 +692,13 @@ impl Engine {
                 });
             }
         }
+        self.refresh_waiting_estimates();
         let waiting = self
             .waiting
             .iter()
             .map(|&index| {
                 let slot = &self.slots[index as usize];
-                let uncached = slot.queued_uncached as u32;
+                let uncached = self.queued_uncached(slot) as u32;
                 Prefilling {
                     remaining: uncached,
                     output: slot.output_tokens.saturating_sub(slot.generated).max(1),
@@ -748,7 +714,7 @@ impl Engine {
             }));
         let mut waiting = waiting.peekable();
         // KV room: capacity less what is held, evictable cached blocks counted free.
-        let evictable = self.cache.evictable.len() as u64 * block;
+        let evictable = self.cache.evictable_blocks() * block;
         let mut free_kv = i128::from(params.kv_capacity_tokens) - i128::from(self.used_kv_tokens())
             + i128::from(evictable);
         let min_step_s = params.min_step_ms / 1000.0;
@@ -891,9 +857,7 @@ impl Engine {
                 if let Some(position) = self.waiting.iter().position(|&i| i == index) {
                     self.waiting.remove(position);
                 }
-                let slot = &mut self.slots[index as usize];
-                self.waiting_uncached_tokens -= slot.queued_uncached;
-                slot.queued_uncached = 0;
+                self.dequeue_estimate(index);
             }
             Phase::Running => {
                 if let Some(position) = self.running.iter().position(|&i| i == index) {
@@ -1073,10 +1037,6 @@ impl Engine {
         running.truncate(kept);
         self.running = running;
 
-        if self.cache.generation != self.estimates_cache_generation {
-            self.refresh_waiting_estimates();
-        }
-
         self.generation_tokens_total += generated_tokens;
         let alpha = 1.0 - (-duration_s / self.params.throughput_window_s).exp();
         let instant_tps = generated_tokens as f64 / duration_s;
@@ -1089,12 +1049,18 @@ impl Engine {
 
     /// Puts a waiting request in the queue (tail, or head when preempted) and
     /// counts its uncached prompt in the waiting sum.
+    ///
+    /// The waiting sum is always the sum of the stored estimates, current or
+    /// not; a read brings them all up to date (see
+    /// [`refresh_waiting_estimates`](Engine::refresh_waiting_estimates)).
     fn enqueue(&mut self, index: u32, at_head: bool) {
-        let hits = self.cached_prefix_tokens(index);
+        let hit_blocks = self.cached_prefix_tokens(index) / self.params.block_size_tokens;
         let slot = &mut self.slots[index as usize];
         slot.phase = Phase::Waiting;
-        slot.queued_uncached = u64::from(slot.prefill_target - hits);
-        self.waiting_uncached_tokens += slot.queued_uncached;
+        slot.queued_hit_blocks.set(hit_blocks);
+        let uncached = self.queued_uncached(&self.slots[index as usize]);
+        self.waiting_uncached_tokens
+            .set(self.waiting_uncached_tokens.get() + uncached);
         if at_head {
             self.waiting.push_front(index);
         } else {
@@ -1102,24 +1068,60 @@ impl Engine {
         }
     }
 
-    /// Recomputes the waiting requests' uncached prompts after the prefix
-    /// cache changed (blocks inserted or evicted), so the reported queued
-    /// tokens follow the cache every step. Requests without cacheable blocks
-    /// are skipped: their estimate cannot change.
-    fn refresh_waiting_estimates(&mut self) {
-        self.estimates_cache_generation = self.cache.generation;
-        for position in 0..self.waiting.len() {
-            let index = self.waiting[position];
-            if self.slots[index as usize].chain.is_empty() {
+    /// Takes a request that leaves the waiting queue out of the waiting sum.
+    fn dequeue_estimate(&self, index: u32) {
+        let slot = &self.slots[index as usize];
+        let uncached = self.queued_uncached(slot);
+        self.waiting_uncached_tokens
+            .set(self.waiting_uncached_tokens.get() - uncached);
+        slot.queued_hit_blocks.set(0);
+    }
+
+    /// A waiting request's uncached prompt tokens as last estimated.
+    fn queued_uncached(&self, slot: &Slot) -> u64 {
+        u64::from(
+            slot.prefill_target - slot.queued_hit_blocks.get() * self.params.block_size_tokens,
+        )
+    }
+
+    /// Uncached prompt tokens of the waiting requests, following the prefix
+    /// cache as it is now.
+    fn waiting_uncached_tokens(&self) -> u64 {
+        self.refresh_waiting_estimates();
+        self.waiting_uncached_tokens.get()
+    }
+
+    /// Brings the waiting requests' uncached estimates up to date when the
+    /// prefix cache changed (blocks inserted or evicted) since they were
+    /// made, so the reported queued tokens follow the cache.
+    ///
+    /// Done when read (a poll, the oracle) rather than after every step: a
+    /// deep queue under overload then costs one tree walk per waiting
+    /// request per read, not per step.
+    fn refresh_waiting_estimates(&self) {
+        let generation = self.cache.generation();
+        if self.estimates_cache_generation.get() == generation {
+            return;
+        }
+        self.estimates_cache_generation.set(generation);
+        if !self.params.prefix_cache {
+            return;
+        }
+        let block = self.params.block_size_tokens;
+        let mut sum = self.waiting_uncached_tokens.get();
+        for &index in &self.waiting {
+            let slot = &self.slots[index as usize];
+            if slot.chain.is_empty() {
                 continue;
             }
-            let hits = self.cached_prefix_tokens(index);
-            let slot = &mut self.slots[index as usize];
-            let uncached = u64::from(slot.prefill_target - hits);
-            self.waiting_uncached_tokens =
-                self.waiting_uncached_tokens - slot.queued_uncached + uncached;
-            slot.queued_uncached = uncached;
+            let before = slot.queued_hit_blocks.get();
+            let after = self.cached_prefix_tokens(index) / block;
+            if after != before {
+                sum = sum + u64::from(before * block) - u64::from(after * block);
+                slot.queued_hit_blocks.set(after);
+            }
         }
+        self.waiting_uncached_tokens.set(sum);
     }
 
     /// Prompt tokens of this request the cache would serve now (at least one
@@ -1143,25 +1145,20 @@ impl Engine {
         let capacity = self.params.kv_capacity_tokens;
         let cached = self.cached_prefix_tokens(index);
         let hit_blocks = cached / self.params.block_size_tokens;
-        {
-            let slot = &self.slots[index as usize];
-            for &hash in &slot.chain[..hit_blocks as usize] {
-                self.cache.pin(hash);
-            }
-        }
+        let pinned_node = self
+            .cache
+            .pin(&self.slots[index as usize].chain, hit_blocks as usize);
         let needed = u64::from(self.slots[index as usize].prefill_target - cached) + 1;
         while self.used_kv_tokens() + reserved_tokens + needed > capacity {
             if !self.evict_block() {
-                let slot = &self.slots[index as usize];
-                for &hash in slot.chain[..hit_blocks as usize].iter().rev() {
-                    self.cache.unpin(hash);
-                }
+                self.cache.unpin(pinned_node);
                 return false;
             }
         }
         let slot = &mut self.slots[index as usize];
         slot.phase = Phase::Running;
         slot.pinned_blocks = hit_blocks;
+        slot.pinned_node = pinned_node;
         slot.prefilled = cached;
         slot.private_kv = needed;
         slot.decoding = false;
@@ -1172,10 +1169,10 @@ impl Engine {
             slot.cached_tokens_first = Some(cached);
         }
         self.private_kv_tokens += needed;
-        self.waiting_uncached_tokens -= slot.queued_uncached;
-        slot.queued_uncached = 0;
-        self.running_prefill_remaining_tokens += u64::from(slot.prefill_target - cached);
-        self.prefix_queries_tokens_total += u64::from(slot.prefill_target);
+        let prefill_target = slot.prefill_target;
+        self.dequeue_estimate(index);
+        self.running_prefill_remaining_tokens += u64::from(prefill_target - cached);
+        self.prefix_queries_tokens_total += u64::from(prefill_target);
         self.prefix_hits_tokens_total += u64::from(cached);
         true
     }
@@ -1188,16 +1185,13 @@ impl Engine {
         }
         let block = u64::from(self.params.block_size_tokens);
         let slot = &mut self.slots[index as usize];
-        let from = slot.pinned_blocks as usize;
-        let to = slot.chain.len();
-        for &hash in &slot.chain[from..to] {
-            if self.cache.insert_pinned(hash) {
-                self.cached_kv_tokens += block;
-            }
-            slot.private_kv -= block;
-            self.private_kv_tokens -= block;
-        }
-        slot.pinned_blocks = to as u32;
+        let (deepest, added_blocks) = self.cache.insert(&slot.chain, slot.pinned_node);
+        let moved = (slot.chain.len() - slot.pinned_blocks as usize) as u64 * block;
+        self.cached_kv_tokens += added_blocks as u64 * block;
+        slot.private_kv -= moved;
+        self.private_kv_tokens -= moved;
+        slot.pinned_blocks = slot.chain.len() as u32;
+        slot.pinned_node = deepest;
     }
 
     /// Frees a running request's KV and drops its cache references.
@@ -1212,10 +1206,8 @@ impl Engine {
             self.decoding_requests -= 1;
         }
         slot.decoding = false;
-        // Tail blocks first, so they are evicted before the blocks they extend.
-        for &hash in slot.chain[..slot.pinned_blocks as usize].iter().rev() {
-            self.cache.unpin(hash);
-        }
+        self.cache.unpin(slot.pinned_node);
+        slot.pinned_node = ROOT;
         slot.pinned_blocks = 0;
     }
 

@@ -535,8 +535,8 @@ fn the_first_token_projection_is_the_first_token_time() {
         advance_to(&mut projected, now_s);
         advance_to(&mut actual, now_s);
         let target = request(1_000_000, 1 + (rng.next_u64() % 5000) as u32, 3, now_s);
-        let expected_s = projected.first_token_projection_s(now_s, &target);
-        let bound_s = projected.first_token_lower_bound_s(now_s, &target);
+        let expected_s = projected.first_token_projection_s(now_s, &target, &target.prefix_chain());
+        let bound_s = projected.first_token_lower_bound_s(now_s, &target, &target.prefix_chain());
         assert!(
             bound_s <= expected_s,
             "case {case}: bound {bound_s} > {expected_s}"
@@ -581,9 +581,15 @@ fn the_projection_counts_the_request_s_own_uncached_tokens() {
         arrival_s: 1.0,
         prefix_block_hashes: hashes.clone(),
     };
-    assert!(close(engine.first_token_projection_s(1.0, &target), 1.125));
+    assert!(close(
+        engine.first_token_projection_s(1.0, &target, &target.prefix_chain()),
+        1.125
+    ));
     engine.set_speed(0.5).unwrap();
-    assert!(close(engine.first_token_projection_s(1.0, &target), 1.25));
+    assert!(close(
+        engine.first_token_projection_s(1.0, &target, &target.prefix_chain()),
+        1.25
+    ));
     engine.set_speed(1.0).unwrap();
     engine
         .submit(EngineRequest {
@@ -598,7 +604,7 @@ fn the_projection_counts_the_request_s_own_uncached_tokens() {
     assert_eq!(engine.cached_prompt_tokens(1000, &hashes), 512);
     let expected = 1.0 + 488.0 / 8000.0;
     assert!(close(
-        engine.first_token_projection_s(1.0, &target),
+        engine.first_token_projection_s(1.0, &target, &target.prefix_chain()),
         expected
     ));
     // The projection changed nothing.

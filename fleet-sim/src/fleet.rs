@@ -53,7 +53,8 @@ use super::scenario::{
 use super::sync::{SyncChannel, worker_url};
 use super::workload::RequestSpec;
 use engine_model::{
-    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
+    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord,
+    chain_block_hashes, mix, reports,
 };
 
 /// Everything one cell needs.
@@ -182,15 +183,38 @@ pub fn oracle_pick(
     request: impl Fn(&EngineParams) -> EngineRequest,
     rng: &mut SmallRng,
 ) -> usize {
-    let requests: Vec<EngineRequest> = engines
+    // One request (and one chain) per block size, not per engine: the
+    // fleet usually has one.
+    let mut by_block_size: Vec<(u32, EngineRequest, Vec<u64>)> = Vec::with_capacity(1);
+    let variant: Vec<usize> = engines
         .iter()
-        .map(|engine| request(engine.params()))
+        .map(|engine| {
+            let block_tokens = engine.params().block_size_tokens;
+            match by_block_size.iter().position(|v| v.0 == block_tokens) {
+                Some(known) => known,
+                None => {
+                    let request = request(engine.params());
+                    let chain = request.prefix_chain();
+                    by_block_size.push((block_tokens, request, chain));
+                    by_block_size.len() - 1
+                }
+            }
+        })
         .collect();
+    let request_for = |index: usize| {
+        let (_, request, chain) = &by_block_size[variant[index]];
+        (request, chain.as_slice())
+    };
     let mut order: Vec<(f64, usize)> = engines
         .iter()
-        .zip(&requests)
-        .map(|(engine, request)| engine.first_token_lower_bound_s(now_s, request))
-        .zip(0..)
+        .enumerate()
+        .map(|(index, engine)| {
+            let (request, chain) = request_for(index);
+            (
+                engine.first_token_lower_bound_s(now_s, request, chain),
+                index,
+            )
+        })
         .collect();
     order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     let mut least = Least::default();
@@ -198,9 +222,10 @@ pub fn oracle_pick(
         if bound_s > least.value {
             break;
         }
+        let (request, chain) = request_for(index);
         least.offer(
             index,
-            engines[index].first_token_projection_s(now_s, &requests[index]),
+            engines[index].first_token_projection_s(now_s, request, chain),
             rng,
         );
     }
@@ -766,24 +791,27 @@ impl<'a> CellRun<'a> {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
         }
         let shared_prefix = self.cell.shared_prefix;
-        let request = |params: &EngineParams| EngineRequest {
-            id: id as u64,
-            prompt_tokens: spec.prompt_tokens,
-            output_tokens: spec.output_tokens,
-            arrival_s: now_s,
-            prefix_block_hashes: spec.block_hashes(shared_prefix, params.block_size_tokens),
-        };
-        let now = self.clock.at(now_s);
-        // The router hashes the prompt as the first worker's engine does.
+        // The router hashes the prompt as the first worker's engine does;
+        // engines with that block size get the same hashes, computed once.
         let block_tokens = self
             .cell
             .workers
             .first()
             .map_or(16, |w| w.1.block_size_tokens);
-        let prefix = PrefixBlocks::new(
-            block_tokens,
-            spec.chained_block_hashes(shared_prefix, block_tokens),
-        );
+        let content_hashes = spec.block_hashes(shared_prefix, block_tokens);
+        let request = |params: &EngineParams| EngineRequest {
+            id: id as u64,
+            prompt_tokens: spec.prompt_tokens,
+            output_tokens: spec.output_tokens,
+            arrival_s: now_s,
+            prefix_block_hashes: if params.block_size_tokens == block_tokens {
+                content_hashes.clone()
+            } else {
+                spec.block_hashes(shared_prefix, params.block_size_tokens)
+            },
+        };
+        let now = self.clock.at(now_s);
+        let prefix = PrefixBlocks::new(block_tokens, chain_block_hashes(&content_hashes));
         // Every simulated request is measured at its first token, as a
         // stream is.
         let info = RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)))

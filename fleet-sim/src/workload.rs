@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use engine_model::mix;
-use engine_model::model::chain_block_hash;
+use engine_model::model::chain_block_hashes;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
@@ -361,14 +361,7 @@ impl RequestSpec {
         shared_prefix: Option<SharedPrefixConfig>,
         block_tokens: u32,
     ) -> Vec<u64> {
-        let mut previous = 0u64;
-        self.block_hashes(shared_prefix, block_tokens)
-            .into_iter()
-            .map(|content| {
-                previous = chain_block_hash(previous, content);
-                previous
-            })
-            .collect()
+        chain_block_hashes(&self.block_hashes(shared_prefix, block_tokens))
     }
 }
 

@@ -1,0 +1,404 @@
+//! The engine's prefix cache: a radix tree of chained block hashes, as
+//! SGLang's radix cache keeps token runs.
+//!
+//! A prompt's blocks are a chain (block `i`'s hash depends on every block
+//! before it), so prompts that share a prefix share a path from the root.
+//! Each node holds a run of blocks that always go together: a request pins
+//! the whole path to the deepest node it uses, and the tree splits a node
+//! where a request's match or insertion ends inside it. Work per request is
+//! therefore per node on its path (a handful), not per block (a 6k-token
+//! prompt is ~400 blocks of 16 tokens): a block-per-entry map spent most of
+//! the simulator's time on prefix-heavy scenarios.
+//!
+//! Eviction is LRU at block granularity from the leaves: the unreferenced
+//! leaf released longest ago loses its last block first. A node is
+//! released after everything below it on the releasing request's path, so
+//! a block is never less recently used than the blocks that extend it.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use crate::model::PassThrough;
+
+/// The root's id; it holds no blocks and is never evicted.
+pub(crate) const ROOT: u32 = 0;
+
+#[derive(Debug)]
+struct Node {
+    parent: u32,
+    /// The first block's hash: the parent's key for this node.
+    key: u64,
+    /// The run's chained block hashes.
+    blocks: Vec<u64>,
+    /// Children by their first block's hash.
+    children: HashMap<u64, u32, PassThrough>,
+    /// Requests holding this node (every node on their path).
+    refs: u32,
+    /// LRU stamp of the last release.
+    tick: u64,
+}
+
+impl Node {
+    fn new(parent: u32, blocks: Vec<u64>, refs: u32) -> Node {
+        Node {
+            parent,
+            key: blocks.first().copied().unwrap_or_default(),
+            blocks,
+            children: HashMap::default(),
+            refs,
+            tick: 0,
+        }
+    }
+}
+
+/// Where a chain's match ends: in `node`, after `matched` blocks in all,
+/// of which `in_node` are the node's (all of them, or a leading part).
+#[derive(Debug, Clone, Copy)]
+struct Match {
+    node: u32,
+    matched: usize,
+    in_node: usize,
+}
+
+#[derive(Debug)]
+pub(crate) struct PrefixCache {
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    /// Unreferenced leaves by release tick, oldest first; entries go stale
+    /// when the node is pinned, grows children or is freed (checked on pop).
+    lru: BinaryHeap<Reverse<(u64, u32)>>,
+    /// Blocks in unreferenced nodes: what eviction could free.
+    evictable_blocks: u64,
+    tick: u64,
+    /// Bumped whenever a block enters or leaves the cache.
+    generation: u64,
+}
+
+impl Default for PrefixCache {
+    fn default() -> PrefixCache {
+        PrefixCache {
+            nodes: vec![Node::new(ROOT, Vec::new(), 0)],
+            free_nodes: Vec::new(),
+            lru: BinaryHeap::new(),
+            evictable_blocks: 0,
+            tick: 0,
+            generation: 0,
+        }
+    }
+}
+
+impl PrefixCache {
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub(crate) fn evictable_blocks(&self) -> u64 {
+        self.evictable_blocks
+    }
+
+    /// How many leading blocks of `chain` are cached.
+    pub(crate) fn leading_hits(&self, chain: &[u64]) -> usize {
+        self.walk(chain).matched
+    }
+
+    fn walk(&self, chain: &[u64]) -> Match {
+        let mut at = Match {
+            node: ROOT,
+            matched: 0,
+            in_node: 0,
+        };
+        while let Some(first) = chain.get(at.matched) {
+            let Some(&child) = self.nodes[at.node as usize].children.get(first) else {
+                break;
+            };
+            let run = &self.nodes[child as usize].blocks;
+            let rest = &chain[at.matched..];
+            let len = run.len().min(rest.len());
+            // Chained hashes: equal at `i` means equal up to `i`, so the
+            // common part is found by binary search, and a whole run by
+            // its last block.
+            let common = if rest[len - 1] == run[len - 1] {
+                len
+            } else {
+                let (mut low, mut high) = (1, len - 1);
+                while low < high {
+                    let middle = low + (high - low) / 2;
+                    if rest[middle] == run[middle] {
+                        low = middle + 1;
+                    } else {
+                        high = middle;
+                    }
+                }
+                low
+            };
+            at = Match {
+                node: child,
+                matched: at.matched + common,
+                in_node: common,
+            };
+            if common < run.len() {
+                break;
+            }
+        }
+        at
+    }
+
+    /// Makes the match end at a node boundary, splitting its node; returns
+    /// the node that ends there.
+    fn split_at(&mut self, at: Match) -> u32 {
+        let id = at.node;
+        if at.in_node == self.nodes[id as usize].blocks.len() {
+            return id;
+        }
+        // The upper part becomes a new node, so a request holding `id` as
+        // its deepest node still ends where it did.
+        let node = &mut self.nodes[id as usize];
+        let lower = node.blocks.split_off(at.in_node);
+        let upper_blocks = std::mem::replace(&mut node.blocks, lower);
+        let parent = node.parent;
+        let (refs, tick) = (node.refs, node.tick);
+        node.key = node.blocks.first().copied().unwrap_or_default();
+        let lower_key = node.key;
+        let mut upper = Node::new(parent, upper_blocks, refs);
+        upper.tick = tick;
+        upper.children.insert(lower_key, id);
+        let upper_id = self.alloc(upper);
+        self.nodes[id as usize].parent = upper_id;
+        let upper_key = self.nodes[upper_id as usize].key;
+        self.nodes[parent as usize]
+            .children
+            .insert(upper_key, upper_id);
+        upper_id
+    }
+
+    fn alloc(&mut self, node: Node) -> u32 {
+        match self.free_nodes.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Pins the first `blocks` blocks of `chain`, which must be cached
+    /// (at most [`leading_hits`](PrefixCache::leading_hits)); returns the
+    /// deepest node, to [`unpin`](PrefixCache::unpin) or
+    /// [`insert`](PrefixCache::insert) with.
+    pub(crate) fn pin(&mut self, chain: &[u64], blocks: usize) -> u32 {
+        let at = self.walk(&chain[..blocks.min(chain.len())]);
+        let deepest = self.split_at(at);
+        self.pin_path(deepest, ROOT);
+        deepest
+    }
+
+    /// Adds a reference to every node from `from` up to, not including, `to`.
+    fn pin_path(&mut self, from: u32, to: u32) {
+        let mut id = from;
+        while id != to && id != ROOT {
+            let node = &mut self.nodes[id as usize];
+            if node.refs == 0 {
+                // Its LRU entry goes stale: `evict_one` skips it.
+                self.evictable_blocks -= node.blocks.len() as u64;
+            }
+            node.refs += 1;
+            id = node.parent;
+        }
+    }
+
+    /// Drops a reference on every node from `deepest` to the root, deepest
+    /// first, so ancestors are released later (more recently) than the
+    /// blocks that extend them.
+    pub(crate) fn unpin(&mut self, deepest: u32) {
+        let mut id = deepest;
+        while id != ROOT {
+            let node = &mut self.nodes[id as usize];
+            if node.refs == 0 {
+                break;
+            }
+            node.refs -= 1;
+            if node.refs == 0 {
+                self.tick += 1;
+                node.tick = self.tick;
+                self.evictable_blocks += node.blocks.len() as u64;
+                if node.children.is_empty() {
+                    self.lru.push(Reverse((self.tick, id)));
+                }
+            }
+            id = node.parent;
+        }
+        self.compact_if_stale();
+    }
+
+    /// Caches `chain` for a request that pinned its path down to `pinned`
+    /// (from [`pin`](PrefixCache::pin), or [`ROOT`]): blocks already cached
+    /// are pinned, the rest inserted pinned. Returns the new deepest node
+    /// and how many blocks were added.
+    pub(crate) fn insert(&mut self, chain: &[u64], pinned: u32) -> (u32, usize) {
+        let at = self.walk(chain);
+        let end = self.split_at(at);
+        self.pin_path(end, pinned);
+        if at.matched == chain.len() {
+            return (end, 0);
+        }
+        let added = chain.len() - at.matched;
+        let leaf = self.alloc(Node::new(end, chain[at.matched..].to_vec(), 1));
+        self.nodes[end as usize]
+            .children
+            .insert(chain[at.matched], leaf);
+        self.generation += 1;
+        (leaf, added)
+    }
+
+    /// Evicts the least recently used unreferenced block (the last block of
+    /// the oldest unreferenced leaf); false when every block is in use.
+    pub(crate) fn evict_one(&mut self) -> bool {
+        while let Some(&Reverse((tick, id))) = self.lru.peek() {
+            let node = &self.nodes[id as usize];
+            let live = id != ROOT
+                && node.refs == 0
+                && node.tick == tick
+                && node.children.is_empty()
+                && !node.blocks.is_empty();
+            if !live {
+                self.lru.pop();
+                continue;
+            }
+            let node = &mut self.nodes[id as usize];
+            node.blocks.pop();
+            self.evictable_blocks -= 1;
+            self.generation += 1;
+            if node.blocks.is_empty() {
+                self.lru.pop();
+                let (parent, key) = (node.parent, node.key);
+                node.children = HashMap::default();
+                self.free_nodes.push(id);
+                let parent_node = &mut self.nodes[parent as usize];
+                parent_node.children.remove(&key);
+                if parent != ROOT && parent_node.refs == 0 && parent_node.children.is_empty() {
+                    self.lru.push(Reverse((parent_node.tick, parent)));
+                }
+            }
+            return true;
+        }
+        false
+    }
+
+    /// Rebuilds the LRU heap once stale entries outnumber the nodes.
+    fn compact_if_stale(&mut self) {
+        let live_nodes = self.nodes.len() - self.free_nodes.len();
+        if self.lru.len() > 2 * live_nodes + 1024 {
+            let nodes = &self.nodes;
+            self.lru.retain(|&Reverse((tick, id))| {
+                let node = &nodes[id as usize];
+                node.refs == 0
+                    && node.tick == tick
+                    && node.children.is_empty()
+                    && !node.blocks.is_empty()
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(blocks: &[u64]) -> Vec<u64> {
+        // Chained like the engine's: each depends on every one before it.
+        let mut previous = 0u64;
+        blocks
+            .iter()
+            .map(|&content| {
+                previous = crate::model::chain_block_hash(previous, content);
+                previous
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_shared_prefix_is_one_path_and_splits_where_prompts_differ() {
+        let mut cache = PrefixCache::default();
+        let a = chain(&[1, 2, 3, 4]);
+        let b = chain(&[1, 2, 9]);
+        let (leaf_a, added) = cache.insert(&a, ROOT);
+        assert_eq!(added, 4);
+        assert_eq!(cache.leading_hits(&b), 2);
+        let pinned = cache.pin(&b, 2);
+        let (leaf_b, added) = cache.insert(&b, pinned);
+        assert_eq!(added, 1);
+        assert_eq!(cache.leading_hits(&a), 4);
+        assert_eq!(cache.leading_hits(&b), 3);
+        cache.unpin(leaf_a);
+        cache.unpin(leaf_b);
+        assert_eq!(cache.evictable_blocks(), 5);
+    }
+
+    #[test]
+    fn eviction_takes_the_oldest_leaf_from_its_tail_and_never_a_pinned_block() {
+        let mut cache = PrefixCache::default();
+        let a = chain(&[1, 2, 3]);
+        let b = chain(&[7, 8]);
+        let (leaf_a, _) = cache.insert(&a, ROOT);
+        let (leaf_b, _) = cache.insert(&b, ROOT);
+        cache.unpin(leaf_a);
+        assert!(cache.evict_one());
+        assert_eq!(cache.leading_hits(&a), 2, "the tail goes first");
+        assert!(cache.evict_one());
+        assert!(cache.evict_one());
+        assert_eq!(cache.leading_hits(&a), 0);
+        assert!(!cache.evict_one(), "b is pinned");
+        assert_eq!(cache.leading_hits(&b), 2);
+        cache.unpin(leaf_b);
+        assert!(cache.evict_one());
+        assert_eq!(cache.evictable_blocks(), 1);
+    }
+
+    #[test]
+    fn a_shared_ancestor_outlives_the_branches_released_before_it() {
+        let mut cache = PrefixCache::default();
+        let a = chain(&[1, 2, 3]);
+        let b = chain(&[1, 2, 4]);
+        let (leaf_a, _) = cache.insert(&a, ROOT);
+        let pinned = cache.pin(&b, 2);
+        let (leaf_b, _) = cache.insert(&b, pinned);
+        cache.unpin(leaf_a);
+        cache.unpin(leaf_b);
+        // a's leaf, then b's leaf, then the shared [1, 2].
+        assert!(cache.evict_one());
+        assert_eq!(cache.leading_hits(&a), 2);
+        assert_eq!(cache.leading_hits(&b), 3);
+        assert!(cache.evict_one());
+        assert_eq!(cache.leading_hits(&b), 2);
+        assert!(cache.evict_one());
+        assert_eq!(cache.leading_hits(&b), 1);
+        assert!(cache.evict_one());
+        assert!(!cache.evict_one());
+        assert_eq!(cache.evictable_blocks(), 0);
+    }
+
+    #[test]
+    fn a_split_node_keeps_its_holders_and_their_release_order() {
+        let mut cache = PrefixCache::default();
+        let a = chain(&[1, 2, 3, 4]);
+        let (leaf_a, _) = cache.insert(&a, ROOT);
+        // b matches half of a's node while a still holds it.
+        let b = chain(&[1, 2]);
+        let pinned_b = cache.pin(&b, 2);
+        cache.unpin(leaf_a);
+        assert_eq!(
+            cache.evictable_blocks(),
+            2,
+            "[3, 4] is free, [1, 2] held by b"
+        );
+        assert!(cache.evict_one());
+        assert!(cache.evict_one());
+        assert!(!cache.evict_one());
+        assert_eq!(cache.leading_hits(&a), 2);
+        cache.unpin(pinned_b);
+        assert_eq!(cache.evictable_blocks(), 2);
+    }
+}
