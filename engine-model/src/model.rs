@@ -245,7 +245,10 @@ pub struct EngineSnapshot {
     /// Uncached prompt tokens of the waiting requests plus the unfinished part
     /// of every running request's (chunked) prefill.
     pub queued_prefill_tokens: u64,
-    /// KV tokens held (running requests and the prefix cache).
+    /// KV tokens in use: running requests' own tokens and the cached blocks
+    /// they hold. Cached blocks no request holds count as free, as SGLang's
+    /// `num_used_tokens` and vLLM's KV usage count them: the engine evicts
+    /// them on demand, so a full but idle cache is not memory pressure.
     pub used_kv_tokens: u64,
     pub kv_capacity_tokens: u64,
     pub max_running: u32,
@@ -565,7 +568,8 @@ impl Engine {
             running_requests: self.running_requests(),
             waiting_requests: self.waiting_requests(),
             queued_prefill_tokens: self.queued_prefill_tokens(),
-            used_kv_tokens: self.used_kv_tokens(),
+            used_kv_tokens: self.used_kv_tokens()
+                - self.cache.evictable_blocks() * u64::from(self.params.block_size_tokens),
             kv_capacity_tokens: self.params.kv_capacity_tokens,
             max_running: self.params.max_running,
             decode_tps: self.decode_tps(now_s),

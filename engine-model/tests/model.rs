@@ -262,6 +262,37 @@ fn prefix_cache_evicts_lru_past_the_watermark() {
 }
 
 #[test]
+fn cached_blocks_no_request_holds_are_reported_free() {
+    let mut engine = Engine::new(EngineParams::default(), 1).unwrap();
+    let hashes: Vec<u64> = (0..48).collect();
+    engine
+        .submit(EngineRequest {
+            prefix_block_hashes: hashes.clone(),
+            ..request(1, 768, 4, 0.0)
+        })
+        .unwrap();
+    // While it runs, its cached blocks are in use.
+    engine.step(0.0, &mut Vec::new()).unwrap();
+    assert!(engine.snapshot(0.1).used_kv_tokens >= 768);
+    drain(&mut engine);
+    // Finished: the engine keeps its 48 blocks cached, but they are free
+    // to evict, and the report says so (as SGLang's and vLLM's do).
+    assert_eq!(engine.used_kv_tokens(), 768);
+    let snapshot = engine.snapshot(10.0);
+    assert_eq!(snapshot.used_kv_tokens, 0);
+    assert_eq!(snapshot.kv_usage_ratio(), 0.0);
+    // A new request holding the prefix puts them back in use.
+    engine
+        .submit(EngineRequest {
+            prefix_block_hashes: hashes,
+            ..request(2, 800, 4, 10.0)
+        })
+        .unwrap();
+    engine.step(10.0, &mut Vec::new()).unwrap();
+    assert!(engine.snapshot(10.1).used_kv_tokens >= 800);
+}
+
+#[test]
 fn reported_queued_tokens_follow_a_hand_computed_trace() {
     // Prompts 3000, 1000, 500 at t=0; chunk 2048.
     // before:  all waiting                         → 3000 + 1000 + 500 = 4500
