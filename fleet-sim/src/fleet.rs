@@ -1266,7 +1266,8 @@ mod tests {
         let traffic = poisson_traffic(size_skew_prompts(), 32, None);
         let requests = crate::workload::generate(&traffic, None, 30.0, 2000, 9);
         let registry = policy_registry();
-        for policy in PolicyName::ALL {
+        let outside_the_default_set = [PolicyName::CacheAware, PolicyName::ConsistentHash];
+        for policy in PolicyName::ALL.into_iter().chain(outside_the_default_set) {
             let cell = Cell {
                 workers: &workers,
                 requests: &requests,

@@ -89,6 +89,13 @@ pub enum PolicyName {
     /// prompt counts on every worker, cached or not. Not in the default set;
     /// name it in `policies`.
     LeastLoadNoPrefix,
+    /// smg's `cache_aware` over block hashes (`policy_core::CacheAwarePolicy`).
+    /// Not in the default set; name it in `policies`.
+    CacheAware,
+    /// Consistent hashing on the prompt's leading blocks
+    /// (`policy_core::ConsistentHashPolicy`). Not in the default set; name
+    /// it in `policies`.
+    ConsistentHash,
     /// A reference: least true queued uncached prefill seconds, ties at random.
     LeastTrueQueue,
     /// The reference: the earliest projected first token for this request
@@ -134,6 +141,8 @@ impl PolicyName {
             PolicyName::LeastLoadReportedRate => "least_load_reported_rate",
             PolicyName::LeastLoadFixedRate => "least_load_fixed_rate",
             PolicyName::LeastLoadNoPrefix => "least_load_no_prefix",
+            PolicyName::CacheAware => "cache_aware",
+            PolicyName::ConsistentHash => "consistent_hash",
             PolicyName::LeastTrueQueue => "least_true_queue",
             PolicyName::Oracle => "oracle",
         }

@@ -761,6 +761,8 @@ mod tests {
             (PolicyName::RoundRobin, false),
             (PolicyName::Random, false),
             (PolicyName::LeastRequests, false),
+            (PolicyName::CacheAware, false),
+            (PolicyName::ConsistentHash, false),
             (PolicyName::Oracle, false),
             (PolicyName::LeastTrueQueue, false),
         ] {

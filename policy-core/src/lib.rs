@@ -1,4 +1,6 @@
-//! The two traits a load-aware router is built from, and the baseline policies.
+//! The two traits a load-aware router is built from, and the baseline policies
+//! (`round_robin`, `random`, `least_requests`, and the prefix-aware
+//! `cache_aware` and `consistent_hash`).
 //!
 //! - [`LoadSource`]: how one worker's load is fetched (async, I/O at the edge).
 //! - [`Policy`]: how a worker is chosen for each request (sync, no I/O, the
@@ -42,6 +44,8 @@
 //! (HTTP, gRPC) are the `load-transport` crate's.
 
 mod baseline;
+mod cache_aware;
+mod consistent_hash;
 mod dispatch;
 mod error;
 mod load_source;
@@ -56,6 +60,10 @@ mod slots;
 mod worker;
 
 pub use baseline::{BaselineKind, BaselineParams, BaselinePolicy, describe_request};
+pub use cache_aware::{CACHE_AWARE, CacheAwareParams, CacheAwarePolicy};
+pub use consistent_hash::{
+    CONSISTENT_HASH, ConsistentHashParams, ConsistentHashPolicy, MAX_VIRTUAL_NODES,
+};
 pub use dispatch::{Clock, Dispatch, DispatchGuard, PollMark, tokio_now};
 pub use error::{BackendError, BoxError, LoadError, PolicyError, error_chain};
 #[cfg(any(test, feature = "mocks"))]

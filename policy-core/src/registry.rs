@@ -5,6 +5,8 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 
 use crate::baseline::{BaselineKind, BaselinePolicy};
+use crate::cache_aware::{CACHE_AWARE, CacheAwarePolicy};
+use crate::consistent_hash::{CONSISTENT_HASH, ConsistentHashPolicy};
 use crate::{BackendError, BackendSpec, LoadSource, Policy, PolicyContext, PolicyError};
 
 /// Builds a policy from its config section (JSON; `null` for "all defaults").
@@ -30,7 +32,8 @@ impl PolicyRegistry {
         PolicyRegistry::default()
     }
 
-    /// `round_robin`, `random` and `least_requests`.
+    /// `round_robin`, `random`, `least_requests`, and the two prefix-aware
+    /// baselines `cache_aware` and `consistent_hash`.
     pub fn with_baselines() -> PolicyRegistry {
         let mut registry = PolicyRegistry::new();
         for kind in BaselineKind::ALL {
@@ -39,6 +42,14 @@ impl PolicyRegistry {
                     .map(|policy| Box::new(policy) as Box<dyn Policy>)
             });
         }
+        registry.register(CACHE_AWARE, |section, context| {
+            CacheAwarePolicy::from_section(section, context)
+                .map(|policy| Box::new(policy) as Box<dyn Policy>)
+        });
+        registry.register(CONSISTENT_HASH, |section, context| {
+            ConsistentHashPolicy::from_section(section, context)
+                .map(|policy| Box::new(policy) as Box<dyn Policy>)
+        });
         registry
     }
 
@@ -199,7 +210,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             err.to_string(),
-            r#"unknown policy "fastest"; valid policies: least_requests, random, round_robin"#
+            r#"unknown policy "fastest"; valid policies: cache_aware, consistent_hash, least_requests, random, round_robin"#
         );
     }
 

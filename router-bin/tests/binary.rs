@@ -62,7 +62,7 @@ fn invalid_config_files_and_flags_give_the_exact_error() {
     assert_eq!(code, 2);
     assert_eq!(
         stderr.trim(),
-        "router: invalid policy configuration: unknown policy \"fastest\"; valid policies: least_load, least_requests, power_of_two, random, round_robin"
+        "router: invalid policy configuration: unknown policy \"fastest\"; valid policies: cache_aware, consistent_hash, least_load, least_requests, power_of_two, random, round_robin"
     );
 
     let (code, stderr) =

@@ -635,7 +635,14 @@ mod tests {
         register_policy(&mut registry);
         assert_eq!(
             registry.names(),
-            ["least_kv", "least_requests", "random", "round_robin"]
+            [
+                "cache_aware",
+                "consistent_hash",
+                "least_kv",
+                "least_requests",
+                "random",
+                "round_robin"
+            ]
         );
         let built = registry
             .build(

@@ -490,7 +490,8 @@ fn config_errors_name_the_valid_choices() {
         (
             "[policy]\nkind = \"least_kvv\"\n",
             "invalid policy configuration: unknown policy \"least_kvv\"; valid policies: \
-             least_kv, least_load, least_requests, power_of_two, random, round_robin",
+             cache_aware, consistent_hash, least_kv, least_load, least_requests, power_of_two, \
+             random, round_robin",
         ),
     ] {
         let error = load_config(&with_policy(section)).unwrap_err();
