@@ -9,6 +9,15 @@
 //! choice move as they would under traffic. The policies are called through
 //! `&dyn Policy`, as the router calls them.
 //!
+//! `least_load_prefix` is `least_load` with requests that carry their
+//! prompt's block hashes: 64 workers, 8192-token prompts hashed in 16-token
+//! blocks (the engines' block size; the index reads every 16th hash, one per
+//! `prefix_index_block_tokens` = 256), 8192 distinct prompts that share 256
+//! system prefixes of 4096 tokens. Every prompt is dispatched once before
+//! measuring, so the index is warm (and, at the default
+//! `prefix_index_max_blocks`, full: its sweeps are part of the cost), and each
+//! selection includes the lookup and the record of its dispatch.
+//!
 //! Names: `select/<policy>/<workers>` and `select/<policy>/<workers>/2-thread`.
 //! The 2-thread figure is wall time per selection with both threads working
 //! (total time / total selections), so two threads that scale perfectly halve
@@ -34,13 +43,15 @@
 
 use std::collections::HashMap;
 use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group};
 use load_protocols::{SchedulerLoadSnapshot, WorkerLoad};
 use parking_lot::RwLock;
 use policy_core::{
-    Dispatch, Policy, PolicyContext, PolicyRegistry, RequestInfo, TokenCount, WorkerId, WorkerInfo,
+    Dispatch, Policy, PolicyContext, PolicyRegistry, PrefixBlocks, RequestInfo, TokenCount,
+    WorkerId, WorkerInfo,
 };
 
 const WORKER_COUNTS: [usize; 4] = [8, 64, 512, 1024];
@@ -117,6 +128,83 @@ fn run(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant) {
     for dispatch in open.iter().flatten() {
         policy.finish(dispatch, now);
     }
+}
+
+/// The prefix rows' fleet size and traffic (see the module docs).
+const PREFIX_WORKERS: usize = 64;
+const PROMPT_TOKENS: usize = 8192;
+const ENGINE_BLOCK_TOKENS: usize = 16;
+const SHARED_PREFIXES: usize = 256;
+const SHARED_PREFIX_TOKENS: usize = 4096;
+const PROMPTS: usize = 8192;
+
+/// One step of a chained block hash (the value names the whole prefix).
+fn chain(previous: u64, content: u64) -> u64 {
+    let mixed = (previous ^ content.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .wrapping_mul(0xbf58_476d_1ce4_e5b9)
+        .rotate_left(29);
+    mixed ^ (mixed >> 31)
+}
+
+/// `PROMPTS` prompts: prompt `p` is shared prefix `p % SHARED_PREFIXES`
+/// followed by its own tokens.
+fn prefix_prompts() -> Vec<RequestInfo> {
+    let blocks = PROMPT_TOKENS / ENGINE_BLOCK_TOKENS;
+    let shared_blocks = SHARED_PREFIX_TOKENS / ENGINE_BLOCK_TOKENS;
+    (0..PROMPTS)
+        .map(|prompt| {
+            let group = (prompt % SHARED_PREFIXES) as u64;
+            let mut previous = 0;
+            let hashes: Vec<u64> = (0..blocks)
+                .map(|block| {
+                    let content = if block < shared_blocks {
+                        (group << 32) | block as u64
+                    } else {
+                        (1 << 63) | ((prompt as u64) << 32) | block as u64
+                    };
+                    previous = chain(previous, content);
+                    previous
+                })
+                .collect();
+            RequestInfo::new(TokenCount::Exact(PROMPT_TOKENS as u64))
+                .prefix_blocks(PrefixBlocks::new(ENGINE_BLOCK_TOKENS as u32, hashes))
+        })
+        .collect()
+}
+
+/// `iters` selections over `prompts` from `start` on, each after finishing
+/// the one WINDOW selections back.
+fn run_prompts(
+    policy: &dyn Policy,
+    ids: &[WorkerId],
+    prompts: &[RequestInfo],
+    start: usize,
+    iters: u64,
+    now: Instant,
+) {
+    let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
+    for i in 0..iters as usize {
+        if let Some(dispatch) = open[i % WINDOW].take() {
+            policy.finish(&dispatch, now);
+        }
+        let request = &prompts[(start + i) % prompts.len()];
+        open[i % WINDOW] = black_box(policy.select(ids, request, now));
+    }
+    for dispatch in open.iter().flatten() {
+        policy.finish(dispatch, now);
+    }
+}
+
+/// A `least_load` fleet whose prefix index has seen every prompt once, and
+/// where the next run should start in the prompts (each run, and each
+/// thread, goes on where the last left off, so prompts come round in turn).
+fn prefix_fleet(
+    prompts: &[RequestInfo],
+    now: Instant,
+) -> Setup<(Box<dyn Policy>, Vec<WorkerId>, AtomicUsize)> {
+    let (policy, ids) = build("least_load", PREFIX_WORKERS, now)?;
+    run_prompts(policy.as_ref(), &ids, prompts, 0, prompts.len() as u64, now);
+    Ok((policy, ids, AtomicUsize::new(0)))
 }
 
 /// Wall time per operation with `THREADS` threads each doing `iters`.
@@ -276,6 +364,25 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
                 b.iter_custom(|iters| contended(iters, |iters| run(policy, &ids, iters, now)));
             });
         }
+        if workers == PREFIX_WORKERS {
+            let prompts = prefix_prompts();
+            let (policy, ids, next) = prefix_fleet(&prompts, now)?;
+            let policy = policy.as_ref();
+            let run_prefix = |iters: u64| {
+                let start = next.fetch_add(iters as usize, Ordering::Relaxed);
+                run_prompts(policy, &ids, &prompts, start, iters, now);
+            };
+            group.bench_function(format!("least_load_prefix/{workers}"), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    run_prefix(iters);
+                    start.elapsed()
+                });
+            });
+            group.bench_function(format!("least_load_prefix/{workers}/2-thread"), |b| {
+                b.iter_custom(|iters| contended(iters, run_prefix));
+            });
+        }
         let original = Original::new(workers);
         let healthy: Vec<usize> = (0..workers).collect();
         group.bench_function(format!("original/{workers}"), |b| {
@@ -359,6 +466,15 @@ fn cpu_scaling() -> Setup<()> {
             let policy = policy.as_ref();
             cpu_scaling_row(&format!("select/{name}/{workers}"), |iters| {
                 run(policy, &ids, iters, now)
+            })
+            .ok_or_else(missing)?;
+        }
+        if workers == PREFIX_WORKERS {
+            let prompts = prefix_prompts();
+            let (policy, ids, next) = prefix_fleet(&prompts, now)?;
+            cpu_scaling_row(&format!("select/least_load_prefix/{workers}"), |iters| {
+                let start = next.fetch_add(iters as usize, Ordering::Relaxed);
+                run_prompts(policy.as_ref(), &ids, &prompts, start, iters, now);
             })
             .ok_or_else(missing)?;
         }

@@ -40,6 +40,24 @@ fn next_dispatch_seq() -> u64 {
     })
 }
 
+/// `now` on the prefix index's timeline, ms.
+fn index_ms(now_nanos: i64) -> u32 {
+    u32::try_from(now_nanos.max(0) / 1_000_000).unwrap_or(u32::MAX)
+}
+
+/// The worker's KV capacity in tokens, summed over its DP ranks (each holds
+/// its own cache), if every rank reports one (`max_total_num_tokens` > 0).
+fn reported_kv_capacity_tokens(load: &WorkerLoad) -> Option<u64> {
+    load.ranks()
+        .iter()
+        .map(|rank| {
+            u64::try_from(rank.max_total_num_tokens)
+                .ok()
+                .filter(|t| *t > 0)
+        })
+        .try_fold(0u64, |total, tokens| Some(total.saturating_add(tokens?)))
+}
+
 /// How the scored candidates are chosen from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
@@ -106,7 +124,8 @@ pub struct LeastLoad {
     /// What a worker without a learned rate is scored at.
     fleet_rate: FleetRate,
     /// Where prompt prefixes were sent (`prefix_affinity`), else `None`.
-    prefix: Option<parking_lot::Mutex<PrefixIndex>>,
+    /// Lock-free to read; a record locks only the table groups it writes.
+    prefix: Option<PrefixIndex>,
 }
 
 /// The request's own work as a selection counts it on each worker: its
@@ -144,54 +163,167 @@ struct Scored<'v> {
     score_secs: f64,
 }
 
-/// The candidates of one selection that may be within the tie tolerance of
-/// its lowest score, on the stack: a selection allocates nothing.
-struct NearTies<'v> {
-    entries: [Option<Scored<'v>>; NearTies::CAPACITY],
-    len: usize,
-    /// More near-ties than fit: the caller scores every candidate again.
-    overflowed: bool,
+/// One candidate that may be within the tie tolerance of the lowest score:
+/// its place in the candidate list, its score and when it was last
+/// dispatched to.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Tie {
+    pub index: usize,
+    pub score_secs: f64,
+    pub last_dispatch_nanos: i64,
 }
 
-impl Default for NearTies<'_> {
-    fn default() -> Self {
-        NearTies {
-            entries: [None; NearTies::CAPACITY],
+/// The tie rule, applied in one pass over the candidates in order: the
+/// candidate with the lowest finite score sets the bar (that score plus the
+/// tolerance); among those within it, the least recently dispatched wins;
+/// equally old ones are drawn from uniformly, by reservoir sampling in
+/// candidate order ([`ArgMin`]).
+///
+/// The pass keeps every candidate that may end within the final bar, with
+/// its last dispatch read then, so nothing is scored twice. The bar only
+/// falls, so what is outside now stays outside, and a candidate behind an
+/// earlier one no later in score and strictly older can never win nor take
+/// part in a draw (that one is within the bar whenever it is, and comes
+/// first): neither is kept. The rest stay on the stack up to
+/// [`TieRule::STACK`], beyond in a vector reused by the thread, so a
+/// selection allocates nothing once the thread has seen its largest tie.
+/// The final draw runs over the kept candidates in order, exactly as over
+/// every candidate: the choice and the draws taken are those of the rule
+/// applied to the whole list.
+#[derive(Debug)]
+pub(crate) struct TieRule {
+    tolerance_secs: f64,
+    lowest: Option<Tie>,
+    /// The oldest candidate kept, and the lowest score among those that old.
+    oldest: Option<(i64, f64)>,
+    stack: [Tie; TieRule::STACK],
+    len: usize,
+    spill: Option<Vec<Tie>>,
+}
+
+thread_local! {
+    /// [`TieRule`]'s room beyond the stack, kept by each thread.
+    static SPILL: std::cell::Cell<Vec<Tie>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl TieRule {
+    const STACK: usize = 32;
+
+    pub fn new(tolerance_secs: f64) -> TieRule {
+        TieRule {
+            tolerance_secs,
+            lowest: None,
+            oldest: None,
+            stack: [Tie::default(); TieRule::STACK],
             len: 0,
-            overflowed: false,
+            spill: None,
         }
     }
-}
 
-impl<'v> NearTies<'v> {
-    const CAPACITY: usize = 32;
-
-    /// Keeps `scored` if it is within `within_secs`, the lowest score so far
-    /// plus the tolerance. The lowest score only falls, so what is outside
-    /// now stays outside; kept entries it leaves behind are dropped when room
-    /// is needed.
-    fn offer(&mut self, scored: Scored<'v>, within_secs: f64) {
-        if self.overflowed || scored.score_secs > within_secs {
+    /// Offers the candidate at `index` with its score; `last_dispatch_nanos`
+    /// is read only if it may be needed.
+    #[inline]
+    pub fn offer(
+        &mut self,
+        index: usize,
+        score_secs: f64,
+        last_dispatch_nanos: impl FnOnce() -> i64,
+    ) {
+        // A NaN or infinite score never wins (the scorer clamps, so this is
+        // a second line of defence).
+        if !score_secs.is_finite() {
             return;
         }
-        if self.len == Self::CAPACITY {
+        let lowest_secs = match self.lowest {
+            Some(lowest) if lowest.score_secs <= score_secs => lowest.score_secs,
+            _ => score_secs,
+        };
+        let within_secs = lowest_secs + self.tolerance_secs;
+        if score_secs > within_secs {
+            return;
+        }
+        let tie = Tie {
+            index,
+            score_secs,
+            last_dispatch_nanos: last_dispatch_nanos(),
+        };
+        if self
+            .lowest
+            .is_none_or(|lowest| score_secs < lowest.score_secs)
+        {
+            self.lowest = Some(tie);
+        }
+        if let Some((oldest_nanos, oldest_secs)) = self.oldest {
+            if oldest_nanos < tie.last_dispatch_nanos && oldest_secs <= score_secs {
+                return;
+            }
+            if tie.last_dispatch_nanos < oldest_nanos
+                || (tie.last_dispatch_nanos == oldest_nanos && score_secs < oldest_secs)
+            {
+                self.oldest = Some((tie.last_dispatch_nanos, score_secs));
+            }
+        } else {
+            self.oldest = Some((tie.last_dispatch_nanos, score_secs));
+        }
+        self.keep(tie, within_secs);
+    }
+
+    fn keep(&mut self, tie: Tie, within_secs: f64) {
+        if let Some(spill) = &mut self.spill {
+            if spill.len() == spill.capacity() {
+                spill.retain(|kept| kept.score_secs <= within_secs);
+            }
+            spill.push(tie);
+            return;
+        }
+        if self.len == TieRule::STACK {
             let mut kept = 0;
             for index in 0..self.len {
-                if let Some(entry) = self.entries[index]
-                    && entry.score_secs <= within_secs
-                {
-                    self.entries[kept] = Some(entry);
+                let entry = self.stack[index];
+                if entry.score_secs <= within_secs {
+                    self.stack[kept] = entry;
                     kept += 1;
                 }
             }
             self.len = kept;
         }
-        if self.len == Self::CAPACITY {
-            self.overflowed = true;
+        if self.len == TieRule::STACK {
+            let mut spill = SPILL.with(std::cell::Cell::take);
+            spill.clear();
+            spill.extend_from_slice(&self.stack);
+            spill.push(tie);
+            self.spill = Some(spill);
             return;
         }
-        self.entries[self.len] = Some(scored);
+        self.stack[self.len] = tie;
         self.len += 1;
+    }
+
+    /// The chosen candidate, if any was offered with a finite score.
+    pub fn choose(&self, rng: &TieBreaker) -> Option<Tie> {
+        let lowest = self.lowest?;
+        let within_secs = lowest.score_secs + self.tolerance_secs;
+        let kept = match &self.spill {
+            Some(spill) => spill.as_slice(),
+            None => &self.stack[..self.len],
+        };
+        let mut oldest = ArgMin::new();
+        for tie in kept {
+            if tie.score_secs <= within_secs {
+                oldest.offer(*tie, tie.last_dispatch_nanos, rng);
+            }
+        }
+        Some(oldest.best().map_or(lowest, |(tie, _)| tie))
+    }
+}
+
+impl Drop for TieRule {
+    fn drop(&mut self) {
+        // The room goes back to the thread for its next selection.
+        if let Some(mut spill) = self.spill.take() {
+            spill.clear();
+            SPILL.with(|cell| cell.set(spill));
+        }
     }
 }
 
@@ -213,12 +345,12 @@ impl LeastLoad {
             timeline: Timeline::default(),
             next_poll: AtomicU64::new(0),
             prefix: params.prefix_affinity.then(|| {
-                parking_lot::Mutex::new(PrefixIndex::new(
+                PrefixIndex::new(
                     params.prefix_index_block_tokens,
                     params.prefix_cache_tokens,
                     params.prefix_index_max_blocks,
                     params.prefix_max_age_secs,
-                ))
+                )
             }),
         })
     }
@@ -293,13 +425,13 @@ impl LeastLoad {
     /// The request's own work: its tokens under the learned rate, and where
     /// the prefix index expects its prefix to be cached (with
     /// `prefix_affinity` under the learned rate; nowhere otherwise).
-    fn own_work(&self, tokens: u64, request: &RequestInfo) -> OwnWork {
+    fn own_work(&self, tokens: u64, request: &RequestInfo, now_nanos: i64) -> OwnWork {
         let own_tokens = self.own_tokens(tokens);
         OwnWork {
             tokens: own_tokens,
             matches: match &self.prefix {
                 Some(index) if own_tokens > 0 && !request.prefix.is_empty() => {
-                    index.lock().lookup(&request.prefix)
+                    index.lookup(&request.prefix, index_ms(now_nanos))
                 }
                 _ => Matches::default(),
             },
@@ -446,10 +578,7 @@ impl LeastLoad {
     /// robin does, where chasing sub-tolerance differences in poll-borne terms
     /// would herd requests onto one worker until the next poll.
     ///
-    /// One pass scores every candidate and keeps those that may end up within
-    /// the tolerance of the final lowest score; a second pass over only those
-    /// picks the oldest. More near-ties than [`NearTies`] holds (a large idle
-    /// fleet) fall back to scoring every candidate again.
+    /// One pass scores every candidate once ([`TieRule`]).
     fn argmin<'v>(
         &self,
         view: &'v SlotsView<'_, WorkerState>,
@@ -457,11 +586,9 @@ impl LeastLoad {
         now_nanos: i64,
         own: &OwnWork,
     ) -> Option<Scored<'v>> {
-        let tolerance_secs = self.params.tie_tolerance_secs;
         let mut fleet = None;
-        let mut lowest: Option<Scored<'v>> = None;
-        let mut near = NearTies::default();
-        for id in candidates {
+        let mut rule = TieRule::new(self.params.tie_tolerance_secs);
+        for (index, id) in candidates.iter().enumerate() {
             let Some(slot) = view.get(*id) else {
                 continue;
             };
@@ -470,46 +597,14 @@ impl LeastLoad {
             else {
                 continue;
             };
-            // A NaN or infinite score never wins (the scorer clamps, so this
-            // is a second line of defence).
-            if !score_secs.is_finite() {
-                continue;
-            }
-            if lowest.is_none_or(|lowest| score_secs < lowest.score_secs) {
-                lowest = Some(Scored { slot, score_secs });
-            }
-            let lowest_secs = lowest.map_or(score_secs, |lowest| lowest.score_secs);
-            near.offer(Scored { slot, score_secs }, lowest_secs + tolerance_secs);
+            rule.offer(index, score_secs, || slot.state.last_dispatch.nanos());
         }
-        let lowest = lowest?;
-        let within_secs = lowest.score_secs + tolerance_secs;
-        let mut oldest = ArgMin::new();
-        let mut offer = |scored: Scored<'v>| {
-            if scored.score_secs <= within_secs {
-                oldest.offer(scored, scored.slot.state.last_dispatch.nanos(), &self.rng);
-            }
-        };
-        if near.overflowed {
-            for id in candidates {
-                let Some(slot) = view.get(*id) else {
-                    continue;
-                };
-                if let Some(score_secs) =
-                    self.admitted_score(view, slot, candidates, &mut fleet, now_nanos, own)
-                {
-                    offer(Scored { slot, score_secs });
-                }
-            }
-        } else {
-            near.entries[..near.len]
-                .iter()
-                .copied()
-                .flatten()
-                .for_each(offer);
-        }
-        // Every score may have risen between the passes (concurrent credits):
-        // then the lowest of the first pass stands.
-        Some(oldest.best().map_or(lowest, |(scored, _)| scored))
+        let tie = rule.choose(&self.rng)?;
+        let slot = view.get(candidates[tie.index])?;
+        Some(Scored {
+            slot,
+            score_secs: tie.score_secs,
+        })
     }
 
     /// Two distinct uniform samples, decided by the same scorer; the whole
@@ -587,7 +682,7 @@ impl Policy for LeastLoad {
         }
         let tokens = request.tokens.or(self.params.mean_prefill_tokens);
         let now_nanos = self.timeline.nanos(now);
-        let own = self.own_work(tokens, request);
+        let own = self.own_work(tokens, request, now_nanos);
         let view = self.workers.read();
         let seq = next_dispatch_seq();
         // A failed credit means a concurrent selection filled the chosen
@@ -618,12 +713,11 @@ impl Policy for LeastLoad {
             });
             if credited {
                 if let Some(index) = &self.prefix {
-                    let now_ms = u32::try_from(now_nanos.max(0) / 1_000_000).unwrap_or(u32::MAX);
-                    index.lock().record(
+                    index.record(
                         chosen.slot.id.slot(),
                         &request.prefix,
                         cached_tokens,
-                        now_ms,
+                        index_ms(now_nanos),
                     );
                 }
                 state.last_dispatch.record(now_nanos);
@@ -698,6 +792,9 @@ impl Policy for LeastLoad {
         let Some(slot) = view.get(mark.worker) else {
             return;
         };
+        if let (Some(index), Some(load)) = (&self.prefix, load) {
+            index.set_capacity(mark.worker.slot(), reported_kv_capacity_tokens(load));
+        }
         let snapshot = load.map(|load| {
             let summary = LoadSummary::from(load);
             let ours_at_poll_start = PendingWork {
@@ -752,7 +849,7 @@ impl Policy for LeastLoad {
             candidates.iter().filter_map(|id| view.get(*id)).collect();
         let fleet = self.fleet(slots.iter().copied(), now_nanos);
         let prompt_tokens = request.tokens.or(self.params.mean_prefill_tokens);
-        let own = self.own_work(prompt_tokens, request);
+        let own = self.own_work(prompt_tokens, request, now_nanos);
         let mut admitted_scores = Vec::new();
         for slot in slots {
             let own_tokens = own.on(slot.id);

@@ -1389,3 +1389,99 @@ fn power_of_two_counts_other_replicas_too() {
         assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[0]);
     }
 }
+
+/// The one-pass tie rule against the rule written out plainly.
+mod tie_rule {
+    use policy_core::{ArgMin, TieBreaker};
+    use proptest::prelude::*;
+
+    use crate::policy::TieRule;
+
+    /// Every finite score within the tolerance of the lowest is a tie; the
+    /// least recently dispatched tie wins; equally old ones are drawn from
+    /// in candidate order.
+    fn reference(
+        candidates: &[(f64, i64)],
+        tolerance_secs: f64,
+        rng: &TieBreaker,
+    ) -> Option<usize> {
+        let lowest_secs = candidates
+            .iter()
+            .map(|(score, _)| *score)
+            .filter(|score| score.is_finite())
+            .fold(f64::INFINITY, f64::min);
+        let within_secs = lowest_secs + tolerance_secs;
+        let mut oldest = ArgMin::new();
+        for (index, (score, last_dispatch)) in candidates.iter().enumerate() {
+            if score.is_finite() && *score <= within_secs {
+                oldest.offer(index, *last_dispatch, rng);
+            }
+        }
+        oldest.best().map(|(index, _)| index)
+    }
+
+    fn one_pass(candidates: &[(f64, i64)], tolerance_secs: f64, rng: &TieBreaker) -> Option<usize> {
+        let mut rule = TieRule::new(tolerance_secs);
+        for (index, (score, last_dispatch)) in candidates.iter().enumerate() {
+            rule.offer(index, *score, || *last_dispatch);
+        }
+        rule.choose(rng).map(|tie| tie.index)
+    }
+
+    /// Scores on a grid of a quarter of the default tolerance, so exact ties
+    /// and ties at the edge of the tolerance are common, with some off the
+    /// grid and some unusable.
+    fn score() -> impl Strategy<Value = f64> {
+        prop_oneof![
+            8 => (0u32..24).prop_map(|step| f64::from(step) * 0.0025),
+            2 => 0.0f64..0.06,
+            1 => Just(f64::NAN),
+            1 => Just(f64::INFINITY),
+            1 => Just(f64::MAX),
+        ]
+    }
+
+    /// Few distinct ages, never-dispatched included, so draws are common.
+    fn last_dispatch() -> impl Strategy<Value = i64> {
+        prop_oneof![1 => Just(i64::MIN), 4 => 0i64..4]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        #[test]
+        fn the_one_pass_choice_and_draws_are_the_rules(
+            candidates in prop::collection::vec((score(), last_dispatch()), 0..160),
+            tolerance_secs in prop_oneof![Just(0.0), Just(0.0025), Just(0.01), 0.0f64..0.03],
+            seed in any::<u64>(),
+        ) {
+            let (rng, reference_rng) = (TieBreaker::new(seed), TieBreaker::new(seed));
+            prop_assert_eq!(
+                one_pass(&candidates, tolerance_secs, &rng),
+                reference(&candidates, tolerance_secs, &reference_rng)
+            );
+            // The same draws were taken: the generators are still in step.
+            prop_assert_eq!(rng.next_u64(), reference_rng.next_u64());
+        }
+    }
+
+    #[test]
+    fn a_tie_wider_than_the_stack_is_drawn_uniformly() {
+        // 96 candidates all tied and equally old: kept past the stack.
+        let candidates = vec![(0.5, 7); 96];
+        let rng = TieBreaker::new(3);
+        let mut wins = vec![0u32; candidates.len()];
+        for _ in 0..96 * 200 {
+            let chosen = one_pass(&candidates, 0.01, &rng).unwrap();
+            wins[chosen] += 1;
+        }
+        assert!(wins.iter().all(|w| (120..=290).contains(w)), "{wins:?}");
+        // The oldest wins outright wherever it stands, and nothing is chosen
+        // from nothing.
+        let mut candidates = candidates;
+        candidates[77].1 = 3;
+        assert_eq!(one_pass(&candidates, 0.01, &rng), Some(77));
+        assert_eq!(one_pass(&[], 0.01, &rng), None);
+        assert_eq!(one_pass(&[(f64::NAN, 0)], 0.01, &rng), None);
+    }
+}
