@@ -363,6 +363,7 @@ async fn send_multi_turn(
                 let url = format!("{router}/v1/chat/completions");
                 let answer = stream_one(&client, &url, &session.request_body(max_tokens)).await;
                 tally.count(answer.is_some());
+                // A failed turn ends its session: there is no answer to resend.
                 let Some(answer_tokens) = answer else { break };
                 if !session.finish_turn(answer_tokens) {
                     break;

@@ -207,7 +207,10 @@ impl ChatSession {
         let tokens = self.rng.random_range(mean.div_ceil(2)..=mean + mean / 2);
         // The session's number first: no two sessions' histories share a
         // block past the system prompt.
-        let head = format!("[session {} of app {} turn {}]", self.id, self.app, self.turn);
+        let head = format!(
+            "[session {} of app {} turn {}]",
+            self.id, self.app, self.turn
+        );
         let chars = tokens_to_chars(tokens).max(head.len().next_multiple_of(CHARS_PER_TOKEN));
         let content = filler(&mut self.rng, &head, chars);
         self.messages.push(Message {

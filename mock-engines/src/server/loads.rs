@@ -8,7 +8,8 @@
 //! `cached_tokens_total` and `num_requests_total` (next to its
 //! `cache_hit_rate` gauge), vLLM's `prefix_cache_queries_total`,
 //! `prefix_cache_hits_total` and `request_success_total`, TokenSpeed's
-//! `prompt_tokens_total` and `num_requests_total`.
+//! `prompt_tokens_total` and `num_requests_total` (and a
+//! `cached_tokens_total` of the mock's own, named as SGLang's).
 
 use std::fmt::Write as _;
 
