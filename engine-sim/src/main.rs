@@ -3,6 +3,8 @@
 //! ```text
 //! engine-sim sim [--scenario FILE] [--out-dir DIR] …   # the fleet simulator
 //! engine-sim drive --router URL [--router URL]… [--duration-s S] [--rate R] …  # demo traffic
+//!                  [--traffic size-skew|multi-turn] [--session-rate R] [--apps N] …
+//!                  [--engine URL]…   # per-engine prefix-cache hits from their /metrics
 //! engine-sim serve --flavour sglang|sglang-metrics|vllm|tokenspeed --count N
 //!                  --base-port P [--grpc-base-port G] [--mode model|canned]
 //!                  [--time-scale X] [--fault MODE] [--slow-loads-ms MS]
@@ -28,6 +30,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 mod drive;
+mod sessions;
 
 use clap::{Parser, Subcommand};
 use mock_engines::{EngineSimError, FaultMode, Flavour, ServeMode, SimEngineConfig};
@@ -50,8 +53,8 @@ enum Command {
     Serve(ServeArgs),
     /// Run the virtual-time fleet simulator over scenario files.
     Sim(fleet_sim::SimArgs),
-    /// Send size-skewed streaming traffic through a running router and print
-    /// the per-worker outcome.
+    /// Send streaming traffic (size-skewed prompts, or multi-turn chat
+    /// sessions) through a running router and print the per-worker outcome.
     Drive(drive::DriveArgs),
 }
 

@@ -150,7 +150,13 @@ async fn every_flavour_streams_a_completion_and_reports_loads() {
             }
             Flavour::Tokenspeed => {
                 assert_eq!(loads.status(), 404);
-                assert_eq!(metrics.status(), 404);
+                // Counters, no load gauges: its load report is gRPC.
+                let text = metrics.text().await.unwrap();
+                assert!(
+                    text.contains("tokenspeed:num_requests_total{model_name=\"sim-model\"} 1.0"),
+                    "{text}"
+                );
+                assert!(!text.contains("num_running_reqs"), "{text}");
                 assert!(fleet.engines()[0].grpc_addr.is_some());
             }
         }

@@ -1,8 +1,11 @@
-//! `cargo xtask demo [--replicas N]`: a mixed engine-sim fleet behind the
-//! release router, driven with size-skewed streaming traffic. With
+//! `cargo xtask demo [--replicas N] [--multi-turn]`: a mixed engine-sim fleet
+//! behind the release router, driven with size-skewed streaming traffic. With
 //! `--replicas N` (N > 1), N routers share their pending work through a
 //! `nats-server` this task starts (installing it from Debian when missing),
-//! and the traffic takes turns among them.
+//! and the traffic takes turns among them. With `--multi-turn`, the traffic
+//! is chat sessions of a few apps that resend their history every turn, and
+//! the run ends with each engine's prefix-cache hit rate, read from its own
+//! `/metrics`.
 
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -11,16 +14,29 @@ use std::time::{Duration, Instant};
 
 use crate::{Process, build_release, free_ports, release_binary, start_engines};
 
-const DEMO_USAGE: &str = "usage: cargo xtask demo [--replicas N]
+const DEMO_USAGE: &str = "usage: cargo xtask demo [--replicas N] [--multi-turn]
 
   --replicas N   routers in front of the fleet (default 1, at most 16); with more
-                 than one they share pending work through nats-server";
+                 than one they share pending work through nats-server
+  --multi-turn   multi-turn chat sessions (8 apps, 2000-token system prompts,
+                 history resent every turn) instead of size-skewed prompts; ends
+                 with every engine's prefix-cache hit rate from its /metrics";
 
 /// Most replicas the demo starts.
 const MAX_REPLICAS: usize = 16;
 
-fn parse(args: &[String]) -> Result<usize, String> {
-    let mut replicas = 1;
+/// What `cargo xtask demo` was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DemoOptions {
+    pub(crate) replicas: usize,
+    pub(crate) multi_turn: bool,
+}
+
+fn parse(args: &[String]) -> Result<DemoOptions, String> {
+    let mut options = DemoOptions {
+        replicas: 1,
+        multi_turn: false,
+    };
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
         match arg.as_str() {
@@ -28,7 +44,7 @@ fn parse(args: &[String]) -> Result<usize, String> {
                 let value = iter
                     .next()
                     .ok_or_else(|| format!("--replicas needs a value\n\n{DEMO_USAGE}"))?;
-                replicas = value
+                options.replicas = value
                     .parse::<usize>()
                     .ok()
                     .filter(|count| (1..=MAX_REPLICAS).contains(count))
@@ -36,11 +52,12 @@ fn parse(args: &[String]) -> Result<usize, String> {
                         format!("--replicas: {value:?} is not a number from 1 to {MAX_REPLICAS}")
                     })?;
             }
+            "--multi-turn" => options.multi_turn = true,
             "-h" | "--help" => return Err(DEMO_USAGE.to_owned()),
             other => return Err(format!("unknown option {other:?}\n\n{DEMO_USAGE}")),
         }
     }
-    Ok(replicas)
+    Ok(options)
 }
 
 /// `nats-server`, installed from Debian's package when missing.
@@ -90,7 +107,8 @@ pub(crate) fn start_nats_server() -> Result<(Process, String), String> {
     Ok((process, format!("nats://127.0.0.1:{port}")))
 }
 
-pub(crate) fn run_demo(replicas: usize) -> Result<(), String> {
+pub(crate) fn run_demo(options: DemoOptions) -> Result<(), String> {
+    let replicas = options.replicas;
     build_release(&["engine-sim", "router-bin"])?;
     let nats = if replicas > 1 {
         let (process, url) = start_nats_server()?;
@@ -168,16 +186,28 @@ pub(crate) fn run_demo(replicas: usize) -> Result<(), String> {
     for url in &router_urls {
         drive.args(["--router", url]);
     }
-    drive.args(["--duration-s", "20", "--rate", "12", "--seed", "7"]);
-    crate::run(
-        &format!(
-            "engine-sim drive: 20 s of size-skewed streaming traffic over {replicas} router(s)"
-        ),
-        drive,
-    )
+    let step = if options.multi_turn {
+        // 30 s of sessions (mean 6 turns, 1 s to think between them) lets
+        // most play out; each engine's /metrics gives its cache hits.
+        drive.args(["--traffic", "multi-turn", "--duration-s", "30"]);
+        drive.args(["--session-rate", "2", "--think-time-s", "1", "--seed", "7"]);
+        let engines = fast
+            .iter()
+            .chain(&slow)
+            .chain(&vllm_engines)
+            .chain(&tokenspeed_engines);
+        for (http, _) in engines {
+            drive.args(["--engine", http]);
+        }
+        format!("engine-sim drive: 30 s of multi-turn chat sessions over {replicas} router(s)")
+    } else {
+        drive.args(["--duration-s", "20", "--rate", "12", "--seed", "7"]);
+        format!("engine-sim drive: 20 s of size-skewed streaming traffic over {replicas} router(s)")
+    };
+    crate::run(&step, drive)
 }
 
-/// `cargo xtask demo [--replicas N]`.
+/// `cargo xtask demo [--replicas N] [--multi-turn]`.
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     run_demo(parse(args)?)
 }
@@ -187,15 +217,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn replicas_parse() {
+    fn options_parse() {
         let args = |list: &[&str]| list.iter().map(|arg| (*arg).to_owned()).collect::<Vec<_>>();
-        assert_eq!(parse(&args(&[])), Ok(1));
-        assert_eq!(parse(&args(&["--replicas", "3"])), Ok(3));
+        let options = |replicas, multi_turn| {
+            Ok(DemoOptions {
+                replicas,
+                multi_turn,
+            })
+        };
+        assert_eq!(parse(&args(&[])), options(1, false));
+        assert_eq!(parse(&args(&["--replicas", "3"])), options(3, false));
+        assert_eq!(parse(&args(&["--multi-turn"])), options(1, true));
+        assert_eq!(
+            parse(&args(&["--multi-turn", "--replicas", "2"])),
+            options(2, true)
+        );
         for bad in [
             &["--replicas"][..],
             &["--replicas", "0"],
             &["--replicas", "x"],
             &["--replica", "3"],
+            &["--multi-turns"],
         ] {
             assert!(parse(&args(bad)).is_err(), "{bad:?}");
         }

@@ -23,10 +23,13 @@ tasks:
                           engines only: target/chaos/report.md
   ci                      format check, unused dependencies, clippy and rustdoc
                           (warnings are errors), every test
-  demo [--replicas N]     start a mixed engine-sim fleet and the router (N replicas
+  demo [--replicas N] [--multi-turn]
+                          start a mixed engine-sim fleet and the router (N replicas
                           sharing pending work through nats-server, installed
                           from Debian when missing), drive 20 s of size-skewed
-                          streaming traffic spread over them, print per-worker
+                          streaming traffic spread over them (or, --multi-turn,
+                          30 s of multi-turn chat sessions, ending with each
+                          engine's prefix-cache hit rate), print per-worker
                           results and a live score table
   sim [--scenario PATH]   run the fleet simulator (the standard set, or one
                           scenario file); reports under target/sim/";

@@ -282,6 +282,8 @@ async fn answer(
         ServeMode::Model => match submit(&shared, id, &request) {
             Ok(receiver) => {
                 admit(&shared);
+                let counted = shared.clone();
+                let bounded = request.bounded;
                 progress_stream(
                     receiver,
                     RequestGuard {
@@ -289,6 +291,12 @@ async fn answer(
                         id,
                     },
                 )
+                .inspect(move |progress| {
+                    if matches!(progress, Progress::Finished(_)) {
+                        counted.finished.count(bounded);
+                    }
+                })
+                .boxed()
             }
             Err(error) => return error_response(StatusCode::BAD_REQUEST, &error.to_string()),
         },

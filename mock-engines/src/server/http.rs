@@ -21,7 +21,7 @@ use tower::ServiceExt;
 
 use super::control::{admitted, get_fault, set_fault, stats};
 use super::generation::{chat_completions, completions, generate, health_generate};
-use super::loads::{sglang_loads, sglang_metrics, vllm_metrics};
+use super::loads::{sglang_loads, sglang_metrics, tokenspeed_metrics, vllm_metrics};
 use super::{EngineShared, FaultMode, Flavour};
 
 pub(super) type Shared = Arc<EngineShared>;
@@ -118,7 +118,7 @@ fn router(shared: Shared) -> Router {
                 .route("/health_generate", get(health_generate));
         }
         Flavour::Vllm => router = router.route("/metrics", get(vllm_metrics)),
-        Flavour::Tokenspeed => {}
+        Flavour::Tokenspeed => router = router.route("/metrics", get(tokenspeed_metrics)),
     }
     router.with_state(shared)
 }

@@ -1,5 +1,17 @@
 //! The flavour's load endpoints over HTTP (SGLang `/v1/loads` and
-//! `/metrics`, vLLM `/metrics`) and the load faults they answer with.
+//! `/metrics`, vLLM `/metrics`), TokenSpeed's `/metrics` (counters only, no
+//! load gauges), and the load faults they answer with.
+//!
+//! Every `/metrics` also carries the engine's cumulative request, prompt-token
+//! and prefix-cache counters under the real engine's names, so a client can
+//! read each engine's cache hit rate: SGLang's `prompt_tokens_total`,
+//! `cached_tokens_total` and `num_requests_total` (next to its
+//! `cache_hit_rate` gauge), vLLM's `prefix_cache_queries_total`,
+//! `prefix_cache_hits_total` and `request_success_total`, TokenSpeed's
+//! `prompt_tokens_total` and `num_requests_total` (and a
+//! `cached_tokens_total` of the mock's own, named as SGLang's).
+
+use std::fmt::Write as _;
 
 use axum::body::Body;
 use axum::extract::{Query, State};
@@ -102,7 +114,85 @@ pub(super) async fn sglang_metrics(State(shared): State<Shared>) -> Response<Bod
         Err(response) => return response,
     };
     let snapshot = shared.snapshot();
-    metrics_response(fault, sglang_metrics_body(&shared, &snapshot, fault))
+    let mut text = sglang_metrics_body(&shared, &snapshot, fault);
+    sglang_counters(&mut text, "sglang", &shared, &snapshot);
+    metrics_response(fault, text)
+}
+
+/// TokenSpeed's `/metrics`: its tokenizer counters (`tokenspeed:` prefix, as
+/// SGLang's), no load gauges (its load report is gRPC). Real TokenSpeed has
+/// no cached-token counter; this one adds `tokenspeed:cached_tokens_total`,
+/// named as SGLang's, so every flavour shows its cache hits.
+pub(super) async fn tokenspeed_metrics(State(shared): State<Shared>) -> Response<Body> {
+    let fault = match load_fault(&shared).await {
+        Ok(fault) => fault,
+        Err(response) => return response,
+    };
+    let snapshot = shared.snapshot();
+    let mut text = String::with_capacity(1024);
+    sglang_counters(&mut text, "tokenspeed", &shared, &snapshot);
+    metrics_response(fault, text)
+}
+
+/// The request and token counters SGLang's tokenizer manager exports (and
+/// TokenSpeed's, under its own prefix), labelled `model_name`. `# TYPE`
+/// lines omit `_total`, as Python's `prometheus_client` writes them.
+fn sglang_counters(out: &mut String, prefix: &str, shared: &Shared, snapshot: &EngineSnapshot) {
+    let labels = format!("model_name=\"{}\"", escape_label(&shared.config.model_name));
+    let (length, stop) = shared.finished.get();
+    let counters: [(&str, &str, u64); 4] = [
+        (
+            "prompt_tokens",
+            "Number of prefill tokens processed.",
+            snapshot.prompt_tokens_total,
+        ),
+        (
+            "generation_tokens",
+            "Number of generation tokens processed.",
+            snapshot.generation_tokens_total,
+        ),
+        (
+            "cached_tokens",
+            "Number of cached prompt tokens.",
+            snapshot.prefix_cache_hits_tokens_total,
+        ),
+        (
+            "num_requests",
+            "Number of requests processed.",
+            length + stop,
+        ),
+    ];
+    for (name, help, value) in counters {
+        let _ = writeln!(out, "# HELP {prefix}:{name}_total {help}");
+        let _ = writeln!(out, "# TYPE {prefix}:{name} counter");
+        let _ = writeln!(out, "{prefix}:{name}_total{{{labels}}} {value}.0");
+    }
+}
+
+/// vLLM V1's finished-request counter, one series per finish reason (its
+/// prefix-cache query and hit counters come with the engine model's text).
+fn vllm_request_success(out: &mut String, shared: &Shared) {
+    let model = escape_label(&shared.config.model_name);
+    let (length, stop) = shared.finished.get();
+    let _ = writeln!(
+        out,
+        "# HELP vllm:request_success_total Count of successfully processed requests."
+    );
+    let _ = writeln!(out, "# TYPE vllm:request_success counter");
+    for (reason, value) in [("length", length), ("stop", stop)] {
+        let _ = writeln!(
+            out,
+            "vllm:request_success_total{{engine=\"0\",finished_reason=\"{reason}\",model_name=\"{model}\"}} {value}.0"
+        );
+    }
+}
+
+/// A Prometheus label value with `\\`, `"` and newlines escaped.
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn sglang_metrics_body(shared: &Shared, snapshot: &EngineSnapshot, fault: FaultMode) -> String {
@@ -131,7 +221,8 @@ pub(super) async fn vllm_metrics(State(shared): State<Shared>) -> Response<Body>
         Err(response) => return response,
     };
     let snapshot = shared.snapshot();
-    let text = reports::vllm_metrics_text(&snapshot, &shared.config.model_name, 0);
+    let mut text = reports::vllm_metrics_text(&snapshot, &shared.config.model_name, 0);
+    vllm_request_success(&mut text, &shared);
     let text = match fault {
         FaultMode::NanLoads => {
             text.lines()

@@ -8,7 +8,8 @@
 //!
 //! Each engine has one HTTP port (`/health`, `/v1/models`, the generation
 //! endpoints, SGLang's `/health_generate` on the SGLang flavours, its
-//! flavour's load endpoints, `/control/fault`, `/control/stats`,
+//! flavour's load endpoints, `/metrics` with the request, prompt-token and
+//! prefix-cache counters, `/control/fault`, `/control/stats`,
 //! `/control/admitted`) and, when the flavour has gRPC and
 //! [`SimEngineConfig::grpc_addr`] is set, one gRPC port (`GetLoads`,
 //! `HealthCheck`).
@@ -53,7 +54,8 @@ pub enum Flavour {
     SglangMetrics,
     /// vLLM: `/metrics` (`vllm:`), gRPC `VllmEngine`.
     Vllm,
-    /// TokenSpeed: gRPC `TokenSpeedScheduler` only (a gRPC port is required).
+    /// TokenSpeed: gRPC `TokenSpeedScheduler` for loads (a gRPC port is
+    /// required); `/metrics` carries only its request and token counters.
     Tokenspeed,
 }
 
@@ -680,6 +682,7 @@ fn launch(
         wake: Notify::new(),
         stop: stop_receiver,
         counters,
+        finished: FinishedCounts::default(),
         config,
     });
     let mut tasks = JoinSet::new();
@@ -864,6 +867,35 @@ struct EngineShared {
     stop: watch::Receiver<Stop>,
     /// The slot's, shared by every incarnation.
     counters: Arc<Counters>,
+    /// This incarnation's finished generations, reset on restart like the
+    /// model's own token counters (what a restarted engine's `/metrics` shows).
+    finished: FinishedCounts,
+}
+
+/// Generations the model finished, by the finish reason they were answered
+/// with (`/metrics`: vLLM's `request_success_total`, SGLang's and
+/// TokenSpeed's `num_requests_total`).
+#[derive(Debug, Default)]
+struct FinishedCounts {
+    /// Stopped by `max_tokens` (or its equivalent).
+    length: AtomicU64,
+    /// Ran to the engine's default length: an unbounded request's "stop".
+    stop: AtomicU64,
+}
+
+impl FinishedCounts {
+    fn count(&self, bounded: bool) {
+        let counter = if bounded { &self.length } else { &self.stop };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (finished by length, finished by stop).
+    fn get(&self) -> (u64, u64) {
+        (
+            self.length.load(Ordering::Relaxed),
+            self.stop.load(Ordering::Relaxed),
+        )
+    }
 }
 
 impl EngineShared {
