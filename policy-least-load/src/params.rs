@@ -127,6 +127,13 @@ pub struct LeastLoadParams {
     pub prefix_index_max_blocks: u64,
     /// A block not dispatched for this long is forgotten. Finite, > 0.
     pub prefix_max_age_secs: f64,
+    /// What a prefix miss costs beyond this request's own wait, per token
+    /// the best-placed worker would not have recomputed: sending a request
+    /// away from the worker holding its prefix makes the fleet compute
+    /// those tokens again (and evict something else to hold them), which
+    /// every later request waits for. 0 counts only the request's own
+    /// wait. Finite, ≥ 0.
+    pub prefix_miss_weight: f64,
 }
 
 impl Default for LeastLoadParams {
@@ -146,6 +153,7 @@ impl Default for LeastLoadParams {
             prefix_cache_tokens: 400_000,
             prefix_index_max_blocks: 131_072,
             prefix_max_age_secs: 3600.0,
+            prefix_miss_weight: 2.0,
         }
     }
 }
@@ -183,6 +191,7 @@ impl LeastLoadParams {
             "prefix_cache_tokens": self.prefix_cache_tokens,
             "prefix_index_max_blocks": self.prefix_index_max_blocks,
             "prefix_max_age_secs": self.prefix_max_age_secs,
+            "prefix_miss_weight": self.prefix_miss_weight,
         })
     }
 }
@@ -207,6 +216,7 @@ struct RawParams {
     prefix_cache_tokens: i64,
     prefix_index_max_blocks: i64,
     prefix_max_age_secs: f64,
+    prefix_miss_weight: f64,
     /// The original key: `true` is `rate = "reported"`, `false` is
     /// `rate = "fixed"`; giving both keys is an error.
     use_reported_throughput: Option<bool>,
@@ -240,6 +250,7 @@ impl From<LeastLoadParams> for RawParams {
             prefix_index_max_blocks: i64::try_from(params.prefix_index_max_blocks)
                 .unwrap_or(i64::MAX),
             prefix_max_age_secs: params.prefix_max_age_secs,
+            prefix_miss_weight: params.prefix_miss_weight,
             use_reported_throughput: None,
         }
     }
@@ -380,8 +391,16 @@ impl RawParams {
                 "a finite number of seconds > 0",
             ));
         }
+        if !(self.prefix_miss_weight.is_finite() && self.prefix_miss_weight >= 0.0) {
+            return Err(invalid(
+                "prefix_miss_weight",
+                self.prefix_miss_weight.to_string(),
+                "a finite number >= 0",
+            ));
+        }
         Ok(LeastLoadParams {
             prefix_affinity: self.prefix_affinity,
+            prefix_miss_weight: self.prefix_miss_weight,
             prefix_index_block_tokens,
             prefix_cache_tokens,
             prefix_index_max_blocks,
@@ -440,6 +459,7 @@ mod tests {
             "prefix_cache_tokens": 1000,
             "prefix_index_max_blocks": 64,
             "prefix_max_age_secs": 5.0,
+            "prefix_miss_weight": 0.5,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -459,6 +479,7 @@ mod tests {
                 prefix_cache_tokens: 1000,
                 prefix_index_max_blocks: 64,
                 prefix_max_age_secs: 5.0,
+                prefix_miss_weight: 0.5,
             }
         );
         // The section round-trips.
@@ -518,6 +539,10 @@ mod tests {
             (
                 json!({"prefix_index_max_blocks": 3}),
                 "least_load.prefix_index_max_blocks = 3 is invalid: must be an integer number of blocks >= 16",
+            ),
+            (
+                json!({"prefix_miss_weight": -1.0}),
+                "least_load.prefix_miss_weight = -1 is invalid: must be a finite number >= 0",
             ),
             (
                 json!({"prefix_max_age_secs": 0.0}),

@@ -130,11 +130,15 @@ pub struct LeastLoad {
 
 /// The request's own work as a selection counts it on each worker: its
 /// tokens under the learned rate (0 otherwise), less what the worker is
-/// expected to hold of its prefix.
+/// expected to hold of its prefix, plus the miss charge.
 #[derive(Debug, Clone, Copy, Default)]
 struct OwnWork {
     tokens: u64,
     matches: Matches,
+    /// Most tokens any worker is expected to hold (capped as `cached_tokens`).
+    best_cached_tokens: u64,
+    /// `prefix_miss_weight`.
+    miss_weight: f64,
 }
 
 impl OwnWork {
@@ -149,10 +153,17 @@ impl OwnWork {
             .min(prompt_tokens.saturating_sub(1))
     }
 
+    /// The tokens scored on `worker`: the uncached part of the request, and
+    /// `prefix_miss_weight` × the tokens it would recompute there that the
+    /// best-placed worker would not (the fleet's capacity a miss burns).
     #[inline]
     fn on(&self, worker: WorkerId) -> u64 {
+        let cached = self.cached_tokens(worker, self.tokens);
+        let missed = self.best_cached_tokens.saturating_sub(cached);
+        let miss_charge = (self.miss_weight * missed as f64) as u64;
         self.tokens
-            .saturating_sub(self.cached_tokens(worker, self.tokens))
+            .saturating_sub(cached)
+            .saturating_add(miss_charge)
     }
 }
 
@@ -427,14 +438,19 @@ impl LeastLoad {
     /// `prefix_affinity` under the learned rate; nowhere otherwise).
     fn own_work(&self, tokens: u64, request: &RequestInfo, now_nanos: i64) -> OwnWork {
         let own_tokens = self.own_tokens(tokens);
+        let matches = match &self.prefix {
+            Some(index) if own_tokens > 0 && !request.prefix.is_empty() => {
+                index.lookup(&request.prefix, index_ms(now_nanos))
+            }
+            _ => Matches::default(),
+        };
         OwnWork {
             tokens: own_tokens,
-            matches: match &self.prefix {
-                Some(index) if own_tokens > 0 && !request.prefix.is_empty() => {
-                    index.lookup(&request.prefix, index_ms(now_nanos))
-                }
-                _ => Matches::default(),
-            },
+            best_cached_tokens: matches
+                .max_cached_tokens()
+                .min(own_tokens.saturating_sub(1)),
+            matches,
+            miss_weight: self.params.prefix_miss_weight,
         }
     }
 

@@ -112,6 +112,15 @@ impl Default for Matches {
 impl Matches {
     /// Expected cached prompt tokens on the worker in `slot`.
     #[inline]
+    /// The most any worker is expected to hold (0 when none holds any).
+    pub fn max_cached_tokens(&self) -> u64 {
+        self.entries[..self.len]
+            .iter()
+            .map(|&(_, tokens)| tokens)
+            .max()
+            .unwrap_or(0)
+    }
+
     pub fn cached_tokens(&self, slot: usize) -> u64 {
         self.entries[..self.len]
             .iter()

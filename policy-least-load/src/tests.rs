@@ -1485,3 +1485,70 @@ mod tie_rule {
         assert_eq!(one_pass(&[(f64::NAN, 0)], 0.01, &rng), None);
     }
 }
+
+/// A 6400-token prompt in 400 blocks of 16 tokens, all of them `salt`'s.
+fn prefixed(salt: u64) -> RequestInfo {
+    let hashes: Vec<u64> = (1..=400).map(|i| salt * 1000 + i).collect();
+    exact(6400).prefix_blocks(policy_core::PrefixBlocks::new(16, hashes))
+}
+
+/// Two idle workers at the fleet's prior rate (2000 tok/s); the first
+/// request of a prefix goes to one of them, and is done. Returns the worker
+/// holding the prefix, then the other.
+fn one_prefix_served(params: LeastLoadParams, at: Instant) -> (LeastLoad, WorkerId, WorkerId) {
+    let (policy, ids) = fleet_with(Pick::LeastLoad, params, 2);
+    report(&policy, ids[0], &load(Some(0), 0, None, 0.0), at);
+    report(&policy, ids[1], &load(Some(0), 0, None, 0.0), at);
+    let first = policy.select(&ids, &prefixed(7), at).unwrap();
+    policy.finish(&first, at);
+    let other = if first.worker == ids[0] {
+        ids[1]
+    } else {
+        ids[0]
+    };
+    (policy, first.worker, other)
+}
+
+#[test]
+fn a_prefix_miss_is_charged_the_tokens_it_recomputes() {
+    let t0 = Instant::now();
+    let (policy, holder, other) = one_prefix_served(LeastLoadParams::default(), t0);
+    let ids = [holder, other];
+    let table = policy.explain(&ids, &prefixed(7), t0);
+    // The holder keeps all but the last token; elsewhere the request is
+    // 6400 tokens of its own plus 2 × the 6399 the holder would not recompute.
+    assert_eq!(table.value(holder, "cached_tok"), Some(6399.0));
+    assert_eq!(table.value(holder, "request_tok"), Some(1.0));
+    assert_eq!(table.value(other, "cached_tok"), Some(0.0));
+    assert_eq!(
+        table.value(other, "request_tok"),
+        Some(6400.0 + 2.0 * 6399.0)
+    );
+    // Another prefix is charged nothing anywhere.
+    let table = policy.explain(&ids, &prefixed(8), t0);
+    assert_eq!(table.value(holder, "request_tok"), Some(6400.0));
+    assert_eq!(table.value(other, "request_tok"), Some(6400.0));
+}
+
+#[test]
+fn the_miss_charge_keeps_a_prefix_where_it_is_cached_until_the_queue_outweighs_it() {
+    for (miss_weight, stays) in [(2.0, true), (0.0, false)] {
+        let t0 = Instant::now();
+        let params = LeastLoadParams {
+            prefix_miss_weight: miss_weight,
+            ..LeastLoadParams::default()
+        };
+        let (policy, holder, other) = one_prefix_served(params, t0);
+        // The holder has 10 000 tokens queued: 5 s at 2000 tok/s, against
+        // 3.2 s for the whole prompt elsewhere, and 9.6 s with the charge.
+        let t1 = t0 + Duration::from_millis(10);
+        report(&policy, holder, &load(Some(10_000), 2, None, 0.0), t1);
+        report(&policy, other, &load(Some(0), 0, None, 0.0), t1);
+        let chosen = policy.select(&[holder, other], &prefixed(7), t1).unwrap();
+        let expected = if stays { holder } else { other };
+        assert_eq!(
+            chosen.worker, expected,
+            "prefix_miss_weight = {miss_weight}"
+        );
+    }
+}
