@@ -73,9 +73,10 @@ async fn requests_sharing_a_long_prefix_stay_on_the_worker_that_served_it() {
         }
     };
     let home = [send(0, 0).await, send(1, 0).await];
-    // Round robin (what the tie-break does between idle workers) would put
-    // consecutive requests on alternate workers; affinity keeps each prefix
-    // home.
+    // Without prefix hashes the tie-break between idle workers alternates
+    // them (with `request.prefix_hash_max_tokens = 0` consecutive requests
+    // of one prefix change workers and this test fails); affinity keeps
+    // each prefix home.
     let mut landed = Vec::new();
     for (question, system) in [0, 0, 0, 1, 1, 0, 1, 0, 0, 1].into_iter().enumerate() {
         landed.push((system, send(system, question + 1).await));
