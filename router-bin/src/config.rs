@@ -146,15 +146,29 @@ impl ServerConfig {
 pub struct RequestConfig {
     /// Prompt characters per token, to estimate HTTP prompts' token counts.
     pub chars_per_token: f64,
+    /// Tokens per hashed prompt block (a text block is this many tokens ×
+    /// `chars_per_token` bytes). A divisor of least_load's
+    /// `prefix_index_block_tokens` (default 256) keeps its index blocks
+    /// exactly that long.
+    pub prefix_hash_block_tokens: u32,
+    /// The longest prompt prefix hashed, tokens; 0 turns prefix hashing
+    /// off. Bounds the hashing work per request whatever the prompt's size.
+    pub prefix_hash_max_tokens: u64,
 }
 
 impl Default for RequestConfig {
     fn default() -> RequestConfig {
         RequestConfig {
             chars_per_token: 4.0,
+            prefix_hash_block_tokens: 64,
+            prefix_hash_max_tokens: 32_768,
         }
     }
 }
+
+/// The largest `request.prefix_hash_block_tokens`: larger blocks would only
+/// make a prefix match coarser than any engine's cache.
+pub const MAX_PREFIX_HASH_BLOCK_TOKENS: u32 = 65_536;
 
 /// `kind` names the active policy; every other key is one policy's section
 /// (`[policy.least_load]`, `[policy.power_of_two]`, …), handed to the policy
@@ -648,6 +662,33 @@ impl RouterConfig {
                 "a finite number > 0",
             );
         }
+        let block_tokens = self.request.prefix_hash_block_tokens;
+        if !(1..=MAX_PREFIX_HASH_BLOCK_TOKENS).contains(&block_tokens) {
+            return invalid(
+                "request.prefix_hash_block_tokens",
+                block_tokens.to_string(),
+                &format!("an integer from 1 to {MAX_PREFIX_HASH_BLOCK_TOKENS}"),
+            );
+        }
+        let block_bytes = f64::from(block_tokens) * chars;
+        if block_bytes > crate::prefix_hash::MAX_TEXT_BLOCK_BYTES as f64 {
+            return invalid(
+                "request.prefix_hash_block_tokens",
+                block_tokens.to_string(),
+                &format!(
+                    "at most {} bytes of text per block with request.chars_per_token = {chars}",
+                    crate::prefix_hash::MAX_TEXT_BLOCK_BYTES
+                ),
+            );
+        }
+        let max_tokens = self.request.prefix_hash_max_tokens;
+        if max_tokens != 0 && max_tokens < u64::from(block_tokens) {
+            return invalid(
+                "request.prefix_hash_max_tokens",
+                max_tokens.to_string(),
+                &format!("0 (off) or at least request.prefix_hash_block_tokens ({block_tokens})"),
+            );
+        }
         let monitor = &self.load_monitor;
         if monitor.interval_ms == 0 {
             return invalid("load_monitor.interval_ms", "0".into(), "at least 1");
@@ -952,6 +993,8 @@ mod tests {
         assert_eq!(config.server.body_limit_bytes, 32 * 1024 * 1024);
         assert_eq!(config.server.max_retries, 2);
         assert_eq!(config.request.chars_per_token, 4.0);
+        assert_eq!(config.request.prefix_hash_block_tokens, 64);
+        assert_eq!(config.request.prefix_hash_max_tokens, 32_768);
         assert_eq!(config.load_monitor, LoadMonitorConfig::default());
         assert_eq!(config.load_monitor.interval_ms, 1000);
         assert_eq!(config.load_monitor.timeout_ms, 500);
@@ -1246,6 +1289,18 @@ mod tests {
             (
                 "[request]\nchars_per_token = 0.0",
                 "invalid request.chars_per_token = 0: must be a finite number > 0",
+            ),
+            (
+                "[request]\nprefix_hash_block_tokens = 0",
+                "invalid request.prefix_hash_block_tokens = 0: must be an integer from 1 to 65536",
+            ),
+            (
+                "[request]\nprefix_hash_block_tokens = 65536\nchars_per_token = 100.0",
+                "invalid request.prefix_hash_block_tokens = 65536: must be at most 1048576 bytes of text per block with request.chars_per_token = 100",
+            ),
+            (
+                "[request]\nprefix_hash_max_tokens = 63",
+                "invalid request.prefix_hash_max_tokens = 63: must be 0 (off) or at least request.prefix_hash_block_tokens (64)",
             ),
             (
                 "[server]\nbody_limit_bytes = 0",

@@ -1,5 +1,6 @@
 //! What the router reads from a request body before choosing a worker: the
-//! model, the streaming flag and the prompt's size in tokens.
+//! model, the streaming flag, the prompt's size in tokens and its prefix
+//! block hashes ([`crate::prefix_hash`]).
 //!
 //! [`read_request`] is what the proxy runs on every request: it walks the
 //! body once without building it (no map, no string copies but the
@@ -11,10 +12,13 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-use policy_core::{RequestInfo, TokenCount};
+use policy_core::{PrefixBlocks, RequestInfo, TokenCount};
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
+
+use crate::config::RequestConfig;
+use crate::prefix_hash::{self, PrefixHashing, RawPrompt, Unhashed};
 
 /// What [`read_request`] found.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,6 +26,8 @@ pub struct ReadRequest {
     pub info: RequestInfo,
     /// As [`max_output_tokens`].
     pub max_output_tokens: Option<u64>,
+    /// Why `info.prefix` is empty; `None` when the prefix was hashed.
+    pub prefix_unhashed: Option<Unhashed>,
 }
 
 /// Why a body could not be read.
@@ -46,9 +52,19 @@ const TOP_FIELDS: [&str; 9] = [
     "sampling_params",
 ];
 
+/// How `[request]` says prompts are hashed.
+pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
+    PrefixHashing {
+        block_tokens: config.prefix_hash_block_tokens,
+        max_tokens: config.prefix_hash_max_tokens,
+        chars_per_token: config.chars_per_token,
+    }
+}
+
 /// Reads the routing facts from a raw OpenAI or SGLang-native body, as
 /// [`request_info`] and [`max_output_tokens`] read them from a parsed one.
-pub fn read_request(body: &[u8], chars_per_token: f64) -> Result<ReadRequest, RequestBodyError> {
+pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, RequestBodyError> {
+    let chars_per_token = config.chars_per_token;
     let mut de = serde_json::Deserializer::from_slice(body);
     let top = match (Fields { names: &TOP_FIELDS }).deserialize(&mut de) {
         Ok(top) => top,
@@ -74,6 +90,14 @@ pub fn read_request(body: &[u8], chars_per_token: f64) -> Result<ReadRequest, Re
         .map(|model| Arc::<str>::from(model.as_ref()));
     let streaming = stream.is_some_and(|raw| raw.get() == "true");
     let tokens = raw_token_count(input_ids, prompt, text, messages, chars_per_token);
+    let raw_prompt = RawPrompt {
+        input_ids,
+        prompt,
+        text,
+        messages,
+    };
+    let (prefix, prefix_unhashed) =
+        split_hashed(prefix_hash::hash_raw(raw_prompt, &prefix_hashing(config)));
     let max_output_tokens = match (max_completion, max_tokens) {
         (Some(raw), _) | (None, Some(raw)) => serde_json::from_str::<u64>(raw.get()).ok(),
         (None, None) => sampling.and_then(|raw| {
@@ -86,11 +110,19 @@ pub fn read_request(body: &[u8], chars_per_token: f64) -> Result<ReadRequest, Re
             tokens,
             streaming,
             model,
-            // Prompt block hashes are not computed from HTTP bodies yet: unknown.
-            prefix: Default::default(),
+            prefix,
         },
         max_output_tokens,
+        prefix_unhashed,
     })
+}
+
+/// The blocks, or the empty (unknown) set and why.
+fn split_hashed(hashed: Result<PrefixBlocks, Unhashed>) -> (PrefixBlocks, Option<Unhashed>) {
+    match hashed {
+        Ok(blocks) => (blocks, None),
+        Err(reason) => (PrefixBlocks::default(), Some(reason)),
+    }
 }
 
 fn raw_token_count(
@@ -194,7 +226,7 @@ fn raw_add_text(value: Option<&RawValue>, chars: &mut usize) -> bool {
 
 /// The named fields of a raw JSON object (the last of a repeated name
 /// wins, as in a parsed [`Value`]); `None` if it is not an object.
-fn fields_of<'a, const N: usize>(
+pub(crate) fn fields_of<'a, const N: usize>(
     raw: &'a RawValue,
     names: &'static [&'static str; N],
 ) -> Option<[Option<&'a RawValue>; N]> {
@@ -208,7 +240,19 @@ fn fields_of<'a, const N: usize>(
 /// Calls `each` with every item of a raw JSON array.
 fn for_each_item<'a>(
     raw: &'a RawValue,
-    each: impl FnMut(&'a RawValue),
+    mut each: impl FnMut(&'a RawValue),
+) -> Result<(), serde_json::Error> {
+    for_each_item_while(raw, |item| {
+        each(item);
+        true
+    })
+}
+
+/// Calls `each` with the items of a raw JSON array until it returns false;
+/// the rest of the array is not read (and the result is then an error).
+pub(crate) fn for_each_item_while<'a>(
+    raw: &'a RawValue,
+    each: impl FnMut(&'a RawValue) -> bool,
 ) -> Result<(), serde_json::Error> {
     let mut de = serde_json::Deserializer::from_str(raw.get());
     (Items { each }).deserialize(&mut de)
@@ -249,12 +293,13 @@ impl<'de, const N: usize> Visitor<'de> for Fields<N> {
     }
 }
 
-/// Calls `each` with the raw value of every item of an array.
+/// Calls `each` with the raw value of every item of an array, until it
+/// returns false.
 struct Items<F> {
     each: F,
 }
 
-impl<'de, F: FnMut(&'de RawValue)> DeserializeSeed<'de> for Items<F> {
+impl<'de, F: FnMut(&'de RawValue) -> bool> DeserializeSeed<'de> for Items<F> {
     type Value = ();
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
@@ -262,7 +307,7 @@ impl<'de, F: FnMut(&'de RawValue)> DeserializeSeed<'de> for Items<F> {
     }
 }
 
-impl<'de, F: FnMut(&'de RawValue)> Visitor<'de> for Items<F> {
+impl<'de, F: FnMut(&'de RawValue) -> bool> Visitor<'de> for Items<F> {
     type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -271,7 +316,9 @@ impl<'de, F: FnMut(&'de RawValue)> Visitor<'de> for Items<F> {
 
     fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
         while let Some(item) = seq.next_element::<&'de RawValue>()? {
-            (self.each)(item);
+            if !(self.each)(item) {
+                break;
+            }
         }
         Ok(())
     }
@@ -281,8 +328,10 @@ impl<'de, F: FnMut(&'de RawValue)> Visitor<'de> for Items<F> {
 ///
 /// Token ids (`prompt` as integers, `input_ids`) are counted exactly; text
 /// (`messages[].content`, `prompt`, `text`) is estimated as characters divided
-/// by `chars_per_token`, rounded up; a body with neither is `Unknown`.
-pub fn request_info(body: &Value, chars_per_token: f64) -> RequestInfo {
+/// by `chars_per_token`, rounded up; a body with neither is `Unknown`. The
+/// prefix is hashed as [`prefix_hash`] describes.
+pub fn request_info(body: &Value, config: &RequestConfig) -> RequestInfo {
+    let chars_per_token = config.chars_per_token;
     let model = body
         .get("model")
         .and_then(Value::as_str)
@@ -292,8 +341,7 @@ pub fn request_info(body: &Value, chars_per_token: f64) -> RequestInfo {
         tokens: token_count(body, chars_per_token),
         streaming,
         model,
-        // Prompt block hashes are not computed from HTTP bodies yet: unknown.
-        prefix: Default::default(),
+        prefix: split_hashed(prefix_hash::hash_value(body, &prefix_hashing(config))).0,
     }
 }
 
@@ -380,13 +428,21 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The default config with this characters-per-token ratio.
+    fn cpt(chars_per_token: f64) -> RequestConfig {
+        RequestConfig {
+            chars_per_token,
+            ..RequestConfig::default()
+        }
+    }
+
     #[test]
     fn chat_messages_are_estimated_from_their_text() {
         let body = json!({"model": "m", "stream": true, "messages": [
             {"role": "system", "content": "abcd"},
             {"role": "user", "content": [{"type": "text", "text": "abcdefgh"}, {"type": "image_url"}]}
         ]});
-        let info = request_info(&body, 4.0);
+        let info = request_info(&body, &cpt(4.0));
         // 4 + 8 = 12 characters / 4 = 3 tokens.
         assert_eq!(info.tokens, TokenCount::Estimated(3));
         assert!(info.streaming);
@@ -412,23 +468,32 @@ mod tests {
     #[test]
     fn estimates_round_up_and_use_the_configured_ratio() {
         let body = json!({"prompt": "abcde"});
-        assert_eq!(request_info(&body, 4.0).tokens, TokenCount::Estimated(2));
-        assert_eq!(request_info(&body, 2.5).tokens, TokenCount::Estimated(2));
-        assert_eq!(request_info(&body, 1.0).tokens, TokenCount::Estimated(5));
+        assert_eq!(
+            request_info(&body, &cpt(4.0)).tokens,
+            TokenCount::Estimated(2)
+        );
+        assert_eq!(
+            request_info(&body, &cpt(2.5)).tokens,
+            TokenCount::Estimated(2)
+        );
+        assert_eq!(
+            request_info(&body, &cpt(1.0)).tokens,
+            TokenCount::Estimated(5)
+        );
     }
 
     #[test]
     fn token_ids_are_exact() {
         assert_eq!(
-            request_info(&json!({"prompt": [1, 2, 3]}), 4.0).tokens,
+            request_info(&json!({"prompt": [1, 2, 3]}), &cpt(4.0)).tokens,
             TokenCount::Exact(3)
         );
         assert_eq!(
-            request_info(&json!({"input_ids": [[1, 2], [3, 4, 5]]}), 4.0).tokens,
+            request_info(&json!({"input_ids": [[1, 2], [3, 4, 5]]}), &cpt(4.0)).tokens,
             TokenCount::Exact(5)
         );
         assert_eq!(
-            request_info(&json!({"text": "abcdefgh"}), 4.0).tokens,
+            request_info(&json!({"text": "abcdefgh"}), &cpt(4.0)).tokens,
             TokenCount::Estimated(2)
         );
     }
@@ -453,15 +518,53 @@ mod tests {
             json!({"stream": false, "model": "a\u{e9}b"}),
             json!({}),
         ];
-        for body in bodies {
+        // Long enough to hash (64-token blocks of 256 bytes by default).
+        let long = "A long system prompt, \"quoted\", caf\u{e9}\n".repeat(40);
+        let ids: Vec<u64> = (0..300).collect();
+        let hashed_bodies = [
+            json!({"messages": [
+                {"role": "system", "content": long},
+                {"role": "user", "content": [{"type": "text", "text": long}, {"type": "image_url"}, "xyz"]}
+            ]}),
+            json!({"prompt": long, "text": "ignored"}),
+            json!({"text": [long, "second of a batch"]}),
+            json!({"input_ids": ids}),
+            json!({"prompt": [ids, [1, 2]], "messages": [{"role": "user", "content": long}]}),
+        ];
+        let unhashed_bodies = [
+            json!({"input_ids": [1, -2, 3], "prompt": long}),
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        ];
+        let mut hashed = 0;
+        for body in bodies
+            .into_iter()
+            .chain(hashed_bodies)
+            .chain(unhashed_bodies)
+        {
             let raw = serde_json::to_vec(&body).unwrap();
-            let read = read_request(&raw, 4.0).unwrap();
-            assert_eq!(read.info, request_info(&body, 4.0), "{body}");
+            let read = read_request(&raw, &cpt(4.0)).unwrap();
+            assert_eq!(read.info, request_info(&body, &cpt(4.0)), "{body}");
             assert_eq!(read.max_output_tokens, max_output_tokens(&body), "{body}");
+            assert_eq!(
+                read.info.prefix.is_empty(),
+                read.prefix_unhashed.is_some(),
+                "{body}"
+            );
+            hashed += usize::from(!read.info.prefix.is_empty());
         }
+        assert_eq!(hashed, 5, "exactly the long prompts are hashed");
+        // The same body hashed with hashing off: unknown, and why.
+        let off = RequestConfig {
+            prefix_hash_max_tokens: 0,
+            ..RequestConfig::default()
+        };
+        let raw = serde_json::to_vec(&json!({"prompt": long})).unwrap();
+        let read = read_request(&raw, &off).unwrap();
+        assert!(read.info.prefix.is_empty());
+        assert_eq!(read.prefix_unhashed, Some(Unhashed::Disabled));
         // A repeated name: the last one counts, as in a parsed Value.
         let repeated = br#"{"stream": false, "stream": true, "model": "a", "model": "b"}"#;
-        let read = read_request(repeated, 4.0).unwrap();
+        let read = read_request(repeated, &cpt(4.0)).unwrap();
         assert!(read.info.streaming);
         assert_eq!(read.info.model.as_deref(), Some("b"));
     }
@@ -470,14 +573,20 @@ mod tests {
     fn bodies_that_are_not_objects_or_not_json_are_refused() {
         for body in [&b"[1, 2]"[..], b"\"text\"", b"7", b"null"] {
             assert!(
-                matches!(read_request(body, 4.0), Err(RequestBodyError::NotAnObject)),
+                matches!(
+                    read_request(body, &cpt(4.0)),
+                    Err(RequestBodyError::NotAnObject)
+                ),
                 "{}",
                 String::from_utf8_lossy(body)
             );
         }
         for body in [&b"{"[..], b"{\"a\": }", b"{} x", b"", b"{\"a\": [1,}"] {
             assert!(
-                matches!(read_request(body, 4.0), Err(RequestBodyError::Invalid(_))),
+                matches!(
+                    read_request(body, &cpt(4.0)),
+                    Err(RequestBodyError::Invalid(_))
+                ),
                 "{}",
                 String::from_utf8_lossy(body)
             );
@@ -493,11 +602,11 @@ mod tests {
             json!({"prompt": []}),
         ] {
             assert_eq!(
-                request_info(&body, 4.0).tokens,
+                request_info(&body, &cpt(4.0)).tokens,
                 TokenCount::Unknown,
                 "{body}"
             );
         }
-        assert!(!request_info(&json!({"stream": "yes"}), 4.0).streaming);
+        assert!(!request_info(&json!({"stream": "yes"}), &cpt(4.0)).streaming);
     }
 }

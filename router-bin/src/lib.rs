@@ -41,6 +41,7 @@ pub mod h1;
 pub mod metrics;
 pub mod monitor;
 pub mod outlier;
+pub mod prefix_hash;
 pub mod probe;
 pub mod proxy;
 pub mod replica_sync;

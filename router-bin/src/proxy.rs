@@ -26,6 +26,7 @@ use crate::client_body::read_body;
 use crate::estimate::read_request;
 use crate::h1::{self, WorkerBody};
 use crate::outlier::Failure;
+use crate::prefix_hash::Unhashed;
 use crate::sse::{self, FirstDataEvent};
 use crate::topology::Route;
 use crate::upstream::control_get;
@@ -66,7 +67,7 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
             return error.into_response();
         }
     };
-    let read = match read_request(&body, app.config.request.chars_per_token) {
+    let read = match read_request(&body, &app.config.request) {
         Ok(read) => read,
         Err(error) => {
             return error_response(
@@ -76,6 +77,10 @@ pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response
             );
         }
     };
+    if let Some(reason) = read.prefix_unhashed.filter(|r| *r != Unhashed::Disabled) {
+        // The policy scores the request without prefix affinity.
+        tracing::debug!(reason = reason.as_str(), "prompt prefix not hashed");
+    }
     let info = read.info;
     let head_timeout = app
         .config

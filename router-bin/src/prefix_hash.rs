@@ -1,0 +1,914 @@
+//! The prompt's prefix block hashes ([`PrefixBlocks`]) computed from an HTTP
+//! body, for the policies' prefix index (least_load's `prefix_affinity`).
+//!
+//! The prompt is laid out as a byte stream and cut into fixed-size blocks;
+//! hash `i` is xxh3 of block `i` seeded with hash `i − 1`, so it names the
+//! whole prefix up to the end of block `i`. Only full blocks are hashed, and
+//! only the first `prefix_hash_max_tokens` tokens' worth, so a 10 MB prompt
+//! costs no more hashing than a prompt of that bound.
+//!
+//! Which part of the body is the prompt, the first present (not `null`) of:
+//!
+//! 1. `input_ids` (SGLang native), or `prompt` given as integers (a list
+//!    whose first item is a number or a list): token ids, hashed as 4-byte
+//!    little-endian words in blocks of `block_tokens` ids. A batch (a list
+//!    of lists) hashes its first sequence. Every id read must be an integer
+//!    from 0 to `u32::MAX` (ids past the bound are not read).
+//! 2. `messages` (chat): for each message object, a message marker, its
+//!    `role`, a content marker, and each text part of its `content` (a
+//!    string, or the string items and `text` fields of a content array;
+//!    image and audio parts add nothing) after a part marker. The markers
+//!    are bytes that never occur in UTF-8 text (0xFF, 0xFE, 0xFD), so
+//!    conversations that share their first messages share their leading
+//!    blocks, and a different role or a different message split changes
+//!    every block from there on.
+//! 3. `prompt`, then `text`: a string, or the first string of a list.
+//!
+//! Text blocks are `block_tokens × chars_per_token` bytes of the text as
+//! the engine sees it: JSON string escapes are decoded (without copying the
+//! string), so a body hashes the same however its client escaped it, and the
+//! raw reader ([`crate::estimate::read_request`]) and the parsed one
+//! ([`crate::estimate::request_info`]) agree. Token ids and text are hashed
+//! from different seeds, so neither can match the other.
+//!
+//! A body whose prefix cannot be hashed gets an empty [`PrefixBlocks`]
+//! ("prefix unknown": the policy scores it plainly) and an [`Unhashed`]
+//! reason, never a panic.
+
+use policy_core::PrefixBlocks;
+use serde_json::Value;
+use serde_json::value::RawValue;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::estimate::{fields_of, for_each_item_while};
+
+/// The largest text block, bytes (`request.prefix_hash_block_tokens` ×
+/// `request.chars_per_token` is validated against it; a larger product is
+/// clamped to it).
+pub const MAX_TEXT_BLOCK_BYTES: usize = 1 << 20;
+
+/// Seeds of the first block: text and token ids never share a chain.
+const TEXT_SEED: u64 = 0x7465_7874_5f70_7265;
+const IDS_SEED: u64 = 0x6964_735f_7072_6566;
+
+/// Chat layout markers: bytes no UTF-8 text contains.
+const MESSAGE: u8 = 0xFF;
+const CONTENT: u8 = 0xFE;
+const PART: u8 = 0xFD;
+
+/// How prompts are hashed (from `[request]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixHashing {
+    /// Tokens per block; 0 turns hashing off.
+    pub block_tokens: u32,
+    /// The longest prefix hashed, tokens; 0 turns hashing off.
+    pub max_tokens: u64,
+    /// Text bytes per token: a text block is `block_tokens × chars_per_token`
+    /// bytes, rounded up (at least 1, at most [`MAX_TEXT_BLOCK_BYTES`]).
+    pub chars_per_token: f64,
+}
+
+impl PrefixHashing {
+    /// Blocks hashed at most.
+    fn max_blocks(&self) -> usize {
+        let blocks = self.max_tokens / u64::from(self.block_tokens.max(1));
+        usize::try_from(blocks).unwrap_or(usize::MAX)
+    }
+
+    fn text_block_bytes(&self) -> usize {
+        let bytes = (f64::from(self.block_tokens) * self.chars_per_token).ceil();
+        // A NaN or negative product (an unvalidated ratio) clamps to 1.
+        if bytes >= MAX_TEXT_BLOCK_BYTES as f64 {
+            MAX_TEXT_BLOCK_BYTES
+        } else if bytes >= 1.0 {
+            bytes as usize
+        } else {
+            1
+        }
+    }
+
+    fn ids_block_bytes(&self) -> usize {
+        usize::try_from(self.block_tokens)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(4)
+    }
+}
+
+/// Why a request's prefix was left unknown (the policy then scores it
+/// without prefix affinity).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unhashed {
+    /// `request.prefix_hash_max_tokens = 0` (or a zero block size).
+    #[error("prefix hashing is off")]
+    Disabled,
+    /// No token ids and no text: no prompt field, an empty one, or one of
+    /// another type, or chat messages with no text part (images only).
+    #[error("the request has no prompt text or token ids")]
+    NoPrompt,
+    /// A token id read is negative, not an integer, above `u32::MAX`, or
+    /// not a number at all.
+    #[error("a token id is not an integer from 0 to 4294967295")]
+    InvalidTokenIds,
+    /// The prompt fills no whole block.
+    #[error("the prompt is shorter than one block")]
+    ShorterThanOneBlock,
+}
+
+impl Unhashed {
+    /// A short name, for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unhashed::Disabled => "disabled",
+            Unhashed::NoPrompt => "no_prompt",
+            Unhashed::InvalidTokenIds => "invalid_token_ids",
+            Unhashed::ShorterThanOneBlock => "shorter_than_one_block",
+        }
+    }
+}
+
+/// The prompt fields of a raw body, as [`crate::estimate::read_request`]
+/// captured them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawPrompt<'a> {
+    pub input_ids: Option<&'a RawValue>,
+    pub prompt: Option<&'a RawValue>,
+    pub text: Option<&'a RawValue>,
+    pub messages: Option<&'a RawValue>,
+}
+
+/// The chained block hashes of a byte stream, cut into blocks as it comes.
+struct Chain {
+    block_bytes: usize,
+    max_blocks: usize,
+    /// The current block, while it is split across pushes.
+    partial: Vec<u8>,
+    previous: u64,
+    hashes: Vec<u64>,
+}
+
+impl Chain {
+    fn new(seed: u64, block_bytes: usize, max_blocks: usize) -> Chain {
+        Chain {
+            block_bytes: block_bytes.max(1),
+            max_blocks,
+            partial: Vec::new(),
+            previous: seed,
+            hashes: Vec::new(),
+        }
+    }
+
+    fn is_full(&self) -> bool {
+        self.hashes.len() >= self.max_blocks
+    }
+
+    /// Bytes it still takes.
+    fn room(&self) -> usize {
+        (self.max_blocks - self.hashes.len().min(self.max_blocks))
+            .saturating_mul(self.block_bytes)
+            .saturating_sub(self.partial.len())
+    }
+
+    fn push(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() && !self.is_full() {
+            // A whole block in the input is hashed where it lies.
+            if self.partial.is_empty() && bytes.len() >= self.block_bytes {
+                let (block, rest) = bytes.split_at(self.block_bytes);
+                self.finish(block);
+                bytes = rest;
+                continue;
+            }
+            if self.partial.capacity() == 0 {
+                self.partial.reserve_exact(self.block_bytes);
+            }
+            let take = (self.block_bytes - self.partial.len()).min(bytes.len());
+            let (head, rest) = bytes.split_at(take);
+            self.partial.extend_from_slice(head);
+            bytes = rest;
+            if self.partial.len() == self.block_bytes {
+                let block = std::mem::take(&mut self.partial);
+                self.finish(&block);
+                self.partial = block;
+                self.partial.clear();
+            }
+        }
+    }
+
+    fn finish(&mut self, block: &[u8]) {
+        self.previous = xxh3_64_with_seed(block, self.previous);
+        self.hashes.push(self.previous);
+    }
+
+    fn into_blocks(self, block_tokens: u32) -> Result<PrefixBlocks, Unhashed> {
+        if self.hashes.is_empty() {
+            return Err(Unhashed::ShorterThanOneBlock);
+        }
+        Ok(PrefixBlocks::new(block_tokens, self.hashes))
+    }
+
+    /// Pushes the text of a raw JSON string (quotes included), its escapes
+    /// decoded, reading no further than the chain takes. False when `raw`
+    /// is not a string.
+    fn push_json_str(&mut self, raw: &str) -> bool {
+        let Some(inner) = raw.strip_prefix('"').and_then(|s| s.strip_suffix('"')) else {
+            return false;
+        };
+        let bytes = inner.as_bytes();
+        let mut at = 0;
+        while at < bytes.len() && !self.is_full() {
+            // Escaped text is never shorter than its decoding, so looking
+            // `room` bytes ahead reads no more than the chain takes.
+            let end = bytes.len().min(at.saturating_add(self.room()));
+            match bytes[at..end].iter().position(|&b| b == b'\\') {
+                None => {
+                    self.push(&bytes[at..end]);
+                    at = end;
+                }
+                Some(offset) => {
+                    self.push(&bytes[at..at + offset]);
+                    at += offset;
+                    match decode_escape(bytes, at) {
+                        Some((decoded, next)) => {
+                            let mut utf8 = [0u8; 4];
+                            self.push(decoded.encode_utf8(&mut utf8).as_bytes());
+                            at = next;
+                        }
+                        // Not valid JSON (the body was validated): stop here.
+                        None => break,
+                    }
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The character escaped at `bytes[at]` (a backslash) and the index after
+/// the escape. A lone surrogate (which only a raw reader sees: a parsed
+/// body refuses it) decodes to U+FFFD.
+fn decode_escape(bytes: &[u8], at: usize) -> Option<(char, usize)> {
+    let decoded = match *bytes.get(at + 1)? {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        b'u' => {
+            let high = hex4(bytes, at + 2)?;
+            if (0xD800..0xDC00).contains(&high)
+                && bytes.get(at + 6) == Some(&b'\\')
+                && bytes.get(at + 7) == Some(&b'u')
+                && let Some(low) = hex4(bytes, at + 8)
+                && (0xDC00..0xE000).contains(&low)
+            {
+                let code = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00);
+                return Some((char::from_u32(code)?, at + 12));
+            }
+            return Some((char::from_u32(high).unwrap_or('\u{fffd}'), at + 6));
+        }
+        _ => return None,
+    };
+    Some((decoded, at + 2))
+}
+
+fn hex4(bytes: &[u8], at: usize) -> Option<u32> {
+    let digits = std::str::from_utf8(bytes.get(at..at + 4)?).ok()?;
+    u32::from_str_radix(digits, 16).ok()
+}
+
+/// Which field holds the prompt (see the module docs).
+enum Source<T> {
+    Ids(T),
+    Chat(T),
+    Text(T),
+}
+
+/// Hashes the prompt of a raw body.
+pub fn hash_raw(prompt: RawPrompt<'_>, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
+    let max_blocks = hashing.max_blocks();
+    if max_blocks == 0 || hashing.block_tokens == 0 {
+        return Err(Unhashed::Disabled);
+    }
+    fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
+        raw.filter(|raw| raw.get() != "null")
+    }
+    let source = if let Some(ids) = present(prompt.input_ids) {
+        Source::Ids(ids)
+    } else if let Some(ids) = present(prompt.prompt).filter(|raw| raw_holds_ids(raw)) {
+        Source::Ids(ids)
+    } else if let Some(messages) = present(prompt.messages) {
+        Source::Chat(messages)
+    } else if let Some(text) = present(prompt.prompt).or(present(prompt.text)) {
+        Source::Text(text)
+    } else {
+        return Err(Unhashed::NoPrompt);
+    };
+    match source {
+        Source::Ids(raw) => {
+            let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
+            raw_ids(&mut chain, raw.get())?;
+            chain.into_blocks(hashing.block_tokens)
+        }
+        Source::Chat(raw) => {
+            let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
+            if !raw_chat(&mut chain, raw) {
+                return Err(Unhashed::NoPrompt);
+            }
+            chain.into_blocks(hashing.block_tokens)
+        }
+        Source::Text(raw) => {
+            let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
+            let text = match raw.get().as_bytes().first() {
+                Some(b'"') => raw,
+                Some(b'[') => {
+                    let mut first = None;
+                    let _ = for_each_item_while(raw, |item| {
+                        first = Some(item);
+                        false
+                    });
+                    first.ok_or(Unhashed::NoPrompt)?
+                }
+                _ => return Err(Unhashed::NoPrompt),
+            };
+            if !chain.push_json_str(text.get()) {
+                return Err(Unhashed::NoPrompt);
+            }
+            chain.into_blocks(hashing.block_tokens)
+        }
+    }
+}
+
+/// Whether a raw `prompt` is token ids: a list whose first item is a
+/// number or a list.
+fn raw_holds_ids(raw: &RawValue) -> bool {
+    let Some(items) = raw.get().strip_prefix('[') else {
+        return false;
+    };
+    matches!(
+        items.trim_start().as_bytes().first(),
+        Some(b'0'..=b'9' | b'-' | b'[')
+    )
+}
+
+/// Pushes the ids of a raw id list (the first sequence of a batch) until
+/// the chain is full. The list was validated as JSON, so only what an item
+/// is needs checking.
+fn raw_ids(chain: &mut Chain, raw: &str) -> Result<(), Unhashed> {
+    let Some(mut rest) = raw.strip_prefix('[') else {
+        return Err(Unhashed::InvalidTokenIds);
+    };
+    rest = rest.trim_start();
+    if let Some(first) = rest.strip_prefix('[') {
+        rest = first;
+    }
+    let mut any = false;
+    loop {
+        rest = rest.trim_start();
+        if rest.starts_with(']') || chain.is_full() {
+            break;
+        }
+        let length = rest
+            .bytes()
+            .position(|b| !matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
+            .unwrap_or(rest.len());
+        let (number, after) = rest.split_at(length);
+        // Digits only (u32's parser would also take a leading '+', which
+        // JSON has not): a sign, fraction or exponent is out of range, as
+        // `Value::as_u64` finds.
+        if number.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(Unhashed::InvalidTokenIds);
+        }
+        let id: u32 = number.parse().map_err(|_| Unhashed::InvalidTokenIds)?;
+        chain.push(&id.to_le_bytes());
+        any = true;
+        rest = after.trim_start();
+        match rest.strip_prefix(',') {
+            Some(next) => rest = next,
+            None if rest.starts_with(']') => break,
+            None => return Err(Unhashed::InvalidTokenIds),
+        }
+    }
+    if any { Ok(()) } else { Err(Unhashed::NoPrompt) }
+}
+
+/// Pushes a raw chat's messages until the chain is full; whether any text
+/// part was found.
+fn raw_chat(chain: &mut Chain, messages: &RawValue) -> bool {
+    if !messages.get().starts_with('[') {
+        return false;
+    }
+    let mut found = false;
+    let _ = for_each_item_while(messages, |message| {
+        if chain.is_full() {
+            return false;
+        }
+        let Some([role, content]) = fields_of(message, &["role", "content"]) else {
+            return true;
+        };
+        chain.push(&[MESSAGE]);
+        if let Some(role) = role {
+            chain.push_json_str(role.get());
+        }
+        chain.push(&[CONTENT]);
+        let Some(content) = content else {
+            return true;
+        };
+        match content.get().as_bytes().first() {
+            Some(b'"') => {
+                chain.push(&[PART]);
+                found |= chain.push_json_str(content.get());
+            }
+            Some(b'[') => {
+                let _ = for_each_item_while(content, |part| {
+                    if chain.is_full() {
+                        return false;
+                    }
+                    let text = if part.get().starts_with('"') {
+                        Some(part)
+                    } else {
+                        fields_of(part, &["text"]).and_then(|[text]| text)
+                    };
+                    if let Some(text) = text.filter(|text| text.get().starts_with('"')) {
+                        chain.push(&[PART]);
+                        found |= chain.push_json_str(text.get());
+                    }
+                    true
+                });
+            }
+            _ => {}
+        }
+        true
+    });
+    found
+}
+
+/// Hashes the prompt of a parsed body, as [`hash_raw`] hashes a raw one.
+pub fn hash_value(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
+    let max_blocks = hashing.max_blocks();
+    if max_blocks == 0 || hashing.block_tokens == 0 {
+        return Err(Unhashed::Disabled);
+    }
+    let present = |key: &str| body.get(key).filter(|value| !value.is_null());
+    let holds_ids = |value: &&Value| {
+        value
+            .as_array()
+            .and_then(|items| items.first())
+            .is_some_and(|first| first.is_number() || first.is_array())
+    };
+    let source = if let Some(ids) = present("input_ids") {
+        Source::Ids(ids)
+    } else if let Some(ids) = present("prompt").filter(holds_ids) {
+        Source::Ids(ids)
+    } else if let Some(messages) = present("messages") {
+        Source::Chat(messages)
+    } else if let Some(text) = present("prompt").or_else(|| present("text")) {
+        Source::Text(text)
+    } else {
+        return Err(Unhashed::NoPrompt);
+    };
+    match source {
+        Source::Ids(value) => {
+            let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
+            let items = value.as_array().ok_or(Unhashed::InvalidTokenIds)?;
+            let sequence = match items.first() {
+                Some(Value::Array(first)) => first,
+                _ => items,
+            };
+            let mut any = false;
+            for item in sequence {
+                if chain.is_full() {
+                    break;
+                }
+                let id = item
+                    .as_u64()
+                    .and_then(|id| u32::try_from(id).ok())
+                    .ok_or(Unhashed::InvalidTokenIds)?;
+                chain.push(&id.to_le_bytes());
+                any = true;
+            }
+            if !any {
+                return Err(Unhashed::NoPrompt);
+            }
+            chain.into_blocks(hashing.block_tokens)
+        }
+        Source::Chat(value) => {
+            let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
+            let messages = value.as_array().ok_or(Unhashed::NoPrompt)?;
+            let mut found = false;
+            for message in messages.iter().filter(|message| message.is_object()) {
+                if chain.is_full() {
+                    break;
+                }
+                chain.push(&[MESSAGE]);
+                if let Some(role) = message.get("role").and_then(Value::as_str) {
+                    chain.push(role.as_bytes());
+                }
+                chain.push(&[CONTENT]);
+                match message.get("content") {
+                    Some(Value::String(text)) => {
+                        chain.push(&[PART]);
+                        chain.push(text.as_bytes());
+                        found = true;
+                    }
+                    Some(Value::Array(parts)) => {
+                        for part in parts {
+                            if chain.is_full() {
+                                break;
+                            }
+                            let text = part
+                                .as_str()
+                                .or_else(|| part.get("text").and_then(Value::as_str));
+                            if let Some(text) = text {
+                                chain.push(&[PART]);
+                                chain.push(text.as_bytes());
+                                found = true;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if !found {
+                return Err(Unhashed::NoPrompt);
+            }
+            chain.into_blocks(hashing.block_tokens)
+        }
+        Source::Text(value) => {
+            let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
+            let text = match value {
+                Value::String(text) => text,
+                Value::Array(items) => items
+                    .first()
+                    .and_then(Value::as_str)
+                    .ok_or(Unhashed::NoPrompt)?,
+                _ => return Err(Unhashed::NoPrompt),
+            };
+            chain.push(text.as_bytes());
+            chain.into_blocks(hashing.block_tokens)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use serde_json::json;
+
+    /// 4-token blocks of 16 bytes of text, at most 256 blocks.
+    const SMALL: PrefixHashing = PrefixHashing {
+        block_tokens: 4,
+        max_tokens: 1024,
+        chars_per_token: 4.0,
+    };
+
+    /// Hashes a raw body's prompt as the proxy's reader captures it.
+    fn from_raw(raw: &str, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
+        let fields: HashMap<String, Box<RawValue>> = serde_json::from_str(raw).unwrap();
+        let get = |key: &str| fields.get(key).map(|raw| &**raw);
+        hash_raw(
+            RawPrompt {
+                input_ids: get("input_ids"),
+                prompt: get("prompt"),
+                text: get("text"),
+                messages: get("messages"),
+            },
+            hashing,
+        )
+    }
+
+    /// Both readers' answer, held to be the same.
+    fn hashed(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
+        let parsed = hash_value(body, hashing);
+        let raw = from_raw(&serde_json::to_string(body).unwrap(), hashing);
+        assert_eq!(raw, parsed, "{body}");
+        parsed
+    }
+
+    fn chat(messages: &[(&str, &str)]) -> Value {
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|(role, content)| json!({"role": role, "content": content}))
+            .collect();
+        json!({"model": "m", "messages": messages})
+    }
+
+    fn hashes(body: &Value) -> Vec<u64> {
+        hashed(body, &SMALL).unwrap().hashes().to_vec()
+    }
+
+    /// Blocks two hash chains share from the start.
+    fn shared(a: &[u64], b: &[u64]) -> usize {
+        a.iter().zip(b).take_while(|(a, b)| a == b).count()
+    }
+
+    fn long(seed: &str, bytes: usize) -> String {
+        seed.repeat(bytes / seed.len() + 1)[..bytes].to_owned()
+    }
+
+    #[test]
+    fn conversations_sharing_a_system_prompt_share_its_blocks() {
+        let system = long("You are a careful assistant. ", 800); // 50 blocks
+        let a = hashes(&chat(&[
+            ("system", &system),
+            ("user", "What is a KV cache?"),
+        ]));
+        let b = hashes(&chat(&[
+            ("system", &system),
+            ("user", "Explain paged attention."),
+        ]));
+        // The system message's blocks (markers and role included) are shared,
+        // the user turns' differ.
+        let common = shared(&a, &b);
+        assert!(
+            (49..=51).contains(&common),
+            "{common} of {} {}",
+            a.len(),
+            b.len()
+        );
+        assert_ne!(a.last(), b.last());
+        // A third conversation with its own system prompt shares nothing.
+        let other = long("Answer in French, please. ", 800);
+        let c = hashes(&chat(&[
+            ("system", &other),
+            ("user", "What is a KV cache?"),
+        ]));
+        assert_eq!(shared(&a, &c), 0);
+    }
+
+    #[test]
+    fn a_different_later_message_keeps_the_leading_blocks() {
+        let first = long("The first turn sets the scene at length. ", 640);
+        let turn = |later: &str| {
+            hashes(&chat(&[
+                ("user", &first),
+                ("assistant", "Understood."),
+                ("user", later),
+            ]))
+        };
+        let a = turn(&long("Now summarise it. ", 320));
+        let b = turn(&long("Now translate it. ", 320));
+        assert_eq!(a.len(), b.len());
+        let common = shared(&a, &b);
+        assert!(common >= 40, "{common}");
+        assert!(common < a.len(), "the tails differ");
+        // A longer conversation extends the shorter one's chain exactly.
+        let short = hashes(&chat(&[("user", &first)]));
+        assert_eq!(shared(&short, &a), short.len());
+    }
+
+    #[test]
+    fn a_role_change_or_another_message_split_does_not_collide() {
+        let text = long("abcdefghijklmnop", 256);
+        let user = hashes(&chat(&[("user", &text)]));
+        let system = hashes(&chat(&[("system", &text)]));
+        assert_eq!(shared(&user, &system), 0);
+        // The same text split into two messages, or into two parts of one.
+        let (head, tail) = text.split_at(100);
+        let split = hashes(&chat(&[("user", head), ("user", tail)]));
+        let parts = hashes(&json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": head}, {"type": "text", "text": tail}]}]}));
+        assert!(shared(&user, &split) < user.len());
+        assert!(shared(&split, &parts) < split.len());
+        // A plain prompt of the same text is yet another chain.
+        let prompt = hashes(&json!({"prompt": text}));
+        assert_eq!(shared(&prompt, &user), 0);
+        // A string content and one text part are the same message.
+        let one_part = hashes(&json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": text}]}]}));
+        assert_eq!(one_part, user);
+    }
+
+    #[test]
+    fn images_and_audio_add_nothing_and_alone_are_no_prompt() {
+        let text = long("describe this picture in detail ", 200);
+        let plain = hashes(&json!({"messages": [{"role": "user", "content": text}]}));
+        let with_image = hashes(&json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "text", "text": text},
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}));
+        assert_eq!(plain, with_image);
+        let images_only = json!({"messages": [
+            {"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "y"}}]}]});
+        assert_eq!(hashed(&images_only, &SMALL), Err(Unhashed::NoPrompt));
+    }
+
+    #[test]
+    fn bodies_without_a_prompt_are_unknown_with_their_reason() {
+        let cases = [
+            (json!({}), Unhashed::NoPrompt),
+            (json!({"model": "m", "messages": []}), Unhashed::NoPrompt),
+            (json!({"messages": "hello"}), Unhashed::NoPrompt),
+            (
+                json!({"messages": [{"role": "user", "content": null}]}),
+                Unhashed::NoPrompt,
+            ),
+            (
+                json!({"messages": [{"role": "user"}, 5, "x"]}),
+                Unhashed::NoPrompt,
+            ),
+            (json!({"prompt": 7}), Unhashed::NoPrompt),
+            (
+                json!({"prompt": [], "text": "ignored: prompt came first"}),
+                Unhashed::NoPrompt,
+            ),
+            (
+                json!({"prompt": [{"text": "not a prompt list"}]}),
+                Unhashed::NoPrompt,
+            ),
+            (json!({"input_ids": []}), Unhashed::NoPrompt),
+            (json!({"input_ids": [[]]}), Unhashed::NoPrompt),
+            (json!({"prompt": ""}), Unhashed::ShorterThanOneBlock),
+            (
+                json!({"prompt": "fifteen bytes.."}),
+                Unhashed::ShorterThanOneBlock,
+            ),
+            (
+                json!({"input_ids": [1, 2, 3]}),
+                Unhashed::ShorterThanOneBlock,
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "hi"}]}),
+                Unhashed::ShorterThanOneBlock,
+            ),
+        ];
+        for (body, reason) in cases {
+            assert_eq!(hashed(&body, &SMALL), Err(reason), "{body}");
+        }
+        let off = PrefixHashing {
+            max_tokens: 0,
+            ..SMALL
+        };
+        assert_eq!(
+            hashed(&json!({"prompt": long("x", 100)}), &off),
+            Err(Unhashed::Disabled)
+        );
+        let no_blocks = PrefixHashing {
+            block_tokens: 0,
+            ..SMALL
+        };
+        assert_eq!(
+            hashed(&json!({"prompt": long("x", 100)}), &no_blocks),
+            Err(Unhashed::Disabled)
+        );
+    }
+
+    #[test]
+    fn token_ids_out_of_range_are_unknown() {
+        for ids in [
+            json!([1, 2, -3, 4]),
+            json!([1, 2, 3, 4.5]),
+            json!([1, 2, 3, 4_294_967_296u64]),
+            json!([1, 2, 3, 18_446_744_073_709_551_615u64]),
+            json!([1, 2, "3", 4]),
+            json!([1, 2, null, 4]),
+            json!([1, [2], 3, 4]),
+            json!([[1, 2, -3, 4], [5]]),
+            json!("1 2 3 4"),
+            json!({"ids": [1, 2, 3, 4]}),
+        ] {
+            let body = json!({"input_ids": ids});
+            assert_eq!(
+                hashed(&body, &SMALL),
+                Err(Unhashed::InvalidTokenIds),
+                "{body}"
+            );
+        }
+        // Forms a parsed body reads as floats, which the raw reader sees as
+        // written.
+        for raw in [
+            r#"{"input_ids": [1, 2, 3, -0]}"#,
+            r#"{"input_ids": [1, 2, 3, 1e2]}"#,
+            r#"{"input_ids": [1, 2, 3, 4.0]}"#,
+            r#"{"input_ids": [1, 2, 3, 123456789012345678901234567890]}"#,
+        ] {
+            assert_eq!(
+                from_raw(raw, &SMALL),
+                Err(Unhashed::InvalidTokenIds),
+                "{raw}"
+            );
+            let parsed: Value = serde_json::from_str(raw).unwrap();
+            assert_eq!(
+                hash_value(&parsed, &SMALL),
+                Err(Unhashed::InvalidTokenIds),
+                "{raw}"
+            );
+        }
+        // The largest id is fine.
+        let max = json!({"input_ids": [0, 1, 2, u32::MAX]});
+        assert_eq!(hashed(&max, &SMALL).unwrap().hashes().len(), 1);
+    }
+
+    #[test]
+    fn token_ids_hash_in_blocks_of_ids_and_a_batch_hashes_its_first() {
+        let ids: Vec<u32> = (0..42).collect();
+        let flat = hashed(&json!({"input_ids": ids}), &SMALL).unwrap();
+        assert_eq!(flat.block_tokens(), 4);
+        assert_eq!(flat.hashes().len(), 10, "only full blocks");
+        let batch = hashed(&json!({"input_ids": [ids, [7, 7, 7, 7, 7]]}), &SMALL).unwrap();
+        assert_eq!(batch, flat);
+        // `prompt` as ids is the same prompt.
+        assert_eq!(hashed(&json!({"prompt": ids}), &SMALL).unwrap(), flat);
+        // Chained: a change in block 3 changes block 3 and every later one.
+        let mut changed = ids.clone();
+        changed[13] = 1000;
+        let changed = hashed(&json!({"input_ids": changed}), &SMALL).unwrap();
+        assert_eq!(shared(flat.hashes(), changed.hashes()), 3);
+        assert!(
+            flat.hashes()[3..]
+                .iter()
+                .zip(&changed.hashes()[3..])
+                .all(|(a, b)| a != b)
+        );
+        // Ids past the bound are not read, so not checked either.
+        let bounded = PrefixHashing {
+            max_tokens: 8,
+            ..SMALL
+        };
+        let tail_bad = json!({"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, -9]});
+        assert_eq!(hashed(&tail_bad, &bounded).unwrap().hashes().len(), 2);
+    }
+
+    #[test]
+    fn escapes_are_decoded_so_any_spelling_hashes_alike() {
+        let text = "caf\u{e9} \u{1f600} \"quoted\" back\\slash / tab\tnew\nline \u{0} end of it";
+        let canonical = hashes(&json!({"prompt": text}));
+        assert!(canonical.len() >= 3);
+        let spelled = concat!(
+            r#"{"prompt": "caf\u00e9 \ud83d\ude00 \"quoted\" back\\slash \/ "#,
+            r#"tab\u0009new\u000aline \u0000 end \u006ff it"}"#
+        );
+        assert_eq!(from_raw(spelled, &SMALL).unwrap().hashes(), canonical);
+        // In chat messages and roles too.
+        let chat_body = json!({"messages": [{"role": "us\u{e9}r", "content": [{"type": "text", "text": text}]}]});
+        let spelled = concat!(
+            r#"{"messages": [{"role": "us\u00e9r", "content": [{"type": "text", "text": "#,
+            r#""caf\u00e9 \ud83d\ude00 \"quoted\" back\\slash \/ tab\tnew\nline \u0000 end of it"}]}]}"#
+        );
+        assert_eq!(from_raw(spelled, &SMALL), hashed(&chat_body, &SMALL));
+        // A lone surrogate (a parsed body refuses it) is U+FFFD.
+        assert_eq!(
+            from_raw(r#"{"prompt": "\ud800 and some more text here"}"#, &SMALL),
+            hashed(
+                &json!({"prompt": "\u{fffd} and some more text here"}),
+                &SMALL
+            )
+        );
+    }
+
+    #[test]
+    fn a_huge_prompt_hashes_no_more_than_the_bound() {
+        let hashing = PrefixHashing {
+            block_tokens: 64,
+            max_tokens: 32_768,
+            chars_per_token: 4.0,
+        };
+        let ten_mb = 10 * 1024 * 1024;
+        // Plain text, text with an escape every few bytes, and a chat.
+        let plain = long("lorem ipsum dolor sit amet ", ten_mb);
+        let escaped = long("line\n\"q\"\t", ten_mb);
+        for body in [
+            json!({"prompt": plain}),
+            json!({"text": [escaped]}),
+            json!({"messages": [{"role": "system", "content": plain}, {"role": "user", "content": escaped}]}),
+        ] {
+            let blocks = hashed(&body, &hashing).unwrap();
+            assert_eq!(blocks.hashes().len(), 32_768 / 64);
+            assert_eq!(blocks.tokens_in(usize::MAX), 32_768);
+        }
+        // Ten million token ids.
+        let ids: Vec<u32> = (0..10_000_000).collect();
+        let blocks = hashed(&json!({"input_ids": ids}), &hashing).unwrap();
+        assert_eq!(blocks.hashes().len(), 512);
+        // Many small messages stop being read at the bound too.
+        let many: Vec<Value> = (0..100_000)
+            .map(|i| json!({"role": "user", "content": format!("message {i}")}))
+            .collect();
+        let blocks = hashed(&json!({"messages": many}), &hashing).unwrap();
+        assert_eq!(blocks.hashes().len(), 512);
+    }
+
+    #[test]
+    fn text_blocks_are_block_tokens_times_chars_per_token_bytes() {
+        let text = long("0123456789", 100);
+        let at = |block_tokens: u32, chars_per_token: f64| {
+            let hashing = PrefixHashing {
+                block_tokens,
+                max_tokens: 1 << 20,
+                chars_per_token,
+            };
+            hashed(&json!({"prompt": text}), &hashing)
+                .map(|blocks| blocks.hashes().len())
+                .unwrap_or(0)
+        };
+        assert_eq!(at(4, 4.0), 6); // 16-byte blocks
+        assert_eq!(at(4, 2.5), 10); // 10-byte blocks
+        assert_eq!(at(3, 0.1), 100); // rounds up to 1 byte
+        assert_eq!(at(1, f64::NAN), 100); // an unvalidated ratio degrades to 1 byte
+        assert_eq!(at(64, 1e12), 0); // clamped to 1 MiB: no full block
+    }
+}
