@@ -28,7 +28,7 @@ fn text(tokens: usize, seed: usize) -> String {
     while text.len() < tokens * 4 {
         text.push_str(words[i % words.len()]);
         i = i.wrapping_mul(31).wrapping_add(7);
-        text.push(if i % 23 == 0 { '\n' } else { ' ' });
+        text.push(if i.is_multiple_of(23) { '\n' } else { ' ' });
     }
     text.truncate(tokens * 4);
     text
