@@ -15,7 +15,7 @@ use crate::workers::Worker;
 /// the configured deadline, and feeds the results to the active policy.
 ///
 /// Each worker's poll is sent at its own phase of the interval (see
-/// [`poll_phase`]) rather than all at the tick: at 4096 workers one burst
+/// `poll_phase`) rather than all at the tick: at 4096 workers one burst
 /// of polls cost 14.6 % of a core in a single spike and held requests up.
 pub async fn run_load_monitor(app: Arc<App>) {
     let interval = app.config.load_monitor.interval();
