@@ -25,7 +25,8 @@ pub struct Cli {
     pub host: Option<String>,
     #[arg(long)]
     pub port: Option<u16>,
-    /// Active policy: least_load, power_of_two, least_requests, round_robin, random.
+    /// Active policy: least_load, power_of_two, least_requests, round_robin, random,
+    /// cache_aware, consistent_hash.
     #[arg(long, value_name = "KIND")]
     pub policy: Option<String>,
     /// A worker, `[BACKEND=]URL[,loads=LOAD_URL]`; repeatable; replaces the file's list.
