@@ -45,8 +45,8 @@ impl Default for RouterBuilder {
 }
 
 impl RouterBuilder {
-    /// The baseline policies (`round_robin`, `random`, `least_requests`)
-    /// and no backend: a router of your own parts.
+    /// The baseline policies (`round_robin`, `random`, `least_requests`,
+    /// `cache_aware`, `consistent_hash`) and no backend: a router of your own parts.
     pub fn new() -> RouterBuilder {
         RouterBuilder {
             policies: PolicyRegistry::with_baselines(),
