@@ -16,6 +16,70 @@ use crate::{
     TokenCount, WorkerId, WorkerInfo, WorkerStats, parse_section,
 };
 
+/// A worker state that keeps a [`WorkerLedger`] (the baselines' states).
+pub(crate) trait HasLedger {
+    fn ledger(&self) -> &WorkerLedger;
+}
+
+impl HasLedger for WorkerLedger {
+    fn ledger(&self) -> &WorkerLedger {
+        self
+    }
+}
+
+/// What the baselines share: the dispatch and poll sequence numbers, and
+/// the in-flight ledger kept through `select`, `first_token` and `finish`.
+#[derive(Debug, Default)]
+pub(crate) struct LedgerBook {
+    next_dispatch: AtomicU64,
+    next_poll: AtomicU64,
+}
+
+impl LedgerBook {
+    /// Dispatches `request` to `slot` and credits it there. Baselines do
+    /// not estimate prompts: an unknown size credits nothing.
+    pub(crate) fn dispatch<S: HasLedger>(
+        &self,
+        slot: &Slot<S>,
+        request: &RequestInfo,
+        score: f64,
+    ) -> Dispatch {
+        let dispatch = Dispatch {
+            worker: slot.id,
+            tokens: request.tokens.or(0),
+            seq: self.next_dispatch.fetch_add(1, Ordering::Relaxed),
+            score,
+        };
+        slot.state.ledger().credit(dispatch.seq, dispatch.tokens);
+        dispatch
+    }
+
+    pub(crate) fn first_token<S: HasLedger>(workers: &WorkerSlots<S>, dispatch: &Dispatch) {
+        if let Some(slot) = workers.read().get(dispatch.worker) {
+            slot.state.ledger().first_token(dispatch.seq);
+        }
+    }
+
+    pub(crate) fn finish<S: HasLedger>(workers: &WorkerSlots<S>, dispatch: &Dispatch) {
+        if let Some(slot) = workers.read().get(dispatch.worker) {
+            slot.state.ledger().finish(dispatch.seq);
+        }
+    }
+
+    pub(crate) fn poll_mark<S: HasLedger>(
+        &self,
+        workers: &WorkerSlots<S>,
+        id: WorkerId,
+        now: Instant,
+    ) -> PollMark {
+        let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
+        match workers.read().get(id) {
+            Some(slot) => slot.state.ledger().poll_mark(id, seq, now),
+            None => WorkerLedger::new().poll_mark(id, seq, now),
+        }
+    }
+}
+
 /// Which baseline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BaselineKind {
@@ -54,8 +118,7 @@ pub struct BaselinePolicy {
     kind: BaselineKind,
     workers: WorkerSlots<WorkerLedger>,
     rng: TieBreaker,
-    next_dispatch: AtomicU64,
-    next_poll: AtomicU64,
+    book: LedgerBook,
     rotation: AtomicU64,
 }
 
@@ -65,8 +128,7 @@ impl BaselinePolicy {
             kind,
             workers: WorkerSlots::new(),
             rng: TieBreaker::new(context.rng_seed),
-            next_dispatch: AtomicU64::new(0),
-            next_poll: AtomicU64::new(0),
+            book: LedgerBook::default(),
             rotation: AtomicU64::new(0),
         }
     }
@@ -144,35 +206,19 @@ impl Policy for BaselinePolicy {
             _ => 0,
         };
         let slot = self.choose(&view, candidates, rotation)?;
-        let dispatch = Dispatch {
-            worker: slot.id,
-            // Baselines do not estimate prompts; an unknown size credits nothing.
-            tokens: request.tokens.or(0),
-            seq: self.next_dispatch.fetch_add(1, Ordering::Relaxed),
-            score: self.score(slot),
-        };
-        slot.state.credit(dispatch.seq, dispatch.tokens);
-        Some(dispatch)
+        Some(self.book.dispatch(slot, request, self.score(slot)))
     }
 
     fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.first_token(dispatch.seq);
-        }
+        LedgerBook::first_token(&self.workers, dispatch);
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.finish(dispatch.seq);
-        }
+        LedgerBook::finish(&self.workers, dispatch);
     }
 
     fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
-        let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
-        match self.workers.read().get(id) {
-            Some(slot) => slot.state.poll_mark(id, seq, now),
-            None => WorkerLedger::new().poll_mark(id, seq, now),
-        }
+        self.book.poll_mark(&self.workers, id, now)
     }
 
     fn poll_completed(&self, _mark: PollMark, _load: Option<&WorkerLoad>, _now: Instant) {}

@@ -34,6 +34,7 @@ use load_protocols::WorkerLoad;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::baseline::{HasLedger, LedgerBook};
 use crate::slots::{Slot, SlotsView, WorkerLedger, WorkerSlots};
 use crate::{
     Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow, ScoreTable,
@@ -220,6 +221,12 @@ struct CacheAwareWorker {
     tree: Mutex<BlockTree>,
 }
 
+impl HasLedger for CacheAwareWorker {
+    fn ledger(&self) -> &WorkerLedger {
+        &self.ledger
+    }
+}
+
 /// Which rule chose the worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rule {
@@ -276,8 +283,7 @@ fn argmin_by_slot<T, K: Ord>(
 pub struct CacheAwarePolicy {
     params: CacheAwareParams,
     workers: WorkerSlots<CacheAwareWorker>,
-    next_dispatch: AtomicU64,
-    next_poll: AtomicU64,
+    book: LedgerBook,
     /// Orders insertions for LRU eviction (no clock needed: only the order
     /// matters).
     next_stamp: AtomicU64,
@@ -291,8 +297,7 @@ impl CacheAwarePolicy {
         Ok(CacheAwarePolicy {
             params,
             workers: WorkerSlots::new(),
-            next_dispatch: AtomicU64::new(0),
-            next_poll: AtomicU64::new(0),
+            book: LedgerBook::default(),
             next_stamp: AtomicU64::new(0),
             last_eviction: Mutex::new(None),
         })
@@ -423,17 +428,9 @@ impl Policy for CacheAwarePolicy {
             let view = self.workers.read();
             let decision = self.decide(&view, candidates, request)?;
             let chosen = decision.chosen();
-            let dispatch = Dispatch {
-                worker: chosen.slot.id,
-                tokens: request.tokens.or(0),
-                seq: self.next_dispatch.fetch_add(1, Ordering::Relaxed),
-                score: chosen.in_flight as f64,
-            };
-            chosen
-                .slot
-                .state
-                .ledger
-                .credit(dispatch.seq, dispatch.tokens);
+            let dispatch = self
+                .book
+                .dispatch(chosen.slot, request, chosen.in_flight as f64);
             if !request.prefix.is_empty() {
                 let stamp = self.next_stamp.fetch_add(1, Ordering::Relaxed);
                 chosen.slot.state.tree.lock().insert(
@@ -449,23 +446,15 @@ impl Policy for CacheAwarePolicy {
     }
 
     fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.ledger.first_token(dispatch.seq);
-        }
+        LedgerBook::first_token(&self.workers, dispatch);
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.ledger.finish(dispatch.seq);
-        }
+        LedgerBook::finish(&self.workers, dispatch);
     }
 
     fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
-        let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
-        match self.workers.read().get(id) {
-            Some(slot) => slot.state.ledger.poll_mark(id, seq, now),
-            None => WorkerLedger::new().poll_mark(id, seq, now),
-        }
+        self.book.poll_mark(&self.workers, id, now)
     }
 
     fn poll_completed(&self, _mark: PollMark, _load: Option<&WorkerLoad>, _now: Instant) {}

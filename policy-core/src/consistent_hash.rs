@@ -12,7 +12,6 @@
 //! variant).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -20,6 +19,7 @@ use load_protocols::WorkerLoad;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::baseline::LedgerBook;
 use crate::slots::{Slot, SlotsView, WorkerLedger, WorkerSlots};
 use crate::{
     Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow, ScoreTable,
@@ -154,8 +154,7 @@ pub struct ConsistentHashPolicy {
     /// Serializes membership changes, so the ring published last is built
     /// from the slots as they were last changed.
     membership: Mutex<()>,
-    next_dispatch: AtomicU64,
-    next_poll: AtomicU64,
+    book: LedgerBook,
 }
 
 impl ConsistentHashPolicy {
@@ -166,8 +165,7 @@ impl ConsistentHashPolicy {
             workers: WorkerSlots::new(),
             ring: ArcSwap::from_pointee(Ring::default()),
             membership: Mutex::new(()),
-            next_dispatch: AtomicU64::new(0),
-            next_poll: AtomicU64::new(0),
+            book: LedgerBook::default(),
         })
     }
 
@@ -243,34 +241,20 @@ impl Policy for ConsistentHashPolicy {
     ) -> Option<Dispatch> {
         let view = self.workers.read();
         let slot = self.choose(&view, candidates, request)?;
-        let dispatch = Dispatch {
-            worker: slot.id,
-            tokens: request.tokens.or(0),
-            seq: self.next_dispatch.fetch_add(1, Ordering::Relaxed),
-            score: slot.state.stats().in_flight_requests as f64,
-        };
-        slot.state.credit(dispatch.seq, dispatch.tokens);
-        Some(dispatch)
+        let in_flight = slot.state.stats().in_flight_requests as f64;
+        Some(self.book.dispatch(slot, request, in_flight))
     }
 
     fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.first_token(dispatch.seq);
-        }
+        LedgerBook::first_token(&self.workers, dispatch);
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.finish(dispatch.seq);
-        }
+        LedgerBook::finish(&self.workers, dispatch);
     }
 
     fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
-        let seq = self.next_poll.fetch_add(1, Ordering::Relaxed);
-        match self.workers.read().get(id) {
-            Some(slot) => slot.state.poll_mark(id, seq, now),
-            None => WorkerLedger::new().poll_mark(id, seq, now),
-        }
+        self.book.poll_mark(&self.workers, id, now)
     }
 
     fn poll_completed(&self, _mark: PollMark, _load: Option<&WorkerLoad>, _now: Instant) {}
