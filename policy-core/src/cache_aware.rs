@@ -515,26 +515,12 @@ impl Policy for CacheAwarePolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{PrefixBlocks, TokenCount};
+    use crate::TokenCount;
+
+    use crate::test_support::{prompt, with_workers};
 
     fn fleet(params: CacheAwareParams, workers: u32) -> (CacheAwarePolicy, Vec<WorkerId>) {
-        let policy = CacheAwarePolicy::new(params).unwrap();
-        let ids: Vec<WorkerId> = (0..workers).map(|slot| WorkerId::new(slot, 0)).collect();
-        for id in &ids {
-            policy.add_worker(
-                *id,
-                WorkerInfo::new(format!("http://w{}", id.slot()), "sglang"),
-            );
-        }
-        (policy, ids)
-    }
-
-    /// A prompt of `blocks` 16-token blocks whose chain starts at `root`:
-    /// prompts with the same root share their leading blocks.
-    fn prompt(root: u64, blocks: u64) -> RequestInfo {
-        let hashes: Vec<u64> = (0..blocks).map(|index| root * 1_000_000 + index).collect();
-        RequestInfo::new(TokenCount::Exact(blocks * 16))
-            .prefix_blocks(PrefixBlocks::new(16, hashes))
+        with_workers(CacheAwarePolicy::new(params).unwrap(), workers, "")
     }
 
     #[test]

@@ -312,25 +312,12 @@ impl Policy for ConsistentHashPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{PrefixBlocks, TokenCount};
+    use crate::TokenCount;
+
+    use crate::test_support::{prompt, with_workers};
 
     fn policy(params: ConsistentHashParams, workers: u32) -> (ConsistentHashPolicy, Vec<WorkerId>) {
-        let policy = ConsistentHashPolicy::new(params).unwrap();
-        let ids: Vec<WorkerId> = (0..workers).map(|slot| WorkerId::new(slot, 0)).collect();
-        for id in &ids {
-            policy.add_worker(
-                *id,
-                WorkerInfo::new(format!("http://w{}:8000", id.slot()), "sglang"),
-            );
-        }
-        (policy, ids)
-    }
-
-    /// A prompt of `blocks` blocks whose chain starts at `root`.
-    fn prompt(root: u64, blocks: u64) -> RequestInfo {
-        let hashes: Vec<u64> = (0..blocks).map(|index| root * 1_000_000 + index).collect();
-        RequestInfo::new(TokenCount::Exact(blocks * 16))
-            .prefix_blocks(PrefixBlocks::new(16, hashes))
+        with_workers(ConsistentHashPolicy::new(params).unwrap(), workers, ":8000")
     }
 
     fn owners(policy: &ConsistentHashPolicy, ids: &[WorkerId], keys: u64) -> Vec<WorkerId> {

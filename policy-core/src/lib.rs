@@ -57,6 +57,8 @@ mod request;
 mod rng;
 mod score_table;
 mod slots;
+#[cfg(test)]
+mod test_support;
 mod worker;
 
 pub use baseline::{BaselineKind, BaselineParams, BaselinePolicy, describe_request};
