@@ -35,7 +35,11 @@
 //! ("prefix unknown": the policy scores it plainly) and an [`Unhashed`]
 //! reason, never a panic.
 
+use std::borrow::Cow;
+use std::fmt;
+
 use policy_core::PrefixBlocks;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -218,7 +222,7 @@ impl Chain {
             // Escaped text is never shorter than its decoding, so looking
             // `room` bytes ahead reads no more than the chain takes.
             let end = bytes.len().min(at.saturating_add(self.room()));
-            match bytes[at..end].iter().position(|&b| b == b'\\') {
+            match memchr::memchr(b'\\', &bytes[at..end]) {
                 None => {
                     self.push(&bytes[at..end]);
                     at = end;
@@ -354,7 +358,8 @@ fn raw_holds_ids(raw: &RawValue) -> bool {
 
 /// Pushes the ids of a raw id list (the first sequence of a batch) until
 /// the chain is full. The list was validated as JSON, so only what an item
-/// is needs checking.
+/// is needs checking. Ids are gathered a block at a time, so a block costs
+/// one push, not one per id.
 fn raw_ids(chain: &mut Chain, raw: &str) -> Result<(), Unhashed> {
     let Some(mut rest) = raw.strip_prefix('[') else {
         return Err(Unhashed::InvalidTokenIds);
@@ -363,48 +368,80 @@ fn raw_ids(chain: &mut Chain, raw: &str) -> Result<(), Unhashed> {
     if let Some(first) = rest.strip_prefix('[') {
         rest = first;
     }
+    let bytes = rest.as_bytes();
+    let mut at = 0;
     let mut any = false;
+    let mut block = Vec::with_capacity(chain.block_bytes.min(MAX_TEXT_BLOCK_BYTES));
     loop {
-        rest = rest.trim_start();
-        if rest.starts_with(']') || chain.is_full() {
+        at = skip_whitespace(bytes, at);
+        if bytes.get(at).is_none_or(|&b| b == b']') || chain.is_full() {
             break;
         }
-        let length = rest
-            .bytes()
-            .position(|b| !matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
-            .unwrap_or(rest.len());
-        let (number, after) = rest.split_at(length);
-        // Digits only (u32's parser would also take a leading '+', which
-        // JSON has not): a sign, fraction or exponent is out of range, as
-        // `Value::as_u64` finds.
-        if number.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(Unhashed::InvalidTokenIds);
+        let (id, next) = read_id(bytes, at)?;
+        block.extend_from_slice(&id.to_le_bytes());
+        if block.len() >= chain.block_bytes {
+            chain.push(&block);
+            block.clear();
         }
-        let id: u32 = number.parse().map_err(|_| Unhashed::InvalidTokenIds)?;
-        chain.push(&id.to_le_bytes());
         any = true;
-        rest = after.trim_start();
-        match rest.strip_prefix(',') {
-            Some(next) => rest = next,
-            None if rest.starts_with(']') => break,
-            None => return Err(Unhashed::InvalidTokenIds),
+        at = skip_whitespace(bytes, next);
+        match bytes.get(at) {
+            Some(b',') => at += 1,
+            Some(b']') => break,
+            _ => return Err(Unhashed::InvalidTokenIds),
         }
     }
+    chain.push(&block);
     if any { Ok(()) } else { Err(Unhashed::NoPrompt) }
 }
 
+fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
+    while bytes.get(at).is_some_and(|b| b.is_ascii_whitespace()) {
+        at += 1;
+    }
+    at
+}
+
+/// The token id that starts at `bytes[at]` and the index after it. Digits
+/// only: a sign, fraction or exponent is out of range, as `Value::as_u64`
+/// and `u32::try_from` find, and so is anything above `u32::MAX`.
+fn read_id(bytes: &[u8], at: usize) -> Result<(u32, usize), Unhashed> {
+    let mut id: u64 = 0;
+    let mut end = at;
+    while let Some(&b) = bytes.get(end) {
+        match b {
+            b'0'..=b'9' => {
+                id = id * 10 + u64::from(b - b'0');
+                if id > u64::from(u32::MAX) {
+                    return Err(Unhashed::InvalidTokenIds);
+                }
+            }
+            b'-' | b'+' | b'.' | b'e' | b'E' => return Err(Unhashed::InvalidTokenIds),
+            _ => break,
+        }
+        end += 1;
+    }
+    if end == at {
+        return Err(Unhashed::InvalidTokenIds);
+    }
+    // `id` is at most `u32::MAX` here.
+    Ok((id as u32, end))
+}
+
 /// Pushes a raw chat's messages until the chain is full; whether any text
-/// part was found.
+/// part was found. Each message's `role` and `content` are captured in the
+/// one pass over the array, and a string content is pushed from where it
+/// lies.
 fn raw_chat(chain: &mut Chain, messages: &RawValue) -> bool {
     if !messages.get().starts_with('[') {
         return false;
     }
     let mut found = false;
-    let _ = for_each_item_while(messages, |message| {
+    let _ = for_each_object_while(messages, &["role", "content"], |fields| {
         if chain.is_full() {
             return false;
         }
-        let Some([role, content]) = fields_of(message, &["role", "content"]) else {
+        let Some([role, content]) = fields else {
             return true;
         };
         chain.push(&[MESSAGE]);
@@ -421,6 +458,7 @@ fn raw_chat(chain: &mut Chain, messages: &RawValue) -> bool {
                 found |= chain.push_json_str(content.get());
             }
             Some(b'[') => {
+                // Parts are few and small beside the text they hold.
                 let _ = for_each_item_while(content, |part| {
                     if chain.is_full() {
                         return false;
@@ -442,6 +480,120 @@ fn raw_chat(chain: &mut Chain, messages: &RawValue) -> bool {
         true
     });
     found
+}
+
+/// Calls `each` with the named fields of every item of a raw JSON array
+/// (`None` for an item that is not an object), in one pass, until it
+/// returns false; the rest of the array is not read (and the result is then
+/// an error).
+fn for_each_object_while<'a, const N: usize>(
+    raw: &'a RawValue,
+    names: &'static [&'static str; N],
+    each: impl FnMut(Option<[Option<&'a RawValue>; N]>) -> bool,
+) -> Result<(), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    ObjectItems { names, each }.deserialize(&mut de)
+}
+
+struct ObjectItems<F, const N: usize> {
+    names: &'static [&'static str; N],
+    each: F,
+}
+
+impl<'de, F, const N: usize> DeserializeSeed<'de> for ObjectItems<F, N>
+where
+    F: FnMut(Option<[Option<&'de RawValue>; N]>) -> bool,
+{
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de, F, const N: usize> Visitor<'de> for ObjectItems<F, N>
+where
+    F: FnMut(Option<[Option<&'de RawValue>; N]>) -> bool,
+{
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON array")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        let names = self.names;
+        while let Some(fields) = seq.next_element_seed(ObjectFields { names })? {
+            if !(self.each)(fields) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The raw values of an object's named fields, the others skipped without
+/// being built; `None` for a value that is not an object.
+struct ObjectFields<const N: usize> {
+    names: &'static [&'static str; N],
+}
+
+impl<'de, const N: usize> DeserializeSeed<'de> for ObjectFields<N> {
+    type Value = Option<[Option<&'de RawValue>; N]>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de, const N: usize> Visitor<'de> for ObjectFields<N> {
+    type Value = Option<[Option<&'de RawValue>; N]>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = [None; N];
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match self.names.iter().position(|name| *name == key) {
+                Some(index) => found[index] = Some(map.next_value::<&'de RawValue>()?),
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(Some(found))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
 }
 
 /// Hashes the prompt of a parsed body, as [`hash_raw`] hashes a raw one.
