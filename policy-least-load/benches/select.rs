@@ -18,6 +18,9 @@
 //! `prefix_index_max_blocks`, full: its sweeps are part of the cost), and each
 //! selection includes the lookup and the record of its dispatch.
 //!
+//! `least_load` alone is also measured at 16, 256 and 4096 workers, so its
+//! rows at 16 to 4096 show how selection cost grows with the fleet.
+//!
 //! Names: `select/<policy>/<workers>` and `select/<policy>/<workers>/2-thread`.
 //! The 2-thread figure is wall time per selection with both threads working
 //! (total time / total selections), so two threads that scale perfectly halve
@@ -55,6 +58,8 @@ use policy_core::{
 };
 
 const WORKER_COUNTS: [usize; 4] = [8, 64, 512, 1024];
+/// Fleet sizes measured for `least_load` only.
+const LEAST_LOAD_ONLY_COUNTS: [usize; 3] = [16, 256, 4096];
 const WINDOW: usize = 16;
 const THREADS: usize = 2;
 /// `least_load_reported_rate` is `least_load` with `rate = "reported"`, the
@@ -396,6 +401,20 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
             b.iter_custom(|iters| {
                 contended(iters, |iters| run_original(&original, &healthy, iters))
             });
+        });
+    }
+    for workers in LEAST_LOAD_ONLY_COUNTS {
+        let (policy, ids) = build("least_load", workers, now)?;
+        let policy = policy.as_ref();
+        group.bench_function(format!("least_load/{workers}"), |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                run(policy, &ids, iters, now);
+                start.elapsed()
+            });
+        });
+        group.bench_function(format!("least_load/{workers}/2-thread"), |b| {
+            b.iter_custom(|iters| contended(iters, |iters| run(policy, &ids, iters, now)));
         });
     }
     group.finish();

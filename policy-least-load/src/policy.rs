@@ -15,9 +15,11 @@ use crate::prefix::{Matches, PrefixIndex};
 use crate::rate::{FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, RateProbe};
 use crate::score::{
     Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
-    ThroughputSource, score, wait_secs,
+    ThroughputSource, score, wait_secs, wait_secs_converted,
 };
-use crate::state::{HotSnapshot, StoredSnapshot, Timeline, WorkerState};
+use crate::state::{
+    HotSnapshot, HotTable, HotValues, StoredSnapshot, Timeline, WorkerState, key_tag,
+};
 use crate::{InflightMode, LeastLoadParams, RateMode};
 
 /// A dispatch sequence number, unique in the process and so in every policy.
@@ -109,9 +111,12 @@ pub const COLUMNS: [&str; 14] = [
 /// Per-worker state sits in dense [`WorkerSlots`]: the ledger of pending and
 /// in-flight work (lock-free reads, one per-worker lock for changes), and the
 /// latest snapshot's terms behind a seqlock, precomputed when the report is
-/// received. A selection takes the slots' read lock, reads every candidate
-/// without writing shared memory, and locks only the winner's ledger, where
-/// the cap is checked again and the credit made in one critical section.
+/// received. What a selection reads of each worker is also packed in a hot
+/// record per worker slot, side by side (`HotTable`), rewritten whenever
+/// one of its inputs changes. A selection takes the slots' read view, reads
+/// the candidates' hot records without writing shared memory, and locks only
+/// the winner's ledger, where the cap is checked again and the credit made
+/// in one critical section.
 #[derive(Debug)]
 pub struct LeastLoad {
     strategy: Strategy,
@@ -124,8 +129,11 @@ pub struct LeastLoad {
     /// What a worker without a learned rate is scored at.
     fleet_rate: FleetRate,
     /// Where prompt prefixes were sent (`prefix_affinity`), else `None`.
-    /// Lock-free to read; a record locks only the table groups it writes.
+    /// Lock-free to read; records take its writer lock.
     prefix: Option<PrefixIndex>,
+    /// What selections read of each worker, packed (`inflight = "pending"`;
+    /// `since_poll` reads the workers' state directly).
+    hot: Option<HotTable>,
 }
 
 /// The request's own work as a selection counts it on each worker: its
@@ -153,18 +161,99 @@ impl OwnWork {
             .min(prompt_tokens.saturating_sub(1))
     }
 
-    /// The tokens scored on `worker`: the uncached part of the request, and
-    /// `prefix_miss_weight` × the tokens it would recompute there that the
-    /// best-placed worker would not (the fleet's capacity a miss burns).
+    /// The tokens scored on `worker`.
     #[inline]
     fn on(&self, worker: WorkerId) -> u64 {
-        let cached = self.cached_tokens(worker, self.tokens);
+        self.charged(self.cached_tokens(worker, self.tokens))
+    }
+
+    /// The tokens scored on a worker expected to hold `cached` of the
+    /// prompt: the uncached part of the request, and `prefix_miss_weight` ×
+    /// the tokens it would recompute there that the best-placed worker would
+    /// not (the fleet's capacity a miss burns).
+    #[inline]
+    fn charged(&self, cached: u64) -> u64 {
         let missed = self.best_cached_tokens.saturating_sub(cached);
         let miss_charge = (self.miss_weight * missed as f64) as u64;
         self.tokens
             .saturating_sub(cached)
             .saturating_add(miss_charge)
     }
+}
+
+/// Candidates from which a selection filters on the hot keys first
+/// ([`LeastLoad::argmin_filtered`]); fewer are scored exactly in one pass.
+const FILTER_MIN_CANDIDATES: usize = 16;
+
+/// The filter's margin, relative to the bar: far above the estimate's error
+/// (a few times 2⁻⁵³), far below anything that matters.
+const FILTER_MARGIN: f64 = 1e-9;
+
+/// Token counts below this convert to `f64` exactly and cannot saturate when
+/// summed, which the filter's error bound relies on.
+const EXACT_TOKENS: u64 = 1 << 52;
+
+/// Kept candidates are compacted against the bar when their vector is full
+/// and at least this long.
+const KEPT_COMPACT_LEN: usize = 64;
+
+thread_local! {
+    /// The filter's kept candidates (index, estimate), kept by each thread,
+    /// so a selection allocates nothing once the thread has seen its largest.
+    static KEPT: Cell<Vec<(usize, f64)>> = const { Cell::new(Vec::new()) };
+}
+
+/// The filter's first pass (see [`LeastLoad::argmin_filtered`]): pushes
+/// onto `kept` every candidate that may be within the final tie tolerance
+/// (those it cannot estimate, or that `exact` names by slot, with a
+/// negative infinite estimate, so they are always scored); returns the
+/// final bar.
+#[inline]
+fn filter_pass(
+    hot: &HotTable,
+    candidates: &[WorkerId],
+    fresh_from_nanos: i64,
+    own_tokens: u64,
+    tolerance_secs: f64,
+    kept: &mut Vec<(usize, f64)>,
+    exact: impl Fn(usize) -> bool,
+) -> f64 {
+    let own_tokens = own_tokens as f64;
+    let mut keys = hot.keys();
+    let mut lowest_estimate = f64::INFINITY;
+    let mut bar = f64::INFINITY;
+    for (index, id) in candidates.iter().enumerate() {
+        let estimate = match keys.key(*id) {
+            Some(key)
+                if key.tag == key_tag(*id)
+                    && key.received_nanos >= fresh_from_nanos
+                    && !exact(id.slot()) =>
+            {
+                let estimate = key.base_secs + own_tokens * key.inv_rate;
+                if estimate > bar {
+                    continue;
+                }
+                if estimate < lowest_estimate {
+                    lowest_estimate = estimate;
+                    bar = filter_bar(lowest_estimate, tolerance_secs);
+                }
+                estimate
+            }
+            _ => f64::NEG_INFINITY,
+        };
+        if kept.len() == kept.capacity() && kept.len() >= KEPT_COMPACT_LEN {
+            kept.retain(|(_, estimate)| *estimate <= bar);
+        }
+        kept.push((index, estimate));
+    }
+    bar
+}
+
+/// The highest estimate the filter keeps, given the lowest so far.
+#[inline]
+fn filter_bar(lowest_estimate: f64, tolerance_secs: f64) -> f64 {
+    let within = lowest_estimate + tolerance_secs;
+    within + within * FILTER_MARGIN
 }
 
 /// One candidate as a selection sees it.
@@ -363,6 +452,8 @@ impl LeastLoad {
                     params.prefix_max_age_secs,
                 )
             }),
+            hot: (params.inflight == InflightMode::Pending)
+                .then(|| HotTable::new(params.rate == RateMode::Learned)),
         })
     }
 
@@ -454,12 +545,68 @@ impl LeastLoad {
         }
     }
 
+    /// What the worker's hot record holds, from its state now.
+    fn hot_values(&self, state: &WorkerState) -> HotValues {
+        let stats = state.ledger.stats();
+        let remote = self.remote(state);
+        let snapshot = state.snapshot.read_hot();
+        let ahead_tokens = stats.pending_tokens.saturating_add(remote.tokens);
+        let learned_tps = state.rate.learned_tps();
+        let key = snapshot.and_then(|hot| {
+            let throughput_tps = match self.params.rate {
+                RateMode::Learned => self.fleet_rate.scoring_tps(learned_tps),
+                RateMode::Reported | RateMode::Fixed => hot.throughput_tps,
+            };
+            // The filter's error bound needs exact integers and
+            // non-negative finite terms; otherwise the worker is scored
+            // exactly every time.
+            let bounded = hot.queued_tokens < EXACT_TOKENS
+                && ahead_tokens < EXACT_TOKENS
+                && throughput_tps.is_finite()
+                && throughput_tps > 0.0
+                && hot.kv_barrier_secs.is_finite()
+                && hot.kv_barrier_secs >= 0.0;
+            if !bounded {
+                return None;
+            }
+            let inv_rate = 1.0 / throughput_tps;
+            let base_secs = (hot.queued_tokens as f64 + ahead_tokens as f64) / throughput_tps
+                + hot.kv_barrier_secs;
+            if !(inv_rate.is_finite() && base_secs.is_finite()) {
+                return None;
+            }
+            let admitted = self.admits(hot.others_waiting_requests, stats, remote);
+            Some((if admitted { base_secs } else { f64::INFINITY }, inv_rate))
+        });
+        HotValues {
+            snapshot,
+            ahead_tokens,
+            pending_requests: stats.pending_requests.saturating_add(remote.requests),
+            learned_tps,
+            key,
+        }
+    }
+
+    /// Rewrites the worker's hot record after a change to its state.
+    fn refresh_hot(&self, slot: &Slot<WorkerState>) {
+        if let Some(hot) = &self.hot {
+            hot.update(slot.id, || self.hot_values(&slot.state));
+        }
+    }
+
     /// Recomputes the fleet's rate from every worker's learned rate.
     fn refresh_fleet_rate(&self, view: &SlotsView<'_, WorkerState>) {
         self.fleet_rate.set_from(
             view.iter().filter_map(|slot| slot.state.rate.learned_tps()),
             self.params.default_throughput,
         );
+        // The hot keys hold each worker's rate as scored, which may be the
+        // fleet's.
+        if self.hot.is_some() && self.params.rate == RateMode::Learned {
+            for slot in view.iter() {
+                self.refresh_hot(slot);
+            }
+        }
     }
 
     /// The rate a worker's work is divided by under `rate = "learned"`: its
@@ -594,8 +741,235 @@ impl LeastLoad {
     /// robin does, where chasing sub-tolerance differences in poll-borne terms
     /// would herd requests onto one worker until the next poll.
     ///
-    /// One pass scores every candidate once ([`TieRule`]).
+    /// Two passes over the hot records ([`HotTable`]) when the candidates
+    /// are many ([`LeastLoad::argmin_filtered`]), else one
+    /// ([`LeastLoad::argmin_exact`]); the same choice either way.
     fn argmin<'v>(
+        &self,
+        view: &'v SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+    ) -> Option<Scored<'v>> {
+        let Some(hot) = &self.hot else {
+            return self.argmin_direct(view, candidates, now_nanos, own);
+        };
+        let own_elsewhere = own.charged(0);
+        let tie = if candidates.len() >= FILTER_MIN_CANDIDATES && own_elsewhere < EXACT_TOKENS {
+            self.argmin_filtered(hot, view, candidates, now_nanos, own, own_elsewhere)
+        } else {
+            self.argmin_exact(hot, view, candidates, now_nanos, own)
+        }?;
+        match view.get(candidates[tie.index]) {
+            Some(slot) => Some(Scored {
+                slot,
+                score_secs: tie.score_secs,
+            }),
+            // A worker added or removed while this view was taken: its
+            // record and the view disagree, so score from the view alone.
+            None => self.argmin_direct(view, candidates, now_nanos, own),
+        }
+    }
+
+    /// The candidate's score, or `None` when the cap vetoes it or it is not
+    /// registered: from its hot record when that holds a fresh snapshot
+    /// (the common case: one cache line and one division), from its own
+    /// state otherwise, with the same arithmetic.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn candidate_score(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        id: WorkerId,
+        candidates: &[WorkerId],
+        fleet: &mut Option<Fleet>,
+        now_nanos: i64,
+        own: &OwnWork,
+        own_elsewhere: u64,
+    ) -> Option<f64> {
+        match hot.read(id) {
+            Some(read)
+                if now_nanos.saturating_sub(read.received_nanos) <= self.stale_after_nanos =>
+            {
+                let cap = self.params.max_waiting_requests;
+                if cap != 0 && read.waiting_requests >= cap {
+                    return None;
+                }
+                let own_tokens = if own.matches.is_empty() {
+                    own_elsewhere
+                } else {
+                    own.on(id)
+                };
+                let throughput_tps = match self.params.rate {
+                    RateMode::Learned => self
+                        .fleet_rate
+                        .scoring_tps((read.rate_bits != 0).then(|| f64::from_bits(read.rate_bits))),
+                    RateMode::Reported | RateMode::Fixed => f64::from_bits(read.rate_bits),
+                };
+                Some(wait_secs_converted(
+                    read.queued_tokens_f64,
+                    read.ahead_tokens.saturating_add(own_tokens),
+                    throughput_tps,
+                    read.kv_barrier_secs,
+                ))
+            }
+            _ => {
+                let slot = view.get(id)?;
+                self.admitted_score(view, slot, candidates, fleet, now_nanos, own)
+            }
+        }
+    }
+
+    /// The choice of the filtered two-pass argmin (`filtered`) or of the
+    /// one-pass one, and the tie-breaker's next draw after it, for the
+    /// tests that hold them equal.
+    #[cfg(test)]
+    pub(crate) fn choice_for_test(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+        filtered: bool,
+    ) -> (Option<(usize, u64)>, u64) {
+        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let now_nanos = self.timeline.nanos(now);
+        let own = self.own_work(tokens, request, now_nanos);
+        let view = self.workers.read();
+        let tie = self.hot.as_ref().and_then(|hot| {
+            if filtered {
+                self.argmin_filtered(hot, &view, candidates, now_nanos, &own, own.charged(0))
+            } else {
+                self.argmin_exact(hot, &view, candidates, now_nanos, &own)
+            }
+        });
+        (
+            tie.map(|tie| (tie.index, tie.score_secs.to_bits())),
+            self.rng.next_u64(),
+        )
+    }
+
+    /// When the candidate at hand was last dispatched to (the tie-break).
+    fn last_dispatch_nanos(view: &SlotsView<'_, WorkerState>, id: WorkerId) -> i64 {
+        view.get(id)
+            .map_or(i64::MIN, |slot| slot.state.last_dispatch.nanos())
+    }
+
+    /// One pass scoring every candidate exactly ([`TieRule`]).
+    fn argmin_exact(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+    ) -> Option<Tie> {
+        let own_elsewhere = own.charged(0);
+        let mut fleet = None;
+        let mut rule = TieRule::new(self.params.tie_tolerance_secs);
+        for (index, id) in candidates.iter().enumerate() {
+            let Some(score_secs) = self.candidate_score(
+                hot,
+                view,
+                *id,
+                candidates,
+                &mut fleet,
+                now_nanos,
+                own,
+                own_elsewhere,
+            ) else {
+                continue;
+            };
+            rule.offer(index, score_secs, || {
+                LeastLoad::last_dispatch_nanos(view, *id)
+            });
+        }
+        rule.choose(&self.rng)
+    }
+
+    /// The same choice as [`LeastLoad::argmin_exact`], in two passes.
+    ///
+    /// The first reads each candidate's [`HotKey`](crate::state) only (32
+    /// bytes, side by side with its neighbours') and estimates its score
+    /// as `base_secs + own_tokens × inv_rate`: a multiply-add instead of a
+    /// division, off the exact score by a few ulps (every term is
+    /// non-negative and every integer below 2⁵² converts exactly). It keeps
+    /// the candidates whose estimate is within the tie tolerance, plus a
+    /// relative margin of [`FILTER_MARGIN`] (far above that error), of the
+    /// lowest estimate so far, and every candidate it cannot estimate
+    /// (no fresh snapshot, a prefix held there, a key being rewritten). The
+    /// lowest estimate only falls, so every candidate within the final tie
+    /// tolerance of the exact lowest score is kept.
+    ///
+    /// The second scores the kept ones exactly, in candidate order, through
+    /// the one-pass rule: a candidate left out could not have been within
+    /// the final tolerance, so could neither win nor take part in a draw,
+    /// and the choice and the draws taken are those of the one-pass rule.
+    fn argmin_filtered(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+        own_elsewhere: u64,
+    ) -> Option<Tie> {
+        let tolerance_secs = self.params.tie_tolerance_secs;
+        // A key received at or after this is fresh (and so is the record).
+        let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
+        let mut kept = KEPT.with(Cell::take);
+        kept.clear();
+        let bar = if own.matches.is_empty() {
+            filter_pass(
+                hot,
+                candidates,
+                fresh_from_nanos,
+                own_elsewhere,
+                tolerance_secs,
+                &mut kept,
+                |_| false,
+            )
+        } else {
+            filter_pass(
+                hot,
+                candidates,
+                fresh_from_nanos,
+                own_elsewhere,
+                tolerance_secs,
+                &mut kept,
+                |slot| own.matches.holds(slot),
+            )
+        };
+        let mut fleet = None;
+        let mut rule = TieRule::new(tolerance_secs);
+        for &(index, estimate) in &kept {
+            if estimate > bar {
+                continue;
+            }
+            let id = candidates[index];
+            let Some(score_secs) = self.candidate_score(
+                hot,
+                view,
+                id,
+                candidates,
+                &mut fleet,
+                now_nanos,
+                own,
+                own_elsewhere,
+            ) else {
+                continue;
+            };
+            rule.offer(index, score_secs, || {
+                LeastLoad::last_dispatch_nanos(view, id)
+            });
+        }
+        kept.clear();
+        KEPT.with(|cell| cell.set(kept));
+        rule.choose(&self.rng)
+    }
+
+    /// [`argmin`](Self::argmin) reading every candidate's own state.
+    fn argmin_direct<'v>(
         &self,
         view: &'v SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
@@ -680,10 +1054,19 @@ impl Policy for LeastLoad {
         let prior_tps = self.fleet_rate.tps();
         self.workers
             .insert(id, info, WorkerState::new(&self.params, prior_tps));
+        if let Some(hot) = &self.hot
+            && let Some(slot) = self.workers.read().get(id)
+        {
+            hot.insert(id, || self.hot_values(&slot.state));
+        }
     }
 
     fn remove_worker(&self, id: WorkerId) {
-        self.workers.remove(id);
+        if self.workers.remove(id).is_some()
+            && let Some(hot) = &self.hot
+        {
+            hot.remove(id);
+        }
         self.refresh_fleet_rate(&self.workers.read());
     }
 
@@ -740,6 +1123,7 @@ impl Policy for LeastLoad {
                 if self.params.inflight == InflightMode::SincePoll {
                     state.since_poll.add(tokens);
                 }
+                self.refresh_hot(chosen.slot);
                 return Some(Dispatch {
                     worker: chosen.slot.id,
                     tokens,
@@ -761,7 +1145,9 @@ impl Policy for LeastLoad {
         let Some((tokens, probe)) = slot.state.ledger.first_token_noted(dispatch.seq) else {
             return;
         };
-        if probe.learn {
+        if !probe.learn {
+            self.refresh_hot(slot);
+        } else {
             let now_nanos = self.timeline.nanos(now);
             // A bad sample is dropped and counted by the estimator.
             let was_scored = slot.state.rate.learned_tps().is_some();
@@ -775,6 +1161,8 @@ impl Policy for LeastLoad {
             // fleet's at once (once in its life); otherwise the fleet's
             // follows its workers at most every refresh period.
             let now_scored = !was_scored && slot.state.rate.learned_tps().is_some();
+            // The released work and the learned rate, in one rewrite.
+            self.refresh_hot(slot);
             if self.fleet_rate.claim_refresh(now_nanos) || now_scored {
                 self.refresh_fleet_rate(&view);
             }
@@ -782,8 +1170,10 @@ impl Policy for LeastLoad {
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(dispatch.worker) {
-            slot.state.ledger.finish(dispatch.seq);
+        if let Some(slot) = self.workers.read().get(dispatch.worker)
+            && slot.state.ledger.finish(dispatch.seq)
+        {
+            self.refresh_hot(slot);
         }
     }
 
@@ -844,16 +1234,21 @@ impl Policy for LeastLoad {
             }
         });
         let reported = snapshot.is_some();
-        slot.state.snapshot.apply(mark.seq, snapshot, || {
+        let applied = slot.state.snapshot.apply(mark.seq, snapshot, || {
             if reported && self.params.inflight == InflightMode::SincePoll {
                 slot.state.since_poll.reset();
             }
         });
+        if applied {
+            self.refresh_hot(slot);
+        }
     }
 
     fn poll_failed(&self, mark: PollMark, _now: Instant) {
-        if let Some(slot) = self.workers.read().get(mark.worker) {
-            slot.state.snapshot.apply(mark.seq, None, || {});
+        if let Some(slot) = self.workers.read().get(mark.worker)
+            && slot.state.snapshot.apply(mark.seq, None, || {})
+        {
+            self.refresh_hot(slot);
         }
     }
 
@@ -987,7 +1382,7 @@ impl Policy for LeastLoad {
         let Some(slot) = view.find_url(entry.worker_url) else {
             return ReplicaPendingOutcome::UnknownWorker;
         };
-        slot.state.remote.apply(
+        let outcome = slot.state.remote.apply(
             entry.replica,
             entry.seq,
             PendingWork {
@@ -995,7 +1390,11 @@ impl Policy for LeastLoad {
                 requests: entry.pending_requests,
             },
             self.timeline.nanos(now),
-        )
+        );
+        if outcome == ReplicaPendingOutcome::Applied {
+            self.refresh_hot(slot);
+        }
+        outcome
     }
 
     fn expire_replica_pending(&self, now: Instant, ttl: Duration) -> usize {
@@ -1004,7 +1403,13 @@ impl Policy for LeastLoad {
         self.workers
             .read()
             .iter()
-            .map(|slot| slot.state.remote.expire(cutoff_nanos))
+            .map(|slot| {
+                let dropped = slot.state.remote.expire(cutoff_nanos);
+                if dropped > 0 {
+                    self.refresh_hot(slot);
+                }
+                dropped
+            })
             .sum()
     }
 }

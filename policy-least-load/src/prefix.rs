@@ -21,9 +21,10 @@
 //! The table is set-associative and takes no lock to read: a block's key
 //! picks a group of [`WAYS`] entries (three cache lines: a version word and
 //! the keys, then the holders), which readers read under the group's version
-//! (a seqlock) and writers change holding it odd. Selections on several
-//! threads therefore never wait on one lock: a lookup writes no shared
-//! memory, and a record locks each group it writes for a few stores.
+//! (a seqlock) and writers change holding it odd. A lookup therefore never
+//! waits on a lock and writes no shared memory; records take the index's
+//! writer lock, once per prompt (a lock per group would cost a locked
+//! read-modify-write per block, most of a record's time).
 //! Memory is fixed when the policy is built: `prefix_index_max_blocks`
 //! entries (rounded down to a power of two, at least 16 and at most
 //! [`MAX_ENTRIES`]), 48 bytes each. A
@@ -35,6 +36,7 @@
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
+use parking_lot::Mutex;
 use policy_core::PrefixBlocks;
 
 /// Workers a block is tracked on at most (the most recent ones).
@@ -110,8 +112,6 @@ impl Default for Matches {
 }
 
 impl Matches {
-    /// Expected cached prompt tokens on the worker in `slot`.
-    #[inline]
     /// The most any worker is expected to hold (0 when none holds any).
     pub fn max_cached_tokens(&self) -> u64 {
         self.entries[..self.len]
@@ -121,6 +121,8 @@ impl Matches {
             .unwrap_or(0)
     }
 
+    /// Expected cached prompt tokens on the worker in `slot`.
+    #[inline]
     pub fn cached_tokens(&self, slot: usize) -> u64 {
         self.entries[..self.len]
             .iter()
@@ -142,6 +144,14 @@ impl Matches {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Whether the worker in `slot` is expected to hold any of the prompt.
+    #[inline]
+    pub fn holds(&self, slot: usize) -> bool {
+        self.entries[..self.len]
+            .iter()
+            .any(|(s, _)| *s as usize == slot)
     }
 }
 
@@ -173,6 +183,8 @@ pub struct PrefixIndex {
     index_block_tokens: u64,
     cache_tokens: u64,
     max_age_ms: u32,
+    /// Serializes records; readers take no lock.
+    writer: Mutex<()>,
 }
 
 /// A writer is mid-update (a handful of stores): wait it out, yielding if it
@@ -207,6 +219,7 @@ impl PrefixIndex {
             index_block_tokens: index_block_tokens.max(1),
             cache_tokens: cache_tokens.max(1),
             max_age_ms: (max_age_secs * 1000.0).clamp(1.0, f64::from(u32::MAX / 2)) as u32,
+            writer: Mutex::new(()),
         }
     }
 
@@ -313,6 +326,23 @@ impl PrefixIndex {
         now_ms.saturating_sub(touched_ms) <= self.max_age_ms
     }
 
+    /// Reads a word of each cache line of every group `blocks` maps to, all
+    /// at once: the lookup's binary search and the record's stamps then find
+    /// them in cache. Issued back to back, the loads' misses overlap, where
+    /// the search (each probe depends on the last) and the stamps (each a
+    /// locked read-modify-write, which waits for everything before it) would
+    /// take them one at a time.
+    fn warm(&self, blocks: &Blocks<'_>) {
+        let mut sum = 0u64;
+        for i in 0..blocks.count {
+            let group = self.group(blocks.key(i));
+            sum ^= group.version.load(Ordering::Relaxed)
+                ^ group.holders[1][0].load(Ordering::Relaxed)
+                ^ group.holders[WAYS - 1][0].load(Ordering::Relaxed);
+        }
+        std::hint::black_box(sum);
+    }
+
     /// The entry for `key`, read under its group's version.
     fn read(&self, key: u64) -> Option<EntryRead> {
         let group = self.group(key);
@@ -363,6 +393,7 @@ impl PrefixIndex {
             return matches;
         }
         let blocks = self.blocks(prefix);
+        self.warm(&blocks);
         let mut lo = 0usize;
         while lo < blocks.count {
             let (_, count) = self.holders_at(blocks.key(lo), now_ms);
@@ -402,6 +433,7 @@ impl PrefixIndex {
         let Some(clock) = self.clock_or_new(slot) else {
             return;
         };
+        self.warm(&blocks);
         let total = blocks.count as u64 * blocks.tokens_per_block;
         let added = total.saturating_sub(cached_tokens).max(1);
         let stamp = clock
@@ -410,6 +442,9 @@ impl PrefixIndex {
             .saturating_add(added)
             .min(STAMP_MASK);
         let word = ((slot as u64 + 1) << STAMP_BITS) | stamp;
+        // One lock for the whole prompt, where a lock per block would take
+        // a locked read-modify-write per block.
+        let _writer = self.writer.lock();
         for i in 0..blocks.count {
             self.stamp(blocks.key(i), slot as u64 + 1, word, now_ms);
         }
@@ -417,26 +452,14 @@ impl PrefixIndex {
 
     /// Stamps block `key` with the holder `word` (whose worker's slot + 1 is
     /// `tag`), holding the block's group.
+    /// The caller holds the index's writer lock, so the group's version is
+    /// even here and no other writer changes it.
     fn stamp(&self, key: u64, tag: u64, word: u64, now_ms: u32) {
         let group = self.group(key);
-        let mut spins = 0u32;
-        let version = loop {
-            let version = group.version.load(Ordering::Relaxed);
-            if version & 1 == 0
-                && group
-                    .version
-                    .compare_exchange_weak(
-                        version,
-                        version.wrapping_add(1),
-                        Ordering::Acquire,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-            {
-                break version;
-            }
-            spins = backoff(spins);
-        };
+        let version = group.version.load(Ordering::Relaxed);
+        group
+            .version
+            .store(version.wrapping_add(1), Ordering::Relaxed);
         // Readers that see any store below also see the odd version.
         fence(Ordering::Release);
         let way = match (0..WAYS).find(|&way| group.keys[way].load(Ordering::Relaxed) == key) {

@@ -344,6 +344,19 @@ pub(crate) fn wait_secs(
     finite_or_max(drain_secs(queued_tokens, inflight_tokens, throughput_tps) + kv_barrier_secs)
 }
 
+/// [`wait_secs`] with the queue already converted (`queued_tokens as f64`,
+/// done once per report by the hot records): the same arithmetic, so the
+/// same bits.
+#[inline]
+pub(crate) fn wait_secs_converted(
+    queued_tokens_f64: f64,
+    inflight_tokens: u64,
+    throughput_tps: f64,
+    kv_barrier_secs: f64,
+) -> f64 {
+    finite_or_max((queued_tokens_f64 + inflight_tokens as f64) / throughput_tps + kv_barrier_secs)
+}
+
 /// The whole score from its inputs: one worker's fresh snapshot (or none),
 /// our pending work now, our pending work when its poll was sent, the knobs
 /// and the fleet. A learned rate is the policy's state, so under

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering, fence};
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use policy_core::{ReplicaPendingOutcome, WorkerLedger};
+use policy_core::{ReplicaPendingOutcome, WorkerId, WorkerLedger};
 
 use crate::LeastLoadParams;
 use crate::rate::{LearnedRate, RateEstimator, RateProbe};
@@ -203,6 +203,359 @@ fn backoff(spins: u32) -> u32 {
         std::thread::yield_now();
     }
     spins.saturating_add(1)
+}
+
+/// What a selection needs of one worker, as stored in its [`HotRecord`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct HotValues {
+    /// The worker's snapshot, if one is stored (fresh or not).
+    pub snapshot: Option<HotSnapshot>,
+    /// Every replica's pending work there: ours and the others' as published.
+    pub ahead_tokens: u64,
+    /// Our pending requests plus the other replicas' (the cap adds the
+    /// snapshot's `others_waiting_requests`).
+    pub pending_requests: u64,
+    /// Under `rate = "learned"`: the worker's learned rate (`None` before
+    /// it has one).
+    pub learned_tps: Option<f64>,
+    /// The worker's [`HotKey`] terms, `(base_secs, inv_rate)`: its score
+    /// with a fresh snapshot is about `base_secs + own_tokens × inv_rate`
+    /// (`base_secs` infinite when the cap vetoes it). `None`: no snapshot,
+    /// or terms too large to bound the estimate's error.
+    pub key: Option<(f64, f64)>,
+}
+
+/// The first pass's view of one worker: its score as a multiply-add, and
+/// when its snapshot was received, so that a selection can rule out most
+/// candidates reading 32 bytes each, and score exactly only the few that
+/// may be within the tie tolerance of the best.
+#[derive(Debug, Default)]
+#[repr(C, align(32))]
+struct HotKey {
+    /// The record's tag, with [`HOT_KEY`] when the terms below are usable.
+    tag: AtomicU64,
+    received_nanos: AtomicI64,
+    base_bits: AtomicU64,
+    inv_rate_bits: AtomicU64,
+}
+
+/// A worker's [`HotKey`] as read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct KeyRead {
+    pub tag: u64,
+    pub received_nanos: i64,
+    pub base_secs: f64,
+    pub inv_rate: f64,
+}
+
+/// One worker's [`HotRecord`] as read, when it has a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct HotRead {
+    pub received_nanos: i64,
+    /// `queued_tokens as f64`, converted once when stored.
+    pub queued_tokens_f64: f64,
+    pub ahead_tokens: u64,
+    /// The learned rate's bits (0: none) under `rate = "learned"`, else the
+    /// snapshot's throughput's.
+    pub rate_bits: u64,
+    pub kv_barrier_secs: f64,
+    /// The cap's estimate of the worker's waiting requests.
+    pub waiting_requests: u64,
+}
+
+const HOT_ALIVE: u64 = 1;
+const HOT_SNAPSHOT: u64 = 1 << 1;
+const HOT_KEY: u64 = 1 << 2;
+const HOT_GENERATION_SHIFT: u32 = 32;
+
+/// The [`HotKey`] tag of worker `id` when its key is usable.
+#[inline]
+pub(crate) fn key_tag(id: WorkerId) -> u64 {
+    (u64::from(id.generation()) << HOT_GENERATION_SHIFT) | HOT_ALIVE | HOT_SNAPSHOT | HOT_KEY
+}
+
+/// Everything a selection reads of one worker, in one cache line, derived
+/// from the worker's ledger, snapshot, learned rate and remote pending work.
+///
+/// A selection reads every candidate and writes one, so the terms it needs
+/// are kept packed here, side by side with the other workers', instead of
+/// behind a pointer per worker and a cache line per source. Whoever changes
+/// a source rewrites the record from all the sources while holding it (the
+/// version odd), so the last writer to finish has seen every change, and
+/// the record is exact whenever no change is under way. Readers use the
+/// version as a seqlock and never write.
+#[derive(Debug, Default)]
+#[repr(C, align(64))]
+struct HotRecord {
+    /// Odd while a writer holds the record.
+    version: AtomicU64,
+    /// `generation << 32 | HOT_SNAPSHOT? | HOT_ALIVE?`: whose record this is.
+    tag: AtomicU64,
+    received_nanos: AtomicI64,
+    queued_bits: AtomicU64,
+    ahead_tokens: AtomicU64,
+    rate_bits: AtomicU64,
+    kv_barrier_bits: AtomicU64,
+    waiting_requests: AtomicU64,
+}
+
+/// Records per chunk of the [`HotTable`] (a 4 KiB page of them).
+const HOT_CHUNK: usize = 64;
+
+/// Worker slots the [`HotTable`] covers; a worker in a higher slot is scored
+/// through the slower path that reads its state directly.
+pub(crate) const HOT_SLOTS: usize = 1 << 16;
+
+/// The records and keys of [`HOT_CHUNK`] consecutive slots.
+#[derive(Debug)]
+struct HotChunk {
+    records: [HotRecord; HOT_CHUNK],
+    keys: [HotKey; HOT_CHUNK],
+}
+
+/// The [`HotRecord`]s and [`HotKey`]s of every worker, indexed by slot, in
+/// chunks allocated on first use (so a small fleet costs a few pages).
+#[derive(Debug)]
+pub(crate) struct HotTable {
+    chunks: Box<[OnceLock<Box<HotChunk>>]>,
+    /// Whether `rate_bits` holds the learned rate (else the snapshot's).
+    learned_rate: bool,
+}
+
+impl HotTable {
+    pub fn new(learned_rate: bool) -> HotTable {
+        HotTable {
+            chunks: (0..HOT_SLOTS / HOT_CHUNK)
+                .map(|_| OnceLock::new())
+                .collect(),
+            learned_rate,
+        }
+    }
+
+    #[inline]
+    fn chunk(&self, slot: usize) -> Option<&HotChunk> {
+        self.chunks
+            .get(slot / HOT_CHUNK)?
+            .get()
+            .map(|chunk| &**chunk)
+    }
+
+    #[inline]
+    fn record(&self, slot: usize) -> Option<(&HotRecord, &HotKey)> {
+        let chunk = self.chunk(slot)?;
+        let index = slot % HOT_CHUNK;
+        Some((&chunk.records[index], &chunk.keys[index]))
+    }
+
+    fn record_or_new(&self, slot: usize) -> Option<(&HotRecord, &HotKey)> {
+        let chunk = self.chunks.get(slot / HOT_CHUNK)?.get_or_init(|| {
+            Box::new(HotChunk {
+                records: std::array::from_fn(|_| HotRecord::default()),
+                keys: std::array::from_fn(|_| HotKey::default()),
+            })
+        });
+        let index = slot % HOT_CHUNK;
+        Some((&chunk.records[index], &chunk.keys[index]))
+    }
+
+    /// A reader of keys that remembers the last chunk it looked up
+    /// (candidates in slot order share chunks).
+    pub fn keys(&self) -> KeyCursor<'_> {
+        KeyCursor {
+            table: self,
+            chunk_index: usize::MAX,
+            chunk: None,
+        }
+    }
+
+    /// The record of worker `id`, if it holds a snapshot and belongs to this
+    /// live generation of the worker; `None` sends the caller to the
+    /// worker's own state.
+    #[inline]
+    pub fn read(&self, id: WorkerId) -> Option<HotRead> {
+        let (record, _) = self.record(id.slot())?;
+        let expected =
+            (u64::from(id.generation()) << HOT_GENERATION_SHIFT) | HOT_ALIVE | HOT_SNAPSHOT;
+        let mut spins = 0u32;
+        loop {
+            let before = record.version.load(Ordering::Acquire);
+            if before & 1 == 0 {
+                let tag = record.tag.load(Ordering::Relaxed);
+                let read = HotRead {
+                    received_nanos: record.received_nanos.load(Ordering::Relaxed),
+                    queued_tokens_f64: f64::from_bits(record.queued_bits.load(Ordering::Relaxed)),
+                    ahead_tokens: record.ahead_tokens.load(Ordering::Relaxed),
+                    rate_bits: record.rate_bits.load(Ordering::Relaxed),
+                    kv_barrier_secs: f64::from_bits(record.kv_barrier_bits.load(Ordering::Relaxed)),
+                    waiting_requests: record.waiting_requests.load(Ordering::Relaxed),
+                };
+                // Orders the loads above before the version re-check.
+                fence(Ordering::Acquire);
+                if record.version.load(Ordering::Relaxed) == before {
+                    return (tag == expected).then_some(read);
+                }
+            }
+            spins = backoff(spins);
+        }
+    }
+
+    /// Makes worker `id` the owner of its slot's record, from `values`.
+    pub fn insert(&self, id: WorkerId, values: impl FnOnce() -> HotValues) {
+        if let Some((record, key)) = self.record_or_new(id.slot()) {
+            self.write(record, key, id, true, values);
+        }
+    }
+
+    /// Rewrites worker `id`'s record from `values` (read while the record is
+    /// held), unless the slot now belongs to another generation.
+    pub fn update(&self, id: WorkerId, values: impl FnOnce() -> HotValues) {
+        if let Some((record, key)) = self.record(id.slot()) {
+            self.write(record, key, id, false, values);
+        }
+    }
+
+    /// Worker `id` was removed: its record is no longer read. A late update
+    /// for it (from a selection that still saw it) leaves it so.
+    pub fn remove(&self, id: WorkerId) {
+        if let Some((record, key)) = self.record(id.slot()) {
+            let generation = u64::from(id.generation());
+            let version = lock(&record.version);
+            let tag = record.tag.load(Ordering::Relaxed);
+            if tag >> HOT_GENERATION_SHIFT == generation {
+                record.tag.store(tag & !HOT_ALIVE, Ordering::Relaxed);
+                key.tag.store(0, Ordering::Relaxed);
+            }
+            record
+                .version
+                .store(version.wrapping_add(2), Ordering::Release);
+        }
+    }
+
+    /// Writes `values` into `record` for worker `id`: as its new owner
+    /// (`insert`), else only if `id` owns it, keeping whether it is alive.
+    fn write(
+        &self,
+        record: &HotRecord,
+        key: &HotKey,
+        id: WorkerId,
+        insert: bool,
+        values: impl FnOnce() -> HotValues,
+    ) {
+        let version = lock(&record.version);
+        let tag = record.tag.load(Ordering::Relaxed);
+        let generation_bits = u64::from(id.generation()) << HOT_GENERATION_SHIFT;
+        let owned = tag & !(HOT_ALIVE | HOT_SNAPSHOT) == generation_bits;
+        if insert || owned {
+            // Read while the record is held: a source changed before this
+            // point is seen here, or by the writer that holds it next.
+            let values = values();
+            let alive = if insert { HOT_ALIVE } else { tag & HOT_ALIVE };
+            let mut flags = generation_bits | alive;
+            let snapshot = values.snapshot;
+            if snapshot.is_some() {
+                flags |= HOT_SNAPSHOT;
+            }
+            let snapshot = snapshot.unwrap_or(HotSnapshot {
+                received_nanos: i64::MIN,
+                queued_tokens: 0,
+                throughput_tps: 0.0,
+                kv_barrier_secs: 0.0,
+                others_waiting_requests: 0,
+            });
+            let rate_bits = if self.learned_rate {
+                values.learned_tps.map_or(0, f64::to_bits)
+            } else {
+                snapshot.throughput_tps.to_bits()
+            };
+            record.tag.store(flags, Ordering::Relaxed);
+            record
+                .received_nanos
+                .store(snapshot.received_nanos, Ordering::Relaxed);
+            record
+                .queued_bits
+                .store((snapshot.queued_tokens as f64).to_bits(), Ordering::Relaxed);
+            record
+                .ahead_tokens
+                .store(values.ahead_tokens, Ordering::Relaxed);
+            record.rate_bits.store(rate_bits, Ordering::Relaxed);
+            record
+                .kv_barrier_bits
+                .store(snapshot.kv_barrier_secs.to_bits(), Ordering::Relaxed);
+            record.waiting_requests.store(
+                snapshot
+                    .others_waiting_requests
+                    .saturating_add(values.pending_requests),
+                Ordering::Relaxed,
+            );
+            let (key_flags, (base_secs, inv_rate)) = match values.key {
+                Some(terms) if flags & HOT_SNAPSHOT != 0 => (flags | HOT_KEY, terms),
+                _ => (0, (f64::INFINITY, 0.0)),
+            };
+            key.tag.store(key_flags, Ordering::Relaxed);
+            key.received_nanos
+                .store(snapshot.received_nanos, Ordering::Relaxed);
+            key.base_bits.store(base_secs.to_bits(), Ordering::Relaxed);
+            key.inv_rate_bits
+                .store(inv_rate.to_bits(), Ordering::Relaxed);
+        }
+        record
+            .version
+            .store(version.wrapping_add(2), Ordering::Release);
+    }
+}
+
+/// Reads [`HotKey`]s; see [`HotTable::keys`].
+#[derive(Debug)]
+pub(crate) struct KeyCursor<'t> {
+    table: &'t HotTable,
+    chunk_index: usize,
+    chunk: Option<&'t HotChunk>,
+}
+
+impl KeyCursor<'_> {
+    /// Worker `id`'s key, unguarded: a read racing a writer may mix two
+    /// versions, which is harmless because a key only decides which
+    /// candidates are scored exactly. `None` without a chunk for the slot.
+    #[inline]
+    pub fn key(&mut self, id: WorkerId) -> Option<KeyRead> {
+        let slot = id.slot();
+        if slot / HOT_CHUNK != self.chunk_index {
+            self.chunk_index = slot / HOT_CHUNK;
+            self.chunk = self.table.chunk(slot);
+        }
+        let key = &self.chunk?.keys[slot % HOT_CHUNK];
+        Some(KeyRead {
+            tag: key.tag.load(Ordering::Relaxed),
+            received_nanos: key.received_nanos.load(Ordering::Relaxed),
+            base_secs: f64::from_bits(key.base_bits.load(Ordering::Relaxed)),
+            inv_rate: f64::from_bits(key.inv_rate_bits.load(Ordering::Relaxed)),
+        })
+    }
+}
+
+/// Takes a seqlock's version odd for a writer; returns the even version it
+/// held before.
+fn lock(version: &AtomicU64) -> u64 {
+    let mut spins = 0u32;
+    let held = loop {
+        let current = version.load(Ordering::Relaxed);
+        if current & 1 == 0
+            && version
+                .compare_exchange_weak(
+                    current,
+                    current.wrapping_add(1),
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            break current;
+        }
+        spins = backoff(spins);
+    };
+    // Readers that see any store after this also see the odd version.
+    fence(Ordering::Release);
+    held
 }
 
 /// The original estimator's tally: tokens dispatched to the worker since its

@@ -1390,6 +1390,104 @@ fn power_of_two_counts_other_replicas_too() {
     }
 }
 
+/// The filtered two-pass argmin against the one-pass one, on fleets built
+/// so that exact ties and ties at the edge of the tolerance are common.
+mod filtered_argmin {
+    use std::time::{Duration, Instant};
+
+    use policy_core::{Policy, PolicyContext, PrefixBlocks, RequestInfo, TokenCount, WorkerId};
+    use proptest::prelude::*;
+
+    use super::{load, report};
+    use crate::{LeastLoad, LeastLoadParams, RateMode, Strategy as Pick};
+
+    /// One worker: its report (queue on a 5-token grid, 2.5 ms at 2000
+    /// tok/s; `None`: never reported), KV usage, whether the report is
+    /// stale, and how many 100-token dispatches it holds.
+    type Worker = (Option<i64>, f64, bool, u8);
+
+    fn worker() -> impl Strategy<Value = Worker> {
+        (
+            proptest::option::weighted(0.9, (0i64..16).prop_map(|step| step * 5)),
+            prop_oneof![4 => Just(0.0), 1 => Just(0.5)],
+            proptest::bool::weighted(0.1),
+            0u8..3,
+        )
+    }
+
+    fn build(
+        params: &LeastLoadParams,
+        workers: &[Worker],
+        t0: Instant,
+    ) -> (LeastLoad, Vec<WorkerId>) {
+        let policy = LeastLoad::new(Pick::LeastLoad, *params, &PolicyContext::default()).unwrap();
+        let ids: Vec<WorkerId> = (0..workers.len() as u32)
+            .map(|slot| WorkerId::new(slot, 0))
+            .collect();
+        let stale_at = t0 - Duration::from_secs(3600);
+        for (id, (queued, kv, stale, _)) in ids.iter().zip(workers) {
+            policy.add_worker(
+                *id,
+                policy_core::WorkerInfo::new(format!("http://w{}", id.slot()), "sglang"),
+            );
+            if let Some(queued) = queued {
+                let at = if *stale { stale_at } else { t0 };
+                report(&policy, *id, &load(Some(*queued), 1, Some(2000.0), *kv), at);
+            }
+        }
+        // Dispatches pinned to one worker each (a one-candidate selection).
+        for (id, (_, _, _, held)) in ids.iter().zip(workers) {
+            for _ in 0..*held {
+                policy.select(&[*id], &RequestInfo::new(TokenCount::Exact(100)), t0);
+            }
+        }
+        (policy, ids)
+    }
+
+    fn prompt(group: u64) -> RequestInfo {
+        let hashes: Vec<u64> = (1..=32u64).map(|block| group * 1000 + block).collect();
+        RequestInfo::new(TokenCount::Exact(512)).prefix_blocks(PrefixBlocks::new(16, hashes))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        #[test]
+        fn the_filtered_choice_and_draws_are_the_one_pass_ones(
+            workers in prop::collection::vec(worker(), 16..90),
+            tolerance_secs in prop_oneof![Just(0.0), Just(0.0025), Just(0.01), 0.0f64..0.03],
+            reported_rate in any::<bool>(),
+            cap in prop_oneof![3 => Just(0u64), 1 => 2u64..4],
+            tokens in prop_oneof![Just(0u64), Just(10), 1u64..5000],
+            prompts in prop::collection::vec((0u64..3, 0usize..90), 0..4),
+        ) {
+            let params = LeastLoadParams {
+                tie_tolerance_secs: tolerance_secs,
+                rate: if reported_rate { RateMode::Reported } else { RateMode::Learned },
+                max_waiting_requests: cap,
+                prefix_index_block_tokens: 16,
+                ..LeastLoadParams::default()
+            };
+            let t0 = Instant::now();
+            let (filtered, ids) = build(&params, &workers, t0);
+            let (one_pass, _) = build(&params, &workers, t0);
+            // Prompts recorded on some workers, so some candidates hold a prefix.
+            for (group, worker) in &prompts {
+                let id = ids[worker % ids.len()];
+                filtered.select(&[id], &prompt(*group), t0);
+                one_pass.select(&[id], &prompt(*group), t0);
+            }
+            let now = t0 + Duration::from_millis(1);
+            for request in [RequestInfo::new(TokenCount::Exact(tokens)), prompt(0), prompt(1)] {
+                prop_assert_eq!(
+                    filtered.choice_for_test(&ids, &request, now, true),
+                    one_pass.choice_for_test(&ids, &request, now, false)
+                );
+            }
+        }
+    }
+}
+
 /// The one-pass tie rule against the rule written out plainly.
 mod tie_rule {
     use policy_core::{ArgMin, TieBreaker};
