@@ -1,14 +1,14 @@
 //! The prefix-affinity gate (`docs/least-load.md`, "Prefix affinity"): the
-//! shipped `multi-turn.toml` (its full 20,000 requests: sessions take
-//! minutes to fill the caches) and `rag-many-prefixes.toml` (5,000
-//! requests), unchanged except for the load (0.8 of warm-cache capacity),
+//! shipped `multi-turn.toml` and `rag-many-prefixes.toml`, each its full
+//! 20,000 requests (sessions take minutes to fill the caches; shorter RAG
+//! runs are mostly the cold start), unchanged except for the load (0.8 of warm-cache capacity),
 //! with `least_load`, `least_load_no_prefix` and the two prefix-aware
 //! baselines:
 //! - on both, `least_load`'s p99 TTFT is at least 3× lower than
-//!   `least_load_no_prefix`'s, and lower than `cache_aware`'s;
-//! - on multi-turn, lower than `consistent_hash`'s too. (On the RAG mix,
-//!   consistent hashing on the document keeps every document on one worker
-//!   and wins: see the README's table.)
+//!   `least_load_no_prefix`'s, and lower than `cache_aware`'s and
+//!   `consistent_hash`'s. (On the RAG mix, consistent hashing keeps every
+//!   document on one worker; `least_load` beats it only with the miss
+//!   charge raised by congestion, `prefix_congestion_weight`.)
 
 // Helpers outside #[test] functions unwrap too: a panic here is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -47,7 +47,7 @@ fn p99(report: &Report, policy: &str) -> f64 {
         .ttft_p99_s
 }
 
-fn check(name: &str, requests: f64, beats_consistent_hash: bool) {
+fn check(name: &str, requests: f64) {
     let report = run(name, requests);
     let least_load = p99(&report, "least_load");
     let no_term = p99(&report, "least_load_no_prefix");
@@ -65,20 +65,18 @@ fn check(name: &str, requests: f64, beats_consistent_hash: bool) {
         least_load < cache_aware,
         "{name}: least_load {least_load:.3} s against cache_aware {cache_aware:.3} s"
     );
-    if beats_consistent_hash {
-        assert!(
-            least_load < consistent_hash,
-            "{name}: least_load {least_load:.3} s against consistent_hash {consistent_hash:.3} s"
-        );
-    }
+    assert!(
+        least_load < consistent_hash,
+        "{name}: least_load {least_load:.3} s against consistent_hash {consistent_hash:.3} s"
+    );
 }
 
 #[test]
 fn multi_turn_sessions_stay_where_their_history_is_cached() {
-    check("multi-turn", 20_000.0, true);
+    check("multi-turn", 20_000.0);
 }
 
 #[test]
 fn rag_documents_stay_where_they_are_cached() {
-    check("rag-many-prefixes", 5_000.0, false);
+    check("rag-many-prefixes", 20_000.0);
 }

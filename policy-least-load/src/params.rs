@@ -134,6 +134,15 @@ pub struct LeastLoadParams {
     /// every later request waits for. 0 counts only the request's own
     /// wait. Finite, ≥ 0.
     pub prefix_miss_weight: f64,
+    /// How much the miss charge grows when the whole fleet is busy: the
+    /// weight becomes `prefix_miss_weight + prefix_congestion_weight ×
+    /// floor_wait / own_prefill`, where `floor_wait` is the least queued
+    /// wait of any candidate and `own_prefill` the request's whole prompt at
+    /// the fleet's rate. With a worker idle a miss only costs its own
+    /// recompute; with every worker queued it takes capacity from requests
+    /// already waiting, and a fixed charge would let deepening queues
+    /// trigger ever more misses. 0 keeps the charge fixed. Finite, ≥ 0.
+    pub prefix_congestion_weight: f64,
 }
 
 impl Default for LeastLoadParams {
@@ -153,7 +162,8 @@ impl Default for LeastLoadParams {
             prefix_cache_tokens: 400_000,
             prefix_index_max_blocks: 131_072,
             prefix_max_age_secs: 3600.0,
-            prefix_miss_weight: 2.0,
+            prefix_miss_weight: 1.0,
+            prefix_congestion_weight: 4.0,
         }
     }
 }
@@ -192,6 +202,7 @@ impl LeastLoadParams {
             "prefix_index_max_blocks": self.prefix_index_max_blocks,
             "prefix_max_age_secs": self.prefix_max_age_secs,
             "prefix_miss_weight": self.prefix_miss_weight,
+            "prefix_congestion_weight": self.prefix_congestion_weight,
         })
     }
 }
@@ -217,6 +228,7 @@ struct RawParams {
     prefix_index_max_blocks: i64,
     prefix_max_age_secs: f64,
     prefix_miss_weight: f64,
+    prefix_congestion_weight: f64,
     /// The original key: `true` is `rate = "reported"`, `false` is
     /// `rate = "fixed"`; giving both keys is an error.
     use_reported_throughput: Option<bool>,
@@ -251,6 +263,7 @@ impl From<LeastLoadParams> for RawParams {
                 .unwrap_or(i64::MAX),
             prefix_max_age_secs: params.prefix_max_age_secs,
             prefix_miss_weight: params.prefix_miss_weight,
+            prefix_congestion_weight: params.prefix_congestion_weight,
             use_reported_throughput: None,
         }
     }
@@ -391,16 +404,18 @@ impl RawParams {
                 "a finite number of seconds > 0",
             ));
         }
-        if !(self.prefix_miss_weight.is_finite() && self.prefix_miss_weight >= 0.0) {
-            return Err(invalid(
-                "prefix_miss_weight",
-                self.prefix_miss_weight.to_string(),
-                "a finite number >= 0",
-            ));
+        for (key, weight) in [
+            ("prefix_miss_weight", self.prefix_miss_weight),
+            ("prefix_congestion_weight", self.prefix_congestion_weight),
+        ] {
+            if !(weight.is_finite() && weight >= 0.0) {
+                return Err(invalid(key, weight.to_string(), "a finite number >= 0"));
+            }
         }
         Ok(LeastLoadParams {
             prefix_affinity: self.prefix_affinity,
             prefix_miss_weight: self.prefix_miss_weight,
+            prefix_congestion_weight: self.prefix_congestion_weight,
             prefix_index_block_tokens,
             prefix_cache_tokens,
             prefix_index_max_blocks,
@@ -460,6 +475,7 @@ mod tests {
             "prefix_index_max_blocks": 64,
             "prefix_max_age_secs": 5.0,
             "prefix_miss_weight": 0.5,
+            "prefix_congestion_weight": 0.0,
         });
         let params = LeastLoadParams::from_section("least_load", &section).unwrap();
         assert_eq!(
@@ -480,6 +496,7 @@ mod tests {
                 prefix_index_max_blocks: 64,
                 prefix_max_age_secs: 5.0,
                 prefix_miss_weight: 0.5,
+                prefix_congestion_weight: 0.0,
             }
         );
         // The section round-trips.
@@ -545,6 +562,10 @@ mod tests {
                 "least_load.prefix_miss_weight = -1 is invalid: must be a finite number >= 0",
             ),
             (
+                json!({"prefix_congestion_weight": -0.5}),
+                "least_load.prefix_congestion_weight = -0.5 is invalid: must be a finite number >= 0",
+            ),
+            (
                 json!({"prefix_max_age_secs": 0.0}),
                 "least_load.prefix_max_age_secs = 0 is invalid: must be a finite number of seconds > 0",
             ),
@@ -580,6 +601,15 @@ mod tests {
             };
             assert!(params.validate("power_of_two").is_err());
         }
+        let params = LeastLoadParams {
+            prefix_congestion_weight: f64::NAN,
+            ..LeastLoadParams::default()
+        };
+        let err = params.validate("least_load").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "least_load.prefix_congestion_weight = NaN is invalid: must be a finite number >= 0"
+        );
         let params = LeastLoadParams {
             default_throughput: f64::NAN,
             ..LeastLoadParams::default()

@@ -18,7 +18,7 @@ use crate::score::{
     ThroughputSource, score, wait_secs, wait_secs_converted,
 };
 use crate::state::{
-    HotSnapshot, HotTable, HotValues, StoredSnapshot, Timeline, WorkerState, key_tag,
+    HotRead, HotSnapshot, HotTable, HotValues, StoredSnapshot, Timeline, WorkerState, key_tag,
 };
 use crate::{InflightMode, LeastLoadParams, RateMode};
 
@@ -145,7 +145,8 @@ struct OwnWork {
     matches: Matches,
     /// Most tokens any worker is expected to hold (capped as `cached_tokens`).
     best_cached_tokens: u64,
-    /// `prefix_miss_weight`.
+    /// Tokens charged per token missed: `prefix_miss_weight`, raised with
+    /// the fleet's congestion by [`LeastLoad::priced`].
     miss_weight: f64,
 }
 
@@ -168,8 +169,8 @@ impl OwnWork {
     }
 
     /// The tokens scored on a worker expected to hold `cached` of the
-    /// prompt: the uncached part of the request, and `prefix_miss_weight` ×
-    /// the tokens it would recompute there that the best-placed worker would
+    /// prompt: the uncached part of the request, and the miss weight × the
+    /// tokens it would recompute there that the best-placed worker would
     /// not (the fleet's capacity a miss burns).
     #[inline]
     fn charged(&self, cached: u64) -> u64 {
@@ -751,6 +752,7 @@ impl LeastLoad {
         now_nanos: i64,
         own: &OwnWork,
     ) -> Option<Scored<'v>> {
+        let own = &self.priced(own, view, candidates, now_nanos);
         let Some(hot) = &self.hot else {
             return self.argmin_direct(view, candidates, now_nanos, own);
         };
@@ -801,16 +803,10 @@ impl LeastLoad {
                 } else {
                     own.on(id)
                 };
-                let throughput_tps = match self.params.rate {
-                    RateMode::Learned => self
-                        .fleet_rate
-                        .scoring_tps((read.rate_bits != 0).then(|| f64::from_bits(read.rate_bits))),
-                    RateMode::Reported | RateMode::Fixed => f64::from_bits(read.rate_bits),
-                };
                 Some(wait_secs_converted(
                     read.queued_tokens_f64,
                     read.ahead_tokens.saturating_add(own_tokens),
-                    throughput_tps,
+                    self.hot_rate_tps(&read),
                     read.kv_barrier_secs,
                 ))
             }
@@ -818,6 +814,102 @@ impl LeastLoad {
                 let slot = view.get(id)?;
                 self.admitted_score(view, slot, candidates, fleet, now_nanos, own)
             }
+        }
+    }
+
+    /// The rate a hot record's work is divided by.
+    #[inline]
+    fn hot_rate_tps(&self, read: &HotRead) -> f64 {
+        match self.params.rate {
+            RateMode::Learned => self
+                .fleet_rate
+                .scoring_tps((read.rate_bits != 0).then(|| f64::from_bits(read.rate_bits))),
+            RateMode::Reported | RateMode::Fixed => f64::from_bits(read.rate_bits),
+        }
+    }
+
+    /// How busy the least busy candidate is: the least `(queued + pending
+    /// work) / rate` among the candidates with a fresh report (no barrier,
+    /// no request), or 0 when none has one. Stops at the first idle worker.
+    fn floor_wait_secs(
+        &self,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> f64 {
+        let mut floor_secs = f64::INFINITY;
+        for id in candidates {
+            let hot_read = self
+                .hot
+                .as_ref()
+                .and_then(|hot| hot.read(*id))
+                .filter(|read| {
+                    now_nanos.saturating_sub(read.received_nanos) <= self.stale_after_nanos
+                });
+            let wait_secs = match hot_read {
+                Some(read) => wait_secs_converted(
+                    read.queued_tokens_f64,
+                    read.ahead_tokens,
+                    self.hot_rate_tps(&read),
+                    0.0,
+                ),
+                None => {
+                    let Some(slot) = view.get(*id) else {
+                        continue;
+                    };
+                    let state = &slot.state;
+                    let Some(snapshot) = self.fresh_hot(state, now_nanos) else {
+                        continue;
+                    };
+                    let stats = state.ledger.stats();
+                    let remote = self.remote(state);
+                    wait_secs(
+                        snapshot.queued_tokens,
+                        self.inflight_tokens(state, stats, remote, true),
+                        match self.params.rate {
+                            RateMode::Learned => self.worker_rate_tps(state),
+                            RateMode::Reported | RateMode::Fixed => snapshot.throughput_tps,
+                        },
+                        0.0,
+                    )
+                }
+            };
+            floor_secs = floor_secs.min(wait_secs);
+            if floor_secs <= 0.0 {
+                break;
+            }
+        }
+        if floor_secs.is_finite() {
+            floor_secs
+        } else {
+            0.0
+        }
+    }
+
+    /// `own` with its miss weight raised by the congestion of `candidates`:
+    /// `prefix_miss_weight + prefix_congestion_weight × floor_wait /
+    /// own_prefill`, where `own_prefill` is the whole prompt at the fleet's
+    /// rate. While a candidate is idle a miss costs only its recompute; when
+    /// every one has work queued, the recompute takes capacity from requests
+    /// already waiting, and a fixed charge would be outgrown by the
+    /// deepening queues it causes (`docs/least-load.md`, "Prefix affinity").
+    fn priced(
+        &self,
+        own: &OwnWork,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> OwnWork {
+        let congestion_weight = self.params.prefix_congestion_weight;
+        if own.best_cached_tokens == 0 || congestion_weight == 0.0 || own.tokens == 0 {
+            return *own;
+        }
+        let own_prefill_secs = own.tokens as f64 / self.fleet_rate.tps();
+        let floor_secs = self.floor_wait_secs(view, candidates, now_nanos);
+        let raised = congestion_weight * floor_secs / own_prefill_secs;
+        OwnWork {
+            miss_weight: own.miss_weight + if raised.is_finite() { raised } else { 0.0 },
+            ..*own
         }
     }
 
@@ -1260,7 +1352,12 @@ impl Policy for LeastLoad {
             candidates.iter().filter_map(|id| view.get(*id)).collect();
         let fleet = self.fleet(slots.iter().copied(), now_nanos);
         let prompt_tokens = request.tokens.or(self.params.mean_prefill_tokens);
-        let own = self.own_work(prompt_tokens, request, now_nanos);
+        let own = self.priced(
+            &self.own_work(prompt_tokens, request, now_nanos),
+            &view,
+            candidates,
+            now_nanos,
+        );
         let mut admitted_scores = Vec::new();
         for slot in slots {
             let own_tokens = own.on(slot.id);

@@ -1614,14 +1614,12 @@ fn a_prefix_miss_is_charged_the_tokens_it_recomputes() {
     let ids = [holder, other];
     let table = policy.explain(&ids, &prefixed(7), t0);
     // The holder keeps all but the last token; elsewhere the request is
-    // 6400 tokens of its own plus 2 × the 6399 the holder would not recompute.
+    // 6400 tokens of its own plus 1 × the 6399 the holder would not
+    // recompute (both workers are idle: no congestion).
     assert_eq!(table.value(holder, "cached_tok"), Some(6399.0));
     assert_eq!(table.value(holder, "request_tok"), Some(1.0));
     assert_eq!(table.value(other, "cached_tok"), Some(0.0));
-    assert_eq!(
-        table.value(other, "request_tok"),
-        Some(6400.0 + 2.0 * 6399.0)
-    );
+    assert_eq!(table.value(other, "request_tok"), Some(6400.0 + 6399.0));
     // Another prefix is charged nothing anywhere.
     let table = policy.explain(&ids, &prefixed(8), t0);
     assert_eq!(table.value(holder, "request_tok"), Some(6400.0));
@@ -1647,6 +1645,64 @@ fn the_miss_charge_keeps_a_prefix_where_it_is_cached_until_the_queue_outweighs_i
         assert_eq!(
             chosen.worker, expected,
             "prefix_miss_weight = {miss_weight}"
+        );
+    }
+}
+
+#[test]
+fn the_miss_charge_grows_with_the_least_busy_workers_queue() {
+    let t0 = Instant::now();
+    let (policy, holder, other) = one_prefix_served(LeastLoadParams::default(), t0);
+    let ids = [holder, other];
+    // Both busy: the floor is the other's 4000 tokens, 2 s at the 2000 tok/s
+    // prior; the whole prompt takes 3.2 s there, so the weight is
+    // 1 + 4 × 2 / 3.2 = 3.5.
+    let t1 = t0 + Duration::from_millis(10);
+    report(&policy, holder, &load(Some(12_000), 3, None, 0.0), t1);
+    report(&policy, other, &load(Some(4000), 1, None, 0.0), t1);
+    let table = policy.explain(&ids, &prefixed(7), t1);
+    assert_eq!(table.value(holder, "request_tok"), Some(1.0));
+    assert_eq!(
+        table.value(other, "request_tok"),
+        Some(6400.0 + (3.5f64 * 6399.0).floor())
+    );
+    // Zero congestion weight: the fixed charge.
+    let params = LeastLoadParams {
+        prefix_congestion_weight: 0.0,
+        ..LeastLoadParams::default()
+    };
+    let (policy, holder, other) = one_prefix_served(params, t0);
+    report(&policy, holder, &load(Some(12_000), 3, None, 0.0), t1);
+    report(&policy, other, &load(Some(4000), 1, None, 0.0), t1);
+    let table = policy.explain(&[holder, other], &prefixed(7), t1);
+    assert_eq!(table.value(other, "request_tok"), Some(6400.0 + 6399.0));
+}
+
+#[test]
+fn a_busy_holder_keeps_its_prefix_only_while_every_worker_is_busy() {
+    // The holder has 40 000 tokens queued (20 s at 2000 tok/s). Against an
+    // idle worker the miss costs its recompute only (6400 + 6399 tokens,
+    // 6.4 s): the request moves. Against a worker with 20 000 queued (10 s)
+    // the fleet has no idle capacity: the weight is 1 + 4 × 10 / 3.2 = 13.5,
+    // and the request stays where its prefix is cached. A fixed charge
+    // would have moved it there too (10 + 6.4 s < 20 s).
+    for (other_queued, congestion_weight, stays) in
+        [(0, 4.0, false), (20_000, 4.0, true), (20_000, 0.0, false)]
+    {
+        let t0 = Instant::now();
+        let params = LeastLoadParams {
+            prefix_congestion_weight: congestion_weight,
+            ..LeastLoadParams::default()
+        };
+        let (policy, holder, other) = one_prefix_served(params, t0);
+        let t1 = t0 + Duration::from_millis(10);
+        report(&policy, holder, &load(Some(40_000), 6, None, 0.0), t1);
+        report(&policy, other, &load(Some(other_queued), 3, None, 0.0), t1);
+        let chosen = policy.select(&[holder, other], &prefixed(7), t1).unwrap();
+        let expected = if stays { holder } else { other };
+        assert_eq!(
+            chosen.worker, expected,
+            "other queued {other_queued}, congestion weight {congestion_weight}"
         );
     }
 }
