@@ -36,6 +36,10 @@ struct Node {
     refs: u32,
     /// LRU stamp of the last release.
     tick: u64,
+    /// The cache's change counter when this node last changed in a way
+    /// that can change a match ending in it: a block evicted from it, a
+    /// child inserted under it, a split, or (re)allocation.
+    changed: u64,
 }
 
 impl Node {
@@ -47,6 +51,7 @@ impl Node {
             children: HashMap::default(),
             refs,
             tick: 0,
+            changed: 0,
         }
     }
 }
@@ -58,6 +63,24 @@ struct Match {
     node: u32,
     matched: usize,
     in_node: usize,
+}
+
+/// Where a match ended and when it was taken: see
+/// [`PrefixCache::leading_hits_stamped`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MatchStamp {
+    node: u32,
+    changes: u64,
+}
+
+impl Default for MatchStamp {
+    /// A stamp that always reads as changed.
+    fn default() -> MatchStamp {
+        MatchStamp {
+            node: u32::MAX,
+            changes: 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -72,6 +95,8 @@ pub(crate) struct PrefixCache {
     tick: u64,
     /// Bumped whenever a block enters or leaves the cache.
     generation: u64,
+    /// Bumped on every change a node's `changed` records.
+    changes: u64,
 }
 
 impl Default for PrefixCache {
@@ -83,6 +108,7 @@ impl Default for PrefixCache {
             evictable_blocks: 0,
             tick: 0,
             generation: 0,
+            changes: 0,
         }
     }
 }
@@ -99,6 +125,40 @@ impl PrefixCache {
     /// How many leading blocks of `chain` are cached.
     pub(crate) fn leading_hits(&self, chain: &[u64]) -> usize {
         self.walk(chain).matched
+    }
+
+    /// [`leading_hits`](PrefixCache::leading_hits), and a [`MatchStamp`]
+    /// that tells later whether the count can have changed.
+    ///
+    /// A match that ends in node `n` (inside it, at its end with no child
+    /// for the next block, or at the chain's end) changes only when `n`
+    /// itself does: a block evicted from it (only leaves lose blocks, so
+    /// nothing above `n` can lose one while `n` exists), a child inserted
+    /// under it, a split of it, or its removal. Each of those marks `n`.
+    pub(crate) fn leading_hits_stamped(&self, chain: &[u64]) -> (usize, MatchStamp) {
+        let at = self.walk(chain);
+        (
+            at.matched,
+            MatchStamp {
+                node: at.node,
+                changes: self.changes,
+            },
+        )
+    }
+
+    /// Whether a match stamped with `stamp` may have a different count now
+    /// (false: [`leading_hits`](PrefixCache::leading_hits) returns the
+    /// same count as when it was stamped).
+    pub(crate) fn may_have_changed(&self, stamp: MatchStamp) -> bool {
+        self.nodes
+            .get(stamp.node as usize)
+            .is_none_or(|node| node.changed > stamp.changes)
+    }
+
+    /// Records a change of `id` (see [`MatchStamp`]).
+    fn mark_changed(&mut self, id: u32) {
+        self.changes += 1;
+        self.nodes[id as usize].changed = self.changes;
     }
 
     fn walk(&self, chain: &[u64]) -> Match {
@@ -164,6 +224,7 @@ impl PrefixCache {
         upper.children.insert(lower_key, id);
         let upper_id = self.alloc(upper);
         self.nodes[id as usize].parent = upper_id;
+        self.mark_changed(id);
         let upper_key = self.nodes[upper_id as usize].key;
         self.nodes[parent as usize]
             .children
@@ -172,7 +233,7 @@ impl PrefixCache {
     }
 
     fn alloc(&mut self, node: Node) -> u32 {
-        match self.free_nodes.pop() {
+        let id = match self.free_nodes.pop() {
             Some(id) => {
                 self.nodes[id as usize] = node;
                 id
@@ -181,7 +242,10 @@ impl PrefixCache {
                 self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
-        }
+        };
+        // A reused id must not pass for the node a stamp was taken in.
+        self.mark_changed(id);
+        id
     }
 
     /// Pins the first `blocks` blocks of `chain`, which must be cached
@@ -249,6 +313,7 @@ impl PrefixCache {
         self.nodes[end as usize]
             .children
             .insert(chain[at.matched], leaf);
+        self.mark_changed(end);
         self.generation += 1;
         (leaf, added)
     }
@@ -267,6 +332,7 @@ impl PrefixCache {
                 self.lru.pop();
                 continue;
             }
+            self.mark_changed(id);
             let node = &mut self.nodes[id as usize];
             node.blocks.pop();
             self.evictable_blocks -= 1;
