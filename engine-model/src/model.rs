@@ -1154,7 +1154,12 @@ impl Engine {
                 continue;
             }
             let before = slot.queued_hit_blocks.get();
-            let (after, stamp) = self.cached_prefix_blocks_stamped(index);
+            let max_blocks = ((slot.prefill_target - 1) / block) as usize;
+            let (hits, stamp) = self.cache.leading_hits_from(
+                &slot.chain[..slot.chain.len().min(max_blocks)],
+                slot.queued_stamp.get(),
+            );
+            let after = hits as u32;
             slot.queued_stamp.set(stamp);
             if after != before {
                 sum = sum + u64::from(before * block) - u64::from(after * block);

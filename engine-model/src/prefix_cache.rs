@@ -26,6 +26,9 @@ pub(crate) const ROOT: u32 = 0;
 #[derive(Debug)]
 struct Node {
     parent: u32,
+    /// Blocks above this node on its path: its first block is block
+    /// `start` of every chain through it.
+    start: usize,
     /// The first block's hash: the parent's key for this node.
     key: u64,
     /// The run's chained block hashes.
@@ -43,9 +46,10 @@ struct Node {
 }
 
 impl Node {
-    fn new(parent: u32, blocks: Vec<u64>, refs: u32) -> Node {
+    fn new(parent: u32, start: usize, blocks: Vec<u64>, refs: u32) -> Node {
         Node {
             parent,
+            start,
             key: blocks.first().copied().unwrap_or_default(),
             blocks,
             children: HashMap::default(),
@@ -102,7 +106,7 @@ pub(crate) struct PrefixCache {
 impl Default for PrefixCache {
     fn default() -> PrefixCache {
         PrefixCache {
-            nodes: vec![Node::new(ROOT, Vec::new(), 0)],
+            nodes: vec![Node::new(ROOT, 0, Vec::new(), 0)],
             free_nodes: Vec::new(),
             lru: BinaryHeap::new(),
             evictable_blocks: 0,
@@ -146,6 +150,36 @@ impl PrefixCache {
         )
     }
 
+    /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped) for a
+    /// chain last matched with `stamp`: the walk starts at the node the
+    /// match ended in when the chain still runs through that node's first
+    /// block (chained hashes: then it runs through every block above it),
+    /// and at the root otherwise. The same count either way.
+    pub(crate) fn leading_hits_from(
+        &self,
+        chain: &[u64],
+        stamp: MatchStamp,
+    ) -> (usize, MatchStamp) {
+        let anchored = self.nodes.get(stamp.node as usize).filter(|node| {
+            stamp.node != ROOT
+                && node
+                    .blocks
+                    .first()
+                    .is_some_and(|first| chain.get(node.start) == Some(first))
+        });
+        let at = match anchored {
+            Some(_) => self.descend(chain, stamp.node),
+            None => self.walk(chain),
+        };
+        (
+            at.matched,
+            MatchStamp {
+                node: at.node,
+                changes: self.changes,
+            },
+        )
+    }
+
     /// Whether a match stamped with `stamp` may have a different count now
     /// (false: [`leading_hits`](PrefixCache::leading_hits) returns the
     /// same count as when it was stamped).
@@ -162,17 +196,28 @@ impl PrefixCache {
     }
 
     fn walk(&self, chain: &[u64]) -> Match {
-        let mut at = Match {
+        let root = Match {
             node: ROOT,
             matched: 0,
             in_node: 0,
         };
-        while let Some(first) = chain.get(at.matched) {
-            let Some(&child) = self.nodes[at.node as usize].children.get(first) else {
-                break;
-            };
-            let run = &self.nodes[child as usize].blocks;
-            let rest = &chain[at.matched..];
+        match chain.first() {
+            Some(first) => match self.nodes[ROOT as usize].children.get(first) {
+                Some(&child) => self.descend(chain, child),
+                None => root,
+            },
+            None => root,
+        }
+    }
+
+    /// The match of `chain` from node `child` down, given that `chain`
+    /// runs through `child`'s first block.
+    fn descend(&self, chain: &[u64], mut child: u32) -> Match {
+        loop {
+            let node = &self.nodes[child as usize];
+            let run = &node.blocks;
+            let matched = node.start;
+            let rest = &chain[matched..];
             let len = run.len().min(rest.len());
             // Chained hashes: equal at `i` means equal up to `i`, so the
             // common part is found by binary search, and a whole run by
@@ -191,16 +236,22 @@ impl PrefixCache {
                 }
                 low
             };
-            at = Match {
+            let at = Match {
                 node: child,
-                matched: at.matched + common,
+                matched: matched + common,
                 in_node: common,
             };
             if common < run.len() {
-                break;
+                return at;
             }
+            let Some(next) = chain
+                .get(at.matched)
+                .and_then(|first| node.children.get(first))
+            else {
+                return at;
+            };
+            child = *next;
         }
-        at
     }
 
     /// Makes the match end at a node boundary, splitting its node; returns
@@ -219,7 +270,9 @@ impl PrefixCache {
         let (refs, tick) = (node.refs, node.tick);
         node.key = node.blocks.first().copied().unwrap_or_default();
         let lower_key = node.key;
-        let mut upper = Node::new(parent, upper_blocks, refs);
+        let upper_start = node.start;
+        node.start += at.in_node;
+        let mut upper = Node::new(parent, upper_start, upper_blocks, refs);
         upper.tick = tick;
         upper.children.insert(lower_key, id);
         let upper_id = self.alloc(upper);
@@ -309,7 +362,7 @@ impl PrefixCache {
             return (end, 0);
         }
         let added = chain.len() - at.matched;
-        let leaf = self.alloc(Node::new(end, chain[at.matched..].to_vec(), 1));
+        let leaf = self.alloc(Node::new(end, at.matched, chain[at.matched..].to_vec(), 1));
         self.nodes[end as usize]
             .children
             .insert(chain[at.matched], leaf);
