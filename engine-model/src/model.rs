@@ -14,7 +14,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use serde::{Deserialize, Serialize};
 
 use crate::error::EngineError;
-use crate::prefix_cache::{PrefixCache, ROOT};
+use crate::prefix_cache::{MatchStamp, PrefixCache, ROOT};
 use crate::splitmix::{SplitMix64, finalize};
 
 /// Per-worker engine parameters. Every field has a default; serde
@@ -314,6 +314,9 @@ struct Slot {
     /// estimate was last brought up to date (the waiting sum counts the
     /// rest of `prefill_target`). A `Cell`, so reads bring it up to date.
     queued_hit_blocks: Cell<u32>,
+    /// Where that estimate's match ended in the prefix cache and when: the
+    /// estimate is only recomputed once that node changed.
+    queued_stamp: Cell<MatchStamp>,
     decoding: bool,
     preemptions: u32,
 }
@@ -337,6 +340,7 @@ impl Slot {
             pinned_node: ROOT,
             private_kv: 0,
             queued_hit_blocks: Cell::new(0),
+            queued_stamp: Cell::new(MatchStamp::default()),
             decoding: false,
             preemptions: 0,
         }
@@ -801,6 +805,26 @@ impl Engine {
     /// Fails when its id is already in the engine, or when prompt + output
     /// could never fit in the KV cache.
     pub fn submit(&mut self, request: EngineRequest) -> Result<(), EngineError> {
+        self.submit_with_chain(request, None)
+    }
+
+    /// [`submit`](Engine::submit) for a caller that already chained the
+    /// request's block hashes (to route it, say): `prefix_chain` stands for
+    /// [`chain_block_hashes`] of the prompt's content hashes, and
+    /// `request.prefix_block_hashes` is not read (it may be left empty).
+    pub fn submit_chained(
+        &mut self,
+        request: EngineRequest,
+        prefix_chain: &[u64],
+    ) -> Result<(), EngineError> {
+        self.submit_with_chain(request, Some(prefix_chain))
+    }
+
+    fn submit_with_chain(
+        &mut self,
+        request: EngineRequest,
+        prefix_chain: Option<&[u64]>,
+    ) -> Result<(), EngineError> {
         let prompt_tokens = request.prompt_tokens.max(1);
         let output_tokens = request.output_tokens.max(1);
         let needed_tokens = u64::from(prompt_tokens) + u64::from(output_tokens);
@@ -829,10 +853,15 @@ impl Engine {
         chain.clear();
         if self.params.prefix_cache {
             let full_blocks = (prompt_tokens / self.params.block_size_tokens) as usize;
-            let mut previous = 0u64;
-            for &content in request.prefix_block_hashes.iter().take(full_blocks) {
-                previous = chain_block_hash(previous, content);
-                chain.push(previous);
+            match prefix_chain {
+                Some(keys) => chain.extend_from_slice(&keys[..keys.len().min(full_blocks)]),
+                None => {
+                    let mut previous = 0u64;
+                    for &content in request.prefix_block_hashes.iter().take(full_blocks) {
+                        previous = chain_block_hash(previous, content);
+                        chain.push(previous);
+                    }
+                }
             }
         }
         *slot = Slot {
@@ -1058,10 +1087,11 @@ impl Engine {
     /// not; a read brings them all up to date (see
     /// [`refresh_waiting_estimates`](Engine::refresh_waiting_estimates)).
     fn enqueue(&mut self, index: u32, at_head: bool) {
-        let hit_blocks = self.cached_prefix_tokens(index) / self.params.block_size_tokens;
+        let (hit_blocks, stamp) = self.cached_prefix_blocks_stamped(index);
         let slot = &mut self.slots[index as usize];
         slot.phase = Phase::Waiting;
         slot.queued_hit_blocks.set(hit_blocks);
+        slot.queued_stamp.set(stamp);
         let uncached = self.queued_uncached(&self.slots[index as usize]);
         self.waiting_uncached_tokens
             .set(self.waiting_uncached_tokens.get() + uncached);
@@ -1099,9 +1129,11 @@ impl Engine {
     /// prefix cache changed (blocks inserted or evicted) since they were
     /// made, so the reported queued tokens follow the cache.
     ///
-    /// Done when read (a poll, the oracle) rather than after every step: a
-    /// deep queue under overload then costs one tree walk per waiting
-    /// request per read, not per step.
+    /// Done when read (a poll, the oracle) rather than after every step,
+    /// and only for the requests whose match ended in a node of the prefix
+    /// cache that changed since (see `MatchStamp`): a deep queue under
+    /// overload then costs a check per waiting request per read and a tree
+    /// walk only where the cache changed under it.
     fn refresh_waiting_estimates(&self) {
         let generation = self.cache.generation();
         if self.estimates_cache_generation.get() == generation {
@@ -1118,8 +1150,17 @@ impl Engine {
             if slot.chain.is_empty() {
                 continue;
             }
+            if !self.cache.may_have_changed(slot.queued_stamp.get()) {
+                continue;
+            }
             let before = slot.queued_hit_blocks.get();
-            let after = self.cached_prefix_tokens(index) / block;
+            let max_blocks = ((slot.prefill_target - 1) / block) as usize;
+            let (hits, stamp) = self.cache.leading_hits_from(
+                &slot.chain[..slot.chain.len().min(max_blocks)],
+                slot.queued_stamp.get(),
+            );
+            let after = hits as u32;
+            slot.queued_stamp.set(stamp);
             if after != before {
                 sum = sum + u64::from(before * block) - u64::from(after * block);
                 slot.queued_hit_blocks.set(after);
@@ -1141,6 +1182,21 @@ impl Engine {
             .cache
             .leading_hits(&slot.chain[..slot.chain.len().min(max_blocks)]);
         hits as u32 * block
+    }
+
+    /// [`cached_prefix_tokens`](Engine::cached_prefix_tokens) in blocks,
+    /// with the stamp that tells when they may change.
+    fn cached_prefix_blocks_stamped(&self, index: u32) -> (u32, MatchStamp) {
+        let slot = &self.slots[index as usize];
+        if !self.params.prefix_cache || slot.chain.is_empty() {
+            return (0, MatchStamp::default());
+        }
+        let block = self.params.block_size_tokens;
+        let max_blocks = ((slot.prefill_target - 1) / block) as usize;
+        let (hits, stamp) = self
+            .cache
+            .leading_hits_stamped(&slot.chain[..slot.chain.len().min(max_blocks)]);
+        (hits as u32, stamp)
     }
 
     /// Admits the head of the queue if the KV cache has room for its uncached
@@ -1239,6 +1295,97 @@ impl Engine {
             true
         } else {
             false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(engine: &mut Engine) -> Vec<EngineEvent> {
+        let mut events = Vec::new();
+        while let Some(start_s) = engine.next_step_start_s() {
+            engine.step(start_s, &mut events);
+        }
+        events
+    }
+
+    /// Submitting with the chain computed by the caller is submitting
+    /// the content hashes: the same cache hits, the same events.
+    #[test]
+    fn a_submitted_chain_is_the_chained_content_hashes() {
+        let content: Vec<u64> = (0..40).map(|i| crate::mix(i % 25)).collect();
+        let request = |id: u64, blocks: usize, arrival_s: f64| EngineRequest {
+            id,
+            prompt_tokens: 16 * blocks as u32 + 5,
+            output_tokens: 3,
+            arrival_s,
+            prefix_block_hashes: content[..blocks].to_vec(),
+        };
+        let mut by_content = Engine::new(EngineParams::default(), 3).unwrap();
+        let mut by_chain = Engine::new(EngineParams::default(), 3).unwrap();
+        for (id, blocks) in [(1u64, 30usize), (2, 40), (3, 12)] {
+            let arrival_s = id as f64;
+            by_content.submit(request(id, blocks, arrival_s)).unwrap();
+            // More keys than the prompt's full blocks: the extra are ignored.
+            let chain = chain_block_hashes(&content);
+            let without_hashes = EngineRequest {
+                prefix_block_hashes: Vec::new(),
+                ..request(id, blocks, arrival_s)
+            };
+            by_chain.submit_chained(without_hashes, &chain).unwrap();
+            assert_eq!(drain(&mut by_content), drain(&mut by_chain));
+            assert_eq!(by_content.snapshot(arrival_s), by_chain.snapshot(arrival_s));
+        }
+        assert!(by_chain.snapshot(3.0).prefix_cache_hits_tokens_total > 0);
+    }
+
+    /// The waiting requests' uncached estimates, kept by stamps, match a
+    /// fresh walk for every waiting request after inserts and evictions.
+    #[test]
+    fn stamped_waiting_estimates_follow_the_cache() {
+        let params = EngineParams {
+            kv_capacity_tokens: 4096,
+            max_running: 2,
+            prefill_chunk_tokens: 512,
+            ..EngineParams::default()
+        };
+        let mut engine = Engine::new(params, 1).unwrap();
+        let mut rng = SplitMix64::new(9);
+        let mut events = Vec::new();
+        for id in 0..300u64 {
+            let group = rng.next_u64() % 6;
+            let blocks = 4 + (rng.next_u64() % 60) as usize;
+            let prefix_block_hashes = (0..blocks)
+                .map(|i| crate::mix(group << 32 ^ (i as u64 / (1 + group))))
+                .collect();
+            let arrival_s = id as f64 * 0.05;
+            engine
+                .submit(EngineRequest {
+                    id,
+                    prompt_tokens: 16 * blocks as u32 + 3,
+                    output_tokens: 1 + (rng.next_u64() % 20) as u32,
+                    arrival_s,
+                    prefix_block_hashes,
+                })
+                .unwrap();
+            if let Some(start_s) = engine.next_step_start_s() {
+                engine.step(start_s.max(arrival_s), &mut events);
+            }
+            let fresh: u64 = engine
+                .waiting
+                .iter()
+                .map(|&index| {
+                    let slot = &engine.slots[index as usize];
+                    u64::from(slot.prefill_target - engine.cached_prefix_tokens(index))
+                })
+                .sum();
+            assert_eq!(
+                engine.queued_prefill_tokens(),
+                fresh + engine.running_prefill_remaining_tokens,
+                "request {id}"
+            );
         }
     }
 }

@@ -26,6 +26,9 @@ pub(crate) const ROOT: u32 = 0;
 #[derive(Debug)]
 struct Node {
     parent: u32,
+    /// Blocks above this node on its path: its first block is block
+    /// `start` of every chain through it.
+    start: usize,
     /// The first block's hash: the parent's key for this node.
     key: u64,
     /// The run's chained block hashes.
@@ -36,17 +39,23 @@ struct Node {
     refs: u32,
     /// LRU stamp of the last release.
     tick: u64,
+    /// The cache's change counter when this node last changed in a way
+    /// that can change a match ending in it: a block evicted from it, a
+    /// child inserted under it, a split, or (re)allocation.
+    changed: u64,
 }
 
 impl Node {
-    fn new(parent: u32, blocks: Vec<u64>, refs: u32) -> Node {
+    fn new(parent: u32, start: usize, blocks: Vec<u64>, refs: u32) -> Node {
         Node {
             parent,
+            start,
             key: blocks.first().copied().unwrap_or_default(),
             blocks,
             children: HashMap::default(),
             refs,
             tick: 0,
+            changed: 0,
         }
     }
 }
@@ -58,6 +67,24 @@ struct Match {
     node: u32,
     matched: usize,
     in_node: usize,
+}
+
+/// Where a match ended and when it was taken: see
+/// [`PrefixCache::leading_hits_stamped`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MatchStamp {
+    node: u32,
+    changes: u64,
+}
+
+impl Default for MatchStamp {
+    /// A stamp that always reads as changed.
+    fn default() -> MatchStamp {
+        MatchStamp {
+            node: u32::MAX,
+            changes: 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -72,17 +99,20 @@ pub(crate) struct PrefixCache {
     tick: u64,
     /// Bumped whenever a block enters or leaves the cache.
     generation: u64,
+    /// Bumped on every change a node's `changed` records.
+    changes: u64,
 }
 
 impl Default for PrefixCache {
     fn default() -> PrefixCache {
         PrefixCache {
-            nodes: vec![Node::new(ROOT, Vec::new(), 0)],
+            nodes: vec![Node::new(ROOT, 0, Vec::new(), 0)],
             free_nodes: Vec::new(),
             lru: BinaryHeap::new(),
             evictable_blocks: 0,
             tick: 0,
             generation: 0,
+            changes: 0,
         }
     }
 }
@@ -101,18 +131,93 @@ impl PrefixCache {
         self.walk(chain).matched
     }
 
+    /// [`leading_hits`](PrefixCache::leading_hits), and a [`MatchStamp`]
+    /// that tells later whether the count can have changed.
+    ///
+    /// A match that ends in node `n` (inside it, at its end with no child
+    /// for the next block, or at the chain's end) changes only when `n`
+    /// itself does: a block evicted from it (only leaves lose blocks, so
+    /// nothing above `n` can lose one while `n` exists), a child inserted
+    /// under it, a split of it, or its removal. Each of those marks `n`.
+    pub(crate) fn leading_hits_stamped(&self, chain: &[u64]) -> (usize, MatchStamp) {
+        let at = self.walk(chain);
+        (
+            at.matched,
+            MatchStamp {
+                node: at.node,
+                changes: self.changes,
+            },
+        )
+    }
+
+    /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped) for a
+    /// chain last matched with `stamp`: the walk starts at the node the
+    /// match ended in when the chain still runs through that node's first
+    /// block (chained hashes: then it runs through every block above it),
+    /// and at the root otherwise. The same count either way.
+    pub(crate) fn leading_hits_from(
+        &self,
+        chain: &[u64],
+        stamp: MatchStamp,
+    ) -> (usize, MatchStamp) {
+        let anchored = self.nodes.get(stamp.node as usize).filter(|node| {
+            stamp.node != ROOT
+                && node
+                    .blocks
+                    .first()
+                    .is_some_and(|first| chain.get(node.start) == Some(first))
+        });
+        let at = match anchored {
+            Some(_) => self.descend(chain, stamp.node),
+            None => self.walk(chain),
+        };
+        (
+            at.matched,
+            MatchStamp {
+                node: at.node,
+                changes: self.changes,
+            },
+        )
+    }
+
+    /// Whether a match stamped with `stamp` may have a different count now
+    /// (false: [`leading_hits`](PrefixCache::leading_hits) returns the
+    /// same count as when it was stamped).
+    pub(crate) fn may_have_changed(&self, stamp: MatchStamp) -> bool {
+        self.nodes
+            .get(stamp.node as usize)
+            .is_none_or(|node| node.changed > stamp.changes)
+    }
+
+    /// Records a change of `id` (see [`MatchStamp`]).
+    fn mark_changed(&mut self, id: u32) {
+        self.changes += 1;
+        self.nodes[id as usize].changed = self.changes;
+    }
+
     fn walk(&self, chain: &[u64]) -> Match {
-        let mut at = Match {
+        let root = Match {
             node: ROOT,
             matched: 0,
             in_node: 0,
         };
-        while let Some(first) = chain.get(at.matched) {
-            let Some(&child) = self.nodes[at.node as usize].children.get(first) else {
-                break;
-            };
-            let run = &self.nodes[child as usize].blocks;
-            let rest = &chain[at.matched..];
+        match chain.first() {
+            Some(first) => match self.nodes[ROOT as usize].children.get(first) {
+                Some(&child) => self.descend(chain, child),
+                None => root,
+            },
+            None => root,
+        }
+    }
+
+    /// The match of `chain` from node `child` down, given that `chain`
+    /// runs through `child`'s first block.
+    fn descend(&self, chain: &[u64], mut child: u32) -> Match {
+        loop {
+            let node = &self.nodes[child as usize];
+            let run = &node.blocks;
+            let matched = node.start;
+            let rest = &chain[matched..];
             let len = run.len().min(rest.len());
             // Chained hashes: equal at `i` means equal up to `i`, so the
             // common part is found by binary search, and a whole run by
@@ -131,16 +236,22 @@ impl PrefixCache {
                 }
                 low
             };
-            at = Match {
+            let at = Match {
                 node: child,
-                matched: at.matched + common,
+                matched: matched + common,
                 in_node: common,
             };
             if common < run.len() {
-                break;
+                return at;
             }
+            let Some(next) = chain
+                .get(at.matched)
+                .and_then(|first| node.children.get(first))
+            else {
+                return at;
+            };
+            child = *next;
         }
-        at
     }
 
     /// Makes the match end at a node boundary, splitting its node; returns
@@ -159,11 +270,14 @@ impl PrefixCache {
         let (refs, tick) = (node.refs, node.tick);
         node.key = node.blocks.first().copied().unwrap_or_default();
         let lower_key = node.key;
-        let mut upper = Node::new(parent, upper_blocks, refs);
+        let upper_start = node.start;
+        node.start += at.in_node;
+        let mut upper = Node::new(parent, upper_start, upper_blocks, refs);
         upper.tick = tick;
         upper.children.insert(lower_key, id);
         let upper_id = self.alloc(upper);
         self.nodes[id as usize].parent = upper_id;
+        self.mark_changed(id);
         let upper_key = self.nodes[upper_id as usize].key;
         self.nodes[parent as usize]
             .children
@@ -172,7 +286,7 @@ impl PrefixCache {
     }
 
     fn alloc(&mut self, node: Node) -> u32 {
-        match self.free_nodes.pop() {
+        let id = match self.free_nodes.pop() {
             Some(id) => {
                 self.nodes[id as usize] = node;
                 id
@@ -181,7 +295,10 @@ impl PrefixCache {
                 self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
-        }
+        };
+        // A reused id must not pass for the node a stamp was taken in.
+        self.mark_changed(id);
+        id
     }
 
     /// Pins the first `blocks` blocks of `chain`, which must be cached
@@ -245,10 +362,11 @@ impl PrefixCache {
             return (end, 0);
         }
         let added = chain.len() - at.matched;
-        let leaf = self.alloc(Node::new(end, chain[at.matched..].to_vec(), 1));
+        let leaf = self.alloc(Node::new(end, at.matched, chain[at.matched..].to_vec(), 1));
         self.nodes[end as usize]
             .children
             .insert(chain[at.matched], leaf);
+        self.mark_changed(end);
         self.generation += 1;
         (leaf, added)
     }
@@ -267,6 +385,7 @@ impl PrefixCache {
                 self.lru.pop();
                 continue;
             }
+            self.mark_changed(id);
             let node = &mut self.nodes[id as usize];
             node.blocks.pop();
             self.evictable_blocks -= 1;

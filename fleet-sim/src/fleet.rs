@@ -35,6 +35,7 @@
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
@@ -811,12 +812,15 @@ impl<'a> CellRun<'a> {
             },
         };
         let now = self.clock.at(now_s);
-        let prefix = PrefixBlocks::new(block_tokens, chain_block_hashes(&content_hashes));
+        // Chained once: for the policy's prefix index and the engine.
+        let chain: Arc<[u64]> = chain_block_hashes(&content_hashes).into();
         // Every simulated request is measured at its first token, as a
         // stream is.
-        let info = RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens)))
-            .streaming(true)
-            .prefix_blocks(prefix);
+        let mut info =
+            RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens))).streaming(true);
+        if !self.router.is_reference() {
+            info = info.prefix_blocks(PrefixBlocks::new(block_tokens, chain.clone()));
+        }
         let worker = self
             .router
             .route(id, &info, request, &self.fleet.engines, now_s, now)?;
@@ -834,8 +838,18 @@ impl<'a> CellRun<'a> {
         let params = engine.params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
             + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
-        let submitted = request(params);
-        engine.submit(submitted)?;
+        if params.block_size_tokens == block_tokens {
+            let submitted = EngineRequest {
+                id: id as u64,
+                prompt_tokens: spec.prompt_tokens,
+                output_tokens: spec.output_tokens,
+                arrival_s: now_s,
+                prefix_block_hashes: Vec::new(),
+            };
+            engine.submit_chained(submitted, &chain)?;
+        } else {
+            engine.submit(request(params))?;
+        }
         if !self.fleet.stepping[worker] {
             self.fleet.start_step(worker, now_s, &mut self.queue);
         }
