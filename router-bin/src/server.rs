@@ -196,6 +196,10 @@ impl Handler {
 }
 
 /// A request on its way: to the proxy directly, or through the routes.
+// Built once per request inside its future, never moved about; boxing the
+// request would cost the allocation the direct path exists to save (and
+// axum's future, `F`, holds a request too).
+#[allow(clippy::large_enum_variant)]
 enum Routed<F> {
     Generate(Arc<App>, http::Request<Incoming>),
     Routes(F),
