@@ -6,11 +6,11 @@
 
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::BoxError;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
-use http_body::Body as _;
+use http_body::Body;
 use http_body_util::BodyExt;
 use thiserror::Error;
 
@@ -84,11 +84,18 @@ impl IntoResponse for BodyReadError {
 /// [`DISCARD_LIMIT_BYTES`] and [`DISCARD_TIME`] before `TooLarge` returns, so
 /// that the client can read the 413. A body that breaks before reaching the
 /// limit is `Disconnected`, never `TooLarge`.
-pub async fn read_body(
-    mut body: Body,
+///
+/// Any body will do: axum's, or hyper's own `Incoming` (the proxy's routes
+/// read it directly, with no boxing in between).
+pub async fn read_body<B>(
+    mut body: B,
     limit_bytes: usize,
     deadline: Duration,
-) -> Result<Bytes, BodyReadError> {
+) -> Result<Bytes, BodyReadError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     match tokio::time::timeout(deadline, collect(&mut body, limit_bytes)).await {
         Err(_elapsed) => Err(BodyReadError::TimedOut { after: deadline }),
         Ok(Ok(bytes)) => Ok(bytes),
@@ -105,7 +112,11 @@ enum Stop {
     Broken(axum::Error),
 }
 
-async fn collect(body: &mut Body, limit_bytes: usize) -> Result<Bytes, Stop> {
+async fn collect<B>(body: &mut B, limit_bytes: usize) -> Result<Bytes, Stop>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     let limit = u64::try_from(limit_bytes).unwrap_or(u64::MAX);
     let hint = body.size_hint();
     // A declared Content-Length over the limit is refused before buffering.
@@ -118,7 +129,7 @@ async fn collect(body: &mut Body, limit_bytes: usize) -> Result<Bytes, Stop> {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<BytesMut> = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(Stop::Broken)?;
+        let frame = frame.map_err(|error| Stop::Broken(axum::Error::new(error)))?;
         let Ok(data) = frame.into_data() else {
             continue; // trailers carry nothing the router forwards
         };
@@ -147,7 +158,10 @@ async fn collect(body: &mut Body, limit_bytes: usize) -> Result<Bytes, Stop> {
 
 /// Reads and drops the rest of a too-large body, within the discard bounds;
 /// stops early if the body ends or breaks.
-async fn discard(body: &mut Body) {
+async fn discard<B>(body: &mut B)
+where
+    B: Body<Data = Bytes> + Unpin,
+{
     let drain = async {
         let mut discarded: u64 = 0;
         while let Some(Ok(frame)) = body.frame().await {
@@ -167,6 +181,7 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
+    use axum::body::Body;
     use futures::{StreamExt, stream};
 
     use super::*;

@@ -40,37 +40,55 @@ pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>
 
 /// An error the router answers for a worker (a gateway error): no
 /// `Retry-After`, which only the router's own lack of capacity carries.
-fn gateway_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    error_response(status, kind, message)
+fn gateway_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Answer {
+    error_response(status, kind, message).map(ProxyBody::Boxed)
 }
 
 /// The router itself has no capacity for the request: 503 with `Retry-After`.
-fn unavailable(message: &str) -> Response {
-    let mut response = error_response(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
+fn unavailable(message: &str) -> Answer {
+    let mut response = gateway_error(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     response
 }
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
+/// What the proxy answers a client with.
+pub type Answer = http::Response<ProxyBody>;
+
+/// The paths [`generate`] serves (all `POST`).
+pub const GENERATE_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
+
+/// `POST /v1/chat/completions`, `/v1/completions`, `/generate`, as an axum
+/// handler. The router's own server calls [`handle`] directly instead.
 pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    handle(app, parts, body).await.map(Body::new)
+}
+
+/// One generation request, whatever its body type: the router's server
+/// passes hyper's own body here, with no router, extractor or boxing in
+/// between.
+pub async fn handle<B>(app: Arc<App>, parts: http::request::Parts, body: B) -> Answer
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
     let arrived = tokio::time::Instant::now();
     let received_at = arrived.into_std();
     let deadline = arrived + app.config.server.request_deadline();
-    let (parts, body) = request.into_parts();
     let server = &app.config.server;
     let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");
-            return error.into_response();
+            return error.response().map(ProxyBody::Boxed);
         }
     };
     let read = match read_request(&body, &app.config.request) {
         Ok(read) => read,
         Err(error) => {
-            return error_response(
+            return gateway_error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 error.to_string(),
@@ -128,12 +146,12 @@ impl ClientRequest {
 /// How one attempt on one worker ended.
 enum Attempt {
     /// The client's answer: the worker's response, or a final error.
-    Done(Response),
+    Done(Answer),
     /// Nothing reached the client and no generation can have started, so
     /// another worker may take the request. `answer` is the worker's own
     /// (a 503 or 429), passed through if no other worker takes it.
     Retry {
-        answer: Option<Response>,
+        answer: Option<Answer>,
         reason: String,
     },
 }
@@ -187,9 +205,9 @@ fn choose(app: &App, request: &ClientRequest, tried: &[WorkerId]) -> Chosen {
     }
 }
 
-async fn forward(app: Arc<App>, request: &ClientRequest) -> Response {
+async fn forward(app: Arc<App>, request: &ClientRequest) -> Answer {
     let mut tried: Vec<WorkerId> = Vec::new();
-    let mut last_answer: Option<Response> = None;
+    let mut last_answer: Option<Answer> = None;
     let mut last_reason = String::new();
     for attempt in 0..=app.config.server.max_retries {
         let tracker = match choose(&app, request, &tried) {
@@ -318,10 +336,12 @@ async fn attempt_on(
         headers,
         body: mut inner,
     } = response;
+    // One clock read for what the head's arrival marks.
+    let head_at = tokio_now();
     worker
         .metrics
         .time_to_first_byte
-        .observe(request.received_at.elapsed().as_secs_f64());
+        .observe(since(request.received_at, head_at));
     worker.metrics.request_status(&app.metrics, status.as_str());
     if status.is_client_error() || status.is_server_error() {
         if status.is_server_error() {
@@ -340,8 +360,9 @@ async fn attempt_on(
     }
     if !streaming {
         // A non-streaming response's head is its first token.
-        tracker.first_token();
-        return Attempt::Done(whole_answer(app, tracker, status, headers, inner, request).await);
+        tracker.first_token_at(head_at);
+        let answer = whole_answer(app, tracker, status, headers, inner, request, head_at);
+        return Attempt::Done(answer.await);
     }
     let mut first_event = FirstDataEvent::default();
     let held = match tokio::time::timeout_at(
@@ -407,12 +428,12 @@ async fn attempt_on(
         deadline: Box::pin(tokio::time::sleep_until(request.deadline)),
         ended: false,
     };
-    respond(status, headers, Body::new(body))
+    respond(status, headers, ProxyBody::Stream(Box::new(body)))
 }
 
 /// A response to the client with the worker's status and headers.
-fn respond(status: StatusCode, headers: HeaderMap, body: Body) -> Attempt {
-    let mut response = Response::new(body);
+fn respond(status: StatusCode, headers: HeaderMap, body: ProxyBody) -> Attempt {
+    let mut response = http::Response::new(body);
     *response.status_mut() = status;
     *response.headers_mut() = headers;
     Attempt::Done(response)
@@ -475,16 +496,17 @@ async fn whole_answer(
     headers: HeaderMap,
     inner: WorkerBody,
     request: &ClientRequest,
-) -> Response {
+    head_at: Instant,
+) -> Answer {
     let worker = tracker.worker();
     let server = &app.config.server;
-    let read_by =
-        (tokio::time::Instant::now() + server.stream_idle_timeout()).min(request.deadline);
+    let read_by = (tokio::time::Instant::from_std(head_at) + server.stream_idle_timeout())
+        .min(request.deadline);
     let failure =
         match tokio::time::timeout_at(read_by, read_whole(inner, WHOLE_ANSWER_LIMIT_BYTES)).await {
             Ok(Ok(answer)) => {
                 app.request_succeeded(worker);
-                let mut response = Response::new(Body::from(answer));
+                let mut response = http::Response::new(ProxyBody::whole(answer));
                 *response.status_mut() = status;
                 *response.headers_mut() = headers;
                 return response;
@@ -565,7 +587,7 @@ async fn worker_error(
     headers: &HeaderMap,
     body: WorkerBody,
     read_by: tokio::time::Instant,
-) -> Response {
+) -> Answer {
     let read = tokio::time::timeout_at(read_by, read_whole(body, ERROR_BODY_LIMIT_BYTES)).await;
     let text = match read {
         Ok(Ok(bytes)) if serde_json::from_slice::<serde_json::Value>(&bytes).is_ok() => {
@@ -574,7 +596,7 @@ async fn worker_error(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
             );
-            let mut response = Response::new(Body::from(bytes));
+            let mut response = http::Response::new(ProxyBody::whole(bytes));
             *response.status_mut() = status;
             *response.headers_mut() = headers;
             return response;
@@ -625,27 +647,41 @@ impl RequestTracker {
     /// Tells the policy the first token passed; later calls do nothing.
     fn first_token(&mut self) {
         if !self.first_token_seen {
+            self.first_token_at(tokio_now());
+        }
+    }
+
+    /// [`first_token`](Self::first_token), with the time it passed.
+    fn first_token_at(&mut self, now: Instant) {
+        if !self.first_token_seen {
             self.first_token_seen = true;
-            self.route.policy.first_token(&self.dispatch, tokio_now());
+            self.route.policy.first_token(&self.dispatch, now);
             self.route
                 .worker
                 .metrics
                 .time_to_first_token
-                .observe(self.received_at.elapsed().as_secs_f64());
+                .observe(since(self.received_at, now));
         }
     }
 }
 
 impl Drop for RequestTracker {
     fn drop(&mut self) {
+        let now = tokio_now();
         let worker = &self.route.worker;
         worker.request_ended();
         worker
             .metrics
             .request_duration
-            .observe(self.received_at.elapsed().as_secs_f64());
-        self.route.policy.finish(&self.dispatch, tokio_now());
+            .observe(since(self.received_at, now));
+        self.route.policy.finish(&self.dispatch, now);
     }
+}
+
+/// Seconds from `start` to `now`, both on tokio's clock (the policy's, and
+/// paused in tests).
+fn since(start: Instant, now: Instant) -> f64 {
+    now.saturating_duration_since(start).as_secs_f64()
 }
 
 /// A worker's stream, passed through as it arrives (each frame all that
@@ -657,7 +693,7 @@ impl Drop for RequestTracker {
 /// The idle timer is not moved for every frame: a frame only notes its
 /// time, and when the timer fires it is pushed to that time plus the
 /// threshold if the stream has sent since.
-struct TrackedBody {
+pub struct TrackedBody {
     inner: WorkerBody,
     /// Read before the head was sent (up to the first event); goes first.
     held: Option<Bytes>,
@@ -677,6 +713,16 @@ struct TrackedBody {
     deadline: Pin<Box<tokio::time::Sleep>>,
     /// The router ended the body (an error event went out).
     ended: bool,
+}
+
+impl std::fmt::Debug for TrackedBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrackedBody")
+            .field("held_bytes", &self.held.as_ref().map(Bytes::len))
+            .field("first_event", &self.first_event.found())
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What the idle timer found when it fired.
@@ -847,6 +893,63 @@ impl http_body::Body for TrackedBody {
             return SizeHint::default();
         }
         self.inner.size_hint()
+    }
+}
+
+/// The body of an [`Answer`]: a whole answer, a worker's stream, or one the
+/// router built (an error). Whole answers and streams are not boxed.
+#[derive(Debug)]
+pub enum ProxyBody {
+    /// A whole answer; `None` once taken (or empty).
+    Whole(Option<Bytes>),
+    /// A worker's stream, passed through as it arrives.
+    Stream(Box<TrackedBody>),
+    /// Anything else (the router's own error answers).
+    Boxed(Body),
+}
+
+impl ProxyBody {
+    /// A whole answer of `bytes`.
+    pub fn whole(bytes: Bytes) -> ProxyBody {
+        ProxyBody::Whole((!bytes.is_empty()).then_some(bytes))
+    }
+}
+
+impl http_body::Body for ProxyBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        match self.get_mut() {
+            ProxyBody::Whole(bytes) => {
+                Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes))))
+            }
+            ProxyBody::Stream(stream) => Pin::new(stream.as_mut())
+                .poll_frame(cx)
+                .map_err(axum::Error::new),
+            ProxyBody::Boxed(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Whole(bytes) => bytes.is_none(),
+            ProxyBody::Stream(stream) => stream.is_end_stream(),
+            ProxyBody::Boxed(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Whole(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+            }
+            ProxyBody::Stream(stream) => stream.size_hint(),
+            ProxyBody::Boxed(body) => body.size_hint(),
+        }
     }
 }
 

@@ -11,7 +11,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -19,13 +18,14 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
+use hyper::service::Service as _;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -36,6 +36,7 @@ use crate::app::App;
 use crate::config::{RouterConfig, ServerConfig};
 use crate::error::RouterError;
 use crate::monitor::{run_health_checker, run_load_monitor, run_outlier_prober};
+use crate::proxy::ProxyBody;
 use crate::{admin, proxy};
 
 /// Every route the router serves.
@@ -105,7 +106,11 @@ pub async fn serve(
 ) -> Result<(), RouterError> {
     let server = app.config.server.clone();
     let open_connections = app.metrics.open_connections.clone();
-    serve_routes(routes(app), &server, listener, open_connections, shutdown).await
+    let handler = Handler {
+        routes: TowerToHyperService::new(routes(app.clone())),
+        generate: Some(app),
+    };
+    serve_handler(handler, &server, listener, open_connections, shutdown).await
 }
 
 /// Serves `routes` on `listener` under `server`'s client limits until
@@ -122,8 +127,87 @@ pub async fn serve(
 ///
 /// Request bodies are the handlers' to bound ([`crate::client_body`]).
 /// Handlers see the peer as `ConnectInfo<SocketAddr>`.
+///
+/// Every request goes through `routes`; [`serve`] also serves the proxy's
+/// generation routes directly, without axum in between.
 pub async fn serve_routes(
     routes: Router,
+    server: &ServerConfig,
+    listener: TcpListener,
+    open_connections: Gauge,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    let handler = Handler {
+        routes: TowerToHyperService::new(routes),
+        generate: None,
+    };
+    serve_handler(handler, server, listener, open_connections, shutdown).await
+}
+
+/// Where a connection's requests go.
+#[derive(Debug, Clone)]
+struct Handler {
+    routes: TowerToHyperService<Router>,
+    /// With an app, `POST` to one of [`proxy::GENERATE_PATHS`] goes straight
+    /// to [`proxy::handle`] with hyper's own request: no route table, no
+    /// extractors, no boxed body or future. Everything else (and, without
+    /// an app, everything) goes through `routes`.
+    generate: Option<Arc<App>>,
+}
+
+impl Handler {
+    /// Starts serving `request`: picks its route now, and returns the
+    /// future of its response.
+    fn call(
+        &self,
+        peer: SocketAddr,
+        guard: RequestGuard,
+        mut request: http::Request<Incoming>,
+    ) -> impl Future<Output = Result<http::Response<GuardedBody>, Infallible>> + Send + use<> {
+        let route = match &self.generate {
+            Some(app)
+                if request.method() == http::Method::POST
+                    && proxy::GENERATE_PATHS.contains(&request.uri().path()) =>
+            {
+                Routed::Generate(app.clone(), request)
+            }
+            _ => {
+                request.extensions_mut().insert(ConnectInfo(peer));
+                Routed::Routes(self.routes.call(request))
+            }
+        };
+        async move {
+            let response = match route {
+                Routed::Generate(app, request) => {
+                    let (parts, body) = request.into_parts();
+                    proxy::handle(app, parts, body).await
+                }
+                Routed::Routes(routed) => match routed.await {
+                    Ok(response) => response.map(ProxyBody::Boxed),
+                    Err(never) => match never {},
+                },
+            };
+            Ok(response.map(|body| GuardedBody {
+                body,
+                _guard: guard,
+            }))
+        }
+    }
+}
+
+/// A request on its way: to the proxy directly, or through the routes.
+// Built once per request inside its future, never moved about; boxing the
+// request would cost the allocation the direct path exists to save (and
+// axum's future, `F`, holds a request too).
+#[allow(clippy::large_enum_variant)]
+enum Routed<F> {
+    Generate(Arc<App>, http::Request<Incoming>),
+    Routes(F),
+}
+
+/// Serves `handler` as [`serve_routes`] describes.
+async fn serve_handler(
+    handler: Handler,
     server: &ServerConfig,
     listener: TcpListener,
     open_connections: Gauge,
@@ -138,7 +222,6 @@ pub async fn serve_routes(
         server.max_connections.clamp(1, Semaphore::MAX_PERMITS),
     ));
     let builder = Arc::new(connection_builder());
-    let routes = TowerToHyperService::new(routes);
     let (stopping_tx, stopping_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut shutdown = pin!(shutdown);
@@ -152,7 +235,7 @@ pub async fn serve_routes(
                     builder: builder.clone(),
                     stream,
                     peer,
-                    routes: routes.clone(),
+                    handler: handler.clone(),
                     deadlines,
                     stopping: stopping_rx.clone(),
                     _slot: slot,
@@ -305,7 +388,7 @@ struct Connection {
     builder: Arc<Builder<TokioExecutor>>,
     stream: TcpStream,
     peer: SocketAddr,
-    routes: TowerToHyperService<Router>,
+    handler: Handler,
     deadlines: Deadlines,
     stopping: watch::Receiver<bool>,
     /// Held until the connection ends, then frees its place under the cap.
@@ -336,7 +419,7 @@ async fn serve_connection(connection: Connection) {
         builder,
         stream,
         peer,
-        routes,
+        handler,
         deadlines,
         mut stopping,
         _slot,
@@ -352,26 +435,23 @@ async fn serve_connection(connection: Connection) {
         stream,
         activity: activity.clone(),
     });
-    let service = ConnectionService {
-        routes,
-        peer,
-        activity: activity.clone(),
-    };
+    // Each request is counted in flight from its head until hyper drops
+    // its response body ([`GuardedBody`]).
+    let requests = activity.clone();
+    let service = hyper::service::service_fn(move |request| {
+        handler.call(peer, requests.request_started(), request)
+    });
     let mut conn = pin!(builder.serve_connection(io, service));
     let mut draining = false;
-    // One timer for the connection's life, moved only when its deadline
-    // comes sooner: a request ending pushes the deadline later, and a timer
-    // that fires early just looks again. So a kept-alive connection costs no
-    // timer work per request.
-    let mut timer = pin!(tokio::time::sleep_until(Instant::now()));
-    let mut armed: Option<Instant> = None;
+    let mut stop = pin!(async move { stopping.wait_for(|stopping| *stopping).await.is_ok() });
+    // One timer for the connection's life, re-armed only when it fires, at
+    // the deadline it then finds, or sooner (see `Activity::next_check`):
+    // a request's start and end touch no timer and wake nothing, so a
+    // kept-alive connection costs no timer or task work per request.
+    let mut timer = pin!(tokio::time::sleep_until(
+        activity.next_check(deadlines, Instant::now())
+    ));
     loop {
-        if let Some(due) = activity.deadline(deadlines)
-            && armed.is_none_or(|at| due < at)
-        {
-            timer.as_mut().reset(due);
-            armed = Some(due);
-        }
         tokio::select! {
             ended = conn.as_mut() => {
                 if let Err(error) = ended {
@@ -379,18 +459,21 @@ async fn serve_connection(connection: Connection) {
                 }
                 return;
             }
-            () = timer.as_mut(), if armed.is_some() => {
-                armed = None;
-                // Activity since the timer was set may have moved the deadline.
-                if activity.deadline(deadlines).is_some_and(|due| due <= Instant::now()) {
+            () = timer.as_mut() => {
+                let now = Instant::now();
+                if activity.deadline(deadlines).is_some_and(|due| due <= now) {
                     tracing::debug!(%peer, "closing a client connection: request head late or idle past keepalive_timeout_ms");
                     return;
                 }
+                timer.as_mut().reset(activity.next_check(deadlines, now));
             }
-            // A request ended: the connection may now be idle, with a deadline.
-            () = activity.idle.notified() => {}
-            true = async { stopping.wait_for(|stopping| *stopping).await.is_ok() }, if !draining => {
+            stopped = stop.as_mut(), if !draining => {
+                // Also once the server is gone without a word: the future
+                // is done either way and must not be polled again.
                 draining = true;
+                if !stopped {
+                    continue;
+                }
                 if activity.is_idle() {
                     return;
                 }
@@ -407,8 +490,6 @@ async fn serve_connection(connection: Connection) {
 #[derive(Debug)]
 struct Activity {
     state: Mutex<ActivityState>,
-    /// Signalled when the last request in flight ends.
-    idle: Notify,
 }
 
 #[derive(Debug)]
@@ -433,8 +514,19 @@ impl Activity {
                 idle_since: now,
                 head_started: None,
             }),
-            idle: Notify::new(),
         }
+    }
+
+    /// When the watchdog looks next, from `now`: the deadline, but no later
+    /// than one `client_header_timeout_ms` (and `keepalive_timeout_ms`) from
+    /// now. Nothing re-arms the timer between its firings, so it must fire
+    /// in time for any deadline that may begin meanwhile: a request that
+    /// starts and ends, or a new head whose first byte arrives, can set a
+    /// deadline no sooner than that bound.
+    fn next_check(&self, deadlines: Deadlines, now: Instant) -> Instant {
+        let bound = now + deadlines.header.min(deadlines.keepalive);
+        self.deadline(deadlines)
+            .map_or(bound, |due| due.max(now).min(bound))
     }
 
     /// When the connection is due to close, if nothing changes; `None`
@@ -492,8 +584,6 @@ impl Activity {
             // not timed as a head: the keep-alive deadline covers them.
             state.idle_since = Instant::now();
             state.head_started = None;
-            drop(state);
-            self.idle.notify_one();
         }
     }
 }
@@ -572,43 +662,11 @@ impl AsyncWrite for TrackedIo {
     }
 }
 
-/// The routes as one connection's hyper service: adds the peer's
-/// `ConnectInfo` and keeps each request's [`RequestGuard`] until its
-/// response body is done.
-#[derive(Debug, Clone)]
-struct ConnectionService {
-    routes: TowerToHyperService<Router>,
-    peer: SocketAddr,
-    activity: Arc<Activity>,
-}
-
-type ServiceFuture =
-    Pin<Box<dyn Future<Output = Result<http::Response<GuardedBody>, Infallible>> + Send>>;
-
-impl hyper::service::Service<http::Request<Incoming>> for ConnectionService {
-    type Response = http::Response<GuardedBody>;
-    type Error = Infallible;
-    type Future = ServiceFuture;
-
-    fn call(&self, mut request: http::Request<Incoming>) -> ServiceFuture {
-        request.extensions_mut().insert(ConnectInfo(self.peer));
-        let guard = self.activity.request_started();
-        let routed = self.routes.call(request);
-        Box::pin(async move {
-            let response = routed.await?;
-            Ok(response.map(|body| GuardedBody {
-                body,
-                _guard: guard,
-            }))
-        })
-    }
-}
-
 /// A response body that keeps its request counted as in flight until hyper
 /// has taken its last frame and dropped it.
 #[derive(Debug)]
 struct GuardedBody {
-    body: Body,
+    body: ProxyBody,
     _guard: RequestGuard,
 }
 

@@ -85,6 +85,53 @@ async fn bad_requests_get_openai_shaped_errors() {
     assert_eq!(body["choices"][0]["message"]["content"], "hi");
 }
 
+/// `POST` to a generation path skips axum's route table; any other method
+/// or path still gets axum's answers, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_posts_to_the_generation_paths_skip_the_route_table() {
+    let upstream = Upstream::start().await;
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+    wait_until("the worker is in rotation", || async {
+        router.in_rotation_count().await == 1
+    })
+    .await;
+    let paths = ["/v1/chat/completions", "/v1/completions", "/generate"];
+    for path in paths {
+        let get = router
+            .client
+            .get(format!("{}{path}", router.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(get.status(), 405, "GET {path}");
+        let allow = get.headers()["allow"].to_str().unwrap().to_owned();
+        assert!(allow.contains("POST"), "GET {path}: allow {allow}");
+        let slash = router
+            .client
+            .post(format!("{}{path}/", router.base))
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(slash.status(), 404, "POST {path}/");
+    }
+    assert_eq!(upstream.requests(), 0, "nothing reached the worker");
+    for path in paths {
+        let answer = router
+            .client
+            .post(format!("{}{path}?trace=1", router.base))
+            .json(&serde_json::json!({
+                "model": "test-model",
+                "messages": [{"role": "user", "content": "hi"}],
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200, "POST {path}?trace=1");
+    }
+    assert_eq!(upstream.requests(), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_disconnect_releases_pending_and_in_flight_work() {
     let upstream = Upstream::start().await;

@@ -252,6 +252,24 @@ async fn keep_alive_is_not_cut_short_by_the_header_deadline() {
     health_on(&mut kept).await;
 }
 
+/// The watchdog's timer is not moved when a request ends or a head begins;
+/// it must still fire in time for a head that begins on a connection kept
+/// alive far longer than the header deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_head_that_stalls_is_closed_at_the_header_deadline_not_the_keepalive() {
+    let served = serve(config(|server| server.keepalive_timeout_ms = 60_000)).await;
+    let mut kept = connect(&served).await;
+    health_on(&mut kept).await;
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: router\r\nX-Half: ")
+        .await
+        .unwrap();
+    // PATIENCE (20 s) is far below the 60 s keep-alive deadline.
+    assert!(
+        read_until_closed(&mut kept).await.is_empty(),
+        "closed without an answer"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_cap_wait_in_the_backlog_until_one_closes() {
     const CAP: usize = 3;
