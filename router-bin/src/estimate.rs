@@ -66,8 +66,9 @@ pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
 pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, RequestBodyError> {
     let chars_per_token = config.chars_per_token;
     let mut de = serde_json::Deserializer::from_slice(body);
-    let top = match (Fields { names: &TOP_FIELDS }).deserialize(&mut de) {
-        Ok(top) => top,
+    let top = match (ObjectFields { names: &TOP_FIELDS }).deserialize(&mut de) {
+        Ok(Some(top)) => top,
+        Ok(None) => return Err(RequestBodyError::NotAnObject),
         Err(error) if error.classify() == serde_json::error::Category::Data => {
             return Err(RequestBodyError::NotAnObject);
         }
@@ -234,7 +235,7 @@ pub(crate) fn fields_of<'a, const N: usize>(
         return None;
     }
     let mut de = serde_json::Deserializer::from_str(raw.get());
-    (Fields { names }).deserialize(&mut de).ok()
+    ObjectFields { names }.deserialize(&mut de).ok().flatten()
 }
 
 /// Calls `each` with every item of a raw JSON array.
@@ -258,25 +259,25 @@ pub(crate) fn for_each_item_while<'a>(
     (Items { each }).deserialize(&mut de)
 }
 
-/// Captures the raw values of the named fields of an object, skipping the
-/// others without building them.
-struct Fields<const N: usize> {
-    names: &'static [&'static str; N],
+/// The raw values of an object's named fields, the others skipped without
+/// being built; `None` for a value that is not an object.
+pub(crate) struct ObjectFields<const N: usize> {
+    pub(crate) names: &'static [&'static str; N],
 }
 
-impl<'de, const N: usize> DeserializeSeed<'de> for Fields<N> {
-    type Value = [Option<&'de RawValue>; N];
+impl<'de, const N: usize> DeserializeSeed<'de> for ObjectFields<N> {
+    type Value = Option<[Option<&'de RawValue>; N]>;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_map(self)
+        deserializer.deserialize_any(self)
     }
 }
 
-impl<'de, const N: usize> Visitor<'de> for Fields<N> {
-    type Value = [Option<&'de RawValue>; N];
+impl<'de, const N: usize> Visitor<'de> for ObjectFields<N> {
+    type Value = Option<[Option<&'de RawValue>; N]>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON object")
+        f.write_str("any JSON value")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
@@ -289,7 +290,36 @@ impl<'de, const N: usize> Visitor<'de> for Fields<N> {
                 }
             }
         }
-        Ok(found)
+        Ok(Some(found))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
     }
 }
 

@@ -35,16 +35,15 @@
 //! ("prefix unknown": the policy scores it plainly) and an [`Unhashed`]
 //! reason, never a panic.
 
-use std::borrow::Cow;
 use std::fmt;
 
 use policy_core::PrefixBlocks;
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::estimate::{fields_of, for_each_item_while};
+use crate::estimate::{ObjectFields, fields_of, for_each_item_while};
 
 /// The largest text block, bytes (`request.prefix_hash_block_tokens` ×
 /// `request.chars_per_token` is validated against it; a larger product is
@@ -529,70 +528,6 @@ where
             }
         }
         Ok(())
-    }
-}
-
-/// The raw values of an object's named fields, the others skipped without
-/// being built; `None` for a value that is not an object.
-struct ObjectFields<const N: usize> {
-    names: &'static [&'static str; N],
-}
-
-impl<'de, const N: usize> DeserializeSeed<'de> for ObjectFields<N> {
-    type Value = Option<[Option<&'de RawValue>; N]>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-impl<'de, const N: usize> Visitor<'de> for ObjectFields<N> {
-    type Value = Option<[Option<&'de RawValue>; N]>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut found = [None; N];
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-            match self.names.iter().position(|name| *name == key) {
-                Some(index) => found[index] = Some(map.next_value::<&'de RawValue>()?),
-                None => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        Ok(Some(found))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(None)
     }
 }
 
