@@ -1129,11 +1129,13 @@ impl Engine {
     /// prefix cache changed (blocks inserted or evicted) since they were
     /// made, so the reported queued tokens follow the cache.
     ///
-    /// Done when read (a poll, the oracle) rather than after every step,
-    /// and only for the requests whose match ended in a node of the prefix
-    /// cache that changed since (see `MatchStamp`): a deep queue under
-    /// overload then costs a check per waiting request per read and a tree
-    /// walk only where the cache changed under it.
+    /// Done when read (a poll, the oracle) rather than after every step.
+    /// A request whose match ended in a node that only lost tail blocks
+    /// since (the thrashing case) reads its new count off that node; only
+    /// one whose node grew a child, split or went walks the tree again (see
+    /// `MatchStamp`): a deep queue under overload then costs a constant
+    /// check per waiting request per read and a walk only where the cache
+    /// grew under it.
     fn refresh_waiting_estimates(&self) {
         let generation = self.cache.generation();
         if self.estimates_cache_generation.get() == generation {
@@ -1150,17 +1152,19 @@ impl Engine {
             if slot.chain.is_empty() {
                 continue;
             }
-            if !self.cache.may_have_changed(slot.queued_stamp.get()) {
-                continue;
-            }
             let before = slot.queued_hit_blocks.get();
-            let max_blocks = ((slot.prefill_target - 1) / block) as usize;
-            let (hits, stamp) = self.cache.leading_hits_from(
-                &slot.chain[..slot.chain.len().min(max_blocks)],
-                slot.queued_stamp.get(),
-            );
-            let after = hits as u32;
-            slot.queued_stamp.set(stamp);
+            let after = match self.cache.hits_since(slot.queued_stamp.get()) {
+                Some(hits) => hits as u32,
+                None => {
+                    let max_blocks = ((slot.prefill_target - 1) / block) as usize;
+                    let (hits, stamp) = self.cache.leading_hits_from(
+                        &slot.chain[..slot.chain.len().min(max_blocks)],
+                        slot.queued_stamp.get(),
+                    );
+                    slot.queued_stamp.set(stamp);
+                    hits as u32
+                }
+            };
             if after != before {
                 sum = sum + u64::from(before * block) - u64::from(after * block);
                 slot.queued_hit_blocks.set(after);

@@ -40,8 +40,10 @@ struct Node {
     /// LRU stamp of the last release.
     tick: u64,
     /// The cache's change counter when this node last changed in a way
-    /// that can change a match ending in it: a block evicted from it, a
-    /// child inserted under it, a split, or (re)allocation.
+    /// that can lengthen a match ending in it or move it elsewhere: a child
+    /// inserted under it, a split, (re)allocation or removal. Blocks
+    /// evicted from its tail are not counted: they shorten such a match to
+    /// the blocks left, which [`PrefixCache::hits_since`] reads directly.
     changed: u64,
 }
 
@@ -74,6 +76,8 @@ struct Match {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct MatchStamp {
     node: u32,
+    /// Of the match, the blocks in `node`.
+    in_node: u32,
     changes: u64,
 }
 
@@ -82,6 +86,7 @@ impl Default for MatchStamp {
     fn default() -> MatchStamp {
         MatchStamp {
             node: u32::MAX,
+            in_node: 0,
             changes: 0,
         }
     }
@@ -138,16 +143,30 @@ impl PrefixCache {
     /// for the next block, or at the chain's end) changes only when `n`
     /// itself does: a block evicted from it (only leaves lose blocks, so
     /// nothing above `n` can lose one while `n` exists), a child inserted
-    /// under it, a split of it, or its removal. Each of those marks `n`.
+    /// under it, a split of it, or its removal. The last three mark `n`;
+    /// an eviction shortens the match to the blocks `n` keeps.
     pub(crate) fn leading_hits_stamped(&self, chain: &[u64]) -> (usize, MatchStamp) {
         let at = self.walk(chain);
-        (
-            at.matched,
-            MatchStamp {
-                node: at.node,
-                changes: self.changes,
-            },
-        )
+        (at.matched, self.stamp(at))
+    }
+
+    fn stamp(&self, at: Match) -> MatchStamp {
+        MatchStamp {
+            node: at.node,
+            in_node: at.in_node as u32,
+            changes: self.changes,
+        }
+    }
+
+    /// The count of a match stamped with `stamp`, now, if its node has not
+    /// been marked since (see
+    /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped)): the
+    /// blocks above the node and the matched ones it still holds. `None`:
+    /// walk again.
+    pub(crate) fn hits_since(&self, stamp: MatchStamp) -> Option<usize> {
+        let node = self.nodes.get(stamp.node as usize)?;
+        (node.changed <= stamp.changes)
+            .then(|| node.start + node.blocks.len().min(stamp.in_node as usize))
     }
 
     /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped) for a
@@ -171,22 +190,7 @@ impl PrefixCache {
             Some(_) => self.descend(chain, stamp.node),
             None => self.walk(chain),
         };
-        (
-            at.matched,
-            MatchStamp {
-                node: at.node,
-                changes: self.changes,
-            },
-        )
-    }
-
-    /// Whether a match stamped with `stamp` may have a different count now
-    /// (false: [`leading_hits`](PrefixCache::leading_hits) returns the
-    /// same count as when it was stamped).
-    pub(crate) fn may_have_changed(&self, stamp: MatchStamp) -> bool {
-        self.nodes
-            .get(stamp.node as usize)
-            .is_none_or(|node| node.changed > stamp.changes)
+        (at.matched, self.stamp(at))
     }
 
     /// Records a change of `id` (see [`MatchStamp`]).
@@ -385,12 +389,14 @@ impl PrefixCache {
                 self.lru.pop();
                 continue;
             }
-            self.mark_changed(id);
             let node = &mut self.nodes[id as usize];
             node.blocks.pop();
             self.evictable_blocks -= 1;
             self.generation += 1;
             if node.blocks.is_empty() {
+                // Removed: a match that ended here now ends in the parent.
+                self.mark_changed(id);
+                let node = &mut self.nodes[id as usize];
                 self.lru.pop();
                 let (parent, key) = (node.parent, node.key);
                 node.children = HashMap::default();

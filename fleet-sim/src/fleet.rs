@@ -63,6 +63,10 @@ use engine_model::{
 pub struct Cell<'a> {
     pub workers: &'a [(LoadReport, EngineParams)],
     pub requests: &'a [RequestSpec],
+    /// Each request's chained block hashes at [`router_block_tokens`]
+    /// ([`RequestSpec::chained_block_hashes`]), shared by the cells of a
+    /// load level; empty: each arrival chains its own.
+    pub chains: &'a [Arc<[u64]>],
     pub shared_prefix: Option<SharedPrefixConfig>,
     pub router: RouterPoint,
     pub policy: PolicyName,
@@ -83,6 +87,13 @@ pub struct Slowdown {
     pub at_s: f64,
     /// The new speed as a multiple of the nominal one.
     pub factor: f64,
+}
+
+/// The block size the router hashes prompts with: the first worker's, as
+/// its engine hashes them (engines with that block size get the same
+/// hashes).
+pub fn router_block_tokens(workers: &[(LoadReport, EngineParams)]) -> u32 {
+    workers.first().map_or(16, |w| w.1.block_size_tokens)
 }
 
 /// The explain-table column that holds a `least_load` policy's rate.
@@ -172,7 +183,9 @@ pub fn least_true_queue_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
 /// decode load and the request's own uncached prompt there
 /// ([`Engine::first_token_projection_s`]); ties broken uniformly at random
 /// (reservoir sampling). `request` builds the request for one engine's
-/// parameters (its prefix-block hashes depend on the block size).
+/// parameters and its [`prefix_chain`](EngineRequest::prefix_chain) there
+/// (the chain depends on the block size; the request's own
+/// `prefix_block_hashes` are not read).
 ///
 /// Engines are projected in the order of their
 /// [`Engine::first_token_lower_bound_s`], and the search stops at the first
@@ -181,12 +194,12 @@ pub fn least_true_queue_pick(engines: &[Engine], rng: &mut SmallRng) -> usize {
 pub fn oracle_pick(
     engines: &[Engine],
     now_s: f64,
-    request: impl Fn(&EngineParams) -> EngineRequest,
+    request: impl Fn(&EngineParams) -> (EngineRequest, Arc<[u64]>),
     rng: &mut SmallRng,
 ) -> usize {
     // One request (and one chain) per block size, not per engine: the
     // fleet usually has one.
-    let mut by_block_size: Vec<(u32, EngineRequest, Vec<u64>)> = Vec::with_capacity(1);
+    let mut by_block_size: Vec<(u32, EngineRequest, Arc<[u64]>)> = Vec::with_capacity(1);
     let variant: Vec<usize> = engines
         .iter()
         .map(|engine| {
@@ -194,8 +207,7 @@ pub fn oracle_pick(
             match by_block_size.iter().position(|v| v.0 == block_tokens) {
                 Some(known) => known,
                 None => {
-                    let request = request(engine.params());
-                    let chain = request.prefix_chain();
+                    let (request, chain) = request(engine.params());
                     by_block_size.push((block_tokens, request, chain));
                     by_block_size.len() - 1
                 }
@@ -204,7 +216,7 @@ pub fn oracle_pick(
         .collect();
     let request_for = |index: usize| {
         let (_, request, chain) = &by_block_size[variant[index]];
-        (request, chain.as_slice())
+        (request, &chain[..])
     };
     let mut order: Vec<(f64, usize)> = engines
         .iter()
@@ -558,7 +570,7 @@ impl Router {
         &mut self,
         id: usize,
         info: &RequestInfo,
-        request: impl Fn(&EngineParams) -> EngineRequest,
+        request: impl Fn(&EngineParams) -> (EngineRequest, Arc<[u64]>),
         engines: &[Engine],
         now_s: f64,
         now: Instant,
@@ -792,28 +804,37 @@ impl<'a> CellRun<'a> {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
         }
         let shared_prefix = self.cell.shared_prefix;
-        // The router hashes the prompt as the first worker's engine does;
-        // engines with that block size get the same hashes, computed once.
-        let block_tokens = self
-            .cell
-            .workers
-            .first()
-            .map_or(16, |w| w.1.block_size_tokens);
-        let content_hashes = spec.block_hashes(shared_prefix, block_tokens);
-        let request = |params: &EngineParams| EngineRequest {
-            id: id as u64,
-            prompt_tokens: spec.prompt_tokens,
-            output_tokens: spec.output_tokens,
-            arrival_s: now_s,
-            prefix_block_hashes: if params.block_size_tokens == block_tokens {
-                content_hashes.clone()
+        let block_tokens = router_block_tokens(self.cell.workers);
+        // Chained once: for the policy's prefix index and the engines.
+        let chain: Arc<[u64]> = match self.cell.chains.get(id) {
+            Some(chain) => chain.clone(),
+            None => spec
+                .chained_block_hashes(shared_prefix, block_tokens)
+                .into(),
+        };
+        // The request for an engine, and its chain there: the router's for
+        // engines of its block size, hashed at their own for the others.
+        let request = |params: &EngineParams| {
+            let request = EngineRequest {
+                id: id as u64,
+                prompt_tokens: spec.prompt_tokens,
+                output_tokens: spec.output_tokens,
+                arrival_s: now_s,
+                prefix_block_hashes: Vec::new(),
+            };
+            if params.block_size_tokens == block_tokens {
+                (request, chain.clone())
             } else {
-                spec.block_hashes(shared_prefix, params.block_size_tokens)
-            },
+                let content = spec.block_hashes(shared_prefix, params.block_size_tokens);
+                let own_chain = chain_block_hashes(&content).into();
+                let request = EngineRequest {
+                    prefix_block_hashes: content,
+                    ..request
+                };
+                (request, own_chain)
+            }
         };
         let now = self.clock.at(now_s);
-        // Chained once: for the policy's prefix index and the engine.
-        let chain: Arc<[u64]> = chain_block_hashes(&content_hashes).into();
         // Every simulated request is measured at its first token, as a
         // stream is.
         let mut info =
@@ -838,18 +859,8 @@ impl<'a> CellRun<'a> {
         let params = engine.params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
             + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
-        if params.block_size_tokens == block_tokens {
-            let submitted = EngineRequest {
-                id: id as u64,
-                prompt_tokens: spec.prompt_tokens,
-                output_tokens: spec.output_tokens,
-                arrival_s: now_s,
-                prefix_block_hashes: Vec::new(),
-            };
-            engine.submit_chained(submitted, &chain)?;
-        } else {
-            engine.submit(request(params))?;
-        }
+        let (submitted, chain) = request(params);
+        engine.submit_chained(submitted, &chain)?;
         if !self.fleet.stepping[worker] {
             self.fleet.start_step(worker, now_s, &mut self.queue);
         }
@@ -1147,7 +1158,7 @@ mod tests {
         // worker 0, although least_true_queue sends it to the idle worker.
         engines[0].submit(request(1, 400)).unwrap();
         let pick = |engines: &[Engine], tokens, rng: &mut SmallRng| {
-            oracle_pick(engines, 0.0, |_| request(9, tokens), rng)
+            oracle_pick(engines, 0.0, |_| (request(9, tokens), Arc::from([])), rng)
         };
         assert_eq!(pick(&engines, 50, &mut rng), 1);
         assert_eq!(pick(&engines, 500, &mut rng), 0);
@@ -1218,6 +1229,7 @@ mod tests {
                 let cell = Cell {
                     workers: &workers,
                     requests: &requests,
+                    chains: &[],
                     shared_prefix: None,
                     router: router(),
                     policy,
@@ -1285,6 +1297,7 @@ mod tests {
             let cell = Cell {
                 workers: &workers,
                 requests: &requests,
+                chains: &[],
                 shared_prefix: None,
                 router: router(),
                 policy,
@@ -1334,6 +1347,7 @@ mod tests {
                 let cell = Cell {
                     workers: &workers,
                     requests: &requests,
+                    chains: &[],
                     shared_prefix: traffic.shared_prefix,
                     router: point,
                     policy,
@@ -1355,6 +1369,7 @@ mod tests {
         let cell = Cell {
             workers: &workers,
             requests: &requests,
+            chains: &[],
             shared_prefix: None,
             router: RouterPoint {
                 replicas: 4,
@@ -1442,6 +1457,7 @@ mod tests {
             let cell = Cell {
                 workers: &workers,
                 requests: &requests,
+                chains: &[],
                 shared_prefix: None,
                 router: RouterPoint {
                     replicas: 2,

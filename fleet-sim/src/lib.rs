@@ -37,7 +37,7 @@ use std::time::Instant;
 pub use error::SimError;
 pub use fleet::{
     Cell, RATE_COLUMN, RateSample, RateTrace, Slowdown, build_policy, convert_report,
-    least_true_queue_pick, oracle_pick, policy_registry, run_cell,
+    least_true_queue_pick, oracle_pick, policy_registry, router_block_tokens, run_cell,
 };
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
 pub use report::{markdown, summary_table, sync_table, write_outputs};

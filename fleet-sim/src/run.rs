@@ -7,16 +7,17 @@
 //! sync: with sync on it would make the same choices.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::error::SimError;
-use super::fleet::{Cell, RateTrace, Slowdown, policy_registry, run_cell};
+use super::fleet::{Cell, RateTrace, Slowdown, policy_registry, router_block_tokens, run_cell};
 use super::metrics::CellStats;
 use super::scenario::{LoadReport, PolicyName, RouterPoint, Scenario, SyncConfig};
 use super::sync::{SyncStats, counts_replica_pending};
-use super::workload::{RequestSpec, Trace, generate, mean_lengths};
+use super::workload::{RequestSpec, Trace, chained_block_hashes_of, generate, mean_lengths};
 use engine_model::{EngineParams, mix};
 
 /// How to run.
@@ -269,6 +270,10 @@ struct Plan<'a> {
     capacity: Vec<TrafficCapacity>,
     /// `[traffic][utilization]`.
     workloads: Vec<Vec<Vec<RequestSpec>>>,
+    /// `[traffic][utilization]`: each request's chained block hashes at the
+    /// router's block size, made by the first cell of the load level that
+    /// runs and shared by the others.
+    chains: Vec<Vec<OnceLock<Vec<Arc<[u64]>>>>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -348,12 +353,17 @@ fn plan(scenario: &Scenario) -> Result<Plan<'_>, SimError> {
         });
         workloads.push(per_load);
     }
+    let chains = workloads
+        .iter()
+        .map(|per_load| per_load.iter().map(|_| OnceLock::new()).collect())
+        .collect();
     Ok(Plan {
         scenario,
         workers,
         points: scenario.router_points(),
         capacity,
         workloads,
+        chains,
     })
 }
 
@@ -458,10 +468,15 @@ pub fn run_scenarios(
                 other.poll_interval_s == point.poll_interval_s && other.replicas == point.replicas
             })
             .unwrap_or(job.point);
+        let shared_prefix = scenario.traffic[job.traffic].shared_prefix;
+        let chains = plan.chains[job.traffic][job.utilization].get_or_init(|| {
+            chained_block_hashes_of(requests, shared_prefix, router_block_tokens(&plan.workers))
+        });
         let cell = Cell {
             workers: &plan.workers,
             requests,
-            shared_prefix: scenario.traffic[job.traffic].shared_prefix,
+            chains,
+            shared_prefix,
             router: point,
             policy: scenario.policies[job.policy],
             seed: mix(

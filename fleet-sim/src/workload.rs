@@ -1,5 +1,6 @@
 //! The workload generator: arrival times and prompt/output lengths, seeded.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -363,6 +364,40 @@ impl RequestSpec {
     ) -> Vec<u64> {
         chain_block_hashes(&self.block_hashes(shared_prefix, block_tokens))
     }
+}
+
+/// Each request's [`RequestSpec::chained_block_hashes`] at `block_tokens`:
+/// what every cell of one load level routes and caches by, so it is worked
+/// out once per load level rather than once per arrival in every cell.
+/// Requests that open with the same shared prefix and cover as many of its
+/// blocks share one copy.
+pub fn chained_block_hashes_of(
+    requests: &[RequestSpec],
+    shared_prefix: Option<SharedPrefixConfig>,
+    block_tokens: u32,
+) -> Vec<Arc<[u64]>> {
+    let mut by_prefix: HashMap<(u32, u32), Arc<[u64]>> = HashMap::new();
+    requests
+        .iter()
+        .map(
+            |spec| match (&spec.segments, spec.prefix_group, shared_prefix) {
+                (None, Some(group), Some(prefix)) => {
+                    // What `prefix_hashes` depends on besides the group.
+                    let blocks = prefix.tokens.min(spec.prompt_tokens) / block_tokens.max(1);
+                    by_prefix
+                        .entry((group, blocks))
+                        .or_insert_with(|| {
+                            spec.chained_block_hashes(shared_prefix, block_tokens)
+                                .into()
+                        })
+                        .clone()
+                }
+                _ => spec
+                    .chained_block_hashes(shared_prefix, block_tokens)
+                    .into(),
+            },
+        )
+        .collect()
 }
 
 /// The content hash of each full block of a prompt made of `segments`: a

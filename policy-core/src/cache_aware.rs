@@ -20,11 +20,10 @@
 //!
 //! smg matches text characters or token ids; this one matches block hashes,
 //! since those are what [`RequestInfo::prefix`] carries. Because hash `i`
-//! names the whole prompt up to block `i`, a tree is a map from block hash to
-//! node, and a worker's match is the number of leading blocks it holds.
+//! names the whole prompt up to block `i`, a worker's match is the number
+//! of leading blocks its tree holds.
 
 use std::cmp::Reverse;
-use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,95 +110,219 @@ impl CacheAwareParams {
     }
 }
 
-/// One recorded block of one worker's tree.
-#[derive(Debug, Clone, Copy)]
-struct TreeNode {
-    /// The block before it in the prompt (`None` for a first block).
-    parent: Option<u64>,
-    /// Blocks of this tree that follow it: 0 makes it a leaf.
-    children: u32,
-    tokens: u32,
+/// The root's index in a [`BlockTree`]'s arena; it holds no blocks.
+const ROOT: u32 = 0;
+
+/// One run of recorded blocks that were always routed together: every
+/// prompt that carried one of them carried the run up to it, and the last
+/// prompt that carried any carried them all, so they share one stamp.
+#[derive(Debug, Default)]
+struct TreeRun {
+    /// The run this one extends (`ROOT` for a prompt's first blocks).
+    parent: u32,
+    /// The blocks' hashes, in prompt order.
+    blocks: Vec<u64>,
+    /// Tokens per block, as the prompt that recorded the run counted them.
+    block_tokens: u32,
+    /// Runs that extend this one, by their first block's hash: none makes
+    /// it a leaf.
+    children: HashMap<u64, u32, BuildHasherDefault<SeqHasher>>,
     /// The routing stamp of the last request that carried it (LRU order).
     last_routed: u64,
 }
 
-/// The prefixes routed to one worker: chained block hash → node. It is
-/// closed under prefixes (a block's parent is present whenever it is),
-/// since insertion records a whole prompt and eviction removes leaves only.
-#[derive(Debug, Default)]
+/// The prefixes routed to one worker, as a radix tree of block-hash runs
+/// in an arena. It is closed under prefixes (a block's parent is present
+/// whenever it is), since insertion records a whole prompt and eviction
+/// removes leaves only.
+///
+/// Kept as runs rather than one map entry per block so that recording a
+/// prompt, matching it and re-stamping it cost a step per run on its path
+/// (a handful) instead of a hash-map operation per block (hundreds for a
+/// long prompt). A run is split where a prompt leaves it or ends inside it,
+/// so its blocks always share their stamp and evict tail first, as
+/// per-block leaves in stamp order would.
+#[derive(Debug)]
 pub(crate) struct BlockTree {
-    nodes: HashMap<u64, TreeNode, BuildHasherDefault<SeqHasher>>,
+    runs: Vec<TreeRun>,
+    /// Arena slots of removed runs, reused first.
+    free_runs: Vec<u32>,
+    blocks: usize,
     tokens: u64,
 }
 
+impl Default for BlockTree {
+    fn default() -> BlockTree {
+        BlockTree {
+            runs: vec![TreeRun::default()],
+            free_runs: Vec::new(),
+            blocks: 0,
+            tokens: 0,
+        }
+    }
+}
+
+/// Where a prompt's match ends: in run `run`, after its first `in_run`
+/// blocks, `matched` blocks into the prompt.
+#[derive(Debug, Clone, Copy)]
+struct TreeMatch {
+    run: u32,
+    in_run: usize,
+    matched: usize,
+}
+
 impl BlockTree {
-    /// How many leading blocks of `hashes` the tree holds. Closure under
-    /// prefixes makes presence monotone along a prompt: a binary search.
+    /// How many leading blocks of `hashes` the tree holds.
     pub(crate) fn matched_blocks(&self, hashes: &[u64]) -> usize {
-        hashes.partition_point(|hash| self.nodes.contains_key(hash))
+        self.walk(hashes).matched
+    }
+
+    /// Follows `hashes` down from the root as far as the tree holds them.
+    fn walk(&self, hashes: &[u64]) -> TreeMatch {
+        let mut at = TreeMatch {
+            run: ROOT,
+            in_run: 0,
+            matched: 0,
+        };
+        while let Some(&child) = hashes
+            .get(at.matched)
+            .and_then(|first| self.runs[at.run as usize].children.get(first))
+        {
+            let run = &self.runs[child as usize].blocks;
+            let rest = &hashes[at.matched..];
+            let len = run.len().min(rest.len());
+            let common = if run[..len] == rest[..len] {
+                len
+            } else {
+                run.iter().zip(rest).take_while(|(a, b)| a == b).count()
+            };
+            at = TreeMatch {
+                run: child,
+                in_run: common,
+                matched: at.matched + common,
+            };
+            if common < run.len() {
+                break;
+            }
+        }
+        at
+    }
+
+    /// Takes a run's slot from the arena.
+    fn alloc(&mut self, run: TreeRun) -> u32 {
+        match self.free_runs.pop() {
+            Some(id) => {
+                self.runs[id as usize] = run;
+                id
+            }
+            None => {
+                self.runs.push(run);
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Splits run `id` after its first `keep` blocks (0 < `keep` < its
+    /// length): the rest becomes its only child, with its stamp and
+    /// children.
+    fn split(&mut self, id: u32, keep: usize) {
+        let run = &mut self.runs[id as usize];
+        let tail_blocks = run.blocks.split_off(keep);
+        let tail = TreeRun {
+            parent: id,
+            blocks: tail_blocks,
+            block_tokens: run.block_tokens,
+            children: std::mem::take(&mut run.children),
+            last_routed: run.last_routed,
+        };
+        let first = tail.blocks[0];
+        let tail_id = self.alloc(tail);
+        let children: Vec<u32> = self.runs[tail_id as usize]
+            .children
+            .values()
+            .copied()
+            .collect();
+        for child in children {
+            self.runs[child as usize].parent = tail_id;
+        }
+        self.runs[id as usize].children.insert(first, tail_id);
     }
 
     /// Records a prompt's blocks, stamping each with `stamp`.
     pub(crate) fn insert(&mut self, hashes: &[u64], block_tokens: u32, stamp: u64) {
-        let mut parent = None;
-        for &hash in hashes {
-            let added = match self.nodes.entry(hash) {
-                Entry::Occupied(mut node) => {
-                    node.get_mut().last_routed = stamp;
-                    false
-                }
-                Entry::Vacant(slot) => {
-                    slot.insert(TreeNode {
-                        parent,
-                        children: 0,
-                        tokens: block_tokens,
-                        last_routed: stamp,
-                    });
-                    true
-                }
-            };
-            if added {
-                self.tokens += u64::from(block_tokens);
-                if let Some(node) = parent.and_then(|hash| self.nodes.get_mut(&hash)) {
-                    node.children += 1;
-                }
-            }
-            parent = Some(hash);
+        let at = self.walk(hashes);
+        if at.run != ROOT && at.in_run < self.runs[at.run as usize].blocks.len() {
+            self.split(at.run, at.in_run);
+        }
+        // Every run on the path now ends within the prompt: restamp them.
+        let mut id = at.run;
+        while id != ROOT {
+            let run = &mut self.runs[id as usize];
+            run.last_routed = stamp;
+            id = run.parent;
+        }
+        if at.matched < hashes.len() {
+            let blocks = hashes[at.matched..].to_vec();
+            let added = blocks.len();
+            let leaf = self.alloc(TreeRun {
+                parent: at.run,
+                blocks,
+                block_tokens,
+                children: HashMap::default(),
+                last_routed: stamp,
+            });
+            self.runs[at.run as usize]
+                .children
+                .insert(hashes[at.matched], leaf);
+            self.blocks += added;
+            self.tokens += added as u64 * u64::from(block_tokens);
         }
     }
 
     /// Removes least recently routed leaves until at most `max_tokens`
     /// remain (a parent whose last child goes becomes a leaf in turn);
-    /// returns the tokens removed.
+    /// returns the tokens removed. A leaf run loses its blocks from the
+    /// tail, one at a time.
     pub(crate) fn evict_to(&mut self, max_tokens: u64) -> u64 {
         if self.tokens <= max_tokens {
             return 0;
         }
         let before = self.tokens;
-        // Oldest first; equal stamps (one prompt's blocks) by hash, so the
-        // order is the same on every run.
-        let mut leaves: BinaryHeap<Reverse<(u64, u64)>> = self
-            .nodes
+        // Oldest first; runs on one path may share a stamp only when one
+        // extends the other, and then only the deeper is a leaf, so stamps
+        // alone order the leaves (the id just makes the order total).
+        let mut leaves: BinaryHeap<Reverse<(u64, u32)>> = self
+            .runs
             .iter()
-            .filter(|(_, node)| node.children == 0)
-            .map(|(hash, node)| Reverse((node.last_routed, *hash)))
+            .enumerate()
+            .skip(1)
+            .filter(|(_, run)| run.children.is_empty() && !run.blocks.is_empty())
+            .map(|(id, run)| Reverse((run.last_routed, id as u32)))
             .collect();
         while self.tokens > max_tokens {
-            let Some(Reverse((_, hash))) = leaves.pop() else {
+            let Some(Reverse((_, id))) = leaves.pop() else {
                 break;
             };
-            let Some(node) = self.nodes.remove(&hash) else {
+            let run = &mut self.runs[id as usize];
+            let block_tokens = u64::from(run.block_tokens);
+            let Some(&key) = run.blocks.first() else {
                 continue;
             };
-            self.tokens = self.tokens.saturating_sub(u64::from(node.tokens));
-            if let Some((parent_hash, parent)) = node
-                .parent
-                .and_then(|parent| self.nodes.get_mut(&parent).map(|node| (parent, node)))
-            {
-                parent.children = parent.children.saturating_sub(1);
-                if parent.children == 0 {
-                    leaves.push(Reverse((parent.last_routed, parent_hash)));
-                }
+            while self.tokens > max_tokens && !run.blocks.is_empty() {
+                run.blocks.pop();
+                self.blocks -= 1;
+                self.tokens = self.tokens.saturating_sub(block_tokens);
+            }
+            if !run.blocks.is_empty() {
+                break;
+            }
+            let parent = run.parent;
+            *run = TreeRun::default();
+            self.free_runs.push(id);
+            let parent_run = &mut self.runs[parent as usize];
+            parent_run.children.remove(&key);
+            if parent != ROOT && parent_run.children.is_empty() {
+                leaves.push(Reverse((parent_run.last_routed, parent)));
             }
         }
         before - self.tokens
@@ -210,7 +333,7 @@ impl BlockTree {
     }
 
     pub(crate) fn blocks(&self) -> usize {
-        self.nodes.len()
+        self.blocks
     }
 }
 
