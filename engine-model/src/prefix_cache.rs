@@ -40,11 +40,15 @@ struct Node {
     /// LRU stamp of the last release.
     tick: u64,
     /// The cache's change counter when this node last changed in a way
-    /// that can lengthen a match ending in it or move it elsewhere: a child
-    /// inserted under it, a split, (re)allocation or removal. Blocks
-    /// evicted from its tail are not counted: they shorten such a match to
-    /// the blocks left, which [`PrefixCache::hits_since`] reads directly.
+    /// that can move a match ending in it elsewhere: a split, (re)allocation
+    /// or removal. Blocks evicted from its tail are not counted: they
+    /// shorten such a match to the blocks left, which
+    /// [`PrefixCache::hits_since`] reads directly.
     changed: u64,
+    /// The change counter when a child was last inserted under it: that
+    /// lengthens only a match that reaches its end and goes on with the
+    /// child's first block.
+    grown: u64,
 }
 
 impl Node {
@@ -58,6 +62,7 @@ impl Node {
             refs,
             tick: 0,
             changed: 0,
+            grown: 0,
         }
     }
 }
@@ -78,6 +83,8 @@ pub(crate) struct MatchStamp {
     node: u32,
     /// Of the match, the blocks in `node`.
     in_node: u32,
+    /// The chain's block after the match, if any.
+    next: Option<u64>,
     changes: u64,
 }
 
@@ -87,6 +94,7 @@ impl Default for MatchStamp {
         MatchStamp {
             node: u32::MAX,
             in_node: 0,
+            next: None,
             changes: 0,
         }
     }
@@ -147,13 +155,14 @@ impl PrefixCache {
     /// an eviction shortens the match to the blocks `n` keeps.
     pub(crate) fn leading_hits_stamped(&self, chain: &[u64]) -> (usize, MatchStamp) {
         let at = self.walk(chain);
-        (at.matched, self.stamp(at))
+        (at.matched, self.stamp(chain, at))
     }
 
-    fn stamp(&self, at: Match) -> MatchStamp {
+    fn stamp(&self, chain: &[u64], at: Match) -> MatchStamp {
         MatchStamp {
             node: at.node,
             in_node: at.in_node as u32,
+            next: chain.get(at.matched).copied(),
             changes: self.changes,
         }
     }
@@ -165,8 +174,24 @@ impl PrefixCache {
     /// walk again.
     pub(crate) fn hits_since(&self, stamp: MatchStamp) -> Option<usize> {
         let node = self.nodes.get(stamp.node as usize)?;
-        (node.changed <= stamp.changes)
-            .then(|| node.start + node.blocks.len().min(stamp.in_node as usize))
+        if node.changed > stamp.changes {
+            return None;
+        }
+        let len = node.blocks.len();
+        let in_node = stamp.in_node as usize;
+        if node.grown > stamp.changes && len <= in_node {
+            // The match reaches the node's end, and a child came since: it
+            // goes on only into a child keyed by the chain's next block
+            // (known only while the node keeps every matched block).
+            let extends = len < in_node
+                || stamp
+                    .next
+                    .is_some_and(|next| node.children.contains_key(&next));
+            if extends {
+                return None;
+            }
+        }
+        Some(node.start + len.min(in_node))
     }
 
     /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped) for a
@@ -190,7 +215,7 @@ impl PrefixCache {
             Some(_) => self.descend(chain, stamp.node),
             None => self.walk(chain),
         };
-        (at.matched, self.stamp(at))
+        (at.matched, self.stamp(chain, at))
     }
 
     /// Records a change of `id` (see [`MatchStamp`]).
@@ -370,7 +395,8 @@ impl PrefixCache {
         self.nodes[end as usize]
             .children
             .insert(chain[at.matched], leaf);
-        self.mark_changed(end);
+        self.changes += 1;
+        self.nodes[end as usize].grown = self.changes;
         self.generation += 1;
         (leaf, added)
     }

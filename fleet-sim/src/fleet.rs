@@ -355,7 +355,15 @@ pub fn convert_report(
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+/// What a poll carries back: boxed in its event, so that the event queue
+/// moves small events (its heap moves every event it sifts past).
+#[derive(Debug)]
+struct PollReply {
+    mark: PollMark,
+    snapshot: Option<EngineSnapshot>,
+}
+
+#[derive(Debug)]
 enum Kind {
     Arrival,
     StepEnd {
@@ -368,8 +376,7 @@ enum Kind {
     PollDone {
         replica: u32,
         worker: u32,
-        mark: PollMark,
-        snapshot: Option<EngineSnapshot>,
+        reply: Box<PollReply>,
     },
     Slowdown,
     RateSample,
@@ -380,7 +387,7 @@ enum Kind {
     SyncDeliver,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct Event {
     time_s: f64,
     seq: u64,
@@ -778,9 +785,14 @@ impl<'a> CellRun<'a> {
                 Kind::PollDone {
                     replica,
                     worker,
-                    mark,
-                    snapshot,
-                } => self.complete_poll(replica as usize, worker as usize, mark, snapshot, now_s),
+                    reply,
+                } => self.complete_poll(
+                    replica as usize,
+                    worker as usize,
+                    reply.mark,
+                    reply.snapshot,
+                    now_s,
+                ),
                 Kind::Slowdown => self.slow_down()?,
                 Kind::RateSample => self.sample_rates(now_s),
                 Kind::SyncTick { replica } => self.sync_tick(replica, now_s),
@@ -930,8 +942,7 @@ impl<'a> CellRun<'a> {
             Kind::PollDone {
                 replica,
                 worker,
-                mark,
-                snapshot,
+                reply: Box::new(PollReply { mark, snapshot }),
             },
         );
         self.queue.push(
