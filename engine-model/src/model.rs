@@ -6,7 +6,7 @@
 //! clock multiplied by a time-scale factor. Nothing in here sleeps, reads a
 //! clock or allocates per step (events go into a caller-owned buffer).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -14,7 +14,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use serde::{Deserialize, Serialize};
 
 use crate::error::EngineError;
-use crate::prefix_cache::{MatchStamp, PrefixCache, ROOT};
+use crate::prefix_cache::{MatchStamp, PrefixCache, ROOT, Touch};
 use crate::splitmix::{SplitMix64, finalize};
 
 /// Per-worker engine parameters. Every field has a default; serde
@@ -317,6 +317,11 @@ struct Slot {
     /// Where that estimate's match ended in the prefix cache and when: the
     /// estimate is only recomputed once that node changed.
     queued_stamp: Cell<MatchStamp>,
+    /// While waiting with a chain: its place in its [`Anchors`] list.
+    anchor_pos: Cell<u32>,
+    /// While waiting: its node changed since its estimate was made (it is
+    /// in [`Engine::stale`]).
+    stale: Cell<bool>,
     decoding: bool,
     preemptions: u32,
 }
@@ -341,6 +346,8 @@ impl Slot {
             private_kv: 0,
             queued_hit_blocks: Cell::new(0),
             queued_stamp: Cell::new(MatchStamp::default()),
+            anchor_pos: Cell::new(0),
+            stale: Cell::new(false),
             decoding: false,
             preemptions: 0,
         }
@@ -366,6 +373,12 @@ impl Hasher for PassThroughHasher {
 }
 
 pub(crate) type PassThrough = BuildHasherDefault<PassThroughHasher>;
+
+/// The waiting requests with a chain, by the prefix-cache node their
+/// estimate's match ended in and the chain's block after it: a change to a
+/// node reaches only the requests anchored there (a child inserted, only
+/// those whose next block it starts with).
+type Anchors = HashMap<u32, HashMap<Option<u64>, Vec<u32>, PassThrough>, PassThrough>;
 
 /// Chains content hashes: block `i`'s key depends on every block before it.
 pub fn chain_block_hash(previous: u64, content: u64) -> u64 {
@@ -416,14 +429,19 @@ pub struct Engine {
     last_step_end_s: f64,
     private_kv_tokens: u64,
     cached_kv_tokens: u64,
-    /// Uncached prompt tokens of the waiting requests, as of
-    /// `estimates_cache_generation` (see [`Engine::waiting_uncached_tokens`]).
+    /// Uncached prompt tokens of the waiting requests, as of their
+    /// estimates (see [`Engine::waiting_uncached_tokens`]).
     waiting_uncached_tokens: Cell<u64>,
     running_prefill_remaining_tokens: u64,
     decoding_requests: u32,
     decode_tps: f64,
-    /// The cache generation the waiting estimates were computed at.
-    estimates_cache_generation: Cell<u64>,
+    /// The waiting requests by where their match ended.
+    anchors: RefCell<Anchors>,
+    /// Waiting requests whose estimate may be out of date (each once,
+    /// flagged by `Slot::stale`).
+    stale: RefCell<Vec<u32>>,
+    /// Reused for the prefix cache's changes of one step.
+    touched: Vec<Touch>,
     prompt_tokens_total: u64,
     generation_tokens_total: u64,
     prefix_queries_tokens_total: u64,
@@ -457,7 +475,9 @@ impl Engine {
             running_prefill_remaining_tokens: 0,
             decoding_requests: 0,
             decode_tps: 0.0,
-            estimates_cache_generation: Cell::new(0),
+            anchors: RefCell::new(HashMap::default()),
+            stale: RefCell::new(Vec::new()),
+            touched: Vec::new(),
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             prefix_queries_tokens_total: 0,
@@ -1077,6 +1097,7 @@ impl Engine {
         self.clock_s = end_s;
         self.last_step_end_s = end_s;
         self.steps_total += 1;
+        self.mark_stale_estimates();
         Some(summary)
     }
 
@@ -1092,6 +1113,8 @@ impl Engine {
         slot.phase = Phase::Waiting;
         slot.queued_hit_blocks.set(hit_blocks);
         slot.queued_stamp.set(stamp);
+        slot.stale.set(false);
+        self.anchor(index);
         let uncached = self.queued_uncached(&self.slots[index as usize]);
         self.waiting_uncached_tokens
             .set(self.waiting_uncached_tokens.get() + uncached);
@@ -1104,7 +1127,9 @@ impl Engine {
 
     /// Takes a request that leaves the waiting queue out of the waiting sum.
     fn dequeue_estimate(&self, index: u32) {
+        self.unanchor(index);
         let slot = &self.slots[index as usize];
+        slot.stale.set(false);
         let uncached = self.queued_uncached(slot);
         self.waiting_uncached_tokens
             .set(self.waiting_uncached_tokens.get() - uncached);
@@ -1125,33 +1150,110 @@ impl Engine {
         self.waiting_uncached_tokens.get()
     }
 
-    /// Brings the waiting requests' uncached estimates up to date when the
-    /// prefix cache changed (blocks inserted or evicted) since they were
-    /// made, so the reported queued tokens follow the cache.
-    ///
-    /// Done when read (a poll, the oracle) rather than after every step.
-    /// A request whose match ended in a node that only lost tail blocks
-    /// since (the thrashing case) reads its new count off that node; only
-    /// one whose node grew a child, split or went walks the tree again (see
-    /// `MatchStamp`): a deep queue under overload then costs a constant
-    /// check per waiting request per read and a walk only where the cache
-    /// grew under it.
-    fn refresh_waiting_estimates(&self) {
-        let generation = self.cache.generation();
-        if self.estimates_cache_generation.get() == generation {
+    /// Files a waiting request under the node its match ended in.
+    fn anchor(&self, index: u32) {
+        let slot = &self.slots[index as usize];
+        if !self.params.prefix_cache || slot.chain.is_empty() {
             return;
         }
-        self.estimates_cache_generation.set(generation);
-        if !self.params.prefix_cache {
+        let stamp = slot.queued_stamp.get();
+        let mut anchors = self.anchors.borrow_mut();
+        let list = anchors
+            .entry(stamp.node())
+            .or_default()
+            .entry(stamp.next())
+            .or_default();
+        slot.anchor_pos.set(list.len() as u32);
+        list.push(index);
+    }
+
+    /// Takes a waiting request out of [`anchor`](Engine::anchor)'s lists.
+    fn unanchor(&self, index: u32) {
+        let slot = &self.slots[index as usize];
+        if !self.params.prefix_cache || slot.chain.is_empty() {
+            return;
+        }
+        let stamp = slot.queued_stamp.get();
+        let mut anchors = self.anchors.borrow_mut();
+        let Some(by_next) = anchors.get_mut(&stamp.node()) else {
+            return;
+        };
+        let Some(list) = by_next.get_mut(&stamp.next()) else {
+            return;
+        };
+        let position = slot.anchor_pos.get() as usize;
+        if list.get(position) != Some(&index) {
+            return;
+        }
+        list.swap_remove(position);
+        if let Some(&moved) = list.get(position) {
+            self.slots[moved as usize].anchor_pos.set(position as u32);
+        }
+        if list.is_empty() {
+            by_next.remove(&stamp.next());
+            if by_next.is_empty() {
+                anchors.remove(&stamp.node());
+            }
+        }
+    }
+
+    /// After a step: flags the waiting requests whose match ended in a
+    /// prefix-cache node the step changed (see `MatchStamp`); the others'
+    /// estimates still hold.
+    fn mark_stale_estimates(&mut self) {
+        self.cache.take_touched(&mut self.touched);
+        let anchors = self.anchors.get_mut();
+        let stale = self.stale.get_mut();
+        let slots = &self.slots;
+        let mut flag = |list: &Vec<u32>| {
+            for &index in list {
+                let slot = &slots[index as usize];
+                if !slot.stale.get() {
+                    slot.stale.set(true);
+                    stale.push(index);
+                }
+            }
+        };
+        for &touch in &self.touched {
+            match touch {
+                Touch::Node(node) => {
+                    for list in anchors.get(&node).into_iter().flat_map(|m| m.values()) {
+                        flag(list);
+                    }
+                }
+                Touch::Grown(node, first) => {
+                    if let Some(list) = anchors.get(&node).and_then(|m| m.get(&Some(first))) {
+                        flag(list);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Brings the waiting requests' uncached estimates up to date where the
+    /// prefix cache changed (blocks inserted or evicted) under them, so the
+    /// reported queued tokens follow the cache.
+    ///
+    /// Done when read (a poll, the oracle) rather than after every step,
+    /// and only for the requests flagged by
+    /// [`mark_stale_estimates`](Engine::mark_stale_estimates): a deep queue
+    /// under overload costs only where the cache changed under it, not a
+    /// check per waiting request per read. A request whose node only changed
+    /// elsewhere (a child it does not go on into, blocks cut past its
+    /// match) keeps its count; the others walk again from that node.
+    fn refresh_waiting_estimates(&self) {
+        let mut stale = self.stale.borrow_mut();
+        if stale.is_empty() {
             return;
         }
         let block = self.params.block_size_tokens;
         let mut sum = self.waiting_uncached_tokens.get();
-        for &index in &self.waiting {
+        for index in stale.drain(..) {
             let slot = &self.slots[index as usize];
-            if slot.chain.is_empty() {
+            if !slot.stale.get() {
                 continue;
             }
+            slot.stale.set(false);
             let before = slot.queued_hit_blocks.get();
             let after = match self.cache.hits_since(slot.queued_stamp.get()) {
                 Some(hits) => hits as u32,
@@ -1161,7 +1263,18 @@ impl Engine {
                         &slot.chain[..slot.chain.len().min(max_blocks)],
                         slot.queued_stamp.get(),
                     );
-                    slot.queued_stamp.set(stamp);
+                    if (stamp.node(), stamp.next())
+                        != (
+                            slot.queued_stamp.get().node(),
+                            slot.queued_stamp.get().next(),
+                        )
+                    {
+                        self.unanchor(index);
+                        slot.queued_stamp.set(stamp);
+                        self.anchor(index);
+                    } else {
+                        slot.queued_stamp.set(stamp);
+                    }
                     hits as u32
                 }
             };

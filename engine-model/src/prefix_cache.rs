@@ -41,9 +41,8 @@ struct Node {
     tick: u64,
     /// The cache's change counter when this node last changed in a way
     /// that can move a match ending in it elsewhere: a split, (re)allocation
-    /// or removal. Blocks evicted from its tail are not counted: they
-    /// shorten such a match to the blocks left, which
-    /// [`PrefixCache::hits_since`] reads directly.
+    /// or removal. Blocks evicted from its tail are not counted: a match
+    /// they cut shows it by ending past the node's blocks.
     changed: u64,
     /// The change counter when a child was last inserted under it: that
     /// lengthens only a match that reaches its end and goes on with the
@@ -88,6 +87,30 @@ pub(crate) struct MatchStamp {
     changes: u64,
 }
 
+impl MatchStamp {
+    /// The node the match ended in.
+    pub(crate) fn node(&self) -> u32 {
+        self.node
+    }
+
+    /// The chain's block after the match, if any.
+    pub(crate) fn next(&self) -> Option<u64> {
+        self.next
+    }
+}
+
+/// A change to a node that can change a stamped match ending in it (see
+/// [`PrefixCache::take_touched`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Touch {
+    /// Blocks evicted from its tail, split, allocated or removed: any match
+    /// ending in it may change.
+    Node(u32),
+    /// A child inserted under it, keyed by its first block: only a match
+    /// that goes on with that block may change.
+    Grown(u32, u64),
+}
+
 impl Default for MatchStamp {
     /// A stamp that always reads as changed.
     fn default() -> MatchStamp {
@@ -110,10 +133,10 @@ pub(crate) struct PrefixCache {
     /// Blocks in unreferenced nodes: what eviction could free.
     evictable_blocks: u64,
     tick: u64,
-    /// Bumped whenever a block enters or leaves the cache.
-    generation: u64,
-    /// Bumped on every change a node's `changed` records.
+    /// Bumped on every change a node's `changed` or `grown` records.
     changes: u64,
+    /// The nodes changed since the last [`take_touched`](PrefixCache::take_touched).
+    touched: Vec<Touch>,
 }
 
 impl Default for PrefixCache {
@@ -124,17 +147,13 @@ impl Default for PrefixCache {
             lru: BinaryHeap::new(),
             evictable_blocks: 0,
             tick: 0,
-            generation: 0,
             changes: 0,
+            touched: Vec::new(),
         }
     }
 }
 
 impl PrefixCache {
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation
-    }
-
     pub(crate) fn evictable_blocks(&self) -> u64 {
         self.evictable_blocks
     }
@@ -167,31 +186,27 @@ impl PrefixCache {
         }
     }
 
-    /// The count of a match stamped with `stamp`, now, if its node has not
-    /// been marked since (see
-    /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped)): the
-    /// blocks above the node and the matched ones it still holds. `None`:
-    /// walk again.
+    /// The count of a match stamped with `stamp`, now, if it cannot have
+    /// changed (see
+    /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped)): its
+    /// node has not been split, removed or cut below the match since, nor
+    /// grown the child the chain goes on into. `None`: walk again (which
+    /// also renews the stamp's next block after a cut).
     pub(crate) fn hits_since(&self, stamp: MatchStamp) -> Option<usize> {
         let node = self.nodes.get(stamp.node as usize)?;
-        if node.changed > stamp.changes {
+        let in_node = stamp.in_node as usize;
+        if node.changed > stamp.changes || node.blocks.len() < in_node {
             return None;
         }
-        let len = node.blocks.len();
-        let in_node = stamp.in_node as usize;
-        if node.grown > stamp.changes && len <= in_node {
-            // The match reaches the node's end, and a child came since: it
-            // goes on only into a child keyed by the chain's next block
-            // (known only while the node keeps every matched block).
-            let extends = len < in_node
-                || stamp
-                    .next
-                    .is_some_and(|next| node.children.contains_key(&next));
-            if extends {
-                return None;
-            }
+        if node.grown > stamp.changes
+            && node.blocks.len() == in_node
+            && stamp
+                .next
+                .is_some_and(|next| node.children.contains_key(&next))
+        {
+            return None;
         }
-        Some(node.start + len.min(in_node))
+        Some(node.start + in_node)
     }
 
     /// [`leading_hits_stamped`](PrefixCache::leading_hits_stamped) for a
@@ -222,6 +237,24 @@ impl PrefixCache {
     fn mark_changed(&mut self, id: u32) {
         self.changes += 1;
         self.nodes[id as usize].changed = self.changes;
+        self.touch(Touch::Node(id));
+    }
+
+    fn touch(&mut self, touch: Touch) {
+        // Evictions take a leaf's blocks one by one: one entry for a run.
+        if self.touched.last() != Some(&touch) {
+            self.touched.push(touch);
+        }
+    }
+
+    /// The changes since the last call, in order, into `into` (cleared
+    /// first): a stamped match can have changed only if its node is
+    /// among them ([`Touch::Node`], or [`Touch::Grown`] with the match's
+    /// next block). Its caller takes them after every batch of changes, so
+    /// the list stays short.
+    pub(crate) fn take_touched(&mut self, into: &mut Vec<Touch>) {
+        into.clear();
+        std::mem::swap(into, &mut self.touched);
     }
 
     fn walk(&self, chain: &[u64]) -> Match {
@@ -397,7 +430,7 @@ impl PrefixCache {
             .insert(chain[at.matched], leaf);
         self.changes += 1;
         self.nodes[end as usize].grown = self.changes;
-        self.generation += 1;
+        self.touch(Touch::Grown(end, chain[at.matched]));
         (leaf, added)
     }
 
@@ -415,10 +448,10 @@ impl PrefixCache {
                 self.lru.pop();
                 continue;
             }
+            self.touch(Touch::Node(id));
             let node = &mut self.nodes[id as usize];
             node.blocks.pop();
             self.evictable_blocks -= 1;
-            self.generation += 1;
             if node.blocks.is_empty() {
                 // Removed: a match that ended here now ends in the parent.
                 self.mark_changed(id);
