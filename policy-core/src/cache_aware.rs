@@ -670,6 +670,104 @@ mod tests {
         assert_eq!((tree.blocks(), tree.tokens()), (0, 0));
     }
 
+    /// The tree as one map entry per block (the plain model the runs
+    /// compress): the same matches, sizes and evictions.
+    #[test]
+    fn the_run_tree_matches_a_per_block_tree() {
+        #[derive(Default)]
+        struct PerBlock {
+            // hash -> (parent, children, stamp)
+            nodes: HashMap<u64, (Option<u64>, u32, u64)>,
+        }
+        impl PerBlock {
+            fn matched(&self, hashes: &[u64]) -> usize {
+                hashes
+                    .iter()
+                    .take_while(|hash| self.nodes.contains_key(hash))
+                    .count()
+            }
+            fn insert(&mut self, hashes: &[u64], stamp: u64) {
+                let mut parent = None;
+                for &hash in hashes {
+                    if let Some(node) = self.nodes.get_mut(&hash) {
+                        node.2 = stamp;
+                    } else {
+                        self.nodes.insert(hash, (parent, 0, stamp));
+                        if let Some(node) = parent.and_then(|p| self.nodes.get_mut(&p)) {
+                            node.1 += 1;
+                        }
+                    }
+                    parent = Some(hash);
+                }
+            }
+            fn evict_to(&mut self, max_blocks: usize) {
+                let mut leaves: BinaryHeap<Reverse<(u64, u64)>> = self
+                    .nodes
+                    .iter()
+                    .filter(|(_, node)| node.1 == 0)
+                    .map(|(hash, node)| Reverse((node.2, *hash)))
+                    .collect();
+                while self.nodes.len() > max_blocks {
+                    let Some(Reverse((_, hash))) = leaves.pop() else {
+                        break;
+                    };
+                    let (parent, _, _) = self.nodes.remove(&hash).unwrap();
+                    if let Some(p) = parent {
+                        let node = self.nodes.get_mut(&p).unwrap();
+                        node.1 -= 1;
+                        if node.1 == 0 {
+                            leaves.push(Reverse((node.2, p)));
+                        }
+                    }
+                }
+            }
+        }
+        // Prompts that share and fork prefixes, chained like real ones.
+        let mut seed = 7u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        let mut tree = BlockTree::default();
+        let mut reference = PerBlock::default();
+        let mut prompts: Vec<Vec<u64>> = Vec::new();
+        for stamp in 0..600u64 {
+            let prompt: Vec<u64> = match prompts.len() {
+                0 => (0..1 + next() % 30).map(|i| 1000 + i).collect(),
+                known => {
+                    let base = &prompts[(next() as usize) % known];
+                    let keep = (next() as usize) % (base.len() + 1);
+                    let mut prompt = base[..keep].to_vec();
+                    let fork = next();
+                    let mut previous = prompt.last().copied().unwrap_or(fork);
+                    for _ in 0..next() % 12 {
+                        previous = previous.wrapping_mul(31).wrapping_add(fork) | 1;
+                        prompt.push(previous);
+                    }
+                    prompt
+                }
+            };
+            if prompt.is_empty() {
+                continue;
+            }
+            tree.insert(&prompt, 16, stamp);
+            reference.insert(&prompt, stamp);
+            prompts.push(prompt);
+            if next() % 5 == 0 {
+                let max_blocks = (next() % 200) as usize;
+                tree.evict_to(16 * max_blocks as u64);
+                reference.evict_to(max_blocks);
+            }
+            assert_eq!(tree.blocks(), reference.nodes.len(), "stamp {stamp}");
+            assert_eq!(tree.tokens(), 16 * reference.nodes.len() as u64);
+            for probe in prompts.iter().rev().take(40) {
+                assert_eq!(tree.matched_blocks(probe), reference.matched(probe));
+            }
+        }
+    }
+
     #[test]
     fn longest_match_wins_when_balanced() {
         let (policy, ids) = fleet(CacheAwareParams::default(), 3);
