@@ -273,8 +273,11 @@ struct Plan<'a> {
     /// `[traffic][utilization]`: each request's chained block hashes at the
     /// router's block size, made by the first cell of the load level that
     /// runs and shared by the others.
-    chains: Vec<Vec<OnceLock<Vec<Arc<[u64]>>>>>,
+    chains: Vec<Vec<OnceLock<Chains>>>,
 }
+
+/// Each request's chained block hashes, in request order.
+type Chains = Vec<Arc<[u64]>>;
 
 #[derive(Debug, Clone, Copy)]
 struct Job {
