@@ -162,6 +162,13 @@ impl OwnWork {
             .min(prompt_tokens.saturating_sub(1))
     }
 
+    /// Whether `worker` is charged nothing for a miss, whatever the miss
+    /// weight: it is expected to hold as much as the best placed worker.
+    #[inline]
+    fn charged_nothing(&self, worker: WorkerId) -> bool {
+        self.cached_tokens(worker, self.tokens) >= self.best_cached_tokens
+    }
+
     /// The tokens scored on `worker`.
     #[inline]
     fn on(&self, worker: WorkerId) -> u64 {
@@ -398,6 +405,26 @@ impl TieRule {
         }
         self.stack[self.len] = tie;
         self.len += 1;
+    }
+
+    /// Whether `pred` holds for the lowest-scored candidate and every kept
+    /// one within the tie tolerance of it (by place in the candidate list).
+    /// A candidate within the tolerance that was not kept comes after a
+    /// kept one within it, no higher in score and strictly older, so it
+    /// neither wins nor takes part in a draw.
+    pub fn all_ties(&self, pred: impl Fn(usize) -> bool) -> bool {
+        let Some(lowest) = self.lowest else {
+            return true;
+        };
+        let within_secs = lowest.score_secs + self.tolerance_secs;
+        let kept = match &self.spill {
+            Some(spill) => spill.as_slice(),
+            None => &self.stack[..self.len],
+        };
+        pred(lowest.index)
+            && kept
+                .iter()
+                .all(|tie| tie.score_secs > within_secs || pred(tie.index))
     }
 
     /// The chosen candidate, if any was offered with a finite score.
@@ -752,15 +779,30 @@ impl LeastLoad {
         now_nanos: i64,
         own: &OwnWork,
     ) -> Option<Scored<'v>> {
-        let own = &self.priced(own, view, candidates, now_nanos);
         let Some(hot) = &self.hot else {
+            let own = &self.priced(own, view, candidates, now_nanos);
             return self.argmin_direct(view, candidates, now_nanos, own);
         };
-        let own_elsewhere = own.charged(0);
-        let tie = if candidates.len() >= FILTER_MIN_CANDIDATES && own_elsewhere < EXACT_TOKENS {
-            self.argmin_filtered(hot, view, candidates, now_nanos, own, own_elsewhere)
+        let tie = if self.prices(own) {
+            // The congestion price only raises the miss charge, which only
+            // raises the scores of the workers that miss part of what the
+            // best placed one holds. When every candidate within the tie
+            // tolerance at the unraised charge is charged nothing, the tie
+            // set, and so the choice and its draws, are the same at the
+            // raised one: the pass over every candidate that prices the
+            // congestion is skipped.
+            let rule = self.argmin_rule(hot, view, candidates, now_nanos, own);
+            if rule.all_ties(|index| own.charged_nothing(candidates[index])) {
+                rule.choose(&self.rng)
+            } else {
+                drop(rule);
+                let own = &self.priced(own, view, candidates, now_nanos);
+                self.argmin_rule(hot, view, candidates, now_nanos, own)
+                    .choose(&self.rng)
+            }
         } else {
-            self.argmin_exact(hot, view, candidates, now_nanos, own)
+            self.argmin_rule(hot, view, candidates, now_nanos, own)
+                .choose(&self.rng)
         }?;
         match view.get(candidates[tie.index]) {
             Some(slot) => Some(Scored {
@@ -770,6 +812,26 @@ impl LeastLoad {
             // A worker added or removed while this view was taken: its
             // record and the view disagree, so score from the view alone.
             None => self.argmin_direct(view, candidates, now_nanos, own),
+        }
+    }
+
+    /// The tie rule after offering every candidate from the hot records:
+    /// two passes when the candidates are many
+    /// ([`LeastLoad::argmin_filtered`]), else one
+    /// ([`LeastLoad::argmin_exact`]); the same choice either way.
+    fn argmin_rule(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+    ) -> TieRule {
+        let own_elsewhere = own.charged(0);
+        if candidates.len() >= FILTER_MIN_CANDIDATES && own_elsewhere < EXACT_TOKENS {
+            self.argmin_filtered(hot, view, candidates, now_nanos, own, own_elsewhere)
+        } else {
+            self.argmin_exact(hot, view, candidates, now_nanos, own)
         }
     }
 
@@ -886,6 +948,14 @@ impl LeastLoad {
         }
     }
 
+    /// Whether [`LeastLoad::priced`] may raise `own`'s miss weight.
+    #[inline]
+    fn prices(&self, own: &OwnWork) -> bool {
+        own.best_cached_tokens != 0
+            && self.params.prefix_congestion_weight != 0.0
+            && own.tokens != 0
+    }
+
     /// `own` with its miss weight raised by the congestion of `candidates`:
     /// `prefix_miss_weight + prefix_congestion_weight × floor_wait /
     /// own_prefill`, where `own_prefill` is the whole prompt at the fleet's
@@ -900,10 +970,10 @@ impl LeastLoad {
         candidates: &[WorkerId],
         now_nanos: i64,
     ) -> OwnWork {
-        let congestion_weight = self.params.prefix_congestion_weight;
-        if own.best_cached_tokens == 0 || congestion_weight == 0.0 || own.tokens == 0 {
+        if !self.prices(own) {
             return *own;
         }
+        let congestion_weight = self.params.prefix_congestion_weight;
         let own_prefill_secs = own.tokens as f64 / self.fleet_rate.tps();
         let floor_secs = self.floor_wait_secs(view, candidates, now_nanos);
         let raised = congestion_weight * floor_secs / own_prefill_secs;
@@ -934,11 +1004,45 @@ impl LeastLoad {
             } else {
                 self.argmin_exact(hot, &view, candidates, now_nanos, &own)
             }
+            .choose(&self.rng)
         });
         (
             tie.map(|tie| (tie.index, tie.score_secs.to_bits())),
             self.rng.next_u64(),
         )
+    }
+
+    /// The choice of [`LeastLoad::argmin`] (`lazy`: as selections make it,
+    /// pricing the congestion only when the tie set may depend on it) or
+    /// of the argmin at the congestion-priced miss weight, and the
+    /// tie-breaker's next draw after it, for the tests that hold them equal.
+    #[cfg(test)]
+    pub(crate) fn priced_choice_for_test(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+        lazy: bool,
+    ) -> (Option<(usize, u64)>, u64) {
+        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let now_nanos = self.timeline.nanos(now);
+        let own = self.own_work(tokens, request, now_nanos);
+        let view = self.workers.read();
+        let choice = if lazy {
+            self.argmin(&view, candidates, now_nanos, &own)
+                .and_then(|scored| {
+                    let index = candidates.iter().position(|id| *id == scored.slot.id)?;
+                    Some((index, scored.score_secs.to_bits()))
+                })
+        } else {
+            let own = self.priced(&own, &view, candidates, now_nanos);
+            self.hot.as_ref().and_then(|hot| {
+                self.argmin_rule(hot, &view, candidates, now_nanos, &own)
+                    .choose(&self.rng)
+                    .map(|tie| (tie.index, tie.score_secs.to_bits()))
+            })
+        };
+        (choice, self.rng.next_u64())
     }
 
     /// When the candidate at hand was last dispatched to (the tie-break).
@@ -955,7 +1059,7 @@ impl LeastLoad {
         candidates: &[WorkerId],
         now_nanos: i64,
         own: &OwnWork,
-    ) -> Option<Tie> {
+    ) -> TieRule {
         let own_elsewhere = own.charged(0);
         let mut fleet = None;
         let mut rule = TieRule::new(self.params.tie_tolerance_secs);
@@ -976,7 +1080,7 @@ impl LeastLoad {
                 LeastLoad::last_dispatch_nanos(view, *id)
             });
         }
-        rule.choose(&self.rng)
+        rule
     }
 
     /// The same choice as [`LeastLoad::argmin_exact`], in two passes.
@@ -1005,7 +1109,7 @@ impl LeastLoad {
         now_nanos: i64,
         own: &OwnWork,
         own_elsewhere: u64,
-    ) -> Option<Tie> {
+    ) -> TieRule {
         let tolerance_secs = self.params.tie_tolerance_secs;
         // A key received at or after this is fresh (and so is the record).
         let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
@@ -1057,7 +1161,7 @@ impl LeastLoad {
         }
         kept.clear();
         KEPT.with(|cell| cell.set(kept));
-        rule.choose(&self.rng)
+        rule
     }
 
     /// [`argmin`](Self::argmin) reading every candidate's own state.

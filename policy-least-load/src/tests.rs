@@ -1406,7 +1406,7 @@ mod filtered_argmin {
     /// stale, and how many 100-token dispatches it holds.
     type Worker = (Option<i64>, f64, bool, u8);
 
-    fn worker() -> impl Strategy<Value = Worker> {
+    pub(super) fn worker() -> impl Strategy<Value = Worker> {
         (
             proptest::option::weighted(0.9, (0i64..16).prop_map(|step| step * 5)),
             prop_oneof![4 => Just(0.0), 1 => Just(0.5)],
@@ -1415,7 +1415,7 @@ mod filtered_argmin {
         )
     }
 
-    fn build(
+    pub(super) fn build(
         params: &LeastLoadParams,
         workers: &[Worker],
         t0: Instant,
@@ -1444,7 +1444,7 @@ mod filtered_argmin {
         (policy, ids)
     }
 
-    fn prompt(group: u64) -> RequestInfo {
+    pub(super) fn prompt(group: u64) -> RequestInfo {
         let hashes: Vec<u64> = (1..=32u64).map(|block| group * 1000 + block).collect();
         RequestInfo::new(TokenCount::Exact(512)).prefix_blocks(PrefixBlocks::new(16, hashes))
     }
@@ -1483,6 +1483,93 @@ mod filtered_argmin {
                     filtered.choice_for_test(&ids, &request, now, true),
                     one_pass.choice_for_test(&ids, &request, now, false)
                 );
+            }
+        }
+    }
+}
+
+/// The argmin that prices the congestion only when the tie set may depend
+/// on it, against the one that always prices it.
+mod lazy_pricing {
+    use std::time::{Duration, Instant};
+
+    use policy_core::{Policy, RequestInfo, TokenCount, WorkerId};
+    use proptest::prelude::*;
+
+    use super::filtered_argmin::{build, worker};
+    use crate::{LeastLoadParams, RateMode};
+
+    /// A 512-token prompt whose first `shared` of 32 blocks are those of
+    /// `group`'s.
+    fn prompt(group: u64, shared: u64) -> RequestInfo {
+        let hashes: Vec<u64> = (1..=32u64)
+            .map(|block| {
+                if block <= shared {
+                    group * 1000 + block
+                } else {
+                    1_000_000 + group * 100_000 + shared * 100 + block
+                }
+            })
+            .collect();
+        RequestInfo::new(TokenCount::Exact(512))
+            .prefix_blocks(policy_core::PrefixBlocks::new(16, hashes))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn the_lazily_priced_choice_and_draws_are_the_priced_ones(
+            workers in prop::collection::vec(worker(), 2..40),
+            tolerance_secs in prop_oneof![Just(0.0), Just(0.0025), Just(0.01), 0.0f64..0.03],
+            reported_rate in any::<bool>(),
+            congestion_weight in prop_oneof![Just(0.0), Just(4.0), 0.0f64..20.0],
+            miss_weight in prop_oneof![Just(1.0), 0.0f64..3.0],
+            prompts in prop::collection::vec((0u64..3, 1u64..=32, 0usize..40), 0..8),
+            rounds in prop::collection::vec((0u64..3, 1u64..=32, 1usize..40), 1..6),
+        ) {
+            let params = LeastLoadParams {
+                tie_tolerance_secs: tolerance_secs,
+                rate: if reported_rate { RateMode::Reported } else { RateMode::Learned },
+                prefix_index_block_tokens: 16,
+                prefix_congestion_weight: congestion_weight,
+                prefix_miss_weight: miss_weight,
+                ..LeastLoadParams::default()
+            };
+            let t0 = Instant::now();
+            let (lazy, ids) = build(&params, &workers, t0);
+            let (eager, _) = build(&params, &workers, t0);
+            // Prompts recorded on some workers, so some candidates hold a
+            // prefix, some of them only part of what others hold.
+            for (group, shared, worker) in &prompts {
+                let id = ids[worker % ids.len()];
+                for policy in [&lazy, &eager] {
+                    policy.select(&[id], &prompt(*group, *shared), t0);
+                }
+            }
+            // Selections over the first `count` workers, each then made on
+            // both, so the fleets move on alike.
+            for (round, (group, shared, count)) in rounds.iter().enumerate() {
+                let now = t0 + Duration::from_millis(1 + round as u64);
+                let candidates: Vec<WorkerId> = ids.iter().copied().take(*count).collect();
+                let requests = [
+                    RequestInfo::new(TokenCount::Exact(300)),
+                    prompt(*group, 32),
+                    prompt(*group, *shared),
+                ];
+                for request in &requests {
+                    prop_assert_eq!(
+                        lazy.priced_choice_for_test(&candidates, request, now, true),
+                        eager.priced_choice_for_test(&candidates, request, now, false)
+                    );
+                }
+                let chosen: Vec<_> = [&lazy, &eager]
+                    .iter()
+                    .map(|policy| {
+                        policy.select(&candidates, &requests[2], now).map(|d| d.worker)
+                    })
+                    .collect();
+                prop_assert_eq!(chosen[0], chosen[1]);
             }
         }
     }
