@@ -20,6 +20,10 @@
 //!
 //! `least_load` alone is also measured at 16, 256 and 4096 workers, so its
 //! rows at 16 to 4096 show how selection cost grows with the fleet.
+//! `least_load_idle` is `least_load` over an idle fleet (every worker
+//! reports the same empty queue): all but the workers with open dispatches
+//! tie, so every selection applies the tie rule across the whole fleet, as
+//! in a lightly loaded production fleet.
 //!
 //! Names: `select/<policy>/<workers>` and `select/<policy>/<workers>/2-thread`.
 //! The 2-thread figure is wall time per selection with both threads working
@@ -72,6 +76,9 @@ const POLICIES: [&str; 5] = [
     "least_requests",
 ];
 
+/// Fleet sizes of the `least_load_idle` rows.
+const IDLE_COUNTS: [usize; 3] = [64, 1024, 4096];
+
 /// Worker `slot`'s report: a spread of queues, rates and KV usage.
 fn report(slot: usize) -> (u64, f64, f64) {
     let queued_tokens = (slot as u64 * 7919) % 20_000;
@@ -97,7 +104,14 @@ fn build(name: &str, workers: usize, now: Instant) -> Setup<(Box<dyn Policy>, Ve
     policy_least_load::register(&mut registry);
     let (registered, section) = match name {
         "least_load_reported_rate" => ("least_load", serde_json::json!({"rate": "reported"})),
+        "least_load_idle" => ("least_load", serde_json::Value::Null),
         other => (other, serde_json::Value::Null),
+    };
+    // An idle fleet: every worker reports the same empty queue, so all but
+    // the few with open dispatches tie and the tie rule decides.
+    let report = |slot| match name {
+        "least_load_idle" => (0, 2000.0, 0.1),
+        _ => report(slot),
     };
     let policy = registry.build(registered, &section, &PolicyContext::default())?;
     let ids: Vec<WorkerId> = (0..workers)
@@ -129,6 +143,24 @@ fn run(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant) {
             policy.finish(&dispatch, now);
         }
         open[i % WINDOW] = black_box(policy.select(ids, &request(i), now));
+    }
+    for dispatch in open.iter().flatten() {
+        policy.finish(dispatch, now);
+    }
+}
+
+/// [`run`] with a clock that moves a nanosecond per selection, as a
+/// router's does between requests: workers are last dispatched to at
+/// distinct times, so the tie rule has an oldest to find. (A nanosecond, so
+/// that the reports stay fresh over any number of iterations.)
+fn run_idle(policy: &dyn Policy, ids: &[WorkerId], from: usize, iters: u64, now: Instant) {
+    let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
+    for i in from..from + iters as usize {
+        let at = now + Duration::from_nanos(i as u64);
+        if let Some(dispatch) = open[i % WINDOW].take() {
+            policy.finish(&dispatch, at);
+        }
+        open[i % WINDOW] = black_box(policy.select(ids, &request(i), at));
     }
     for dispatch in open.iter().flatten() {
         policy.finish(dispatch, now);
@@ -400,6 +432,19 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
         group.bench_function(format!("original/{workers}/2-thread"), |b| {
             b.iter_custom(|iters| {
                 contended(iters, |iters| run_original(&original, &healthy, iters))
+            });
+        });
+    }
+    for workers in IDLE_COUNTS {
+        let (policy, ids) = build("least_load_idle", workers, now)?;
+        let policy = policy.as_ref();
+        let clock = AtomicUsize::new(0);
+        group.bench_function(format!("least_load_idle/{workers}"), |b| {
+            b.iter_custom(|iters| {
+                let from = clock.fetch_add(iters as usize, Ordering::Relaxed);
+                let start = Instant::now();
+                run_idle(policy, &ids, from, iters, now);
+                start.elapsed()
             });
         });
     }

@@ -612,6 +612,7 @@ impl LeastLoad {
             pending_requests: stats.pending_requests.saturating_add(remote.requests),
             learned_tps,
             key,
+            last_dispatch_nanos: state.last_dispatch.nanos(),
         }
     }
 
@@ -1051,6 +1052,20 @@ impl LeastLoad {
             .map_or(i64::MIN, |slot| slot.state.last_dispatch.nanos())
     }
 
+    /// [`LeastLoad::last_dispatch_nanos`] from the hot table's packed copy
+    /// where it has one: with many tied candidates (an idle fleet) every
+    /// one of them is asked, and a read of each worker's own state would
+    /// be a cache miss each.
+    #[inline]
+    fn hot_last_dispatch_nanos(
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        id: WorkerId,
+    ) -> i64 {
+        hot.last_dispatch_nanos(id)
+            .unwrap_or_else(|| LeastLoad::last_dispatch_nanos(view, id))
+    }
+
     /// One pass scoring every candidate exactly ([`TieRule`]).
     fn argmin_exact(
         &self,
@@ -1077,7 +1092,7 @@ impl LeastLoad {
                 continue;
             };
             rule.offer(index, score_secs, || {
-                LeastLoad::last_dispatch_nanos(view, *id)
+                LeastLoad::hot_last_dispatch_nanos(hot, view, *id)
             });
         }
         rule
@@ -1156,7 +1171,7 @@ impl LeastLoad {
                 continue;
             };
             rule.offer(index, score_secs, || {
-                LeastLoad::last_dispatch_nanos(view, id)
+                LeastLoad::hot_last_dispatch_nanos(hot, view, id)
             });
         }
         kept.clear();

@@ -223,6 +223,11 @@ pub(crate) struct HotValues {
     /// (`base_secs` infinite when the cap vetoes it). `None`: no snapshot,
     /// or terms too large to bound the estimate's error.
     pub key: Option<(f64, f64)>,
+    /// When the worker was last dispatched to ([`LastDispatch`]): the tie
+    /// rule's input, kept beside the keys so that a selection among many
+    /// tied workers (an idle fleet) reads it from a packed array rather
+    /// than from each worker's state.
+    pub last_dispatch_nanos: i64,
 }
 
 /// The first pass's view of one worker: its score as a multiply-add, and
@@ -306,11 +311,32 @@ const HOT_CHUNK: usize = 64;
 /// through the slower path that reads its state directly.
 pub(crate) const HOT_SLOTS: usize = 1 << 16;
 
-/// The records and keys of [`HOT_CHUNK`] consecutive slots.
+/// The records, keys and last dispatch times of [`HOT_CHUNK`] consecutive
+/// slots.
 #[derive(Debug)]
 struct HotChunk {
     records: [HotRecord; HOT_CHUNK],
     keys: [HotKey; HOT_CHUNK],
+    last_dispatch_nanos: [AtomicI64; HOT_CHUNK],
+}
+
+/// One slot's parts of a [`HotChunk`].
+struct HotEntry<'t> {
+    record: &'t HotRecord,
+    key: &'t HotKey,
+    last_dispatch_nanos: &'t AtomicI64,
+}
+
+impl HotChunk {
+    #[inline]
+    fn entry(&self, slot: usize) -> HotEntry<'_> {
+        let index = slot % HOT_CHUNK;
+        HotEntry {
+            record: &self.records[index],
+            key: &self.keys[index],
+            last_dispatch_nanos: &self.last_dispatch_nanos[index],
+        }
+    }
 }
 
 /// The [`HotRecord`]s and [`HotKey`]s of every worker, indexed by slot, in
@@ -341,21 +367,19 @@ impl HotTable {
     }
 
     #[inline]
-    fn record(&self, slot: usize) -> Option<(&HotRecord, &HotKey)> {
-        let chunk = self.chunk(slot)?;
-        let index = slot % HOT_CHUNK;
-        Some((&chunk.records[index], &chunk.keys[index]))
+    fn entry(&self, slot: usize) -> Option<HotEntry<'_>> {
+        Some(self.chunk(slot)?.entry(slot))
     }
 
-    fn record_or_new(&self, slot: usize) -> Option<(&HotRecord, &HotKey)> {
+    fn entry_or_new(&self, slot: usize) -> Option<HotEntry<'_>> {
         let chunk = self.chunks.get(slot / HOT_CHUNK)?.get_or_init(|| {
             Box::new(HotChunk {
                 records: std::array::from_fn(|_| HotRecord::default()),
                 keys: std::array::from_fn(|_| HotKey::default()),
+                last_dispatch_nanos: std::array::from_fn(|_| AtomicI64::new(i64::MIN)),
             })
         });
-        let index = slot % HOT_CHUNK;
-        Some((&chunk.records[index], &chunk.keys[index]))
+        Some(chunk.entry(slot))
     }
 
     /// A reader of keys that remembers the last chunk it looked up
@@ -373,7 +397,7 @@ impl HotTable {
     /// worker's own state.
     #[inline]
     pub fn read(&self, id: WorkerId) -> Option<HotRead> {
-        let (record, _) = self.record(id.slot())?;
+        let record = self.entry(id.slot())?.record;
         let expected =
             (u64::from(id.generation()) << HOT_GENERATION_SHIFT) | HOT_ALIVE | HOT_SNAPSHOT;
         let mut spins = 0u32;
@@ -401,23 +425,36 @@ impl HotTable {
 
     /// Makes worker `id` the owner of its slot's record, from `values`.
     pub fn insert(&self, id: WorkerId, values: impl FnOnce() -> HotValues) {
-        if let Some((record, key)) = self.record_or_new(id.slot()) {
-            self.write(record, key, id, true, values);
+        if let Some(entry) = self.entry_or_new(id.slot()) {
+            self.write(entry, id, true, values);
         }
     }
 
     /// Rewrites worker `id`'s record from `values` (read while the record is
     /// held), unless the slot now belongs to another generation.
     pub fn update(&self, id: WorkerId, values: impl FnOnce() -> HotValues) {
-        if let Some((record, key)) = self.record(id.slot()) {
-            self.write(record, key, id, false, values);
+        if let Some(entry) = self.entry(id.slot()) {
+            self.write(entry, id, false, values);
         }
+    }
+
+    /// When worker `id` was last dispatched to, as of its record's last
+    /// rewrite; `None` when the table does not cover its slot or its record
+    /// belongs to another generation. Unguarded like a key: a read racing
+    /// a rewrite sees the time before or after that dispatch, as a read of
+    /// the worker's own [`LastDispatch`] would.
+    #[inline]
+    pub fn last_dispatch_nanos(&self, id: WorkerId) -> Option<i64> {
+        let entry = self.entry(id.slot())?;
+        let tag = entry.record.tag.load(Ordering::Relaxed);
+        (tag >> HOT_GENERATION_SHIFT == u64::from(id.generation()) && tag & HOT_ALIVE != 0)
+            .then(|| entry.last_dispatch_nanos.load(Ordering::Relaxed))
     }
 
     /// Worker `id` was removed: its record is no longer read. A late update
     /// for it (from a selection that still saw it) leaves it so.
     pub fn remove(&self, id: WorkerId) {
-        if let Some((record, key)) = self.record(id.slot()) {
+        if let Some(HotEntry { record, key, .. }) = self.entry(id.slot()) {
             let generation = u64::from(id.generation());
             let version = lock(&record.version);
             let tag = record.tag.load(Ordering::Relaxed);
@@ -435,12 +472,16 @@ impl HotTable {
     /// (`insert`), else only if `id` owns it, keeping whether it is alive.
     fn write(
         &self,
-        record: &HotRecord,
-        key: &HotKey,
+        entry: HotEntry<'_>,
         id: WorkerId,
         insert: bool,
         values: impl FnOnce() -> HotValues,
     ) {
+        let HotEntry {
+            record,
+            key,
+            last_dispatch_nanos,
+        } = entry;
         let version = lock(&record.version);
         let tag = record.tag.load(Ordering::Relaxed);
         let generation_bits = u64::from(id.generation()) << HOT_GENERATION_SHIFT;
@@ -497,6 +538,7 @@ impl HotTable {
             key.base_bits.store(base_secs.to_bits(), Ordering::Relaxed);
             key.inv_rate_bits
                 .store(inv_rate.to_bits(), Ordering::Relaxed);
+            last_dispatch_nanos.store(values.last_dispatch_nanos, Ordering::Relaxed);
         }
         record
             .version
@@ -945,5 +987,37 @@ mod tests {
         assert_eq!(timeline.nanos(t0 + Duration::from_secs(1)), 0);
         assert_eq!(timeline.nanos(t0 + Duration::from_secs(3)), 2_000_000_000);
         assert_eq!(timeline.nanos(t0), -1_000_000_000);
+    }
+
+    #[test]
+    fn the_hot_table_keeps_the_last_dispatch_of_the_slots_live_worker_only() {
+        let table = HotTable::new(false);
+        let first = WorkerId::new(3, 0);
+        let values = |last_dispatch_nanos| HotValues {
+            last_dispatch_nanos,
+            ..HotValues::default()
+        };
+        // No record yet: the caller reads the worker's own state.
+        assert_eq!(table.last_dispatch_nanos(first), None);
+        table.insert(first, || values(i64::MIN));
+        assert_eq!(table.last_dispatch_nanos(first), Some(i64::MIN));
+        table.update(first, || values(42));
+        assert_eq!(table.last_dispatch_nanos(first), Some(42));
+        // A later generation in the same slot is not read through the old
+        // id, and starts from its own value, not the old worker's.
+        table.remove(first);
+        assert_eq!(table.last_dispatch_nanos(first), None);
+        let second = WorkerId::new(3, 1);
+        table.insert(second, || values(i64::MIN));
+        assert_eq!(table.last_dispatch_nanos(first), None);
+        assert_eq!(table.last_dispatch_nanos(second), Some(i64::MIN));
+        // A late update for the removed worker leaves the new one's alone.
+        table.update(first, || values(99));
+        assert_eq!(table.last_dispatch_nanos(second), Some(i64::MIN));
+        // Slots beyond the table are not covered.
+        assert_eq!(
+            table.last_dispatch_nanos(WorkerId::new(HOT_SLOTS as u32, 0)),
+            None
+        );
     }
 }
