@@ -136,6 +136,8 @@ struct Connection {
     buffer: BytesMut,
     /// The request head, built here to reuse its allocation.
     head: Vec<u8>,
+    /// Where the response head's headers lie, reused likewise.
+    spans: Vec<HeaderSpan>,
 }
 
 impl Pool {
@@ -207,6 +209,7 @@ impl Pool {
             stream,
             buffer: BytesMut::new(),
             head: Vec::new(),
+            spans: Vec::new(),
         })
     }
 }
@@ -369,7 +372,7 @@ async fn exchange(
     connection.buffer.clear();
     loop {
         if !connection.buffer.is_empty()
-            && let Some(head) = parse_head(&mut connection.buffer)?
+            && let Some(head) = parse_head(&mut connection.buffer, &mut connection.spans)?
         {
             let (status, headers, framing, reusable) = head;
             return Ok(Head {
@@ -456,9 +459,17 @@ fn poll_read_buf(
 
 type ParsedHead = (StatusCode, HeaderMap, Framing, bool);
 
+/// A response header's name and where its value lies in the head.
+type HeaderSpan = (HeaderName, usize, usize);
+
 /// Parses a whole response head at the start of `buffer` and removes it;
 /// `None` while it is incomplete. Informational (1xx) heads are skipped.
-fn parse_head(buffer: &mut BytesMut) -> Result<Option<ParsedHead>, SendError> {
+/// `spans` is scratch space, kept by the connection so that a head costs
+/// no allocation for it.
+fn parse_head(
+    buffer: &mut BytesMut,
+    spans: &mut Vec<HeaderSpan>,
+) -> Result<Option<ParsedHead>, SendError> {
     loop {
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut response = httparse::Response::new(&mut headers);
@@ -481,7 +492,7 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ParsedHead>, SendError> {
         // Header slices point into `buffer`; keep their offsets, then take
         // the head out as one `Bytes` and slice values from it (no copy).
         let base = buffer.as_ptr() as usize;
-        let mut spans = Vec::with_capacity(response.headers.len());
+        spans.clear();
         let mut chunked = false;
         let mut length: Option<u64> = None;
         let mut close = http10;
@@ -546,7 +557,7 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ParsedHead>, SendError> {
         };
         let head = buffer.split_to(head_len).freeze();
         let mut map = HeaderMap::with_capacity(spans.len());
-        for (name, start, len) in spans {
+        for (name, start, len) in spans.drain(..) {
             if !is_forwarded(&name, &listed) {
                 continue;
             }
@@ -910,7 +921,7 @@ mod tests {
 
     fn parse(text: &str) -> Option<ParsedHead> {
         let mut buffer = BytesMut::from(text.as_bytes());
-        parse_head(&mut buffer).unwrap()
+        parse_head(&mut buffer, &mut Vec::new()).unwrap()
     }
 
     #[test]
@@ -945,7 +956,7 @@ mod tests {
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "1xx skipped");
         assert!(parse("HTTP/1.1 200 OK\r\ncontent-le").is_none(), "partial");
         let mut bad = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n"[..]);
-        assert!(parse_head(&mut bad).is_err());
+        assert!(parse_head(&mut bad, &mut Vec::new()).is_err());
     }
 
     /// Decodes `wire` fed in the given pieces; every data frame, and

@@ -170,7 +170,12 @@ enum Chosen {
 /// Chooses a worker among the current candidates not yet `tried`, with one
 /// lock-free snapshot load, and credits it. The candidate slice is the
 /// snapshot's own; only a retry (some worker already tried) filters a copy.
-fn choose(app: &App, request: &ClientRequest, tried: &[WorkerId]) -> Chosen {
+fn choose(
+    app: &App,
+    request: &ClientRequest,
+    tried: &[WorkerId],
+    now: tokio::time::Instant,
+) -> Chosen {
     let snapshot = app.topology.load();
     let untried: Vec<WorkerId>;
     let candidates: &[WorkerId] = if tried.is_empty() {
@@ -187,7 +192,7 @@ fn choose(app: &App, request: &ClientRequest, tried: &[WorkerId]) -> Chosen {
     if candidates.is_empty() {
         return Chosen::NoCandidate;
     }
-    let now = tokio_now();
+    let now = now.into_std();
     let Some(dispatch) = snapshot.policy.select(candidates, &request.info, now) else {
         return Chosen::Capped;
     };
@@ -210,7 +215,13 @@ async fn forward(app: Arc<App>, request: &ClientRequest) -> Answer {
     let mut last_answer: Option<Answer> = None;
     let mut last_reason = String::new();
     for attempt in 0..=app.config.server.max_retries {
-        let tracker = match choose(&app, request, &tried) {
+        // One clock read per attempt: the selection's time, the deadline
+        // check and the attempt's first-byte deadline.
+        let now = tokio::time::Instant::now();
+        if now >= request.deadline {
+            break;
+        }
+        let tracker = match choose(&app, request, &tried, now) {
             Chosen::Worker(tracker) => tracker,
             Chosen::Gone(id) => {
                 tried.push(id);
@@ -236,10 +247,6 @@ async fn forward(app: Arc<App>, request: &ClientRequest) -> Answer {
             tracing::warn!(worker = %worker.url, "worker URL is not http://host:port; skipping it");
             tried.push(worker.id);
             continue;
-        }
-        let now = tokio::time::Instant::now();
-        if now >= request.deadline {
-            break;
         }
         let worker_id = worker.id;
         match attempt_on(&app, tracker, request, now).await {

@@ -452,7 +452,10 @@ async fn serve_connection(connection: Connection) {
         activity.next_check(deadlines, Instant::now())
     ));
     loop {
+        // The connection first, in a fixed order: no random draw on every
+        // wake (a wake is almost always the connection's socket).
         tokio::select! {
+            biased;
             ended = conn.as_mut() => {
                 if let Err(error) = ended {
                     tracing::debug!(%peer, error = %error, "client connection ended with an error");
