@@ -137,33 +137,33 @@ fn build(name: &str, workers: usize, now: Instant) -> Setup<(Box<dyn Policy>, Ve
 
 /// `iters` selections, each after finishing the one WINDOW selections back.
 fn run(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant) {
-    let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
-    for i in 0..iters as usize {
-        if let Some(dispatch) = open[i % WINDOW].take() {
-            policy.finish(&dispatch, now);
-        }
-        open[i % WINDOW] = black_box(policy.select(ids, &request(i), now));
-    }
-    for dispatch in open.iter().flatten() {
-        policy.finish(dispatch, now);
-    }
+    run_from(policy, ids, 0, iters, now, Duration::ZERO);
 }
 
-/// [`run`] with a clock that moves a nanosecond per selection, as a
-/// router's does between requests: workers are last dispatched to at
-/// distinct times, so the tie rule has an oldest to find. (A nanosecond, so
-/// that the reports stay fresh over any number of iterations.)
-fn run_idle(policy: &dyn Policy, ids: &[WorkerId], from: usize, iters: u64, now: Instant) {
+/// [`run`] from selection `from`, the clock moving `tick` per selection.
+/// The idle rows move it a nanosecond, as a router's clock moves between
+/// requests, so workers are last dispatched to at distinct times and the
+/// tie rule has an oldest to find (a nanosecond, so that the reports stay
+/// fresh over any number of iterations).
+fn run_from(
+    policy: &dyn Policy,
+    ids: &[WorkerId],
+    from: usize,
+    iters: u64,
+    now: Instant,
+    tick: Duration,
+) {
     let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
+    let mut at = now;
     for i in from..from + iters as usize {
-        let at = now + Duration::from_nanos(i as u64);
+        at = now + tick.saturating_mul(u32::try_from(i).unwrap_or(u32::MAX));
         if let Some(dispatch) = open[i % WINDOW].take() {
             policy.finish(&dispatch, at);
         }
         open[i % WINDOW] = black_box(policy.select(ids, &request(i), at));
     }
     for dispatch in open.iter().flatten() {
-        policy.finish(dispatch, now);
+        policy.finish(dispatch, at);
     }
 }
 
@@ -443,7 +443,7 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
             b.iter_custom(|iters| {
                 let from = clock.fetch_add(iters as usize, Ordering::Relaxed);
                 let start = Instant::now();
-                run_idle(policy, &ids, from, iters, now);
+                run_from(policy, &ids, from, iters, now, Duration::from_nanos(1));
                 start.elapsed()
             });
         });

@@ -552,6 +552,15 @@ impl LeastLoad {
         }
     }
 
+    /// The request's prompt tokens (or the configured mean when it has no
+    /// count), its own work, and the time on the policy's timeline, as a
+    /// selection takes them.
+    fn own_work_at(&self, request: &RequestInfo, now: Instant) -> (u64, OwnWork, i64) {
+        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let now_nanos = self.timeline.nanos(now);
+        (tokens, self.own_work(tokens, request, now_nanos), now_nanos)
+    }
+
     /// The request's own work: its tokens under the learned rate, and where
     /// the prefix index expects its prefix to be cached (with
     /// `prefix_affinity` under the learned rate; nowhere otherwise).
@@ -995,9 +1004,7 @@ impl LeastLoad {
         now: Instant,
         filtered: bool,
     ) -> (Option<(usize, u64)>, u64) {
-        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
-        let now_nanos = self.timeline.nanos(now);
-        let own = self.own_work(tokens, request, now_nanos);
+        let (_, own, now_nanos) = self.own_work_at(request, now);
         let view = self.workers.read();
         let tie = self.hot.as_ref().and_then(|hot| {
             if filtered {
@@ -1025,9 +1032,7 @@ impl LeastLoad {
         now: Instant,
         lazy: bool,
     ) -> (Option<(usize, u64)>, u64) {
-        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
-        let now_nanos = self.timeline.nanos(now);
-        let own = self.own_work(tokens, request, now_nanos);
+        let (_, own, now_nanos) = self.own_work_at(request, now);
         let view = self.workers.read();
         let choice = if lazy {
             self.argmin(&view, candidates, now_nanos, &own)
@@ -1290,9 +1295,7 @@ impl Policy for LeastLoad {
         if candidates.is_empty() {
             return None;
         }
-        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
-        let now_nanos = self.timeline.nanos(now);
-        let own = self.own_work(tokens, request, now_nanos);
+        let (tokens, own, now_nanos) = self.own_work_at(request, now);
         let view = self.workers.read();
         let seq = next_dispatch_seq();
         // A failed credit means a concurrent selection filled the chosen
