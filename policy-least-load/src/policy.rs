@@ -889,6 +889,40 @@ impl LeastLoad {
         }
     }
 
+    /// Scores the candidate at `index` ([`LeastLoad::candidate_score`]) and
+    /// offers it to the tie rule, unless the cap vetoes it: the step both
+    /// argmins take per candidate they score exactly.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn offer_candidate(
+        &self,
+        rule: &mut TieRule,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        index: usize,
+        id: WorkerId,
+        candidates: &[WorkerId],
+        fleet: &mut Option<Fleet>,
+        now_nanos: i64,
+        own: &OwnWork,
+        own_elsewhere: u64,
+    ) {
+        if let Some(score_secs) = self.candidate_score(
+            hot,
+            view,
+            id,
+            candidates,
+            fleet,
+            now_nanos,
+            own,
+            own_elsewhere,
+        ) {
+            rule.offer(index, score_secs, || {
+                LeastLoad::hot_last_dispatch_nanos(hot, view, id)
+            });
+        }
+    }
+
     /// The rate a hot record's work is divided by.
     #[inline]
     fn hot_rate_tps(&self, read: &HotRead) -> f64 {
@@ -1084,21 +1118,18 @@ impl LeastLoad {
         let mut fleet = None;
         let mut rule = TieRule::new(self.params.tie_tolerance_secs);
         for (index, id) in candidates.iter().enumerate() {
-            let Some(score_secs) = self.candidate_score(
+            self.offer_candidate(
+                &mut rule,
                 hot,
                 view,
+                index,
                 *id,
                 candidates,
                 &mut fleet,
                 now_nanos,
                 own,
                 own_elsewhere,
-            ) else {
-                continue;
-            };
-            rule.offer(index, score_secs, || {
-                LeastLoad::hot_last_dispatch_nanos(hot, view, *id)
-            });
+            );
         }
         rule
     }
@@ -1163,21 +1194,18 @@ impl LeastLoad {
                 continue;
             }
             let id = candidates[index];
-            let Some(score_secs) = self.candidate_score(
+            self.offer_candidate(
+                &mut rule,
                 hot,
                 view,
+                index,
                 id,
                 candidates,
                 &mut fleet,
                 now_nanos,
                 own,
                 own_elsewhere,
-            ) else {
-                continue;
-            };
-            rule.offer(index, score_secs, || {
-                LeastLoad::hot_last_dispatch_nanos(hot, view, id)
-            });
+            );
         }
         kept.clear();
         KEPT.with(|cell| cell.set(kept));
