@@ -77,7 +77,7 @@ const POLICIES: [&str; 5] = [
 ];
 
 /// Fleet sizes of the `least_load_idle` rows.
-const IDLE_COUNTS: [usize; 3] = [64, 1024, 4096];
+const IDLE_COUNTS: [usize; 4] = [16, 64, 1024, 4096];
 
 /// Worker `slot`'s report: a spread of queues, rates and KV usage.
 fn report(slot: usize) -> (u64, f64, f64) {

@@ -211,12 +211,21 @@ thread_local! {
     static KEPT: Cell<Vec<(usize, f64)>> = const { Cell::new(Vec::new()) };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Selections on this thread decided by the filter's estimates alone
+    /// ([`LeastLoad::estimates_decide`]), so
+    /// that tests can tell that path was taken.
+    pub(crate) static SURE_RULES: Cell<u64> = const { Cell::new(0) };
+}
+
 /// The filter's first pass (see [`LeastLoad::argmin_filtered`]): pushes
 /// onto `kept` every candidate that may be within the final tie tolerance
 /// (those it cannot estimate, or that `exact` names by slot, with a
-/// negative infinite estimate, so they are always scored); returns the
-/// final bar.
+/// negative infinite estimate, so they are always scored), and offers
+/// `estimated` every estimate it keeps; returns the lowest estimate.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn filter_pass(
     hot: &HotTable,
     candidates: &[WorkerId],
@@ -224,6 +233,7 @@ fn filter_pass(
     own_tokens: u64,
     tolerance_secs: f64,
     kept: &mut Vec<(usize, f64)>,
+    estimated: &mut TieRule,
     exact: impl Fn(usize) -> bool,
 ) -> f64 {
     let own_tokens = own_tokens as f64;
@@ -245,6 +255,10 @@ fn filter_pass(
                     lowest_estimate = estimate;
                     bar = filter_bar(lowest_estimate, tolerance_secs);
                 }
+                // The key was just read, so its chunk is there.
+                estimated.offer(index, estimate, || {
+                    keys.last_dispatch_nanos(*id).unwrap_or(i64::MIN)
+                });
                 estimate
             }
             _ => f64::NEG_INFINITY,
@@ -254,7 +268,7 @@ fn filter_pass(
         }
         kept.push((index, estimate));
     }
-    bar
+    lowest_estimate
 }
 
 /// The highest estimate the filter keeps, given the lowest so far.
@@ -262,6 +276,14 @@ fn filter_pass(
 fn filter_bar(lowest_estimate: f64, tolerance_secs: f64) -> f64 {
     let within = lowest_estimate + tolerance_secs;
     within + within * FILTER_MARGIN
+}
+
+/// The highest estimate sure to be within the tie tolerance of the lowest
+/// exact score, given the lowest estimate: [`filter_bar`]'s mirror.
+#[inline]
+fn sure_bar(lowest_estimate: f64, tolerance_secs: f64) -> f64 {
+    let within = lowest_estimate + tolerance_secs;
+    within - within * FILTER_MARGIN
 }
 
 /// One candidate as a selection sees it.
@@ -301,6 +323,11 @@ pub(crate) struct Tie {
 #[derive(Debug)]
 pub(crate) struct TieRule {
     tolerance_secs: f64,
+    /// `Some(bar)` when the scores offered are the filter's estimates, not
+    /// exact scores ([`LeastLoad::estimates_decide`]): the tie set they give is the
+    /// exact one, but the winner's score must be computed, and an exact
+    /// score above `bar` means the estimates raced a change.
+    estimated_bar_secs: Option<f64>,
     lowest: Option<Tie>,
     /// The oldest candidate kept, and the lowest score among those that old.
     oldest: Option<(i64, f64)>,
@@ -320,6 +347,7 @@ impl TieRule {
     pub fn new(tolerance_secs: f64) -> TieRule {
         TieRule {
             tolerance_secs,
+            estimated_bar_secs: None,
             lowest: None,
             oldest: None,
             stack: [Tie::default(); TieRule::STACK],
@@ -803,16 +831,16 @@ impl LeastLoad {
             // congestion is skipped.
             let rule = self.argmin_rule(hot, view, candidates, now_nanos, own);
             if rule.all_ties(|index| own.charged_nothing(candidates[index])) {
-                rule.choose(&self.rng)
+                self.chosen(rule, hot, view, candidates, now_nanos, own)
             } else {
                 drop(rule);
                 let own = &self.priced(own, view, candidates, now_nanos);
-                self.argmin_rule(hot, view, candidates, now_nanos, own)
-                    .choose(&self.rng)
+                let rule = self.argmin_rule(hot, view, candidates, now_nanos, own);
+                self.chosen(rule, hot, view, candidates, now_nanos, own)
             }
         } else {
-            self.argmin_rule(hot, view, candidates, now_nanos, own)
-                .choose(&self.rng)
+            let rule = self.argmin_rule(hot, view, candidates, now_nanos, own);
+            self.chosen(rule, hot, view, candidates, now_nanos, own)
         }?;
         match view.get(candidates[tie.index]) {
             Some(slot) => Some(Scored {
@@ -1041,12 +1069,12 @@ impl LeastLoad {
         let (_, own, now_nanos) = self.own_work_at(request, now);
         let view = self.workers.read();
         let tie = self.hot.as_ref().and_then(|hot| {
-            if filtered {
+            let rule = if filtered {
                 self.argmin_filtered(hot, &view, candidates, now_nanos, &own, own.charged(0))
             } else {
                 self.argmin_exact(hot, &view, candidates, now_nanos, &own)
-            }
-            .choose(&self.rng)
+            };
+            self.chosen(rule, hot, &view, candidates, now_nanos, &own)
         });
         (
             tie.map(|tie| (tie.index, tie.score_secs.to_bits())),
@@ -1077,8 +1105,8 @@ impl LeastLoad {
         } else {
             let own = self.priced(&own, &view, candidates, now_nanos);
             self.hot.as_ref().and_then(|hot| {
-                self.argmin_rule(hot, &view, candidates, now_nanos, &own)
-                    .choose(&self.rng)
+                let rule = self.argmin_rule(hot, &view, candidates, now_nanos, &own);
+                self.chosen(rule, hot, &view, candidates, now_nanos, &own)
                     .map(|tie| (tie.index, tie.score_secs.to_bits()))
             })
         };
@@ -1166,7 +1194,8 @@ impl LeastLoad {
         let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
         let mut kept = KEPT.with(Cell::take);
         kept.clear();
-        let bar = if own.matches.is_empty() {
+        let mut estimated = TieRule::new(tolerance_secs);
+        let lowest_estimate = if own.matches.is_empty() {
             filter_pass(
                 hot,
                 candidates,
@@ -1174,6 +1203,7 @@ impl LeastLoad {
                 own_elsewhere,
                 tolerance_secs,
                 &mut kept,
+                &mut estimated,
                 |_| false,
             )
         } else {
@@ -1184,32 +1214,107 @@ impl LeastLoad {
                 own_elsewhere,
                 tolerance_secs,
                 &mut kept,
+                &mut estimated,
                 |slot| own.matches.holds(slot),
             )
         };
-        let mut fleet = None;
-        let mut rule = TieRule::new(tolerance_secs);
-        for &(index, estimate) in &kept {
-            if estimate > bar {
-                continue;
+        let bar = filter_bar(lowest_estimate, tolerance_secs);
+        let rule = if LeastLoad::estimates_decide(&kept, lowest_estimate, tolerance_secs) {
+            #[cfg(test)]
+            SURE_RULES.with(|count| count.set(count.get() + 1));
+            estimated.estimated_bar_secs = Some(bar);
+            estimated
+        } else {
+            drop(estimated);
+            let mut fleet = None;
+            let mut rule = TieRule::new(tolerance_secs);
+            for &(index, estimate) in &kept {
+                if estimate > bar {
+                    continue;
+                }
+                let id = candidates[index];
+                self.offer_candidate(
+                    &mut rule,
+                    hot,
+                    view,
+                    index,
+                    id,
+                    candidates,
+                    &mut fleet,
+                    now_nanos,
+                    own,
+                    own_elsewhere,
+                );
             }
-            let id = candidates[index];
-            self.offer_candidate(
-                &mut rule,
-                hot,
-                view,
-                index,
-                id,
-                candidates,
-                &mut fleet,
-                now_nanos,
-                own,
-                own_elsewhere,
-            );
-        }
+            rule
+        };
         kept.clear();
         KEPT.with(|cell| cell.set(kept));
         rule
+    }
+
+    /// Whether the filter's estimates alone decide the tie set: every
+    /// candidate kept within the bar was estimated (none must be scored
+    /// exactly) and is sure to be within the tie tolerance of the lowest
+    /// exact score ([`sure_bar`]). Then the set the estimates give is the
+    /// exact one, and the rule offered them, which within it decides by
+    /// last dispatch alone, makes the exact choice and draws; only the
+    /// winner needs scoring ([`LeastLoad::chosen`]).
+    ///
+    /// This is the common case: a lightly loaded fleet, where many workers
+    /// report the same empty queue and tie, is decided from the packed keys
+    /// and last dispatch times, and so is a busy one, where no score falls
+    /// within a few ulps of the tolerance's edge.
+    fn estimates_decide(kept: &[(usize, f64)], lowest_estimate: f64, tolerance_secs: f64) -> bool {
+        if !lowest_estimate.is_finite() {
+            return false;
+        }
+        let bar = filter_bar(lowest_estimate, tolerance_secs);
+        let sure = sure_bar(lowest_estimate, tolerance_secs);
+        // The unestimated carry a negative infinite estimate.
+        kept.iter()
+            .all(|&(_, estimate)| estimate > bar || (f64::MIN..=sure).contains(&estimate))
+    }
+
+    /// The rule's choice with its exact score. A rule offered estimates
+    /// ([`LeastLoad::estimates_decide`]) has its winner scored now; should that score
+    /// exceed the estimates' bar (the winner's key raced a change to it),
+    /// the one-pass rule decides instead.
+    #[allow(clippy::too_many_arguments)]
+    fn chosen(
+        &self,
+        rule: TieRule,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+    ) -> Option<Tie> {
+        let tie = rule.choose(&self.rng);
+        let estimated_bar_secs = rule.estimated_bar_secs;
+        // Gives the rule's room back before a second rule may need it.
+        drop(rule);
+        let tie = tie?;
+        let Some(bar_secs) = estimated_bar_secs else {
+            return Some(tie);
+        };
+        let id = candidates[tie.index];
+        let score_secs = self.candidate_score(
+            hot,
+            view,
+            id,
+            candidates,
+            &mut None,
+            now_nanos,
+            own,
+            own.charged(0),
+        );
+        match score_secs {
+            Some(score_secs) if score_secs <= bar_secs => Some(Tie { score_secs, ..tie }),
+            _ => self
+                .argmin_exact(hot, view, candidates, now_nanos, own)
+                .choose(&self.rng),
+        }
     }
 
     /// [`argmin`](Self::argmin) reading every candidate's own state.

@@ -554,24 +554,42 @@ pub(crate) struct KeyCursor<'t> {
     chunk: Option<&'t HotChunk>,
 }
 
-impl KeyCursor<'_> {
+impl<'t> KeyCursor<'t> {
     /// Worker `id`'s key, unguarded: a read racing a writer may mix two
     /// versions, which is harmless because a key only decides which
     /// candidates are scored exactly. `None` without a chunk for the slot.
     #[inline]
     pub fn key(&mut self, id: WorkerId) -> Option<KeyRead> {
         let slot = id.slot();
-        if slot / HOT_CHUNK != self.chunk_index {
-            self.chunk_index = slot / HOT_CHUNK;
-            self.chunk = self.table.chunk(slot);
-        }
-        let key = &self.chunk?.keys[slot % HOT_CHUNK];
+        let key = &self.chunk_of(slot)?.keys[slot % HOT_CHUNK];
         Some(KeyRead {
             tag: key.tag.load(Ordering::Relaxed),
             received_nanos: key.received_nanos.load(Ordering::Relaxed),
             base_secs: f64::from_bits(key.base_bits.load(Ordering::Relaxed)),
             inv_rate: f64::from_bits(key.inv_rate_bits.load(Ordering::Relaxed)),
         })
+    }
+
+    /// When the worker in `id`'s slot was last dispatched to, from the
+    /// packed copy beside the keys, unguarded like a key and without the
+    /// generation check of [`HotTable::last_dispatch_nanos`]: for a caller
+    /// that has just read `id`'s key with its tag. `None` without a chunk
+    /// for the slot.
+    #[inline]
+    pub fn last_dispatch_nanos(&mut self, id: WorkerId) -> Option<i64> {
+        let slot = id.slot();
+        let nanos = &self.chunk_of(slot)?.last_dispatch_nanos[slot % HOT_CHUNK];
+        Some(nanos.load(Ordering::Relaxed))
+    }
+
+    /// The chunk of `slot`, looked up only when it is not the last one's.
+    #[inline]
+    fn chunk_of(&mut self, slot: usize) -> Option<&'t HotChunk> {
+        if slot / HOT_CHUNK != self.chunk_index {
+            self.chunk_index = slot / HOT_CHUNK;
+            self.chunk = self.table.chunk(slot);
+        }
+        self.chunk
     }
 }
 

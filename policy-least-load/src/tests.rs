@@ -1488,6 +1488,106 @@ mod filtered_argmin {
     }
 }
 
+/// Idle fleets, where most candidates tie and the filter's estimates alone
+/// decide the tie set (`LeastLoad::estimates_decide`), against
+/// the one-pass rule, selection after selection as the clock moves.
+mod sure_ties {
+    use std::time::{Duration, Instant};
+
+    use policy_core::{Policy, RequestInfo, TokenCount};
+    use proptest::prelude::*;
+
+    use super::filtered_argmin::build;
+    use crate::LeastLoadParams;
+    use crate::policy::SURE_RULES;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(100))]
+
+        #[test]
+        fn an_idle_fleet_is_decided_as_the_one_pass_rule_decides(
+            workers in 16usize..200,
+            busy in prop::collection::vec((0usize..200, 0i64..4), 0..8),
+            tolerance_secs in prop_oneof![Just(0.0025), Just(0.01), 0.0001f64..0.03],
+            sizes in prop::collection::vec(prop_oneof![Just(0u64), 1u64..3000], 1..40),
+            ticks_ns in prop_oneof![Just(0u64), Just(1), 1u64..2_000_000],
+        ) {
+            let params = LeastLoadParams {
+                tie_tolerance_secs: tolerance_secs,
+                ..LeastLoadParams::default()
+            };
+            // Every worker idle but a few with a short queue.
+            let mut fleet = vec![(Some(0i64), 0.0, false, 0u8); workers];
+            for (worker, steps) in &busy {
+                fleet[worker % workers].0 = Some(steps * 5);
+            }
+            let t0 = Instant::now();
+            let (filtered, ids) = build(&params, &fleet, t0);
+            let (one_pass, _) = build(&params, &fleet, t0);
+            let mut now = t0;
+            for tokens in &sizes {
+                now += Duration::from_nanos(ticks_ns);
+                let request = RequestInfo::new(TokenCount::Exact(*tokens));
+                let choice = filtered.choice_for_test(&ids, &request, now, true);
+                prop_assert_eq!(choice, one_pass.choice_for_test(&ids, &request, now, false));
+                // Both dispatch to the chosen worker, so last dispatch times
+                // and pending work move as under traffic.
+                if let (Some((index, _)), _) = choice {
+                    filtered.select(&[ids[index]], &request, now);
+                    one_pass.select(&[ids[index]], &request, now);
+                }
+            }
+        }
+    }
+
+    /// Workers a picosecond beyond the tie tolerance of the best one are
+    /// within the filter's margin, yet left out of the tie set: the best
+    /// one wins every time (were they in it, each would win a draw 15
+    /// times in 16).
+    #[test]
+    fn a_worker_just_beyond_the_tolerance_never_ties() {
+        let params = LeastLoadParams {
+            // 20 tokens at 2000 tok/s is 0.01 s.
+            tie_tolerance_secs: 0.01 - 1e-12,
+            rate: crate::RateMode::Reported,
+            ..LeastLoadParams::default()
+        };
+        let t0 = Instant::now();
+        let mut fleet = vec![(Some(20), 0.0, false, 0); 16];
+        fleet[0].0 = Some(0);
+        let (policy, ids) = build(&params, &fleet, t0);
+        for tokens in [0, 1, 7, 300] {
+            let request = RequestInfo::new(TokenCount::Exact(tokens));
+            let (choice, _) = policy.choice_for_test(&ids, &request, t0, true);
+            assert_eq!(choice.map(|(index, _)| index), Some(0), "{tokens} tokens");
+        }
+    }
+
+    /// On an idle fleet the estimates decide every selection, and each
+    /// goes to a worker not yet dispatched to (the one dispatched to has a
+    /// request's work ahead, beyond the tie tolerance).
+    #[test]
+    fn an_idle_fleet_is_decided_by_the_estimates() {
+        let params = LeastLoadParams::default();
+        let t0 = Instant::now();
+        let (policy, ids) = build(&params, &[(Some(0), 0.0, false, 0); 64], t0);
+        let sure_before = SURE_RULES.with(|count| count.get());
+        let mut chosen = std::collections::HashSet::new();
+        for tick in 1..=40u64 {
+            let now = t0 + Duration::from_micros(tick);
+            let dispatch = policy
+                .select(&ids, &RequestInfo::new(TokenCount::Exact(200)), now)
+                .unwrap();
+            assert!(
+                chosen.insert(dispatch.worker),
+                "{:?} chosen twice",
+                dispatch.worker
+            );
+        }
+        assert_eq!(SURE_RULES.with(|count| count.get()) - sure_before, 40);
+    }
+}
+
 /// The argmin that prices the congestion only when the tie set may depend
 /// on it, against the one that always prices it.
 mod lazy_pricing {
