@@ -219,13 +219,11 @@ thread_local! {
     pub(crate) static SURE_RULES: Cell<u64> = const { Cell::new(0) };
 }
 
-/// The filter's first pass (see [`LeastLoad::argmin_filtered`]): pushes
-/// onto `kept` every candidate that may be within the final tie tolerance
-/// (those it cannot estimate, or that `exact` names by slot, with a
-/// negative infinite estimate, so they are always scored), and offers
-/// `estimated` every estimate it keeps; returns the lowest estimate.
+/// The first pass of [`LeastLoad::argmin_two_pass`]: pushes onto `kept`
+/// every candidate that may be within the final tie tolerance (those it
+/// cannot estimate, or that `exact` names by slot, with a negative infinite
+/// estimate, so they are always scored); returns the final bar.
 #[inline]
-#[allow(clippy::too_many_arguments)]
 fn filter_pass(
     hot: &HotTable,
     candidates: &[WorkerId],
@@ -233,7 +231,6 @@ fn filter_pass(
     own_tokens: u64,
     tolerance_secs: f64,
     kept: &mut Vec<(usize, f64)>,
-    estimated: &mut TieRule,
     exact: impl Fn(usize) -> bool,
 ) -> f64 {
     let own_tokens = own_tokens as f64;
@@ -255,10 +252,6 @@ fn filter_pass(
                     lowest_estimate = estimate;
                     bar = filter_bar(lowest_estimate, tolerance_secs);
                 }
-                // The key was just read, so its chunk is there.
-                estimated.offer(index, estimate, || {
-                    keys.last_dispatch_nanos(*id).unwrap_or(i64::MIN)
-                });
                 estimate
             }
             _ => f64::NEG_INFINITY,
@@ -268,7 +261,7 @@ fn filter_pass(
         }
         kept.push((index, estimate));
     }
-    lowest_estimate
+    bar
 }
 
 /// The highest estimate the filter keeps, given the lowest so far.
@@ -1162,24 +1155,36 @@ impl LeastLoad {
         rule
     }
 
-    /// The same choice as [`LeastLoad::argmin_exact`], in two passes.
+    /// The same choice as [`LeastLoad::argmin_exact`], from the filter's
+    /// estimates where they decide it.
     ///
-    /// The first reads each candidate's [`HotKey`](crate::state) only (32
+    /// One pass reads each candidate's [`HotKey`](crate::state) only (32
     /// bytes, side by side with its neighbours') and estimates its score
     /// as `base_secs + own_tokens × inv_rate`: a multiply-add instead of a
     /// division, off the exact score by a few ulps (every term is
-    /// non-negative and every integer below 2⁵² converts exactly). It keeps
-    /// the candidates whose estimate is within the tie tolerance, plus a
-    /// relative margin of [`FILTER_MARGIN`] (far above that error), of the
-    /// lowest estimate so far, and every candidate it cannot estimate
-    /// (no fresh snapshot, a prefix held there, a key being rewritten). The
-    /// lowest estimate only falls, so every candidate within the final tie
-    /// tolerance of the exact lowest score is kept.
+    /// non-negative and every integer below 2⁵² converts exactly). A
+    /// candidate it cannot estimate (no fresh snapshot, a prefix held
+    /// there, a key being rewritten) is scored exactly. Every value within
+    /// the tie tolerance of the lowest so far is offered to the tie rule,
+    /// with the candidate's last dispatch from the packed copy beside the
+    /// keys.
     ///
-    /// The second scores the kept ones exactly, in candidate order, through
-    /// the one-pass rule: a candidate left out could not have been within
-    /// the final tolerance, so could neither win nor take part in a draw,
-    /// and the choice and the draws taken are those of the one-pass rule.
+    /// The values decide when none lies within a relative [`FILTER_MARGIN`]
+    /// (far above the estimates' error) of the edge of the final tolerance,
+    /// the lowest value plus `tie_tolerance_secs`
+    /// ([`LeastLoad::estimates_decide`]). Then the values within the
+    /// tolerance are those of exactly the candidates whose exact scores
+    /// are; within that set the rule decides by last dispatch alone, so it
+    /// makes the exact choice and draws, and only the winner is scored
+    /// exactly ([`LeastLoad::chosen`]). This is the common case: a busy
+    /// fleet's scores rarely fall within a few ulps of that edge, and an
+    /// idle fleet's workers, which all report the same empty queue and tie,
+    /// are decided from the packed keys and last dispatch times.
+    ///
+    /// To tell, the pass keeps each value it offers, but a value equal to
+    /// the lowest so far only once (an idle fleet's equal values would
+    /// otherwise be most of the pass's work). Otherwise the two-pass
+    /// argmin decides ([`LeastLoad::argmin_two_pass`]).
     fn argmin_filtered(
         &self,
         hot: &HotTable,
@@ -1190,12 +1195,197 @@ impl LeastLoad {
         own_elsewhere: u64,
     ) -> TieRule {
         let tolerance_secs = self.params.tie_tolerance_secs;
+        let mut values = KEPT.with(Cell::take);
+        values.clear();
+        let mut rule = TieRule::new(tolerance_secs);
+        let lowest_secs = if own.matches.is_empty() {
+            self.estimate_pass(
+                hot,
+                view,
+                candidates,
+                now_nanos,
+                own,
+                own_elsewhere,
+                &mut rule,
+                &mut values,
+                |_| false,
+            )
+        } else {
+            self.estimate_pass(
+                hot,
+                view,
+                candidates,
+                now_nanos,
+                own,
+                own_elsewhere,
+                &mut rule,
+                &mut values,
+                |slot| own.matches.holds(slot),
+            )
+        };
+        let decided = LeastLoad::estimates_decide(&values, lowest_secs, tolerance_secs);
+        values.clear();
+        KEPT.with(|cell| cell.set(values));
+        if !lowest_secs.is_finite() {
+            // Nothing was offered: no candidate can take the request.
+            return rule;
+        }
+        if decided {
+            #[cfg(test)]
+            SURE_RULES.with(|count| count.set(count.get() + 1));
+            rule.estimated_bar_secs = Some(filter_bar(lowest_secs, tolerance_secs));
+            return rule;
+        }
+        drop(rule);
+        self.argmin_two_pass(hot, view, candidates, now_nanos, own, own_elsewhere)
+    }
+
+    /// The pass of [`LeastLoad::argmin_filtered`]: offers `rule` every
+    /// candidate's value (its estimate, or its exact score where `exact`
+    /// names its slot or it has no usable key) within the tie tolerance of
+    /// the lowest so far, and pushes onto `values` each value offered but
+    /// those equal to the lowest so far (pushed when it became so); returns
+    /// the lowest value.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn estimate_pass(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+        own_elsewhere: u64,
+        rule: &mut TieRule,
+        values: &mut Vec<(usize, f64)>,
+        exact: impl Fn(usize) -> bool,
+    ) -> f64 {
+        let tolerance_secs = self.params.tie_tolerance_secs;
         // A key received at or after this is fresh (and so is the record).
+        let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
+        let own_tokens = own_elsewhere as f64;
+        let mut fleet = None;
+        let mut keys = hot.keys();
+        let mut lowest_secs = f64::INFINITY;
+        let mut bar_secs = f64::INFINITY;
+        for (index, id) in candidates.iter().enumerate() {
+            let id = *id;
+            let (value, packed) = match keys.key(id) {
+                Some(key)
+                    if key.tag == key_tag(id)
+                        && key.received_nanos >= fresh_from_nanos
+                        && !exact(id.slot()) =>
+                {
+                    (key.base_secs + own_tokens * key.inv_rate, true)
+                }
+                _ => {
+                    let Some(score_secs) = self.unestimated_score(
+                        hot,
+                        view,
+                        id,
+                        candidates,
+                        &mut fleet,
+                        now_nanos,
+                        own,
+                        own_elsewhere,
+                    ) else {
+                        continue;
+                    };
+                    (score_secs, false)
+                }
+            };
+            if value > bar_secs {
+                continue;
+            }
+            // A value equal to the lowest so far was kept when it became so.
+            let new_lowest = value < lowest_secs;
+            if new_lowest {
+                lowest_secs = value;
+                bar_secs = filter_bar(lowest_secs, tolerance_secs);
+            }
+            if new_lowest || value != lowest_secs {
+                if values.len() == values.capacity() && values.len() >= KEPT_COMPACT_LEN {
+                    values.retain(|(_, kept)| *kept <= bar_secs);
+                }
+                values.push((index, value));
+            }
+            rule.offer(index, value, || {
+                let packed = packed.then(|| keys.last_dispatch_nanos(id)).flatten();
+                packed.unwrap_or_else(|| LeastLoad::hot_last_dispatch_nanos(hot, view, id))
+            });
+        }
+        lowest_secs
+    }
+
+    /// [`LeastLoad::candidate_score`] for a candidate the estimate pass
+    /// cannot estimate, kept out of line so that the pass's loop stays
+    /// small.
+    #[cold]
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn unestimated_score(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        id: WorkerId,
+        candidates: &[WorkerId],
+        fleet: &mut Option<Fleet>,
+        now_nanos: i64,
+        own: &OwnWork,
+        own_elsewhere: u64,
+    ) -> Option<f64> {
+        self.candidate_score(
+            hot,
+            view,
+            id,
+            candidates,
+            fleet,
+            now_nanos,
+            own,
+            own_elsewhere,
+        )
+    }
+
+    /// Whether the values of [`LeastLoad::argmin_filtered`]'s pass decide
+    /// the tie set: none of `values` lies between the
+    /// highest value sure to be within the tie tolerance of the lowest
+    /// exact score ([`sure_bar`]) and the lowest that is sure not to be
+    /// ([`filter_bar`]).
+    fn estimates_decide(values: &[(usize, f64)], lowest_secs: f64, tolerance_secs: f64) -> bool {
+        let bar = filter_bar(lowest_secs, tolerance_secs);
+        let sure = sure_bar(lowest_secs, tolerance_secs);
+        let decided = |value: f64| value > bar || value <= sure;
+        values.iter().all(|&(_, value)| decided(value))
+    }
+
+    /// The same choice as [`LeastLoad::argmin_exact`], in two passes, for
+    /// when the estimates do not decide it ([`LeastLoad::argmin_filtered`]).
+    ///
+    /// The first ([`filter_pass`]) keeps the candidates whose estimate is
+    /// within the tie tolerance, plus a relative margin of
+    /// [`FILTER_MARGIN`], of the lowest estimate so far, and every candidate
+    /// it cannot estimate. The lowest estimate only falls, so every
+    /// candidate within the final tie tolerance of the exact lowest score
+    /// is kept.
+    ///
+    /// The second scores the kept ones exactly, in candidate order, through
+    /// the one-pass rule: a candidate left out could not have been within
+    /// the final tolerance, so could neither win nor take part in a draw,
+    /// and the choice and the draws taken are those of the one-pass rule.
+    fn argmin_two_pass(
+        &self,
+        hot: &HotTable,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+        own: &OwnWork,
+        own_elsewhere: u64,
+    ) -> TieRule {
+        let tolerance_secs = self.params.tie_tolerance_secs;
         let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
         let mut kept = KEPT.with(Cell::take);
         kept.clear();
-        let mut estimated = TieRule::new(tolerance_secs);
-        let lowest_estimate = if own.matches.is_empty() {
+        let bar = if own.matches.is_empty() {
             filter_pass(
                 hot,
                 candidates,
@@ -1203,7 +1393,6 @@ impl LeastLoad {
                 own_elsewhere,
                 tolerance_secs,
                 &mut kept,
-                &mut estimated,
                 |_| false,
             )
         } else {
@@ -1214,66 +1403,31 @@ impl LeastLoad {
                 own_elsewhere,
                 tolerance_secs,
                 &mut kept,
-                &mut estimated,
                 |slot| own.matches.holds(slot),
             )
         };
-        let bar = filter_bar(lowest_estimate, tolerance_secs);
-        let rule = if LeastLoad::estimates_decide(&kept, lowest_estimate, tolerance_secs) {
-            #[cfg(test)]
-            SURE_RULES.with(|count| count.set(count.get() + 1));
-            estimated.estimated_bar_secs = Some(bar);
-            estimated
-        } else {
-            drop(estimated);
-            let mut fleet = None;
-            let mut rule = TieRule::new(tolerance_secs);
-            for &(index, estimate) in &kept {
-                if estimate > bar {
-                    continue;
-                }
-                let id = candidates[index];
-                self.offer_candidate(
-                    &mut rule,
-                    hot,
-                    view,
-                    index,
-                    id,
-                    candidates,
-                    &mut fleet,
-                    now_nanos,
-                    own,
-                    own_elsewhere,
-                );
+        let mut fleet = None;
+        let mut rule = TieRule::new(tolerance_secs);
+        for &(index, estimate) in &kept {
+            if estimate > bar {
+                continue;
             }
-            rule
-        };
+            self.offer_candidate(
+                &mut rule,
+                hot,
+                view,
+                index,
+                candidates[index],
+                candidates,
+                &mut fleet,
+                now_nanos,
+                own,
+                own_elsewhere,
+            );
+        }
         kept.clear();
         KEPT.with(|cell| cell.set(kept));
         rule
-    }
-
-    /// Whether the filter's estimates alone decide the tie set: every
-    /// candidate kept within the bar was estimated (none must be scored
-    /// exactly) and is sure to be within the tie tolerance of the lowest
-    /// exact score ([`sure_bar`]). Then the set the estimates give is the
-    /// exact one, and the rule offered them, which within it decides by
-    /// last dispatch alone, makes the exact choice and draws; only the
-    /// winner needs scoring ([`LeastLoad::chosen`]).
-    ///
-    /// This is the common case: a lightly loaded fleet, where many workers
-    /// report the same empty queue and tie, is decided from the packed keys
-    /// and last dispatch times, and so is a busy one, where no score falls
-    /// within a few ulps of the tolerance's edge.
-    fn estimates_decide(kept: &[(usize, f64)], lowest_estimate: f64, tolerance_secs: f64) -> bool {
-        if !lowest_estimate.is_finite() {
-            return false;
-        }
-        let bar = filter_bar(lowest_estimate, tolerance_secs);
-        let sure = sure_bar(lowest_estimate, tolerance_secs);
-        // The unestimated carry a negative infinite estimate.
-        kept.iter()
-            .all(|&(_, estimate)| estimate > bar || (f64::MIN..=sure).contains(&estimate))
     }
 
     /// The rule's choice with its exact score. A rule offered estimates
