@@ -449,6 +449,23 @@ pub struct Engine {
     finished_total: u64,
     preemptions_total: u64,
     steps_total: u64,
+    /// Decode steps planned by [`step_ahead`](Engine::step_ahead) and not
+    /// yet applied (from `planned_applied` on), in order.
+    planned: Vec<PlannedStep>,
+    /// How many of `planned` are applied.
+    planned_applied: usize,
+}
+
+/// One decode-only step planned ahead: its times, and the clock-dependent
+/// state after it, computed by the very operations [`Engine::step`] does.
+#[derive(Debug, Clone)]
+struct PlannedStep {
+    start_s: f64,
+    end_s: f64,
+    /// The smoothed decode throughput after the step.
+    decode_tps: f64,
+    /// The generator after the step's jitter draw.
+    rng: SplitMix64,
 }
 
 impl Engine {
@@ -485,6 +502,8 @@ impl Engine {
             finished_total: 0,
             preemptions_total: 0,
             steps_total: 0,
+            planned: Vec::new(),
+            planned_applied: 0,
         })
     }
 
@@ -525,6 +544,7 @@ impl Engine {
             ..self.nominal.clone()
         };
         params.validate()?;
+        self.drop_planned();
         self.params = params;
         self.speed = factor;
         Ok(())
@@ -533,6 +553,8 @@ impl Engine {
     /// Emit an [`EngineEvent::Token`] for every generated token (the mock
     /// servers stream them; the simulator leaves this off).
     pub fn set_token_events(&mut self, on: bool) {
+        // Planned steps emit no token events.
+        self.drop_planned();
         self.token_events = on;
     }
 
@@ -541,9 +563,18 @@ impl Engine {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// When the next step can start, or `None` when idle.
+    /// When the next step can start, or `None` when idle: after
+    /// [`step_ahead`](Engine::step_ahead), the end of its last planned step.
     pub fn next_step_start_s(&self) -> Option<f64> {
-        self.has_work().then_some(self.clock_s)
+        self.has_work().then_some(self.run_end_s())
+    }
+
+    /// When the steps computed so far end: the last planned decode step's
+    /// end after [`step_ahead`](Engine::step_ahead), else the last step's
+    /// (the engine's clock). The caller's next [`step`](Engine::step) or
+    /// `step_ahead` is due then.
+    pub fn run_end_s(&self) -> f64 {
+        self.planned.last().map_or(self.clock_s, |step| step.end_s)
     }
 
     /// Steps executed so far.
@@ -858,6 +889,10 @@ impl Engine {
         if self.by_id.contains_key(&request.id) {
             return Err(EngineError::DuplicateRequest { id: request.id });
         }
+        // The steps already under way at its arrival happen; the planned
+        // ones after it are planned again with the request waiting.
+        self.advance_to(request.arrival_s);
+        self.drop_planned();
         if !self.has_work() {
             self.clock_s = self.clock_s.max(request.arrival_s);
         }
@@ -900,11 +935,15 @@ impl Engine {
     }
 
     /// Removes a request wherever it is (a client went away); its KV is
-    /// freed and no event is emitted. False when the id is unknown.
+    /// freed and no event is emitted. False when the id is unknown. Decode
+    /// steps planned by [`step_ahead`](Engine::step_ahead) and not applied
+    /// are dropped first: call [`advance_to`](Engine::advance_to) before, to
+    /// keep those that started by then.
     pub fn abort(&mut self, id: u64) -> bool {
         let Some(&index) = self.by_id.get(&id) else {
             return false;
         };
+        self.drop_planned();
         match self.slots[index as usize].phase {
             Phase::Waiting => {
                 if let Some(position) = self.waiting.iter().position(|&i| i == index) {
@@ -927,7 +966,11 @@ impl Engine {
     /// Runs one scheduler step starting at `max(now_s, next_step_start_s)`,
     /// appends its events to `events` (stamped at the step's end) and returns
     /// what it did; `None` when the engine is idle.
+    ///
+    /// Decode steps planned by [`step_ahead`](Engine::step_ahead) are applied
+    /// first: this step is the one after them.
     pub fn step(&mut self, now_s: f64, events: &mut Vec<EngineEvent>) -> Option<StepSummary> {
+        self.apply_planned(self.planned.len() - self.planned_applied);
         if !self.has_work() {
             return None;
         }
@@ -1099,6 +1142,167 @@ impl Engine {
         self.steps_total += 1;
         self.mark_stale_estimates();
         Some(summary)
+    }
+
+    /// [`step`](Engine::step), then, when the steps after it would only
+    /// decode and emit nothing, plans them too, up to the step before the
+    /// first request finishes: no request to admit or prefill, every running
+    /// request decoding, no token events, and KV room without preempting
+    /// (the prefix cache's watermark evictions are planned in). The caller's
+    /// next `step_ahead` is due at [`next_step_start_s`](Engine::next_step_start_s),
+    /// the last planned step's end, so a long decode costs one call per
+    /// batch change rather than one per token.
+    ///
+    /// The planned steps are applied lazily, by the very operations `step`
+    /// would run (the clock and the smoothed throughput are bit-identical to
+    /// stepping one step at a time): the state read between calls is the
+    /// one after the steps applied so far, so a caller reading it at `now_s`
+    /// calls [`advance_to`](Engine::advance_to) first. A
+    /// [`submit`](Engine::submit) applies the steps started by its arrival
+    /// and drops the rest (they are planned again with the request waiting),
+    /// as do [`set_speed`](Engine::set_speed) and [`abort`](Engine::abort)
+    /// (after `advance_to`): the next step is due earlier then.
+    pub fn step_ahead(&mut self, now_s: f64, events: &mut Vec<EngineEvent>) -> Option<StepSummary> {
+        let emitted = events.len();
+        let summary = self.step(now_s, events)?;
+        if events.len() == emitted {
+            self.plan_decode_run();
+        }
+        Some(summary)
+    }
+
+    /// Applies the steps planned by [`step_ahead`](Engine::step_ahead) that
+    /// started by `now_s` (each one's effects are in force from its start,
+    /// as `step` applies them), so that the reads see the state at `now_s`.
+    /// The rest stay planned.
+    pub fn advance_to(&mut self, now_s: f64) {
+        let started = self.planned[self.planned_applied..].partition_point(|s| s.start_s <= now_s);
+        self.apply_planned(started);
+    }
+
+    /// Forgets the planned steps not applied: the next step is due at the
+    /// end of the last applied one.
+    fn drop_planned(&mut self) {
+        self.planned.clear();
+        self.planned_applied = 0;
+    }
+
+    /// Applies the next `steps` planned decode steps: the watermark
+    /// evictions step by step (as `step` runs them), then each running
+    /// request's tokens and KV once for all of them, and the clock, the
+    /// throughput and the generator as they were after the last one.
+    fn apply_planned(&mut self, steps: usize) {
+        if steps == 0 {
+            return;
+        }
+        let decoding = u64::from(self.decoding_requests);
+        let watermark = (self.params.cache_high_watermark * self.params.kv_capacity_tokens as f64) as u64;
+        for _ in 0..steps {
+            if self.params.prefix_cache {
+                while self.used_kv_tokens() > watermark && self.evict_block() {}
+            }
+            // Planned only with room for every decoding request's token.
+            debug_assert!(self.used_kv_tokens() + decoding <= self.params.kv_capacity_tokens);
+            // Each step's tokens count before the next step's check.
+            self.private_kv_tokens += decoding;
+        }
+        let count = steps as u32;
+        for &index in &self.running {
+            let slot = &mut self.slots[index as usize];
+            slot.generated += count;
+            slot.private_kv += u64::from(count);
+        }
+        self.generation_tokens_total += decoding * u64::from(count);
+        self.steps_total += u64::from(count);
+        let last = &self.planned[self.planned_applied + steps - 1];
+        self.decode_tps = last.decode_tps;
+        self.clock_s = last.end_s;
+        self.last_step_end_s = last.end_s;
+        self.rng = last.rng.clone();
+        self.planned_applied += steps;
+        if self.planned_applied == self.planned.len() {
+            self.drop_planned();
+        }
+        self.mark_stale_estimates();
+    }
+
+    /// Plans the decode-only steps after the one just run (see
+    /// [`step_ahead`](Engine::step_ahead)): each step's duration, end and
+    /// throughput update are computed exactly as `step` computes them.
+    fn plan_decode_run(&mut self) {
+        self.drop_planned();
+        let decoding = self.decoding_requests;
+        if self.token_events || decoding == 0 || decoding as usize != self.running.len() {
+            return;
+        }
+        // A waiting request would be admitted (or tried) by the next step.
+        if !self.waiting.is_empty() && (self.running.len() as u32) < self.params.max_running {
+            return;
+        }
+        let steps_left = self
+            .running
+            .iter()
+            .map(|&index| {
+                let slot = &self.slots[index as usize];
+                slot.output_tokens.saturating_sub(slot.generated)
+            })
+            .min()
+            .unwrap_or(0);
+        // The step that finishes a request emits an event: `step` runs it.
+        let steps = steps_left.saturating_sub(1);
+        if steps == 0 {
+            return;
+        }
+        let params = &self.params;
+        let capacity = params.kv_capacity_tokens;
+        let watermark = (params.cache_high_watermark * capacity as f64) as u64;
+        let block = u64::from(params.block_size_tokens);
+        let tokens = u64::from(decoding);
+        let cost_s = params
+            .step_cost_s(0, decoding)
+            .max(params.min_step_ms / 1000.0);
+        let alpha_fixed = 1.0 - (-cost_s / params.throughput_window_s).exp();
+        let instant_fixed = tokens as f64 / cost_s;
+        let mut used = self.used_kv_tokens();
+        let mut evictable = self.cache.evictable_blocks();
+        let mut rng = self.rng.clone();
+        let mut start_s = self.clock_s;
+        let mut decode_tps = self.decode_tps;
+        self.planned.reserve(steps as usize);
+        for _ in 0..steps {
+            if params.prefix_cache {
+                // `evict_one` succeeds while any block is unreferenced.
+                while used > watermark && evictable > 0 {
+                    used -= block;
+                    evictable -= 1;
+                }
+            }
+            if used + tokens > capacity {
+                // That step evicts or preempts for room: `step` runs it.
+                break;
+            }
+            let (duration_s, alpha, instant_tps) = if params.step_jitter > 0.0 {
+                let noise = 2.0 * rng.next_unit() - 1.0;
+                let duration_s = cost_s * (1.0 + params.step_jitter * noise);
+                (
+                    duration_s,
+                    1.0 - (-duration_s / params.throughput_window_s).exp(),
+                    tokens as f64 / duration_s,
+                )
+            } else {
+                (cost_s, alpha_fixed, instant_fixed)
+            };
+            let end_s = start_s + duration_s;
+            decode_tps += alpha * (instant_tps - decode_tps);
+            used += tokens;
+            self.planned.push(PlannedStep {
+                start_s,
+                end_s,
+                decode_tps,
+                rng: rng.clone(),
+            });
+            start_s = end_s;
+        }
     }
 
     /// Puts a waiting request in the queue (tail, or head when preempted) and
