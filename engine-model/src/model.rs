@@ -10,6 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -295,8 +296,10 @@ struct Slot {
     arrival_s: f64,
     admitted_s: Option<f64>,
     first_token_s: Option<f64>,
-    /// Chained block hashes of the prompt's full blocks.
-    chain: Vec<u64>,
+    /// Chained block hashes of the prompt's full blocks: the first
+    /// `chain_len` of these (shared with the caller where it shared them).
+    chain: Arc<[u64]>,
+    chain_len: u32,
     generated: u32,
     /// Tokens that must be in KV before decoding resumes (prompt + generated
     /// at the latest admission).
@@ -327,7 +330,12 @@ struct Slot {
 }
 
 impl Slot {
-    fn empty() -> Slot {
+    /// The chained block hashes of the prompt's full blocks.
+    fn chain(&self) -> &[u64] {
+        &self.chain[..self.chain_len as usize]
+    }
+
+    fn empty(chain: Arc<[u64]>, chain_len: u32) -> Slot {
         Slot {
             id: 0,
             phase: Phase::Free,
@@ -336,7 +344,8 @@ impl Slot {
             arrival_s: 0.0,
             admitted_s: None,
             first_token_s: None,
-            chain: Vec::new(),
+            chain,
+            chain_len,
             generated: 0,
             prefill_target: 0,
             prefilled: 0,
@@ -454,6 +463,18 @@ pub struct Engine {
     planned: Vec<PlannedStep>,
     /// How many of `planned` are applied.
     planned_applied: usize,
+    /// The chain of a request with none (shared by them all).
+    empty_chain: Arc<[u64]>,
+}
+
+/// Where a submitted request's chain comes from.
+enum ChainSource<'a> {
+    /// Chained here from `EngineRequest::prefix_block_hashes`.
+    Content,
+    /// The caller's chained keys, copied.
+    Keys(&'a [u64]),
+    /// The caller's chained keys, shared.
+    Shared(Arc<[u64]>),
 }
 
 /// One decode-only step planned ahead: its times, and the clock-dependent
@@ -504,6 +525,7 @@ impl Engine {
             steps_total: 0,
             planned: Vec::new(),
             planned_applied: 0,
+            empty_chain: Arc::from(Vec::new()),
         })
     }
 
@@ -856,7 +878,7 @@ impl Engine {
     /// Fails when its id is already in the engine, or when prompt + output
     /// could never fit in the KV cache.
     pub fn submit(&mut self, request: EngineRequest) -> Result<(), EngineError> {
-        self.submit_with_chain(request, None)
+        self.submit_with_chain(request, ChainSource::Content)
     }
 
     /// [`submit`](Engine::submit) for a caller that already chained the
@@ -868,13 +890,23 @@ impl Engine {
         request: EngineRequest,
         prefix_chain: &[u64],
     ) -> Result<(), EngineError> {
-        self.submit_with_chain(request, Some(prefix_chain))
+        self.submit_with_chain(request, ChainSource::Keys(prefix_chain))
+    }
+
+    /// [`submit_chained`](Engine::submit_chained) sharing the caller's chain
+    /// rather than copying it (a long prompt's chain is thousands of keys).
+    pub fn submit_shared(
+        &mut self,
+        request: EngineRequest,
+        prefix_chain: Arc<[u64]>,
+    ) -> Result<(), EngineError> {
+        self.submit_with_chain(request, ChainSource::Shared(prefix_chain))
     }
 
     fn submit_with_chain(
         &mut self,
         request: EngineRequest,
-        prefix_chain: Option<&[u64]>,
+        prefix_chain: ChainSource<'_>,
     ) -> Result<(), EngineError> {
         let prompt_tokens = request.prompt_tokens.max(1);
         let output_tokens = request.output_tokens.max(1);
@@ -896,38 +928,44 @@ impl Engine {
         if !self.has_work() {
             self.clock_s = self.clock_s.max(request.arrival_s);
         }
+        let full_blocks = (prompt_tokens / self.params.block_size_tokens) as usize;
+        let chain = if !self.params.prefix_cache {
+            self.empty_chain.clone()
+        } else {
+            match prefix_chain {
+                ChainSource::Shared(keys) => keys,
+                ChainSource::Keys(keys) => Arc::from(&keys[..keys.len().min(full_blocks)]),
+                ChainSource::Content => {
+                    let mut previous = 0u64;
+                    request
+                        .prefix_block_hashes
+                        .iter()
+                        .take(full_blocks)
+                        .map(|&content| {
+                            previous = chain_block_hash(previous, content);
+                            previous
+                        })
+                        .collect()
+                }
+            }
+        };
+        let chain_len = chain.len().min(full_blocks) as u32;
         let index = match self.free_slots.pop() {
             Some(index) => index,
             None => {
-                self.slots.push(Slot::empty());
+                self.slots
+                    .push(Slot::empty(self.empty_chain.clone(), 0));
                 (self.slots.len() - 1) as u32
             }
         };
-        let slot = &mut self.slots[index as usize];
-        let mut chain = std::mem::take(&mut slot.chain);
-        chain.clear();
-        if self.params.prefix_cache {
-            let full_blocks = (prompt_tokens / self.params.block_size_tokens) as usize;
-            match prefix_chain {
-                Some(keys) => chain.extend_from_slice(&keys[..keys.len().min(full_blocks)]),
-                None => {
-                    let mut previous = 0u64;
-                    for &content in request.prefix_block_hashes.iter().take(full_blocks) {
-                        previous = chain_block_hash(previous, content);
-                        chain.push(previous);
-                    }
-                }
-            }
-        }
-        *slot = Slot {
+        self.slots[index as usize] = Slot {
             id: request.id,
             phase: Phase::Waiting,
             prompt_tokens,
             output_tokens,
             arrival_s: request.arrival_s,
-            chain,
             prefill_target: prompt_tokens,
-            ..Slot::empty()
+            ..Slot::empty(chain, chain_len)
         };
         self.by_id.insert(request.id, index);
         self.enqueue(index, false);
@@ -1357,7 +1395,7 @@ impl Engine {
     /// Files a waiting request under the node its match ended in.
     fn anchor(&self, index: u32) {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return;
         }
         let stamp = slot.queued_stamp.get();
@@ -1374,7 +1412,7 @@ impl Engine {
     /// Takes a waiting request out of [`anchor`](Engine::anchor)'s lists.
     fn unanchor(&self, index: u32) {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return;
         }
         let stamp = slot.queued_stamp.get();
@@ -1464,7 +1502,7 @@ impl Engine {
                 None => {
                     let max_blocks = ((slot.prefill_target - 1) / block) as usize;
                     let (hits, stamp) = self.cache.leading_hits_from(
-                        &slot.chain[..slot.chain.len().min(max_blocks)],
+                        &slot.chain()[..slot.chain().len().min(max_blocks)],
                         slot.queued_stamp.get(),
                     );
                     if (stamp.node(), stamp.next())
@@ -1494,14 +1532,14 @@ impl Engine {
     /// token is always computed).
     fn cached_prefix_tokens(&self, index: u32) -> u32 {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return 0;
         }
         let block = self.params.block_size_tokens;
         let max_blocks = ((slot.prefill_target - 1) / block) as usize;
         let hits = self
             .cache
-            .leading_hits(&slot.chain[..slot.chain.len().min(max_blocks)]);
+            .leading_hits(&slot.chain()[..slot.chain().len().min(max_blocks)]);
         hits as u32 * block
     }
 
@@ -1509,14 +1547,14 @@ impl Engine {
     /// with the stamp that tells when they may change.
     fn cached_prefix_blocks_stamped(&self, index: u32) -> (u32, MatchStamp) {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return (0, MatchStamp::default());
         }
         let block = self.params.block_size_tokens;
         let max_blocks = ((slot.prefill_target - 1) / block) as usize;
         let (hits, stamp) = self
             .cache
-            .leading_hits_stamped(&slot.chain[..slot.chain.len().min(max_blocks)]);
+            .leading_hits_stamped(&slot.chain()[..slot.chain().len().min(max_blocks)]);
         (hits as u32, stamp)
     }
 
@@ -1528,7 +1566,7 @@ impl Engine {
         let hit_blocks = cached / self.params.block_size_tokens;
         let pinned_node = self
             .cache
-            .pin(&self.slots[index as usize].chain, hit_blocks as usize);
+            .pin(self.slots[index as usize].chain(), hit_blocks as usize);
         let needed = u64::from(self.slots[index as usize].prefill_target - cached) + 1;
         while self.used_kv_tokens() + reserved_tokens + needed > capacity {
             if !self.evict_block() {
@@ -1566,12 +1604,12 @@ impl Engine {
         }
         let block = u64::from(self.params.block_size_tokens);
         let slot = &mut self.slots[index as usize];
-        let (deepest, added_blocks) = self.cache.insert(&slot.chain, slot.pinned_node);
-        let moved = (slot.chain.len() - slot.pinned_blocks as usize) as u64 * block;
+        let (deepest, added_blocks) = self.cache.insert(slot.chain(), slot.pinned_node);
+        let moved = (slot.chain().len() - slot.pinned_blocks as usize) as u64 * block;
         self.cached_kv_tokens += added_blocks as u64 * block;
         slot.private_kv -= moved;
         self.private_kv_tokens -= moved;
-        slot.pinned_blocks = slot.chain.len() as u32;
+        slot.pinned_blocks = slot.chain_len;
         slot.pinned_node = deepest;
     }
 
@@ -1607,6 +1645,9 @@ impl Engine {
         let slot = &mut self.slots[index as usize];
         self.by_id.remove(&slot.id);
         slot.phase = Phase::Free;
+        // Lets go of the caller's chain.
+        slot.chain = self.empty_chain.clone();
+        slot.chain_len = 0;
         self.free_slots.push(index);
     }
 
@@ -1646,6 +1687,7 @@ mod tests {
         };
         let mut by_content = Engine::new(EngineParams::default(), 3).unwrap();
         let mut by_chain = Engine::new(EngineParams::default(), 3).unwrap();
+        let mut by_shared = Engine::new(EngineParams::default(), 3).unwrap();
         for (id, blocks) in [(1u64, 30usize), (2, 40), (3, 12)] {
             let arrival_s = id as f64;
             by_content.submit(request(id, blocks, arrival_s)).unwrap();
@@ -1655,9 +1697,17 @@ mod tests {
                 prefix_block_hashes: Vec::new(),
                 ..request(id, blocks, arrival_s)
             };
-            by_chain.submit_chained(without_hashes, &chain).unwrap();
-            assert_eq!(drain(&mut by_content), drain(&mut by_chain));
+            by_chain
+                .submit_chained(without_hashes.clone(), &chain)
+                .unwrap();
+            by_shared
+                .submit_shared(without_hashes, Arc::from(chain))
+                .unwrap();
+            let events = drain(&mut by_content);
+            assert_eq!(events, drain(&mut by_chain));
+            assert_eq!(events, drain(&mut by_shared));
             assert_eq!(by_content.snapshot(arrival_s), by_chain.snapshot(arrival_s));
+            assert_eq!(by_content.snapshot(arrival_s), by_shared.snapshot(arrival_s));
         }
         assert!(by_chain.snapshot(3.0).prefix_cache_hits_tokens_total > 0);
     }

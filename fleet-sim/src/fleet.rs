@@ -920,7 +920,7 @@ impl<'a> CellRun<'a> {
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
             + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
         let (submitted, chain) = request(params);
-        engine.submit_chained(submitted, &chain)?;
+        engine.submit_shared(submitted, chain)?;
         if self.fleet.stepping[worker] {
             self.fleet.reschedule_step_end(worker, &mut self.queue);
         } else {
