@@ -953,8 +953,7 @@ impl Engine {
         let index = match self.free_slots.pop() {
             Some(index) => index,
             None => {
-                self.slots
-                    .push(Slot::empty(self.empty_chain.clone(), 0));
+                self.slots.push(Slot::empty(self.empty_chain.clone(), 0));
                 (self.slots.len() - 1) as u32
             }
         };
@@ -1234,7 +1233,8 @@ impl Engine {
             return;
         }
         let decoding = u64::from(self.decoding_requests);
-        let watermark = (self.params.cache_high_watermark * self.params.kv_capacity_tokens as f64) as u64;
+        let watermark =
+            (self.params.cache_high_watermark * self.params.kv_capacity_tokens as f64) as u64;
         for _ in 0..steps {
             if self.params.prefix_cache {
                 while self.used_kv_tokens() > watermark && self.evict_block() {}
@@ -1707,7 +1707,10 @@ mod tests {
             assert_eq!(events, drain(&mut by_chain));
             assert_eq!(events, drain(&mut by_shared));
             assert_eq!(by_content.snapshot(arrival_s), by_chain.snapshot(arrival_s));
-            assert_eq!(by_content.snapshot(arrival_s), by_shared.snapshot(arrival_s));
+            assert_eq!(
+                by_content.snapshot(arrival_s),
+                by_shared.snapshot(arrival_s)
+            );
         }
         assert!(by_chain.snapshot(3.0).prefix_cache_hits_tokens_total > 0);
     }

@@ -4,6 +4,9 @@
 //! report read between steps the same, over random arrival streams, reads,
 //! speed changes, KV pressure (evictions, preemptions) and full batches.
 
+// Test helpers (not only #[test] fns) may unwrap: a panic is a failed assertion.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use engine_model::{Engine, EngineEvent, EngineParams, EngineRequest, SplitMix64};
 
 /// One random stream: the engine's parameters, its requests (by arrival),

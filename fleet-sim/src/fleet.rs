@@ -506,7 +506,10 @@ impl Fleet {
     /// the end of the last.
     fn start_step(&mut self, worker: usize, now_s: f64, queue: &mut Queue) {
         let engine = &mut self.engines[worker];
-        if engine.step_ahead(now_s, &mut self.in_step[worker]).is_some() {
+        if engine
+            .step_ahead(now_s, &mut self.in_step[worker])
+            .is_some()
+        {
             self.stepping[worker] = true;
             self.busy_engines += 1;
             self.schedule_step_end(worker, queue);
