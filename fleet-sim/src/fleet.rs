@@ -14,7 +14,11 @@
 //!   admissions and prefill chunk leave the queue then, as a real scheduler's
 //!   do when it plans the batch); its events are delivered at its end, where
 //!   the dispatching replica's policy sees `first_token` and `finish`, and
-//!   the next step starts.
+//!   the next step starts. The decode-only steps after a step that emitted
+//!   nothing are planned with it ([`Engine::step_ahead`](engine_model::Engine::step_ahead)):
+//!   one step end for the whole run, the engine brought up to the instant
+//!   before each read of it, the run cut (and its end moved earlier) by a
+//!   request submitted to it or a speed change. Bit-identical to stepping.
 //! - **poll send / poll done**: every `poll_interval_s` each replica polls
 //!   each worker: `poll_started` at send time, the engine's report taken at
 //!   send time (or at completion, per the scenario), converted to a
