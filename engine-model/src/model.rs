@@ -1025,13 +1025,14 @@ impl Engine {
         // Keep the prefix cache below its high watermark.
         if self.params.prefix_cache {
             let watermark = (self.params.cache_high_watermark * capacity as f64) as u64;
-            while self.used_kv_tokens() > watermark && self.evict_block() {}
+            self.evict_down_to(watermark);
         }
 
         // 1. Room for one more token per decoding request, preempting the
         // newest running request while it does not fit.
         while self.used_kv_tokens() + u64::from(self.decoding_requests) > capacity {
-            if self.evict_block() {
+            let excess = self.used_kv_tokens() + u64::from(self.decoding_requests) - capacity;
+            if self.evict_blocks(excess.div_ceil(u64::from(self.params.block_size_tokens))) > 0 {
                 continue;
             }
             if self.running.len() <= 1 {
@@ -1237,7 +1238,7 @@ impl Engine {
             (self.params.cache_high_watermark * self.params.kv_capacity_tokens as f64) as u64;
         for _ in 0..steps {
             if self.params.prefix_cache {
-                while self.used_kv_tokens() > watermark && self.evict_block() {}
+                self.evict_down_to(watermark);
             }
             // Planned only with room for every decoding request's token.
             debug_assert!(self.used_kv_tokens() + decoding <= self.params.kv_capacity_tokens);
@@ -1568,8 +1569,11 @@ impl Engine {
             .cache
             .pin(self.slots[index as usize].chain(), hit_blocks as usize);
         let needed = u64::from(self.slots[index as usize].prefill_target - cached) + 1;
-        while self.used_kv_tokens() + reserved_tokens + needed > capacity {
-            if !self.evict_block() {
+        let wanted_tokens = self.used_kv_tokens() + reserved_tokens + needed;
+        if wanted_tokens > capacity {
+            let blocks =
+                (wanted_tokens - capacity).div_ceil(u64::from(self.params.block_size_tokens));
+            if self.evict_blocks(blocks) < blocks {
                 self.cache.unpin(pinned_node);
                 return false;
             }
@@ -1651,12 +1655,20 @@ impl Engine {
         self.free_slots.push(index);
     }
 
-    fn evict_block(&mut self) -> bool {
-        if self.cache.evict_one() {
-            self.cached_kv_tokens -= u64::from(self.params.block_size_tokens);
-            true
-        } else {
-            false
+    /// Evicts up to `blocks` unreferenced cached blocks, least recently used
+    /// first; returns how many it evicted.
+    fn evict_blocks(&mut self, blocks: u64) -> u64 {
+        let evicted = self.cache.evict_blocks(blocks);
+        self.cached_kv_tokens -= evicted * u64::from(self.params.block_size_tokens);
+        evicted
+    }
+
+    /// Evicts unreferenced cached blocks until the KV in use is at most
+    /// `tokens` (or none is left to evict).
+    fn evict_down_to(&mut self, tokens: u64) {
+        let used = self.used_kv_tokens();
+        if used > tokens {
+            self.evict_blocks((used - tokens).div_ceil(u64::from(self.params.block_size_tokens)));
         }
     }
 }
