@@ -10,6 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -295,8 +296,10 @@ struct Slot {
     arrival_s: f64,
     admitted_s: Option<f64>,
     first_token_s: Option<f64>,
-    /// Chained block hashes of the prompt's full blocks.
-    chain: Vec<u64>,
+    /// Chained block hashes of the prompt's full blocks: the first
+    /// `chain_len` of these (shared with the caller where it shared them).
+    chain: Arc<[u64]>,
+    chain_len: u32,
     generated: u32,
     /// Tokens that must be in KV before decoding resumes (prompt + generated
     /// at the latest admission).
@@ -327,7 +330,12 @@ struct Slot {
 }
 
 impl Slot {
-    fn empty() -> Slot {
+    /// The chained block hashes of the prompt's full blocks.
+    fn chain(&self) -> &[u64] {
+        &self.chain[..self.chain_len as usize]
+    }
+
+    fn empty(chain: Arc<[u64]>, chain_len: u32) -> Slot {
         Slot {
             id: 0,
             phase: Phase::Free,
@@ -336,7 +344,8 @@ impl Slot {
             arrival_s: 0.0,
             admitted_s: None,
             first_token_s: None,
-            chain: Vec::new(),
+            chain,
+            chain_len,
             generated: 0,
             prefill_target: 0,
             prefilled: 0,
@@ -449,6 +458,35 @@ pub struct Engine {
     finished_total: u64,
     preemptions_total: u64,
     steps_total: u64,
+    /// Decode steps planned by [`step_ahead`](Engine::step_ahead) and not
+    /// yet applied (from `planned_applied` on), in order.
+    planned: Vec<PlannedStep>,
+    /// How many of `planned` are applied.
+    planned_applied: usize,
+    /// The chain of a request with none (shared by them all).
+    empty_chain: Arc<[u64]>,
+}
+
+/// Where a submitted request's chain comes from.
+enum ChainSource<'a> {
+    /// Chained here from `EngineRequest::prefix_block_hashes`.
+    Content,
+    /// The caller's chained keys, copied.
+    Keys(&'a [u64]),
+    /// The caller's chained keys, shared.
+    Shared(Arc<[u64]>),
+}
+
+/// One decode-only step planned ahead: its times, and the clock-dependent
+/// state after it, computed by the very operations [`Engine::step`] does.
+#[derive(Debug, Clone)]
+struct PlannedStep {
+    start_s: f64,
+    end_s: f64,
+    /// The smoothed decode throughput after the step.
+    decode_tps: f64,
+    /// The generator after the step's jitter draw.
+    rng: SplitMix64,
 }
 
 impl Engine {
@@ -485,6 +523,9 @@ impl Engine {
             finished_total: 0,
             preemptions_total: 0,
             steps_total: 0,
+            planned: Vec::new(),
+            planned_applied: 0,
+            empty_chain: Arc::from(Vec::new()),
         })
     }
 
@@ -525,6 +566,7 @@ impl Engine {
             ..self.nominal.clone()
         };
         params.validate()?;
+        self.drop_planned();
         self.params = params;
         self.speed = factor;
         Ok(())
@@ -533,6 +575,8 @@ impl Engine {
     /// Emit an [`EngineEvent::Token`] for every generated token (the mock
     /// servers stream them; the simulator leaves this off).
     pub fn set_token_events(&mut self, on: bool) {
+        // Planned steps emit no token events.
+        self.drop_planned();
         self.token_events = on;
     }
 
@@ -541,9 +585,18 @@ impl Engine {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// When the next step can start, or `None` when idle.
+    /// When the next step can start, or `None` when idle: after
+    /// [`step_ahead`](Engine::step_ahead), the end of its last planned step.
     pub fn next_step_start_s(&self) -> Option<f64> {
-        self.has_work().then_some(self.clock_s)
+        self.has_work().then_some(self.run_end_s())
+    }
+
+    /// When the steps computed so far end: the last planned decode step's
+    /// end after [`step_ahead`](Engine::step_ahead), else the last step's
+    /// (the engine's clock). The caller's next [`step`](Engine::step) or
+    /// `step_ahead` is due then.
+    pub fn run_end_s(&self) -> f64 {
+        self.planned.last().map_or(self.clock_s, |step| step.end_s)
     }
 
     /// Steps executed so far.
@@ -825,7 +878,7 @@ impl Engine {
     /// Fails when its id is already in the engine, or when prompt + output
     /// could never fit in the KV cache.
     pub fn submit(&mut self, request: EngineRequest) -> Result<(), EngineError> {
-        self.submit_with_chain(request, None)
+        self.submit_with_chain(request, ChainSource::Content)
     }
 
     /// [`submit`](Engine::submit) for a caller that already chained the
@@ -837,13 +890,23 @@ impl Engine {
         request: EngineRequest,
         prefix_chain: &[u64],
     ) -> Result<(), EngineError> {
-        self.submit_with_chain(request, Some(prefix_chain))
+        self.submit_with_chain(request, ChainSource::Keys(prefix_chain))
+    }
+
+    /// [`submit_chained`](Engine::submit_chained) sharing the caller's chain
+    /// rather than copying it (a long prompt's chain is thousands of keys).
+    pub fn submit_shared(
+        &mut self,
+        request: EngineRequest,
+        prefix_chain: Arc<[u64]>,
+    ) -> Result<(), EngineError> {
+        self.submit_with_chain(request, ChainSource::Shared(prefix_chain))
     }
 
     fn submit_with_chain(
         &mut self,
         request: EngineRequest,
-        prefix_chain: Option<&[u64]>,
+        prefix_chain: ChainSource<'_>,
     ) -> Result<(), EngineError> {
         let prompt_tokens = request.prompt_tokens.max(1);
         let output_tokens = request.output_tokens.max(1);
@@ -858,41 +921,50 @@ impl Engine {
         if self.by_id.contains_key(&request.id) {
             return Err(EngineError::DuplicateRequest { id: request.id });
         }
+        // The steps already under way at its arrival happen; the planned
+        // ones after it are planned again with the request waiting.
+        self.advance_to(request.arrival_s);
+        self.drop_planned();
         if !self.has_work() {
             self.clock_s = self.clock_s.max(request.arrival_s);
         }
+        let full_blocks = (prompt_tokens / self.params.block_size_tokens) as usize;
+        let chain = if !self.params.prefix_cache {
+            self.empty_chain.clone()
+        } else {
+            match prefix_chain {
+                ChainSource::Shared(keys) => keys,
+                ChainSource::Keys(keys) => Arc::from(&keys[..keys.len().min(full_blocks)]),
+                ChainSource::Content => {
+                    let mut previous = 0u64;
+                    request
+                        .prefix_block_hashes
+                        .iter()
+                        .take(full_blocks)
+                        .map(|&content| {
+                            previous = chain_block_hash(previous, content);
+                            previous
+                        })
+                        .collect()
+                }
+            }
+        };
+        let chain_len = chain.len().min(full_blocks) as u32;
         let index = match self.free_slots.pop() {
             Some(index) => index,
             None => {
-                self.slots.push(Slot::empty());
+                self.slots.push(Slot::empty(self.empty_chain.clone(), 0));
                 (self.slots.len() - 1) as u32
             }
         };
-        let slot = &mut self.slots[index as usize];
-        let mut chain = std::mem::take(&mut slot.chain);
-        chain.clear();
-        if self.params.prefix_cache {
-            let full_blocks = (prompt_tokens / self.params.block_size_tokens) as usize;
-            match prefix_chain {
-                Some(keys) => chain.extend_from_slice(&keys[..keys.len().min(full_blocks)]),
-                None => {
-                    let mut previous = 0u64;
-                    for &content in request.prefix_block_hashes.iter().take(full_blocks) {
-                        previous = chain_block_hash(previous, content);
-                        chain.push(previous);
-                    }
-                }
-            }
-        }
-        *slot = Slot {
+        self.slots[index as usize] = Slot {
             id: request.id,
             phase: Phase::Waiting,
             prompt_tokens,
             output_tokens,
             arrival_s: request.arrival_s,
-            chain,
             prefill_target: prompt_tokens,
-            ..Slot::empty()
+            ..Slot::empty(chain, chain_len)
         };
         self.by_id.insert(request.id, index);
         self.enqueue(index, false);
@@ -900,11 +972,15 @@ impl Engine {
     }
 
     /// Removes a request wherever it is (a client went away); its KV is
-    /// freed and no event is emitted. False when the id is unknown.
+    /// freed and no event is emitted. False when the id is unknown. Decode
+    /// steps planned by [`step_ahead`](Engine::step_ahead) and not applied
+    /// are dropped first: call [`advance_to`](Engine::advance_to) before, to
+    /// keep those that started by then.
     pub fn abort(&mut self, id: u64) -> bool {
         let Some(&index) = self.by_id.get(&id) else {
             return false;
         };
+        self.drop_planned();
         match self.slots[index as usize].phase {
             Phase::Waiting => {
                 if let Some(position) = self.waiting.iter().position(|&i| i == index) {
@@ -927,7 +1003,11 @@ impl Engine {
     /// Runs one scheduler step starting at `max(now_s, next_step_start_s)`,
     /// appends its events to `events` (stamped at the step's end) and returns
     /// what it did; `None` when the engine is idle.
+    ///
+    /// Decode steps planned by [`step_ahead`](Engine::step_ahead) are applied
+    /// first: this step is the one after them.
     pub fn step(&mut self, now_s: f64, events: &mut Vec<EngineEvent>) -> Option<StepSummary> {
+        self.apply_planned(self.planned.len() - self.planned_applied);
         if !self.has_work() {
             return None;
         }
@@ -945,13 +1025,14 @@ impl Engine {
         // Keep the prefix cache below its high watermark.
         if self.params.prefix_cache {
             let watermark = (self.params.cache_high_watermark * capacity as f64) as u64;
-            while self.used_kv_tokens() > watermark && self.evict_block() {}
+            self.evict_down_to(watermark);
         }
 
         // 1. Room for one more token per decoding request, preempting the
         // newest running request while it does not fit.
         while self.used_kv_tokens() + u64::from(self.decoding_requests) > capacity {
-            if self.evict_block() {
+            let excess = self.used_kv_tokens() + u64::from(self.decoding_requests) - capacity;
+            if self.evict_blocks(excess.div_ceil(u64::from(self.params.block_size_tokens))) > 0 {
                 continue;
             }
             if self.running.len() <= 1 {
@@ -1101,6 +1182,168 @@ impl Engine {
         Some(summary)
     }
 
+    /// [`step`](Engine::step), then, when the steps after it would only
+    /// decode and emit nothing, plans them too, up to the step before the
+    /// first request finishes: no request to admit or prefill, every running
+    /// request decoding, no token events, and KV room without preempting
+    /// (the prefix cache's watermark evictions are planned in). The caller's
+    /// next `step_ahead` is due at [`next_step_start_s`](Engine::next_step_start_s),
+    /// the last planned step's end, so a long decode costs one call per
+    /// batch change rather than one per token.
+    ///
+    /// The planned steps are applied lazily, by the very operations `step`
+    /// would run (the clock and the smoothed throughput are bit-identical to
+    /// stepping one step at a time): the state read between calls is the
+    /// one after the steps applied so far, so a caller reading it at `now_s`
+    /// calls [`advance_to`](Engine::advance_to) first. A
+    /// [`submit`](Engine::submit) applies the steps started by its arrival
+    /// and drops the rest (they are planned again with the request waiting),
+    /// as do [`set_speed`](Engine::set_speed) and [`abort`](Engine::abort)
+    /// (after `advance_to`): the next step is due earlier then.
+    pub fn step_ahead(&mut self, now_s: f64, events: &mut Vec<EngineEvent>) -> Option<StepSummary> {
+        let emitted = events.len();
+        let summary = self.step(now_s, events)?;
+        if events.len() == emitted {
+            self.plan_decode_run();
+        }
+        Some(summary)
+    }
+
+    /// Applies the steps planned by [`step_ahead`](Engine::step_ahead) that
+    /// started by `now_s` (each one's effects are in force from its start,
+    /// as `step` applies them), so that the reads see the state at `now_s`.
+    /// The rest stay planned.
+    pub fn advance_to(&mut self, now_s: f64) {
+        let started = self.planned[self.planned_applied..].partition_point(|s| s.start_s <= now_s);
+        self.apply_planned(started);
+    }
+
+    /// Forgets the planned steps not applied: the next step is due at the
+    /// end of the last applied one.
+    fn drop_planned(&mut self) {
+        self.planned.clear();
+        self.planned_applied = 0;
+    }
+
+    /// Applies the next `steps` planned decode steps: the watermark
+    /// evictions step by step (as `step` runs them), then each running
+    /// request's tokens and KV once for all of them, and the clock, the
+    /// throughput and the generator as they were after the last one.
+    fn apply_planned(&mut self, steps: usize) {
+        if steps == 0 {
+            return;
+        }
+        let decoding = u64::from(self.decoding_requests);
+        let watermark =
+            (self.params.cache_high_watermark * self.params.kv_capacity_tokens as f64) as u64;
+        for _ in 0..steps {
+            if self.params.prefix_cache {
+                self.evict_down_to(watermark);
+            }
+            // Planned only with room for every decoding request's token.
+            debug_assert!(self.used_kv_tokens() + decoding <= self.params.kv_capacity_tokens);
+            // Each step's tokens count before the next step's check.
+            self.private_kv_tokens += decoding;
+        }
+        let count = steps as u32;
+        for &index in &self.running {
+            let slot = &mut self.slots[index as usize];
+            slot.generated += count;
+            slot.private_kv += u64::from(count);
+        }
+        self.generation_tokens_total += decoding * u64::from(count);
+        self.steps_total += u64::from(count);
+        let last = &self.planned[self.planned_applied + steps - 1];
+        self.decode_tps = last.decode_tps;
+        self.clock_s = last.end_s;
+        self.last_step_end_s = last.end_s;
+        self.rng = last.rng.clone();
+        self.planned_applied += steps;
+        if self.planned_applied == self.planned.len() {
+            self.drop_planned();
+        }
+        self.mark_stale_estimates();
+    }
+
+    /// Plans the decode-only steps after the one just run (see
+    /// [`step_ahead`](Engine::step_ahead)): each step's duration, end and
+    /// throughput update are computed exactly as `step` computes them.
+    fn plan_decode_run(&mut self) {
+        self.drop_planned();
+        let decoding = self.decoding_requests;
+        if self.token_events || decoding == 0 || decoding as usize != self.running.len() {
+            return;
+        }
+        // A waiting request would be admitted (or tried) by the next step.
+        if !self.waiting.is_empty() && (self.running.len() as u32) < self.params.max_running {
+            return;
+        }
+        let steps_left = self
+            .running
+            .iter()
+            .map(|&index| {
+                let slot = &self.slots[index as usize];
+                slot.output_tokens.saturating_sub(slot.generated)
+            })
+            .min()
+            .unwrap_or(0);
+        // The step that finishes a request emits an event: `step` runs it.
+        let steps = steps_left.saturating_sub(1);
+        if steps == 0 {
+            return;
+        }
+        let params = &self.params;
+        let capacity = params.kv_capacity_tokens;
+        let watermark = (params.cache_high_watermark * capacity as f64) as u64;
+        let block = u64::from(params.block_size_tokens);
+        let tokens = u64::from(decoding);
+        let cost_s = params
+            .step_cost_s(0, decoding)
+            .max(params.min_step_ms / 1000.0);
+        let alpha_fixed = 1.0 - (-cost_s / params.throughput_window_s).exp();
+        let instant_fixed = tokens as f64 / cost_s;
+        let mut used = self.used_kv_tokens();
+        let mut evictable = self.cache.evictable_blocks();
+        let mut rng = self.rng.clone();
+        let mut start_s = self.clock_s;
+        let mut decode_tps = self.decode_tps;
+        self.planned.reserve(steps as usize);
+        for _ in 0..steps {
+            if params.prefix_cache {
+                // `evict_one` succeeds while any block is unreferenced.
+                while used > watermark && evictable > 0 {
+                    used -= block;
+                    evictable -= 1;
+                }
+            }
+            if used + tokens > capacity {
+                // That step evicts or preempts for room: `step` runs it.
+                break;
+            }
+            let (duration_s, alpha, instant_tps) = if params.step_jitter > 0.0 {
+                let noise = 2.0 * rng.next_unit() - 1.0;
+                let duration_s = cost_s * (1.0 + params.step_jitter * noise);
+                (
+                    duration_s,
+                    1.0 - (-duration_s / params.throughput_window_s).exp(),
+                    tokens as f64 / duration_s,
+                )
+            } else {
+                (cost_s, alpha_fixed, instant_fixed)
+            };
+            let end_s = start_s + duration_s;
+            decode_tps += alpha * (instant_tps - decode_tps);
+            used += tokens;
+            self.planned.push(PlannedStep {
+                start_s,
+                end_s,
+                decode_tps,
+                rng: rng.clone(),
+            });
+            start_s = end_s;
+        }
+    }
+
     /// Puts a waiting request in the queue (tail, or head when preempted) and
     /// counts its uncached prompt in the waiting sum.
     ///
@@ -1153,7 +1396,7 @@ impl Engine {
     /// Files a waiting request under the node its match ended in.
     fn anchor(&self, index: u32) {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return;
         }
         let stamp = slot.queued_stamp.get();
@@ -1170,7 +1413,7 @@ impl Engine {
     /// Takes a waiting request out of [`anchor`](Engine::anchor)'s lists.
     fn unanchor(&self, index: u32) {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return;
         }
         let stamp = slot.queued_stamp.get();
@@ -1260,7 +1503,7 @@ impl Engine {
                 None => {
                     let max_blocks = ((slot.prefill_target - 1) / block) as usize;
                     let (hits, stamp) = self.cache.leading_hits_from(
-                        &slot.chain[..slot.chain.len().min(max_blocks)],
+                        &slot.chain()[..slot.chain().len().min(max_blocks)],
                         slot.queued_stamp.get(),
                     );
                     if (stamp.node(), stamp.next())
@@ -1290,14 +1533,14 @@ impl Engine {
     /// token is always computed).
     fn cached_prefix_tokens(&self, index: u32) -> u32 {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return 0;
         }
         let block = self.params.block_size_tokens;
         let max_blocks = ((slot.prefill_target - 1) / block) as usize;
         let hits = self
             .cache
-            .leading_hits(&slot.chain[..slot.chain.len().min(max_blocks)]);
+            .leading_hits(&slot.chain()[..slot.chain().len().min(max_blocks)]);
         hits as u32 * block
     }
 
@@ -1305,14 +1548,14 @@ impl Engine {
     /// with the stamp that tells when they may change.
     fn cached_prefix_blocks_stamped(&self, index: u32) -> (u32, MatchStamp) {
         let slot = &self.slots[index as usize];
-        if !self.params.prefix_cache || slot.chain.is_empty() {
+        if !self.params.prefix_cache || slot.chain().is_empty() {
             return (0, MatchStamp::default());
         }
         let block = self.params.block_size_tokens;
         let max_blocks = ((slot.prefill_target - 1) / block) as usize;
         let (hits, stamp) = self
             .cache
-            .leading_hits_stamped(&slot.chain[..slot.chain.len().min(max_blocks)]);
+            .leading_hits_stamped(&slot.chain()[..slot.chain().len().min(max_blocks)]);
         (hits as u32, stamp)
     }
 
@@ -1324,10 +1567,13 @@ impl Engine {
         let hit_blocks = cached / self.params.block_size_tokens;
         let pinned_node = self
             .cache
-            .pin(&self.slots[index as usize].chain, hit_blocks as usize);
+            .pin(self.slots[index as usize].chain(), hit_blocks as usize);
         let needed = u64::from(self.slots[index as usize].prefill_target - cached) + 1;
-        while self.used_kv_tokens() + reserved_tokens + needed > capacity {
-            if !self.evict_block() {
+        let wanted_tokens = self.used_kv_tokens() + reserved_tokens + needed;
+        if wanted_tokens > capacity {
+            let blocks =
+                (wanted_tokens - capacity).div_ceil(u64::from(self.params.block_size_tokens));
+            if self.evict_blocks(blocks) < blocks {
                 self.cache.unpin(pinned_node);
                 return false;
             }
@@ -1362,12 +1608,12 @@ impl Engine {
         }
         let block = u64::from(self.params.block_size_tokens);
         let slot = &mut self.slots[index as usize];
-        let (deepest, added_blocks) = self.cache.insert(&slot.chain, slot.pinned_node);
-        let moved = (slot.chain.len() - slot.pinned_blocks as usize) as u64 * block;
+        let (deepest, added_blocks) = self.cache.insert(slot.chain(), slot.pinned_node);
+        let moved = (slot.chain().len() - slot.pinned_blocks as usize) as u64 * block;
         self.cached_kv_tokens += added_blocks as u64 * block;
         slot.private_kv -= moved;
         self.private_kv_tokens -= moved;
-        slot.pinned_blocks = slot.chain.len() as u32;
+        slot.pinned_blocks = slot.chain_len;
         slot.pinned_node = deepest;
     }
 
@@ -1403,15 +1649,26 @@ impl Engine {
         let slot = &mut self.slots[index as usize];
         self.by_id.remove(&slot.id);
         slot.phase = Phase::Free;
+        // Lets go of the caller's chain.
+        slot.chain = self.empty_chain.clone();
+        slot.chain_len = 0;
         self.free_slots.push(index);
     }
 
-    fn evict_block(&mut self) -> bool {
-        if self.cache.evict_one() {
-            self.cached_kv_tokens -= u64::from(self.params.block_size_tokens);
-            true
-        } else {
-            false
+    /// Evicts up to `blocks` unreferenced cached blocks, least recently used
+    /// first; returns how many it evicted.
+    fn evict_blocks(&mut self, blocks: u64) -> u64 {
+        let evicted = self.cache.evict_blocks(blocks);
+        self.cached_kv_tokens -= evicted * u64::from(self.params.block_size_tokens);
+        evicted
+    }
+
+    /// Evicts unreferenced cached blocks until the KV in use is at most
+    /// `tokens` (or none is left to evict).
+    fn evict_down_to(&mut self, tokens: u64) {
+        let used = self.used_kv_tokens();
+        if used > tokens {
+            self.evict_blocks((used - tokens).div_ceil(u64::from(self.params.block_size_tokens)));
         }
     }
 }
@@ -1442,6 +1699,7 @@ mod tests {
         };
         let mut by_content = Engine::new(EngineParams::default(), 3).unwrap();
         let mut by_chain = Engine::new(EngineParams::default(), 3).unwrap();
+        let mut by_shared = Engine::new(EngineParams::default(), 3).unwrap();
         for (id, blocks) in [(1u64, 30usize), (2, 40), (3, 12)] {
             let arrival_s = id as f64;
             by_content.submit(request(id, blocks, arrival_s)).unwrap();
@@ -1451,9 +1709,20 @@ mod tests {
                 prefix_block_hashes: Vec::new(),
                 ..request(id, blocks, arrival_s)
             };
-            by_chain.submit_chained(without_hashes, &chain).unwrap();
-            assert_eq!(drain(&mut by_content), drain(&mut by_chain));
+            by_chain
+                .submit_chained(without_hashes.clone(), &chain)
+                .unwrap();
+            by_shared
+                .submit_shared(without_hashes, Arc::from(chain))
+                .unwrap();
+            let events = drain(&mut by_content);
+            assert_eq!(events, drain(&mut by_chain));
+            assert_eq!(events, drain(&mut by_shared));
             assert_eq!(by_content.snapshot(arrival_s), by_chain.snapshot(arrival_s));
+            assert_eq!(
+                by_content.snapshot(arrival_s),
+                by_shared.snapshot(arrival_s)
+            );
         }
         assert!(by_chain.snapshot(3.0).prefix_cache_hits_tokens_total > 0);
     }

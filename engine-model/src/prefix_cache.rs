@@ -436,8 +436,21 @@ impl PrefixCache {
 
     /// Evicts the least recently used unreferenced block (the last block of
     /// the oldest unreferenced leaf); false when every block is in use.
+    #[cfg(test)]
     pub(crate) fn evict_one(&mut self) -> bool {
-        while let Some(&Reverse((tick, id))) = self.lru.peek() {
+        self.evict_blocks(1) == 1
+    }
+
+    /// Evicts up to `wanted` blocks, as that many calls evicting the least
+    /// recently used unreferenced block one at a time would (the same
+    /// blocks, the same changes), but a leaf's blocks in one go; returns
+    /// how many were evicted (fewer when every other block is in use).
+    pub(crate) fn evict_blocks(&mut self, wanted: u64) -> u64 {
+        let mut evicted = 0;
+        while evicted < wanted {
+            let Some(&Reverse((tick, id))) = self.lru.peek() else {
+                break;
+            };
             let node = &self.nodes[id as usize];
             let live = id != ROOT
                 && node.refs == 0
@@ -450,8 +463,11 @@ impl PrefixCache {
             }
             self.touch(Touch::Node(id));
             let node = &mut self.nodes[id as usize];
-            node.blocks.pop();
-            self.evictable_blocks -= 1;
+            // The leaf stays the oldest until it is gone: its last blocks go.
+            let take = (wanted - evicted).min(node.blocks.len() as u64);
+            node.blocks.truncate(node.blocks.len() - take as usize);
+            self.evictable_blocks -= take;
+            evicted += take;
             if node.blocks.is_empty() {
                 // Removed: a match that ended here now ends in the parent.
                 self.mark_changed(id);
@@ -466,9 +482,8 @@ impl PrefixCache {
                     self.lru.push(Reverse((parent_node.tick, parent)));
                 }
             }
-            return true;
         }
-        false
+        evicted
     }
 
     /// Rebuilds the LRU heap once stale entries outnumber the nodes.
@@ -519,6 +534,53 @@ mod tests {
         cache.unpin(leaf_a);
         cache.unpin(leaf_b);
         assert_eq!(cache.evictable_blocks(), 5);
+    }
+
+    /// Evicting blocks in batches is evicting them one at a time: the same
+    /// blocks go, the same changes are recorded.
+    #[test]
+    fn a_batch_eviction_is_single_evictions_in_a_row() {
+        let mut rng = crate::SplitMix64::new(5);
+        let chains: Vec<Vec<u64>> = (0..60)
+            .map(|_| {
+                let group = rng.next_u64() % 4;
+                let shared = (rng.next_u64() % 12) as usize;
+                let own = (rng.next_u64() % 10) as usize;
+                let own_base = 100 + rng.next_u64() % 1000;
+                let contents: Vec<u64> = (0..shared as u64)
+                    .map(|b| group << 32 | b)
+                    .chain((0..own as u64).map(|b| own_base << 16 | b))
+                    .collect();
+                chain(&contents)
+            })
+            .collect();
+        let build = || {
+            let mut cache = PrefixCache::default();
+            for (i, keys) in chains.iter().enumerate() {
+                let hits = cache.leading_hits(keys);
+                let pinned = cache.pin(keys, hits);
+                let (deepest, _) = cache.insert(keys, pinned);
+                // Every third stays pinned: eviction must pass it by.
+                if i % 3 != 0 {
+                    cache.unpin(deepest);
+                }
+            }
+            cache
+        };
+        let (mut single, mut batched) = (build(), build());
+        let mut touched = (Vec::new(), Vec::new());
+        for batch in [1u64, 3, 7, 2, 20, 5, 1000] {
+            let evicted = (0..batch).take_while(|_| single.evict_one()).count() as u64;
+            assert_eq!(batched.evict_blocks(batch), evicted);
+            assert_eq!(single.evictable_blocks(), batched.evictable_blocks());
+            single.take_touched(&mut touched.0);
+            batched.take_touched(&mut touched.1);
+            assert_eq!(touched.0, touched.1);
+            for keys in &chains {
+                assert_eq!(single.leading_hits(keys), batched.leading_hits(keys));
+            }
+        }
+        assert_eq!(batched.evictable_blocks(), 0);
     }
 
     #[test]

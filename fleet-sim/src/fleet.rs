@@ -14,7 +14,11 @@
 //!   admissions and prefill chunk leave the queue then, as a real scheduler's
 //!   do when it plans the batch); its events are delivered at its end, where
 //!   the dispatching replica's policy sees `first_token` and `finish`, and
-//!   the next step starts.
+//!   the next step starts. The decode-only steps after a step that emitted
+//!   nothing are planned with it ([`Engine::step_ahead`](engine_model::Engine::step_ahead)):
+//!   one step end for the whole run, the engine brought up to the instant
+//!   before each read of it, the run cut (and its end moved earlier) by a
+//!   request submitted to it or a speed change. Bit-identical to stepping.
 //! - **poll send / poll done**: every `poll_interval_s` each replica polls
 //!   each worker: `poll_started` at send time, the engine's report taken at
 //!   send time (or at completion, per the scenario), converted to a
@@ -366,8 +370,11 @@ struct PollReply {
 #[derive(Debug)]
 enum Kind {
     Arrival,
+    /// The end of an engine's steps computed so far; stale (ignored) once
+    /// the engine's `generation` moved on (a submit cut its planned steps).
     StepEnd {
         worker: u32,
+        generation: u32,
     },
     PollSend {
         replica: u32,
@@ -473,6 +480,9 @@ struct Fleet {
     in_step: Vec<Vec<EngineEvent>>,
     stepping: Vec<bool>,
     busy_engines: usize,
+    /// Each engine's scheduled step end, and the generation of that event.
+    step_end_s: Vec<f64>,
+    generation: Vec<u32>,
 }
 
 impl Fleet {
@@ -490,21 +500,55 @@ impl Fleet {
             in_step: vec![Vec::new(); workers],
             stepping: vec![false; workers],
             busy_engines: 0,
+            step_end_s: vec![0.0; workers],
+            generation: vec![0; workers],
         })
     }
 
-    /// Starts the engine's next step if it has work; its events are held until
-    /// the step's end.
+    /// Starts the engine's next step if it has work, with the decode-only
+    /// steps after it ([`Engine::step_ahead`]); its events are held until
+    /// the end of the last.
     fn start_step(&mut self, worker: usize, now_s: f64, queue: &mut Queue) {
-        if let Some(summary) = self.engines[worker].step(now_s, &mut self.in_step[worker]) {
+        let engine = &mut self.engines[worker];
+        if engine
+            .step_ahead(now_s, &mut self.in_step[worker])
+            .is_some()
+        {
             self.stepping[worker] = true;
             self.busy_engines += 1;
-            queue.push(
-                summary.end_s,
-                Kind::StepEnd {
-                    worker: worker as u32,
-                },
-            );
+            self.schedule_step_end(worker, queue);
+        }
+    }
+
+    /// Schedules the end of the engine's steps, a new generation.
+    fn schedule_step_end(&mut self, worker: usize, queue: &mut Queue) {
+        let end_s = self.engines[worker].run_end_s();
+        self.step_end_s[worker] = end_s;
+        self.generation[worker] = self.generation[worker].wrapping_add(1);
+        queue.push(
+            end_s,
+            Kind::StepEnd {
+                worker: worker as u32,
+                generation: self.generation[worker],
+            },
+        );
+    }
+
+    /// After the engine's planned steps were cut (a submit, a speed change):
+    /// its step end moves to the end of the step under way.
+    fn reschedule_step_end(&mut self, worker: usize, queue: &mut Queue) {
+        if self.stepping[worker]
+            && self.engines[worker].run_end_s().to_bits() != self.step_end_s[worker].to_bits()
+        {
+            self.schedule_step_end(worker, queue);
+        }
+    }
+
+    /// Brings every engine's planned steps up to `now_s`, for a reference
+    /// that reads them all.
+    fn advance_all(&mut self, now_s: f64) {
+        for engine in &mut self.engines {
+            engine.advance_to(now_s);
         }
     }
 
@@ -780,7 +824,11 @@ impl<'a> CellRun<'a> {
             let now_s = event.time_s;
             match event.kind {
                 Kind::Arrival => self.arrive(now_s)?,
-                Kind::StepEnd { worker } => self.end_step(worker as usize, now_s),
+                Kind::StepEnd { worker, generation } => {
+                    if self.fleet.generation[worker as usize] == generation {
+                        self.end_step(worker as usize, now_s);
+                    }
+                }
                 Kind::PollSend { replica, worker } => self.send_poll(replica, worker, now_s)?,
                 Kind::PollDone {
                     replica,
@@ -793,7 +841,7 @@ impl<'a> CellRun<'a> {
                     reply.snapshot,
                     now_s,
                 ),
-                Kind::Slowdown => self.slow_down()?,
+                Kind::Slowdown => self.slow_down(now_s)?,
                 Kind::RateSample => self.sample_rates(now_s),
                 Kind::SyncTick { replica } => self.sync_tick(replica, now_s),
                 Kind::SyncDeliver => {
@@ -847,6 +895,13 @@ impl<'a> CellRun<'a> {
             }
         };
         let now = self.clock.at(now_s);
+        if matches!(
+            self.router.policy,
+            PolicyName::Oracle | PolicyName::LeastTrueQueue
+        ) {
+            // The references read every engine's state at this instant.
+            self.fleet.advance_all(now_s);
+        }
         // Every simulated request is measured at its first token, as a
         // stream is.
         let mut info =
@@ -872,8 +927,10 @@ impl<'a> CellRun<'a> {
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
             + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
         let (submitted, chain) = request(params);
-        engine.submit_chained(submitted, &chain)?;
-        if !self.fleet.stepping[worker] {
+        engine.submit_shared(submitted, chain)?;
+        if self.fleet.stepping[worker] {
+            self.fleet.reschedule_step_end(worker, &mut self.queue);
+        } else {
             self.fleet.start_step(worker, now_s, &mut self.queue);
         }
         Ok(())
@@ -934,7 +991,10 @@ impl<'a> CellRun<'a> {
         let (r, w) = (replica as usize, worker as usize);
         let mark = self.router.policies[r].poll_started(self.router.ids[w], self.clock.at(now_s));
         let snapshot = match self.cell.router.report_at {
-            ReportAt::Send => Some(self.fleet.engines[w].snapshot(now_s)),
+            ReportAt::Send => {
+                self.fleet.engines[w].advance_to(now_s);
+                Some(self.fleet.engines[w].snapshot(now_s))
+            }
             ReportAt::Completion => None,
         };
         self.queue.push(
@@ -962,7 +1022,11 @@ impl<'a> CellRun<'a> {
         snapshot: Option<EngineSnapshot>,
         now_s: f64,
     ) {
-        let snapshot = snapshot.unwrap_or_else(|| self.fleet.engines[worker].snapshot(now_s));
+        let snapshot = snapshot.unwrap_or_else(|| {
+            let engine = &mut self.fleet.engines[worker];
+            engine.advance_to(now_s);
+            engine.snapshot(now_s)
+        });
         let observed = self.clock.at(now_s);
         let policy = &self.router.policies[replica];
         let converter = &mut self.router.converters[replica * self.cell.workers.len() + worker];
@@ -1005,9 +1069,13 @@ impl<'a> CellRun<'a> {
     }
 
     /// The slowed worker's engine changes speed.
-    fn slow_down(&mut self) -> Result<(), SimError> {
+    fn slow_down(&mut self, now_s: f64) -> Result<(), SimError> {
         if let Some(slowdown) = self.cell.slowdown {
+            // The steps started by now keep their durations.
+            self.fleet.engines[slowdown.worker].advance_to(now_s);
             self.fleet.engines[slowdown.worker].set_speed(slowdown.factor)?;
+            self.fleet
+                .reschedule_step_end(slowdown.worker, &mut self.queue);
         }
         Ok(())
     }
