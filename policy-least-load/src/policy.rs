@@ -18,7 +18,8 @@ use crate::score::{
     ThroughputSource, score, wait_secs, wait_secs_converted,
 };
 use crate::state::{
-    HotRead, HotSnapshot, HotTable, HotValues, StoredSnapshot, Timeline, WorkerState, key_tag,
+    HotRead, HotSnapshot, HotTable, HotValues, KeyCursor, StoredSnapshot, Timeline, WorkerState,
+    key_tag,
 };
 use crate::{InflightMode, LeastLoadParams, RateMode};
 
@@ -262,6 +263,41 @@ fn filter_pass(
         kept.push((index, estimate));
     }
     bar
+}
+
+/// The next candidate from `*next` on that [`LeastLoad::estimate_pass`]
+/// must look at, moving `*next` past it: one whose estimate is at most
+/// `bar_secs` (`Some(estimate)`), or one it cannot estimate (`None`: no
+/// usable key, or `exact` names its slot). A busy fleet's candidates are
+/// mostly ruled out here, in a loop that holds only its own few values.
+#[inline]
+fn next_within(
+    keys: &mut KeyCursor<'_>,
+    candidates: &[WorkerId],
+    next: &mut usize,
+    fresh_from_nanos: i64,
+    own_tokens: f64,
+    bar_secs: f64,
+    exact: &impl Fn(usize) -> bool,
+) -> Option<(usize, Option<f64>)> {
+    while let Some(id) = candidates.get(*next) {
+        let index = *next;
+        *next += 1;
+        match keys.key(*id) {
+            Some(key)
+                if key.tag == key_tag(*id)
+                    && key.received_nanos >= fresh_from_nanos
+                    && !exact(id.slot()) =>
+            {
+                let estimate = key.base_secs + own_tokens * key.inv_rate;
+                if estimate <= bar_secs {
+                    return Some((index, Some(estimate)));
+                }
+            }
+            _ => return Some((index, None)),
+        }
+    }
+    None
 }
 
 /// The highest estimate the filter keeps, given the lowest so far.
@@ -1268,35 +1304,33 @@ impl LeastLoad {
         let mut keys = hot.keys();
         let mut lowest_secs = f64::INFINITY;
         let mut bar_secs = f64::INFINITY;
-        for (index, id) in candidates.iter().enumerate() {
-            let id = *id;
-            let (value, packed) = match keys.key(id) {
-                Some(key)
-                    if key.tag == key_tag(id)
-                        && key.received_nanos >= fresh_from_nanos
-                        && !exact(id.slot()) =>
-                {
-                    (key.base_secs + own_tokens * key.inv_rate, true)
-                }
-                _ => {
-                    let Some(score_secs) = self.unestimated_score(
-                        hot,
-                        view,
-                        id,
-                        candidates,
-                        &mut fleet,
-                        now_nanos,
-                        own,
-                        own_elsewhere,
-                    ) else {
-                        continue;
-                    };
-                    (score_secs, false)
-                }
+        let mut next = 0;
+        while let Some((index, estimate)) = next_within(
+            &mut keys,
+            candidates,
+            &mut next,
+            fresh_from_nanos,
+            own_tokens,
+            bar_secs,
+            &exact,
+        ) {
+            let id = candidates[index];
+            let (value, packed) = match estimate {
+                Some(estimate) => (estimate, true),
+                None => match self.unestimated_score(
+                    hot,
+                    view,
+                    id,
+                    candidates,
+                    &mut fleet,
+                    now_nanos,
+                    own,
+                    own_elsewhere,
+                ) {
+                    Some(score_secs) if score_secs <= bar_secs => (score_secs, false),
+                    _ => continue,
+                },
             };
-            if value > bar_secs {
-                continue;
-            }
             // A value equal to the lowest so far was kept when it became so.
             let new_lowest = value < lowest_secs;
             if new_lowest {
