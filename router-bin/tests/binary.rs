@@ -21,10 +21,31 @@ fn router() -> Command {
     command
 }
 
-fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
+/// A file in the temp directory, removed when dropped.
+struct TempFile(std::path::PathBuf);
+
+impl AsRef<std::path::Path> for TempFile {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempFile {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn temp_file(name: &str, text: &str) -> TempFile {
     let path = std::env::temp_dir().join(format!("router-bin-{}-{name}", std::process::id()));
     std::fs::write(&path, text).unwrap();
-    path
+    TempFile(path)
 }
 
 fn stderr_of(command: &mut Command) -> (i32, String) {

@@ -29,12 +29,15 @@ struct RouterProcess {
     child: Child,
     base: String,
     client: reqwest::Client,
+    /// The router's config file, removed with the process.
+    config: std::path::PathBuf,
 }
 
 impl Drop for RouterProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
     }
 }
 
@@ -72,6 +75,7 @@ impl RouterProcess {
         let child = command.spawn().unwrap();
         let router = RouterProcess {
             child,
+            config: path,
             base: format!("http://127.0.0.1:{port}"),
             client: reqwest::Client::builder()
                 .pool_max_idle_per_host(1024)
