@@ -1317,7 +1317,7 @@ impl LeastLoad {
             let id = candidates[index];
             let (value, packed) = match estimate {
                 Some(estimate) => (estimate, true),
-                None => match self.unestimated_score(
+                None => match self.candidate_score(
                     hot,
                     view,
                     id,
@@ -1349,35 +1349,6 @@ impl LeastLoad {
             });
         }
         lowest_secs
-    }
-
-    /// [`LeastLoad::candidate_score`] for a candidate the estimate pass
-    /// cannot estimate, kept out of line so that the pass's loop stays
-    /// small.
-    #[cold]
-    #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
-    fn unestimated_score(
-        &self,
-        hot: &HotTable,
-        view: &SlotsView<'_, WorkerState>,
-        id: WorkerId,
-        candidates: &[WorkerId],
-        fleet: &mut Option<Fleet>,
-        now_nanos: i64,
-        own: &OwnWork,
-        own_elsewhere: u64,
-    ) -> Option<f64> {
-        self.candidate_score(
-            hot,
-            view,
-            id,
-            candidates,
-            fleet,
-            now_nanos,
-            own,
-            own_elsewhere,
-        )
     }
 
     /// Whether the values of [`LeastLoad::argmin_filtered`]'s pass decide
