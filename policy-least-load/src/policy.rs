@@ -836,8 +836,8 @@ impl LeastLoad {
     /// robin does, where chasing sub-tolerance differences in poll-borne terms
     /// would herd requests onto one worker until the next poll.
     ///
-    /// Two passes over the hot records ([`HotTable`]) when the candidates
-    /// are many ([`LeastLoad::argmin_filtered`]), else one
+    /// From the hot records' keys ([`HotTable`]) when the candidates are
+    /// many ([`LeastLoad::argmin_filtered`]), else scoring each exactly
     /// ([`LeastLoad::argmin_exact`]); the same choice either way.
     fn argmin<'v>(
         &self,
@@ -883,8 +883,8 @@ impl LeastLoad {
     }
 
     /// The tie rule after offering every candidate from the hot records:
-    /// two passes when the candidates are many
-    /// ([`LeastLoad::argmin_filtered`]), else one
+    /// from the keys' estimates when the candidates are many
+    /// ([`LeastLoad::argmin_filtered`]), else scoring each exactly
     /// ([`LeastLoad::argmin_exact`]); the same choice either way.
     fn argmin_rule(
         &self,
