@@ -44,6 +44,8 @@ const READ_RESERVE: usize = 16 * 1024;
 /// A connection whose buffer grew past this goes back to the pool with a
 /// fresh one.
 const MAX_POOLED_BUFFER: usize = 256 * 1024;
+/// Most slices handed to one vectored write (the kernel takes up to 1024).
+const MAX_WRITE_SLICES: usize = 32;
 /// Most bytes of a chunk-size line (with extensions) or a trailer line.
 const MAX_LINE_BYTES: usize = 4 * 1024;
 
@@ -365,7 +367,7 @@ async fn exchange(
 ) -> Result<Head, SendError> {
     let mut head = std::mem::take(&mut connection.head);
     write_head(&mut head, target, request);
-    write_all_vectored(&mut connection.stream, &head, request.body)
+    write_all_vectored(&mut connection.stream, &[&head, request.body])
         .await
         .map_err(SendError::Write)?;
     connection.head = head;
@@ -416,32 +418,48 @@ async fn exchange(
     }
 }
 
-/// Writes `head` then `body`, in as few system calls as the socket allows
+/// Writes `slices` in order, in as few system calls as the socket allows
 /// (one, normally).
-async fn write_all_vectored(
+pub(crate) async fn write_all_vectored(
     stream: &mut TcpStream,
-    head: &[u8],
-    body: &[u8],
+    slices: &[&[u8]],
 ) -> std::io::Result<()> {
-    let mut written = 0usize;
-    let total = head.len() + body.len();
-    while written < total {
+    // The slice being written, and how much of it is out.
+    let mut index = 0usize;
+    let mut offset = 0usize;
+    while index < slices.len() {
+        if offset == slices[index].len() {
+            index += 1;
+            offset = 0;
+            continue;
+        }
         let n = std::future::poll_fn(|cx| {
-            let slices = if written < head.len() {
-                [IoSlice::new(&head[written..]), IoSlice::new(body)]
-            } else {
-                [
-                    IoSlice::new(&body[written - head.len()..]),
-                    IoSlice::new(&[]),
-                ]
-            };
-            Pin::new(&mut *stream).poll_write_vectored(cx, &slices)
+            let mut vectored = [IoSlice::new(&[]); MAX_WRITE_SLICES];
+            let rest = &slices[index..];
+            vectored[0] = IoSlice::new(&rest[0][offset..]);
+            for (slot, slice) in vectored.iter_mut().zip(rest).skip(1) {
+                *slot = IoSlice::new(slice);
+            }
+            Pin::new(&mut *stream)
+                .poll_write_vectored(cx, &vectored[..rest.len().min(MAX_WRITE_SLICES)])
         })
         .await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        written += n;
+        // Step past what went out.
+        let mut left = n;
+        while left > 0 && index < slices.len() {
+            let here = slices[index].len() - offset;
+            if left < here {
+                offset += left;
+                left = 0;
+            } else {
+                left -= here;
+                index += 1;
+                offset = 0;
+            }
+        }
     }
     Ok(())
 }
@@ -449,7 +467,7 @@ async fn write_all_vectored(
 /// Reads what the socket has into the buffer's spare room. tokio marks the
 /// socket drained when a read fills less than the room offered, so the
 /// next poll waits for readiness without another system call.
-fn poll_read_buf(
+pub(crate) fn poll_read_buf(
     stream: &mut TcpStream,
     buffer: &mut BytesMut,
     cx: &mut Context<'_>,
@@ -471,9 +489,15 @@ fn parse_head(
     spans: &mut Vec<HeaderSpan>,
 ) -> Result<Option<ParsedHead>, SendError> {
     loop {
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut response = httparse::Response::new(&mut headers);
-        let head_len = match response.parse(buffer) {
+        // Left uninitialized: httparse writes only the headers it finds.
+        let mut headers =
+            [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut response = httparse::Response::new(&mut []);
+        let head_len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut response,
+            buffer,
+            &mut headers,
+        ) {
             Ok(httparse::Status::Complete(len)) => len,
             Ok(httparse::Status::Partial) => return Ok(None),
             Err(error) => return Err(SendError::BadHead(error.to_string())),
@@ -569,9 +593,10 @@ fn parse_head(
     }
 }
 
-/// How a response body's end is known.
+/// How a body's end is known (a response's; a request's is never
+/// `UntilClose`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(crate) enum Framing {
     Length { remaining: u64 },
     Chunked(Chunked),
     UntilClose,
@@ -580,7 +605,7 @@ enum Framing {
 
 /// Where a chunked body's decoder is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunked {
+pub(crate) enum Chunked {
     /// At a chunk-size line.
     Size,
     /// Inside a chunk's data.
@@ -612,31 +637,7 @@ impl WorkerBody {
         let Some(connection) = self.connection.as_mut() else {
             return Ok(None);
         };
-        let buffer = &mut connection.buffer;
-        match &mut self.framing {
-            Framing::Done => Ok(None),
-            Framing::UntilClose => Ok((!buffer.is_empty()).then(|| buffer.split().freeze())),
-            Framing::Length { remaining } => {
-                if buffer.is_empty() {
-                    return Ok(None);
-                }
-                let take =
-                    usize::try_from(*remaining).map_or(buffer.len(), |r| r.min(buffer.len()));
-                *remaining -= take as u64;
-                let data = buffer.split_to(take).freeze();
-                if *remaining == 0 {
-                    self.framing = Framing::Done;
-                }
-                Ok(Some(data))
-            }
-            Framing::Chunked(state) => {
-                let data = decode_chunked(buffer, state)?;
-                if *state == Chunked::Trailers && trailers_end(buffer)? {
-                    self.framing = Framing::Done;
-                }
-                Ok(data)
-            }
-        }
+        decode_body(&mut self.framing, &mut connection.buffer)
     }
 
     /// The body was read to its end: the connection goes back to the pool
@@ -648,6 +649,38 @@ impl WorkerBody {
             && connection.buffer.is_empty()
         {
             self.pool.give_back(connection);
+        }
+    }
+}
+
+/// Takes the body data that `buffer` holds, framed as `framing` says,
+/// and moves `framing` on (to `Done` at the body's end): the data
+/// (possibly none). Both sides of the proxy read bodies with it.
+pub(crate) fn decode_body(
+    framing: &mut Framing,
+    buffer: &mut BytesMut,
+) -> Result<Option<Bytes>, BodyError> {
+    match framing {
+        Framing::Done => Ok(None),
+        Framing::UntilClose => Ok((!buffer.is_empty()).then(|| buffer.split().freeze())),
+        Framing::Length { remaining } => {
+            if buffer.is_empty() {
+                return Ok(None);
+            }
+            let take = usize::try_from(*remaining).map_or(buffer.len(), |r| r.min(buffer.len()));
+            *remaining -= take as u64;
+            let data = buffer.split_to(take).freeze();
+            if *remaining == 0 {
+                *framing = Framing::Done;
+            }
+            Ok(Some(data))
+        }
+        Framing::Chunked(state) => {
+            let data = decode_chunked(buffer, state)?;
+            if *state == Chunked::Trailers && trailers_end(buffer)? {
+                *framing = Framing::Done;
+            }
+            Ok(data)
         }
     }
 }

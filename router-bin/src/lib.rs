@@ -38,6 +38,7 @@ pub mod config;
 pub mod error;
 pub mod estimate;
 pub mod h1;
+mod h1_server;
 pub mod metrics;
 pub mod monitor;
 pub mod outlier;

@@ -75,8 +75,6 @@ where
     B::Error: Into<axum::BoxError>,
 {
     let arrived = tokio::time::Instant::now();
-    let received_at = arrived.into_std();
-    let deadline = arrived + app.config.server.request_deadline();
     let server = &app.config.server;
     let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
         Ok(body) => body,
@@ -85,6 +83,19 @@ where
             return error.response().map(ProxyBody::Boxed);
         }
     };
+    handle_read(app, parts, body, arrived).await
+}
+
+/// [`handle`] once the body has been read (from `arrived`, when its head
+/// had): what [`crate::h1_server`] calls, having read the body itself.
+pub async fn handle_read(
+    app: Arc<App>,
+    parts: http::request::Parts,
+    body: Bytes,
+    arrived: tokio::time::Instant,
+) -> Answer {
+    let received_at = arrived.into_std();
+    let deadline = arrived + app.config.server.request_deadline();
     let read = match read_request(&body, &app.config.request) {
         Ok(read) => read,
         Err(error) => {

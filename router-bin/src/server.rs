@@ -35,6 +35,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use crate::app::App;
 use crate::config::{RouterConfig, ServerConfig};
 use crate::error::RouterError;
+use crate::h1_server::{self, Deadlines, Handoff, Served};
 use crate::monitor::{run_health_checker, run_load_monitor, run_outlier_prober};
 use crate::proxy::ProxyBody;
 use crate::{admin, proxy};
@@ -128,8 +129,9 @@ pub async fn serve(
 /// Request bodies are the handlers' to bound ([`crate::client_body`]).
 /// Handlers see the peer as `ConnectInfo<SocketAddr>`.
 ///
-/// Every request goes through `routes`; [`serve`] also serves the proxy's
-/// generation routes directly, without axum in between.
+/// Every request goes through `routes`. [`serve`] also serves the proxy's
+/// generation routes itself, on the router's own HTTP/1.1 server
+/// (`h1_server.rs`), without hyper or axum in between.
 pub async fn serve_routes(
     routes: Router,
     server: &ServerConfig,
@@ -148,10 +150,13 @@ pub async fn serve_routes(
 #[derive(Debug, Clone)]
 struct Handler {
     routes: TowerToHyperService<Router>,
-    /// With an app, `POST` to one of [`proxy::GENERATE_PATHS`] goes straight
-    /// to [`proxy::handle`] with hyper's own request: no route table, no
-    /// extractors, no boxed body or future. Everything else (and, without
-    /// an app, everything) goes through `routes`.
+    /// With an app, a connection's generation requests are served by the
+    /// router's own HTTP/1.1 server until one asks for anything else; from
+    /// then on (and for h2c) hyper serves it, and `POST` to one of
+    /// [`proxy::GENERATE_PATHS`] still goes straight to [`proxy::handle`]
+    /// with hyper's own request: no route table, no extractors, no boxed
+    /// body or future. Everything else (and, without an app, everything)
+    /// goes through `routes`.
     generate: Option<Arc<App>>,
 }
 
@@ -323,14 +328,8 @@ pub async fn termination() {
 // Client connections: the accept loop's cap, and one watchdog per connection
 // for the header and keep-alive deadlines.
 
-/// The connection-level deadlines.
-#[derive(Debug, Clone, Copy)]
-struct Deadlines {
-    header: Duration,
-    keepalive: Duration,
-}
-
-/// hyper's HTTP/1.1 (kept alive) and h2c, as `axum::serve` had them.
+/// hyper's HTTP/1.1 (kept alive) and h2c, as `axum::serve` had them, for
+/// the connections the router's own server hands over.
 fn connection_builder() -> Builder<TokioExecutor> {
     let mut builder = Builder::new(TokioExecutor::new());
     // hyper's own header_read_timeout restarts its clock whenever a
@@ -430,8 +429,18 @@ async fn serve_connection(connection: Connection) {
     if let Err(error) = stream.set_nodelay(true) {
         tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted connection");
     }
+    // The generation routes are served by the router's own HTTP/1.1 server;
+    // a connection that asks for anything else goes on under hyper.
+    let (read_ahead, stream) = match &handler.generate {
+        Some(app) => match h1_server::serve(app, stream, deadlines, &mut stopping).await {
+            Served::Closed => return,
+            Served::Handoff(Handoff { read, stream }) => (read, stream),
+        },
+        None => (Bytes::new(), stream),
+    };
     let activity = Arc::new(Activity::new(Instant::now()));
     let io = TokioIo::new(TrackedIo {
+        read_ahead,
         stream,
         activity: activity.clone(),
     });
@@ -605,6 +614,9 @@ impl Drop for RequestGuard {
 /// The socket, telling the connection's [`Activity`] of each read and write.
 #[derive(Debug)]
 struct TrackedIo {
+    /// Read from the socket before hyper took the connection over: read
+    /// first.
+    read_ahead: Bytes,
     stream: TcpStream,
     activity: Arc<Activity>,
 }
@@ -616,6 +628,12 @@ impl AsyncRead for TrackedIo {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if !this.read_ahead.is_empty() {
+            let taken = this.read_ahead.len().min(buf.remaining());
+            buf.put_slice(&this.read_ahead.split_to(taken));
+            this.activity.on_read();
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
         if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
