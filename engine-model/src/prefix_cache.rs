@@ -17,6 +17,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
 
 use crate::model::PassThrough;
 
@@ -31,8 +32,11 @@ struct Node {
     start: usize,
     /// The first block's hash: the parent's key for this node.
     key: u64,
-    /// The run's chained block hashes.
-    blocks: Vec<u64>,
+    /// The chain of the request that inserted the run: the run's chained
+    /// block hashes are its `len` keys from `start` on (shared, not copied).
+    keys: Arc<[u64]>,
+    /// Blocks in the run.
+    len: usize,
     /// Children by their first block's hash.
     children: HashMap<u64, u32, PassThrough>,
     /// Requests holding this node (every node on their path).
@@ -51,18 +55,25 @@ struct Node {
 }
 
 impl Node {
-    fn new(parent: u32, start: usize, blocks: Vec<u64>, refs: u32) -> Node {
+    /// The run of `keys[start..start + len]`.
+    fn new(parent: u32, start: usize, keys: Arc<[u64]>, len: usize, refs: u32) -> Node {
         Node {
             parent,
             start,
-            key: blocks.first().copied().unwrap_or_default(),
-            blocks,
+            key: if len > 0 { keys[start] } else { 0 },
+            keys,
+            len,
             children: HashMap::default(),
             refs,
             tick: 0,
             changed: 0,
             grown: 0,
         }
+    }
+
+    /// The run's chained block hashes.
+    fn blocks(&self) -> &[u64] {
+        &self.keys[self.start..self.start + self.len]
     }
 }
 
@@ -137,12 +148,15 @@ pub(crate) struct PrefixCache {
     changes: u64,
     /// The nodes changed since the last [`take_touched`](PrefixCache::take_touched).
     touched: Vec<Touch>,
+    /// The keys of a node with none (shared).
+    no_keys: Arc<[u64]>,
 }
 
 impl Default for PrefixCache {
     fn default() -> PrefixCache {
         PrefixCache {
-            nodes: vec![Node::new(ROOT, 0, Vec::new(), 0)],
+            nodes: vec![Node::new(ROOT, 0, Arc::from(Vec::new()), 0, 0)],
+            no_keys: Arc::from(Vec::new()),
             free_nodes: Vec::new(),
             lru: BinaryHeap::new(),
             evictable_blocks: 0,
@@ -195,11 +209,11 @@ impl PrefixCache {
     pub(crate) fn hits_since(&self, stamp: MatchStamp) -> Option<usize> {
         let node = self.nodes.get(stamp.node as usize)?;
         let in_node = stamp.in_node as usize;
-        if node.changed > stamp.changes || node.blocks.len() < in_node {
+        if node.changed > stamp.changes || node.len < in_node {
             return None;
         }
         if node.grown > stamp.changes
-            && node.blocks.len() == in_node
+            && node.len == in_node
             && stamp
                 .next
                 .is_some_and(|next| node.children.contains_key(&next))
@@ -220,11 +234,7 @@ impl PrefixCache {
         stamp: MatchStamp,
     ) -> (usize, MatchStamp) {
         let anchored = self.nodes.get(stamp.node as usize).filter(|node| {
-            stamp.node != ROOT
-                && node
-                    .blocks
-                    .first()
-                    .is_some_and(|first| chain.get(node.start) == Some(first))
+            stamp.node != ROOT && node.len > 0 && chain.get(node.start) == Some(&node.key)
         });
         let at = match anchored {
             Some(_) => self.descend(chain, stamp.node),
@@ -277,7 +287,7 @@ impl PrefixCache {
     fn descend(&self, chain: &[u64], mut child: u32) -> Match {
         loop {
             let node = &self.nodes[child as usize];
-            let run = &node.blocks;
+            let run = node.blocks();
             let matched = node.start;
             let rest = &chain[matched..];
             let len = run.len().min(rest.len());
@@ -320,21 +330,21 @@ impl PrefixCache {
     /// the node that ends there.
     fn split_at(&mut self, at: Match) -> u32 {
         let id = at.node;
-        if at.in_node == self.nodes[id as usize].blocks.len() {
+        if at.in_node == self.nodes[id as usize].len {
             return id;
         }
         // The upper part becomes a new node, so a request holding `id` as
         // its deepest node still ends where it did.
         let node = &mut self.nodes[id as usize];
-        let lower = node.blocks.split_off(at.in_node);
-        let upper_blocks = std::mem::replace(&mut node.blocks, lower);
         let parent = node.parent;
         let (refs, tick) = (node.refs, node.tick);
-        node.key = node.blocks.first().copied().unwrap_or_default();
-        let lower_key = node.key;
         let upper_start = node.start;
+        let keys = node.keys.clone();
         node.start += at.in_node;
-        let mut upper = Node::new(parent, upper_start, upper_blocks, refs);
+        node.len -= at.in_node;
+        node.key = node.keys[node.start];
+        let lower_key = node.key;
+        let mut upper = Node::new(parent, upper_start, keys, at.in_node, refs);
         upper.tick = tick;
         upper.children.insert(lower_key, id);
         let upper_id = self.alloc(upper);
@@ -381,7 +391,7 @@ impl PrefixCache {
             let node = &mut self.nodes[id as usize];
             if node.refs == 0 {
                 // Its LRU entry goes stale: `evict_one` skips it.
-                self.evictable_blocks -= node.blocks.len() as u64;
+                self.evictable_blocks -= node.len as u64;
             }
             node.refs += 1;
             id = node.parent;
@@ -402,7 +412,7 @@ impl PrefixCache {
             if node.refs == 0 {
                 self.tick += 1;
                 node.tick = self.tick;
-                self.evictable_blocks += node.blocks.len() as u64;
+                self.evictable_blocks += node.len as u64;
                 if node.children.is_empty() {
                     self.lru.push(Reverse((self.tick, id)));
                 }
@@ -413,10 +423,12 @@ impl PrefixCache {
     }
 
     /// Caches `chain` for a request that pinned its path down to `pinned`
-    /// (from [`pin`](PrefixCache::pin), or [`ROOT`]): blocks already cached
+    /// (from [`pin`](PrefixCache::pin), or [`ROOT`]), its first `len` keys
+    /// (shared by the nodes, not copied): blocks already cached
     /// are pinned, the rest inserted pinned. Returns the new deepest node
     /// and how many blocks were added.
-    pub(crate) fn insert(&mut self, chain: &[u64], pinned: u32) -> (u32, usize) {
+    pub(crate) fn insert(&mut self, keys: &Arc<[u64]>, len: usize, pinned: u32) -> (u32, usize) {
+        let chain = &keys[..len];
         let at = self.walk(chain);
         let end = self.split_at(at);
         self.pin_path(end, pinned);
@@ -424,7 +436,7 @@ impl PrefixCache {
             return (end, 0);
         }
         let added = chain.len() - at.matched;
-        let leaf = self.alloc(Node::new(end, at.matched, chain[at.matched..].to_vec(), 1));
+        let leaf = self.alloc(Node::new(end, at.matched, keys.clone(), added, 1));
         self.nodes[end as usize]
             .children
             .insert(chain[at.matched], leaf);
@@ -456,7 +468,7 @@ impl PrefixCache {
                 && node.refs == 0
                 && node.tick == tick
                 && node.children.is_empty()
-                && !node.blocks.is_empty();
+                && node.len > 0;
             if !live {
                 self.lru.pop();
                 continue;
@@ -464,17 +476,19 @@ impl PrefixCache {
             self.touch(Touch::Node(id));
             let node = &mut self.nodes[id as usize];
             // The leaf stays the oldest until it is gone: its last blocks go.
-            let take = (wanted - evicted).min(node.blocks.len() as u64);
-            node.blocks.truncate(node.blocks.len() - take as usize);
+            let take = (wanted - evicted).min(node.len as u64);
+            node.len -= take as usize;
             self.evictable_blocks -= take;
             evicted += take;
-            if node.blocks.is_empty() {
+            if node.len == 0 {
                 // Removed: a match that ended here now ends in the parent.
                 self.mark_changed(id);
                 let node = &mut self.nodes[id as usize];
                 self.lru.pop();
                 let (parent, key) = (node.parent, node.key);
                 node.children = HashMap::default();
+                // Lets go of the inserting request's chain.
+                node.keys = self.no_keys.clone();
                 self.free_nodes.push(id);
                 let parent_node = &mut self.nodes[parent as usize];
                 parent_node.children.remove(&key);
@@ -493,10 +507,7 @@ impl PrefixCache {
             let nodes = &self.nodes;
             self.lru.retain(|&Reverse((tick, id))| {
                 let node = &nodes[id as usize];
-                node.refs == 0
-                    && node.tick == tick
-                    && node.children.is_empty()
-                    && !node.blocks.is_empty()
+                node.refs == 0 && node.tick == tick && node.children.is_empty() && node.len > 0
             });
         }
     }
@@ -506,7 +517,7 @@ impl PrefixCache {
 mod tests {
     use super::*;
 
-    fn chain(blocks: &[u64]) -> Vec<u64> {
+    fn chain(blocks: &[u64]) -> Arc<[u64]> {
         // Chained like the engine's: each depends on every one before it.
         let mut previous = 0u64;
         blocks
@@ -523,11 +534,11 @@ mod tests {
         let mut cache = PrefixCache::default();
         let a = chain(&[1, 2, 3, 4]);
         let b = chain(&[1, 2, 9]);
-        let (leaf_a, added) = cache.insert(&a, ROOT);
+        let (leaf_a, added) = cache.insert(&a, a.len(), ROOT);
         assert_eq!(added, 4);
         assert_eq!(cache.leading_hits(&b), 2);
         let pinned = cache.pin(&b, 2);
-        let (leaf_b, added) = cache.insert(&b, pinned);
+        let (leaf_b, added) = cache.insert(&b, b.len(), pinned);
         assert_eq!(added, 1);
         assert_eq!(cache.leading_hits(&a), 4);
         assert_eq!(cache.leading_hits(&b), 3);
@@ -541,7 +552,7 @@ mod tests {
     #[test]
     fn a_batch_eviction_is_single_evictions_in_a_row() {
         let mut rng = crate::SplitMix64::new(5);
-        let chains: Vec<Vec<u64>> = (0..60)
+        let chains: Vec<Arc<[u64]>> = (0..60)
             .map(|_| {
                 let group = rng.next_u64() % 4;
                 let shared = (rng.next_u64() % 12) as usize;
@@ -559,7 +570,7 @@ mod tests {
             for (i, keys) in chains.iter().enumerate() {
                 let hits = cache.leading_hits(keys);
                 let pinned = cache.pin(keys, hits);
-                let (deepest, _) = cache.insert(keys, pinned);
+                let (deepest, _) = cache.insert(keys, keys.len(), pinned);
                 // Every third stays pinned: eviction must pass it by.
                 if i % 3 != 0 {
                     cache.unpin(deepest);
@@ -588,8 +599,8 @@ mod tests {
         let mut cache = PrefixCache::default();
         let a = chain(&[1, 2, 3]);
         let b = chain(&[7, 8]);
-        let (leaf_a, _) = cache.insert(&a, ROOT);
-        let (leaf_b, _) = cache.insert(&b, ROOT);
+        let (leaf_a, _) = cache.insert(&a, a.len(), ROOT);
+        let (leaf_b, _) = cache.insert(&b, b.len(), ROOT);
         cache.unpin(leaf_a);
         assert!(cache.evict_one());
         assert_eq!(cache.leading_hits(&a), 2, "the tail goes first");
@@ -608,9 +619,9 @@ mod tests {
         let mut cache = PrefixCache::default();
         let a = chain(&[1, 2, 3]);
         let b = chain(&[1, 2, 4]);
-        let (leaf_a, _) = cache.insert(&a, ROOT);
+        let (leaf_a, _) = cache.insert(&a, a.len(), ROOT);
         let pinned = cache.pin(&b, 2);
-        let (leaf_b, _) = cache.insert(&b, pinned);
+        let (leaf_b, _) = cache.insert(&b, b.len(), pinned);
         cache.unpin(leaf_a);
         cache.unpin(leaf_b);
         // a's leaf, then b's leaf, then the shared [1, 2].
@@ -630,7 +641,7 @@ mod tests {
     fn a_split_node_keeps_its_holders_and_their_release_order() {
         let mut cache = PrefixCache::default();
         let a = chain(&[1, 2, 3, 4]);
-        let (leaf_a, _) = cache.insert(&a, ROOT);
+        let (leaf_a, _) = cache.insert(&a, a.len(), ROOT);
         // b matches half of a's node while a still holds it.
         let b = chain(&[1, 2]);
         let pinned_b = cache.pin(&b, 2);

@@ -84,15 +84,33 @@ struct Run {
     /// `step` or `step_ahead` calls.
     calls: u64,
     steps: u64,
+    preemptions: u64,
+}
+
+/// How [`drive`] steps the engine.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// `step`, one step at a time.
+    Step,
+    /// `step_ahead` (and `advance_to` before each read).
+    Ahead,
+    /// `step` with token events on, which visits every running request at
+    /// every step's end instead of only those with an event; the token
+    /// events are left out of the log, their counts checked against the
+    /// steps each request decoded in.
+    EveryRequest,
 }
 
 /// Drives one engine through the stream in virtual time, as the fleet
 /// simulator does: a step's events are delivered at its end, where the next
 /// step starts; at equal times a step end comes first, then an arrival, a
-/// speed change, a read. `ahead` drives it with `step_ahead` (and
-/// `advance_to` before each read), else with `step`.
-fn drive(stream: &Stream, ahead: bool) -> Run {
+/// speed change, a read.
+fn drive(stream: &Stream, mode: Mode) -> Run {
+    let ahead = mode == Mode::Ahead;
     let mut engine = Engine::new(stream.params.clone(), 11).unwrap();
+    engine.set_token_events(mode == Mode::EveryRequest);
+    // Per request: tokens counted by its token events.
+    let mut tokens_seen: std::collections::HashMap<u64, u32> = Default::default();
     let mut log = Vec::new();
     let mut in_step: Vec<EngineEvent> = Vec::new();
     let mut step_end_s: Option<f64> = None;
@@ -142,7 +160,23 @@ fn drive(stream: &Stream, ahead: bool) -> Run {
         match kind {
             0 => {
                 for event in in_step.drain(..) {
-                    log.push(format!("{now_s:?} {event:?}"));
+                    match event {
+                        EngineEvent::Token {
+                            id,
+                            generated_tokens,
+                            ..
+                        } => {
+                            let seen = tokens_seen.entry(id).or_default();
+                            // One more each time, across preemptions too.
+                            assert_eq!(generated_tokens, *seen + 1, "request {id}");
+                            *seen = generated_tokens;
+                        }
+                        EngineEvent::Finished(record) if mode == Mode::EveryRequest => {
+                            assert_eq!(tokens_seen.get(&record.id), Some(&record.output_tokens));
+                            log.push(format!("{now_s:?} {event:?}"));
+                        }
+                        _ => log.push(format!("{now_s:?} {event:?}")),
+                    }
                 }
                 step_end_s = start(&mut engine, now_s, &mut in_step, &mut calls);
             }
@@ -189,6 +223,7 @@ fn drive(stream: &Stream, ahead: bool) -> Run {
         log,
         calls,
         steps: engine.steps_total(),
+        preemptions: engine.snapshot(0.0).preemptions_total,
     }
 }
 
@@ -200,8 +235,8 @@ fn stepping_ahead_is_stepping_one_step_at_a_time() {
     let (mut calls, mut steps) = (0, 0);
     for seed in 0..300 {
         let stream = stream(seed);
-        let reference = drive(&stream, false);
-        let ahead = drive(&stream, true);
+        let reference = drive(&stream, Mode::Step);
+        let ahead = drive(&stream, Mode::Ahead);
         assert_eq!(reference.steps, ahead.steps, "seed {seed}");
         assert_eq!(reference.calls, reference.steps, "seed {seed}");
         for (line, (want, got)) in reference.log.iter().zip(&ahead.log).enumerate() {
@@ -215,6 +250,28 @@ fn stepping_ahead_is_stepping_one_step_at_a_time() {
         calls * 3 < steps,
         "{calls} step_ahead calls for {steps} steps"
     );
+}
+
+/// A step's end visits only the requests with an event (a first token, a
+/// finish), the other decoding requests' tokens and KV following the
+/// engine's decode ticks: the same events, reports and projections as
+/// visiting every running request (as with token events on), whose token
+/// counts match each finished request's output, over the random streams.
+#[test]
+fn visiting_only_the_requests_with_events_is_visiting_every_request() {
+    let mut preemptions = 0;
+    for seed in 0..300 {
+        let stream = stream(seed);
+        let reference = drive(&stream, Mode::EveryRequest);
+        let only_events = drive(&stream, Mode::Step);
+        assert_eq!(reference.steps, only_events.steps, "seed {seed}");
+        for (line, (want, got)) in reference.log.iter().zip(&only_events.log).enumerate() {
+            assert_eq!(want, got, "seed {seed}, line {line}");
+        }
+        assert_eq!(reference.log.len(), only_events.log.len(), "seed {seed}");
+        preemptions += reference.preemptions;
+    }
+    assert!(preemptions > 100, "{preemptions} preemptions");
 }
 
 /// A lone long decode is a handful of calls: the one that admits it, the

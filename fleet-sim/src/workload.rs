@@ -2,10 +2,10 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use engine_model::mix;
-use engine_model::model::chain_block_hashes;
+use engine_model::model::{chain_block_hash, chain_block_hashes};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
@@ -370,17 +370,52 @@ impl RequestSpec {
 /// what every cell of one load level routes and caches by, so it is worked
 /// out once per load level rather than once per arrival in every cell.
 /// Requests that open with the same shared prefix and cover as many of its
-/// blocks share one copy.
+/// blocks share one copy. A multi-turn prompt that resends an earlier
+/// prompt of the list (its segments less the last answer and message)
+/// extends that prompt's chain: only its blocks past the earlier prompt's
+/// full blocks are hashed.
 pub fn chained_block_hashes_of(
     requests: &[RequestSpec],
     shared_prefix: Option<SharedPrefixConfig>,
     block_tokens: u32,
 ) -> Vec<Arc<[u64]>> {
     let mut by_prefix: HashMap<(u32, u32), Arc<[u64]>> = HashMap::new();
+    // By the id of its last segment: each multi-turn prompt not yet
+    // resent, with its chain.
+    type Prompt = (Arc<[Segment]>, Arc<[u64]>);
+    let mut unresent: HashMap<u64, Prompt> = HashMap::new();
     requests
         .iter()
         .map(
             |spec| match (&spec.segments, spec.prefix_group, shared_prefix) {
+                (Some(segments), _, _) => {
+                    let earlier = segments
+                        .len()
+                        .checked_sub(3)
+                        .and_then(|last| unresent.remove(&segments[last].id))
+                        .filter(|(earlier, _)| segments.starts_with(earlier));
+                    let chain: Arc<[u64]> = match earlier {
+                        Some((_, earlier_chain)) => {
+                            let mut chain = earlier_chain.to_vec();
+                            let mut previous = chain.last().copied().unwrap_or(0);
+                            let first_block = chain.len();
+                            chain.extend(
+                                segment_hashes_from(segments, block_tokens, first_block)
+                                    .into_iter()
+                                    .map(|content| {
+                                        previous = chain_block_hash(previous, content);
+                                        previous
+                                    }),
+                            );
+                            chain.into()
+                        }
+                        None => chain_block_hashes(&segment_hashes(segments, block_tokens)).into(),
+                    };
+                    if let Some(last) = segments.last() {
+                        unresent.insert(last.id, (segments.clone(), chain.clone()));
+                    }
+                    chain
+                }
                 (None, Some(group), Some(prefix)) => {
                     // What `prefix_hashes` depends on besides the group.
                     let blocks = prefix.tokens.min(spec.prompt_tokens) / block_tokens.max(1);
@@ -404,13 +439,30 @@ pub fn chained_block_hashes_of(
 /// block's hash depends on the segments it covers and where in them it starts,
 /// so equal leading segments give equal leading blocks.
 pub fn segment_hashes(segments: &[Segment], block_tokens: u32) -> Vec<u64> {
+    segment_hashes_from(segments, block_tokens, 0)
+}
+
+/// [`segment_hashes`] from block `first_block` on.
+fn segment_hashes_from(segments: &[Segment], block_tokens: u32, first_block: usize) -> Vec<u64> {
     let block_tokens = block_tokens.max(1);
     let total: u64 = segments.iter().map(|s| u64::from(s.tokens)).sum();
     let blocks = (total / u64::from(block_tokens)) as usize;
-    let mut hashes = Vec::with_capacity(blocks);
+    let mut hashes = Vec::with_capacity(blocks.saturating_sub(first_block));
+    // Where block `first_block` starts: `offset` tokens into `segment`.
     let mut segment = 0usize;
     let mut offset = 0u32;
-    for _ in 0..blocks {
+    let mut skip = first_block as u64 * u64::from(block_tokens);
+    while let Some(current) = segments.get(segment) {
+        // At `skip == 0` it starts here, even in an empty segment (which
+        // the block hashes, as `segment_hashes` does).
+        if skip == 0 || skip < u64::from(current.tokens) {
+            offset = skip as u32;
+            break;
+        }
+        skip -= u64::from(current.tokens);
+        segment += 1;
+    }
+    for _ in first_block..blocks {
         let mut hash = 0x5e9_0000_0000_0000u64;
         let mut left = block_tokens;
         while left > 0 {
@@ -511,6 +563,34 @@ const MEAN_SESSIONS: usize = 20_000;
 /// turn 1 finds its app's system prompt cached, turn `k + 1` turn `k`'s
 /// prompt (answers are not cached; whole blocks are not rounded).
 fn conversation_means(
+    conversation: &ConversationConfig,
+    user: &LengthDist,
+    answer: &LengthDist,
+) -> (f64, f64, f64) {
+    // The printed capacities and the run's plan ask for the same mix:
+    // the 20 000 sessions are drawn once per process.
+    type Means = (f64, f64, f64);
+    type Key = (ConversationConfig, LengthDist, LengthDist);
+    static KNOWN: Mutex<Vec<(Key, Means)>> = Mutex::new(Vec::new());
+    let key = (*conversation, *user, *answer);
+    let known = |known: &[(Key, Means)]| {
+        known
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|&(_, means)| means)
+    };
+    if let Some(means) = KNOWN.lock().ok().and_then(|k| known(&k)) {
+        return means;
+    }
+    let means = drawn_conversation_means(conversation, user, answer);
+    if let Ok(mut k) = KNOWN.lock() {
+        k.push((key, means));
+    }
+    means
+}
+
+/// [`conversation_means`] drawn.
+fn drawn_conversation_means(
     conversation: &ConversationConfig,
     user: &LengthDist,
     answer: &LengthDist,
@@ -1076,6 +1156,50 @@ mod tests {
             prompt > f64::from(conversation.system_tokens) + 100.0,
             "{prompt}"
         );
+    }
+
+    /// The chains worked out once per load level, extending each resent
+    /// prompt's chain, are every request's own chain, at block sizes that
+    /// do and do not divide the segments (and with empty segments and a
+    /// resent prompt that ends on a block boundary).
+    #[test]
+    fn chains_extended_turn_by_turn_are_each_requests_own_chain() {
+        let (t, _) = conversation_traffic();
+        let mut requests = super::generate(&t, None, 20.0, 3000, 5);
+        let segment = |id: u64, tokens: u32| Segment { id, tokens };
+        let by_hand: [&[Segment]; 4] = [
+            &[segment(1, 32), segment(2, 16)],
+            &[segment(1, 32), segment(2, 16), segment(3, 0), segment(4, 5)],
+            &[
+                segment(1, 32),
+                segment(2, 16),
+                segment(3, 0),
+                segment(4, 5),
+                segment(5, 11),
+                segment(6, 0),
+            ],
+            // Not a resend of the one before: chained from scratch.
+            &[
+                segment(9, 40),
+                segment(2, 16),
+                segment(5, 11),
+                segment(6, 3),
+            ],
+        ];
+        requests.extend(by_hand.iter().map(|segments| RequestSpec {
+            arrival_s: 0.0,
+            prompt_tokens: segments.iter().map(|s| s.tokens).sum(),
+            output_tokens: 1,
+            prefix_group: None,
+            segments: Some(Arc::from(*segments)),
+        }));
+        for block_tokens in [16, 7, 48, 1] {
+            let chains = chained_block_hashes_of(&requests, None, block_tokens);
+            assert_eq!(chains.len(), requests.len());
+            for (spec, chain) in requests.iter().zip(&chains) {
+                assert_eq!(chain[..], spec.chained_block_hashes(None, block_tokens)[..]);
+            }
+        }
     }
 
     #[test]
