@@ -179,7 +179,7 @@ impl Blocks<'_> {
 pub struct PrefixIndex {
     groups: Box<[Group]>,
     group_mask: usize,
-    clocks: Box<[OnceLock<Box<[WorkerClock]>>]>,
+    clocks: Box<[OnceLock<Box<[WorkerClock; CLOCK_CHUNK]>>]>,
     index_block_tokens: u64,
     cache_tokens: u64,
     max_age_ms: u32,
@@ -250,20 +250,19 @@ impl PrefixIndex {
     }
 
     fn clock(&self, slot: usize) -> Option<&WorkerClock> {
-        self.clocks
-            .get(slot / CLOCK_CHUNK)?
-            .get()?
-            .get(slot % CLOCK_CHUNK)
+        let chunk = self.clocks.get(slot / CLOCK_CHUNK)?.get()?;
+        Some(&chunk[slot % CLOCK_CHUNK])
     }
 
     fn clock_or_new(&self, slot: usize) -> Option<&WorkerClock> {
         if slot > MAX_SLOT {
             return None;
         }
-        self.clocks
+        let chunk = self
+            .clocks
             .get(slot / CLOCK_CHUNK)?
-            .get_or_init(|| (0..CLOCK_CHUNK).map(|_| WorkerClock::default()).collect())
-            .get(slot % CLOCK_CHUNK)
+            .get_or_init(|| Box::new(std::array::from_fn(|_| WorkerClock::default())));
+        Some(&chunk[slot % CLOCK_CHUNK])
     }
 
     /// Tokens the worker's cache is assumed to hold: the configured bound,
@@ -385,6 +384,20 @@ impl PrefixIndex {
         (slots, count)
     }
 
+    /// How many workers are still expected to hold the block `key` at
+    /// `now_ms`: [`PrefixIndex::holders_at`]'s count, for the search.
+    fn held_count(&self, key: u64, now_ms: u32) -> usize {
+        self.read(key)
+            .filter(|entry| self.fresh(entry.touched_ms, now_ms))
+            .map_or(0, |entry| {
+                entry
+                    .holders
+                    .iter()
+                    .filter(|holder| self.age_tokens(**holder).is_some())
+                    .count()
+            })
+    }
+
     /// The expected cached prefix of `prefix` at `now_ms` on every worker
     /// that holds one.
     pub fn lookup(&self, prefix: &PrefixBlocks, now_ms: u32) -> Matches {
@@ -396,7 +409,7 @@ impl PrefixIndex {
         self.warm(&blocks);
         let mut lo = 0usize;
         while lo < blocks.count {
-            let (_, count) = self.holders_at(blocks.key(lo), now_ms);
+            let count = self.held_count(blocks.key(lo), now_ms);
             if count == 0 {
                 break;
             }
@@ -405,7 +418,7 @@ impl PrefixIndex {
             let (mut good, mut bad) = (lo, blocks.count);
             while bad - good > 1 {
                 let mid = good + (bad - good) / 2;
-                if self.holders_at(blocks.key(mid), now_ms).1 >= count {
+                if self.held_count(blocks.key(mid), now_ms) >= count {
                     good = mid;
                 } else {
                     bad = mid;
@@ -462,39 +475,46 @@ impl PrefixIndex {
             .store(version.wrapping_add(1), Ordering::Relaxed);
         // Readers that see any store below also see the odd version.
         fence(Ordering::Release);
-        let way = match (0..WAYS).find(|&way| group.keys[way].load(Ordering::Relaxed) == key) {
-            Some(way) => way,
+        match (0..WAYS).find(|&way| group.keys[way].load(Ordering::Relaxed) == key) {
+            Some(way) => {
+                group.touched_ms[way].store(now_ms, Ordering::Relaxed);
+                let holders = &group.holders[way];
+                // The worker's own holder, else the one to replace.
+                let position = holders
+                    .iter()
+                    .position(|h| h.load(Ordering::Relaxed) >> STAMP_BITS == tag)
+                    .unwrap_or_else(|| self.replaced_holder(holders));
+                holders[position].store(word, Ordering::Relaxed);
+            }
             None => {
                 let way = self.victim(group, now_ms);
                 group.keys[way].store(key, Ordering::Relaxed);
-                for holder in &group.holders[way] {
-                    holder.store(0, Ordering::Relaxed);
+                group.touched_ms[way].store(now_ms, Ordering::Relaxed);
+                // A new entry's holders are all empty, and of equally old
+                // holders [`PrefixIndex::replaced_holder`] takes the last.
+                for (position, holder) in group.holders[way].iter().enumerate() {
+                    let value = if position == HOLDERS - 1 { word } else { 0 };
+                    holder.store(value, Ordering::Relaxed);
                 }
-                way
             }
-        };
-        group.touched_ms[way].store(now_ms, Ordering::Relaxed);
-        let holders = &group.holders[way];
-        // The worker's own holder, else an empty or expired one, else the
-        // one dispatched to longest ago (in its worker's tokens).
-        let position = holders
-            .iter()
-            .position(|h| h.load(Ordering::Relaxed) >> STAMP_BITS == tag)
-            .or_else(|| {
-                holders
-                    .iter()
-                    .enumerate()
-                    .max_by_key(|(_, h)| {
-                        self.age_tokens(h.load(Ordering::Relaxed))
-                            .unwrap_or(u64::MAX)
-                    })
-                    .map(|(index, _)| index)
-            })
-            .unwrap_or(0);
-        holders[position].store(word, Ordering::Relaxed);
+        }
         group
             .version
             .store(version.wrapping_add(2), Ordering::Release);
+    }
+
+    /// The holder a worker not yet among `holders` replaces: an empty or
+    /// expired one, else the one dispatched to longest ago (in its worker's
+    /// tokens); the last of equally old ones.
+    fn replaced_holder(&self, holders: &[AtomicU64; HOLDERS]) -> usize {
+        holders
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, h)| {
+                self.age_tokens(h.load(Ordering::Relaxed))
+                    .unwrap_or(u64::MAX)
+            })
+            .map_or(0, |(index, _)| index)
     }
 
     /// The way of `group` a new block takes: an empty one, else one held by
@@ -506,11 +526,15 @@ impl PrefixIndex {
             if group.keys[way].load(Ordering::Relaxed) == NO_KEY {
                 return way;
             }
+            // The age first: it needs no worker's clock.
             let touched_ms = group.touched_ms[way].load(Ordering::Relaxed);
+            if !self.fresh(touched_ms, now_ms) {
+                return way;
+            }
             let held = group.holders[way]
                 .iter()
                 .any(|holder| self.age_tokens(holder.load(Ordering::Relaxed)).is_some());
-            if !held || !self.fresh(touched_ms, now_ms) {
+            if !held {
                 return way;
             }
             let since_ms = now_ms.saturating_sub(touched_ms);
@@ -538,10 +562,29 @@ impl PrefixIndex {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Way `way` of group `group`: its key, when it was last dispatched and
+    /// its holder words, for the tests that compare the table with a model.
+    #[cfg(test)]
+    fn entry_for_test(&self, group: usize, way: usize) -> (u64, u32, [u64; HOLDERS]) {
+        let group = &self.groups[group];
+        (
+            group.keys[way].load(Ordering::Relaxed),
+            group.touched_ms[way].load(Ordering::Relaxed),
+            std::array::from_fn(|h| group.holders[way][h].load(Ordering::Relaxed)),
+        )
+    }
+
+    #[cfg(test)]
+    fn groups_for_test(&self) -> usize {
+        self.groups.len()
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn chain(group: u64, blocks: usize) -> Vec<u64> {
@@ -685,6 +728,323 @@ mod tests {
         coarse.record(0, &a, 0, 0);
         assert!(coarse.is_empty());
         assert!(coarse.lookup(&a, 0).is_empty());
+    }
+
+    /// The index's rules written plainly, one step at a time: the
+    /// reference the table and its lookups are held to.
+    mod model {
+        use std::collections::HashMap;
+
+        use super::super::{HOLDERS, MAX_SLOT, NO_KEY, STAMP_BITS, STAMP_MASK, WAYS};
+        use policy_core::PrefixBlocks;
+
+        #[derive(Debug, Clone, Copy)]
+        pub struct Entry {
+            pub key: u64,
+            pub touched_ms: u32,
+            /// `(slot, stamp)` per holder position.
+            pub holders: [Option<(usize, u64)>; HOLDERS],
+        }
+
+        #[derive(Debug)]
+        pub struct Model {
+            pub groups: Vec<[Option<Entry>; WAYS]>,
+            /// Per slot: (token clock, reported capacity or 0).
+            clocks: HashMap<usize, (u64, u64)>,
+            index_block_tokens: u64,
+            cache_tokens: u64,
+            max_age_ms: u32,
+        }
+
+        impl Model {
+            pub fn new(
+                groups: usize,
+                index_block_tokens: u64,
+                cache_tokens: u64,
+                max_age_ms: u32,
+            ) -> Model {
+                Model {
+                    groups: vec![[None; WAYS]; groups],
+                    clocks: HashMap::new(),
+                    index_block_tokens,
+                    cache_tokens,
+                    max_age_ms,
+                }
+            }
+
+            /// (key per index block, tokens per index block).
+            fn blocks(&self, prefix: &PrefixBlocks) -> (Vec<u64>, u64) {
+                let block = u64::from(prefix.block_tokens().max(1));
+                let stride = self.index_block_tokens.div_ceil(block) as usize;
+                let keys = prefix
+                    .hashes()
+                    .chunks_exact(stride)
+                    .map(|chunk| match chunk[stride - 1] {
+                        NO_KEY => 1,
+                        key => key,
+                    })
+                    .collect();
+                (keys, block * stride as u64)
+            }
+
+            fn bound(&self, slot: usize) -> u64 {
+                match self.clocks.get(&slot) {
+                    Some(&(_, capacity)) if capacity > 0 => capacity.min(self.cache_tokens),
+                    _ => self.cache_tokens,
+                }
+            }
+
+            /// Tokens dispatched to the holder's worker since, if it still
+            /// holds the block.
+            fn age(&self, holder: Option<(usize, u64)>) -> Option<u64> {
+                let (slot, stamp) = holder?;
+                let (clock, _) = self.clocks.get(&slot)?;
+                let age = clock.saturating_sub(stamp);
+                (age < self.bound(slot)).then_some(age)
+            }
+
+            fn fresh(&self, touched_ms: u32, now_ms: u32) -> bool {
+                now_ms.saturating_sub(touched_ms) <= self.max_age_ms
+            }
+
+            pub fn set_capacity(&mut self, slot: usize, capacity: Option<u64>) {
+                let capacity = capacity.unwrap_or(0);
+                if capacity > 0 || self.clocks.contains_key(&slot) {
+                    self.clocks.entry(slot).or_insert((0, 0)).1 = capacity;
+                }
+            }
+
+            pub fn record(&mut self, slot: usize, prefix: &PrefixBlocks, cached: u64, now_ms: u32) {
+                let (keys, tokens_per_block) = self.blocks(prefix);
+                if keys.is_empty() || slot > MAX_SLOT {
+                    return;
+                }
+                let total = keys.len() as u64 * tokens_per_block;
+                let added = total.saturating_sub(cached).max(1);
+                let clock = &mut self.clocks.entry(slot).or_insert((0, 0)).0;
+                *clock = clock.saturating_add(added);
+                let stamp = (*clock).min(STAMP_MASK);
+                for key in keys {
+                    let group = key as usize % self.groups.len();
+                    let way = match (0..WAYS)
+                        .find(|&way| self.groups[group][way].is_some_and(|e| e.key == key))
+                    {
+                        Some(way) => way,
+                        None => {
+                            let way = self.victim(group, now_ms);
+                            self.groups[group][way] = Some(Entry {
+                                key,
+                                touched_ms: now_ms,
+                                holders: [None; HOLDERS],
+                            });
+                            way
+                        }
+                    };
+                    let Some(mut entry) = self.groups[group][way] else {
+                        continue;
+                    };
+                    entry.touched_ms = now_ms;
+                    // Its own holder, else the oldest (expired and empty
+                    // ones oldest of all), the last of equally old ones.
+                    let position = match entry
+                        .holders
+                        .iter()
+                        .position(|h| h.is_some_and(|(s, _)| s == slot))
+                    {
+                        Some(position) => position,
+                        None => {
+                            let mut oldest = 0;
+                            let mut oldest_age = 0;
+                            for (position, holder) in entry.holders.iter().enumerate() {
+                                let age = self.age(*holder).unwrap_or(u64::MAX);
+                                if age >= oldest_age {
+                                    (oldest, oldest_age) = (position, age);
+                                }
+                            }
+                            oldest
+                        }
+                    };
+                    entry.holders[position] = Some((slot, stamp));
+                    self.groups[group][way] = Some(entry);
+                }
+            }
+
+            fn victim(&self, group: usize, now_ms: u32) -> usize {
+                let ways = &self.groups[group];
+                if let Some(way) = (0..WAYS).find(|&way| {
+                    ways[way].is_none_or(|e| {
+                        !self.fresh(e.touched_ms, now_ms)
+                            || e.holders.iter().all(|h| self.age(*h).is_none())
+                    })
+                }) {
+                    return way;
+                }
+                // The least recently dispatched, the first of equals.
+                let mut lru = 0;
+                for way in 1..WAYS {
+                    let since =
+                        |w: usize| ways[w].map_or(0, |e| now_ms.saturating_sub(e.touched_ms));
+                    if since(way) > since(lru) {
+                        lru = way;
+                    }
+                }
+                lru
+            }
+
+            /// Workers still holding block `key`, in holder order.
+            fn holders(&self, key: u64, now_ms: u32) -> Vec<usize> {
+                let group = &self.groups[key as usize % self.groups.len()];
+                group
+                    .iter()
+                    .flatten()
+                    .find(|e| e.key == key && self.fresh(e.touched_ms, now_ms))
+                    .map_or(Vec::new(), |e| {
+                        e.holders
+                            .iter()
+                            .filter(|h| self.age(**h).is_some())
+                            .filter_map(|h| h.map(|(slot, _)| slot))
+                            .collect()
+                    })
+            }
+
+            /// The documented search: from each block on, the last block
+            /// still held by as many workers; each of those holds up to
+            /// there. Returns (slot, cached tokens), at most `HOLDERS`.
+            pub fn lookup(&self, prefix: &PrefixBlocks, now_ms: u32) -> Vec<(usize, u64)> {
+                let (keys, tokens_per_block) = self.blocks(prefix);
+                let mut found: Vec<(usize, u64)> = Vec::new();
+                let mut lo = 0;
+                while lo < keys.len() {
+                    let count = self.holders(keys[lo], now_ms).len();
+                    if count == 0 {
+                        break;
+                    }
+                    let (mut good, mut bad) = (lo, keys.len());
+                    while bad - good > 1 {
+                        let mid = good + (bad - good) / 2;
+                        if self.holders(keys[mid], now_ms).len() >= count {
+                            good = mid;
+                        } else {
+                            bad = mid;
+                        }
+                    }
+                    let tokens = (good as u64 + 1) * tokens_per_block;
+                    for slot in self.holders(keys[good], now_ms) {
+                        if let Some(entry) = found.iter_mut().find(|(s, _)| *s == slot) {
+                            entry.1 = tokens;
+                        } else if found.len() < HOLDERS {
+                            found.push((slot, tokens));
+                        }
+                    }
+                    lo = good + 1;
+                }
+                found
+            }
+
+            /// Way `way` of `group` as the table's words.
+            pub fn words(&self, group: usize, way: usize) -> (u64, u32, [u64; HOLDERS]) {
+                match self.groups[group][way] {
+                    None => (NO_KEY, 0, [0; HOLDERS]),
+                    Some(e) => (
+                        e.key,
+                        e.touched_ms,
+                        e.holders.map(|h| {
+                            h.map_or(0, |(slot, stamp)| ((slot as u64 + 1) << STAMP_BITS) | stamp)
+                        }),
+                    ),
+                }
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Prompt, worker (an index into `SLOTS`), whether the record
+        /// counts what the lookup found cached there, ms to advance first.
+        Dispatch(usize, usize, bool, u32),
+        Capacity(usize, Option<u64>),
+    }
+
+    /// Workers, some past the first 64 slots.
+    const SLOTS: [usize; 6] = [0, 1, 2, 64, 65, 130];
+
+    fn any_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            // Often at the same ms, so that entries tie on their age.
+            8 => (0usize..24, 0..SLOTS.len(), any::<bool>(), prop_oneof![Just(0u32), 1u32..1500])
+                .prop_map(|(prompt, slot, hit, dt)| Op::Dispatch(prompt, slot, hit, dt)),
+            1 => (0..SLOTS.len(), proptest::option::of(0u64..600))
+                .prop_map(|(slot, capacity)| Op::Capacity(slot, capacity)),
+        ]
+    }
+
+    /// Prompt `p`: one of 3 shared prefixes (0 to 5 blocks), then its own
+    /// 0 to 7 blocks, in 16-token blocks.
+    fn prompt(p: usize) -> PrefixBlocks {
+        let mut hashes = chain(p as u64 % 3, p % 6);
+        let mut previous = hashes.last().copied().unwrap_or(0);
+        for i in 0..(p * 5) % 8 {
+            previous = previous.rotate_left(13) ^ (p as u64 * 7919 + i as u64 + 1);
+            hashes.push(previous);
+        }
+        blocks(hashes)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// After every step the table holds exactly what the model does,
+        /// and every lookup (and every question a selection asks of its
+        /// matches) answers as the model's: with a table small enough to
+        /// evict, caches small enough to expire, and entries aged out.
+        #[test]
+        fn the_index_follows_its_plain_model(
+            index_block_tokens in prop_oneof![Just(16u64), Just(32)],
+            cache_tokens in prop_oneof![100u64..2000, 2000u64..50_000],
+            ops in proptest::collection::vec(any_op(), 1..120),
+        ) {
+            let index = PrefixIndex::new(index_block_tokens, cache_tokens, 32, 2.0);
+            let mut model = model::Model::new(index.groups_for_test(), index_block_tokens, cache_tokens, 2000);
+            let mut now_ms = 0u32;
+            for op in ops {
+                match op {
+                    Op::Dispatch(p, worker, hit, dt) => {
+                        now_ms += dt;
+                        let slot = SLOTS[worker];
+                        let prefix = prompt(p);
+                        let found = index.lookup(&prefix, now_ms);
+                        let expected = model.lookup(&prefix, now_ms);
+                        for probe in SLOTS.iter().chain(&[3, 66, 128]) {
+                            let want = expected
+                                .iter()
+                                .find(|(s, _)| s == probe)
+                                .map_or(0, |(_, tokens)| *tokens);
+                            prop_assert_eq!(found.cached_tokens(*probe), want, "slot {}", probe);
+                            prop_assert_eq!(found.holds(*probe), want > 0, "slot {}", probe);
+                        }
+                        let best = expected.iter().map(|(_, t)| *t).max().unwrap_or(0);
+                        prop_assert_eq!(found.max_cached_tokens(), best);
+                        prop_assert_eq!(found.is_empty(), expected.is_empty());
+                        let cached = if hit { found.cached_tokens(slot) } else { 0 };
+                        index.record(slot, &prefix, cached, now_ms);
+                        model.record(slot, &prefix, cached, now_ms);
+                    }
+                    Op::Capacity(worker, capacity) => {
+                        index.set_capacity(SLOTS[worker], capacity);
+                        model.set_capacity(SLOTS[worker], capacity);
+                    }
+                }
+                for group in 0..index.groups_for_test() {
+                    for way in 0..WAYS {
+                        prop_assert_eq!(
+                            index.entry_for_test(group, way),
+                            model.words(group, way),
+                            "group {} way {}", group, way
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
