@@ -87,7 +87,8 @@ where
 }
 
 /// [`handle`] once the body has been read (from `arrived`, when its head
-/// had): what [`crate::h1_server`] calls, having read the body itself.
+/// had): what the router's own HTTP/1.1 server (`h1_server.rs`) calls,
+/// having read the body itself.
 pub async fn handle_read(
     app: Arc<App>,
     parts: http::request::Parts,
