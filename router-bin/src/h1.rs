@@ -603,6 +603,17 @@ pub(crate) enum Framing {
     Done,
 }
 
+impl Framing {
+    /// What is known of the rest of the body's length.
+    pub(crate) fn size_hint(&self) -> SizeHint {
+        match self {
+            Framing::Length { remaining } => SizeHint::with_exact(*remaining),
+            Framing::Done => SizeHint::with_exact(0),
+            Framing::Chunked(_) | Framing::UntilClose => SizeHint::default(),
+        }
+    }
+}
+
 /// Where a chunked body's decoder is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Chunked {
@@ -859,11 +870,7 @@ impl Body for WorkerBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self.framing {
-            Framing::Length { remaining } => SizeHint::with_exact(remaining),
-            Framing::Done => SizeHint::with_exact(0),
-            Framing::Chunked(_) | Framing::UntilClose => SizeHint::default(),
-        }
+        self.framing.size_hint()
     }
 }
 

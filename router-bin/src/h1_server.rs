@@ -557,11 +557,7 @@ impl Body for ClientBody<'_> {
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self.framing {
-            Framing::Length { remaining } => SizeHint::with_exact(remaining),
-            Framing::Done => SizeHint::with_exact(0),
-            Framing::Chunked(_) | Framing::UntilClose => SizeHint::default(),
-        }
+        self.framing.size_hint()
     }
 }
 
