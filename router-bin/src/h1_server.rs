@@ -70,6 +70,19 @@ pub(crate) struct Deadlines {
     pub keepalive: std::time::Duration,
 }
 
+impl Deadlines {
+    /// When a connection's one timer looks next, from `now`: at `due` (the
+    /// deadline, if any), but no later than the shorter of the two timeouts
+    /// from now. Nothing re-arms the timer between its firings, and any
+    /// deadline that begins meanwhile (a request ends, a new head's first
+    /// byte arrives) lies at least that far past its start, so the timer
+    /// fires in time for it and is then re-armed to it exactly.
+    pub fn next_check(&self, due: Option<Instant>, now: Instant) -> Instant {
+        let bound = now + self.header.min(self.keepalive);
+        due.map_or(bound, |due| due.max(now).min(bound))
+    }
+}
+
 /// A connection that goes on under hyper: its socket, and what was read
 /// from it and not yet served (the start of the next request).
 #[derive(Debug)]
@@ -170,14 +183,9 @@ struct HeadWait {
 }
 
 impl HeadWait {
-    /// When the timer looks next, from `now`: the deadline, but no later
-    /// than the shorter of the two timeouts from now. Nothing re-arms the
-    /// timer while a request is served, and the deadline that follows one
-    /// lies at least that far past its end, so a timer that fires in time
-    /// for it is re-armed to it exactly.
+    /// When the timer looks next ([`Deadlines::next_check`]).
     fn next_check(&self, deadlines: Deadlines, now: Instant) -> Instant {
-        let bound = now + deadlines.header.min(deadlines.keepalive);
-        self.deadline(deadlines).max(now).min(bound)
+        deadlines.next_check(Some(self.deadline(deadlines)), now)
     }
 
     fn deadline(&self, deadlines: Deadlines) -> Instant {

@@ -529,16 +529,9 @@ impl Activity {
         }
     }
 
-    /// When the watchdog looks next, from `now`: the deadline, but no later
-    /// than one `client_header_timeout_ms` (and `keepalive_timeout_ms`) from
-    /// now. Nothing re-arms the timer between its firings, so it must fire
-    /// in time for any deadline that may begin meanwhile: a request that
-    /// starts and ends, or a new head whose first byte arrives, can set a
-    /// deadline no sooner than that bound.
+    /// When the watchdog looks next ([`Deadlines::next_check`]).
     fn next_check(&self, deadlines: Deadlines, now: Instant) -> Instant {
-        let bound = now + deadlines.header.min(deadlines.keepalive);
-        self.deadline(deadlines)
-            .map_or(bound, |due| due.max(now).min(bound))
+        deadlines.next_check(self.deadline(deadlines), now)
     }
 
     /// When the connection is due to close, if nothing changes; `None`
