@@ -16,7 +16,12 @@
 //! system prefixes of 4096 tokens. Every prompt is dispatched once before
 //! measuring, so the index is warm (and, at the default
 //! `prefix_index_max_blocks`, full: its sweeps are part of the cost), and each
-//! selection includes the lookup and the record of its dispatch.
+//! selection includes the lookup and the record of its dispatch. Its 8192
+//! prompts' hashes (32 MiB) are cold when a selection reads them;
+//! `least_load_prefix_fresh` copies each request's hashes just before its
+//! batch of 16 selections (untimed), as the router's hasher writes them
+//! just before its selection, so the two rows' difference is the cost of
+//! reading the request's own hashes from memory.
 //!
 //! `least_load` alone is also measured at 16, 256 and 4096 workers, so its
 //! rows at 16 to 4096 show how selection cost grows with the fleet.
@@ -157,14 +162,9 @@ fn run_from(
     let mut at = now;
     for i in from..from + iters as usize {
         at = now + tick.saturating_mul(u32::try_from(i).unwrap_or(u32::MAX));
-        if let Some(dispatch) = open[i % WINDOW].take() {
-            policy.finish(&dispatch, at);
-        }
-        open[i % WINDOW] = black_box(policy.select(ids, &request(i), at));
+        select_in_window(policy, ids, &mut open, i, &request(i), at);
     }
-    for dispatch in open.iter().flatten() {
-        policy.finish(dispatch, at);
-    }
+    finish_window(policy, &open, at);
 }
 
 /// The prefix rows' fleet size and traffic (see the module docs).
@@ -221,15 +221,80 @@ fn run_prompts(
 ) {
     let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
     for i in 0..iters as usize {
-        if let Some(dispatch) = open[i % WINDOW].take() {
-            policy.finish(&dispatch, now);
-        }
-        let request = &prompts[(start + i) % prompts.len()];
-        open[i % WINDOW] = black_box(policy.select(ids, request, now));
+        select_in_window(
+            policy,
+            ids,
+            &mut open,
+            i,
+            &prompts[(start + i) % prompts.len()],
+            now,
+        );
     }
+    finish_window(policy, &open, now);
+}
+
+/// Selection `i` of a run: finishes the one WINDOW selections back, then
+/// selects for `request`.
+fn select_in_window(
+    policy: &dyn Policy,
+    ids: &[WorkerId],
+    open: &mut [Option<Dispatch>; WINDOW],
+    i: usize,
+    request: &RequestInfo,
+    now: Instant,
+) {
+    if let Some(dispatch) = open[i % WINDOW].take() {
+        policy.finish(&dispatch, now);
+    }
+    open[i % WINDOW] = black_box(policy.select(ids, request, now));
+}
+
+/// Finishes the dispatches a run left open.
+fn finish_window(policy: &dyn Policy, open: &[Option<Dispatch>; WINDOW], now: Instant) {
     for dispatch in open.iter().flatten() {
         policy.finish(dispatch, now);
     }
+}
+
+/// Requests handed to the policy between two reads of the clock in
+/// [`run_fresh_prompts`]: their hashes (4 KiB each) stay in the core's cache.
+const FRESH_BATCH: usize = 16;
+
+/// [`run_prompts`], but each request's hashes are copied into a fresh
+/// allocation just before its batch is selected, untimed, as the router's
+/// hasher writes them just before its selection; returns the time spent
+/// selecting.
+fn run_fresh_prompts(
+    policy: &dyn Policy,
+    ids: &[WorkerId],
+    prompts: &[RequestInfo],
+    start: usize,
+    iters: u64,
+    now: Instant,
+) -> Duration {
+    let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
+    let mut selecting = Duration::ZERO;
+    let mut batch: Vec<RequestInfo> = Vec::with_capacity(FRESH_BATCH);
+    let mut done = 0usize;
+    while done < iters as usize {
+        let size = FRESH_BATCH.min(iters as usize - done);
+        batch.clear();
+        batch.extend((done..done + size).map(|i| {
+            let prompt = &prompts[(start + i) % prompts.len()];
+            RequestInfo::new(prompt.tokens).prefix_blocks(PrefixBlocks::new(
+                prompt.prefix.block_tokens(),
+                prompt.prefix.hashes().to_vec(),
+            ))
+        }));
+        let began = Instant::now();
+        for (offset, request) in batch.iter().enumerate() {
+            select_in_window(policy, ids, &mut open, done + offset, request, now);
+        }
+        selecting += began.elapsed();
+        done += size;
+    }
+    finish_window(policy, &open, now);
+    selecting
 }
 
 /// A `least_load` fleet whose prefix index has seen every prompt once, and
@@ -418,6 +483,12 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
             });
             group.bench_function(format!("least_load_prefix/{workers}/2-thread"), |b| {
                 b.iter_custom(|iters| contended(iters, run_prefix));
+            });
+            group.bench_function(format!("least_load_prefix_fresh/{workers}"), |b| {
+                b.iter_custom(|iters| {
+                    let start = next.fetch_add(iters as usize, Ordering::Relaxed);
+                    run_fresh_prompts(policy, &ids, &prompts, start, iters, now)
+                });
             });
         }
         let original = Original::new(workers);
