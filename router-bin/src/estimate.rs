@@ -18,7 +18,9 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use crate::config::RequestConfig;
-use crate::prefix_hash::{self, PrefixHashing, RawPrompt, Unhashed};
+use crate::prefix_hash::{
+    self, MessageText, PrefixHashing, RawPrompt, Unhashed, json_str_chars, skip_whitespace,
+};
 
 /// What [`read_request`] found.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,15 +92,16 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
         .and_then(|raw| serde_json::from_str::<Cow<'_, str>>(raw.get()).ok())
         .map(|model| Arc::<str>::from(model.as_ref()));
     let streaming = stream.is_some_and(|raw| raw.get() == "true");
-    let tokens = raw_token_count(input_ids, prompt, text, messages, chars_per_token);
     let raw_prompt = RawPrompt {
         input_ids,
         prompt,
         text,
         messages,
     };
-    let (prefix, prefix_unhashed) =
-        split_hashed(prefix_hash::hash_raw(raw_prompt, &prefix_hashing(config)));
+    // A chat hashed is a chat counted: its messages are read once.
+    let (hashed, message_text) = prefix_hash::hash_raw(raw_prompt, &prefix_hashing(config));
+    let tokens = raw_token_count(raw_prompt, message_text, chars_per_token);
+    let (prefix, prefix_unhashed) = split_hashed(hashed);
     let max_output_tokens = match (max_completion, max_tokens) {
         (Some(raw), _) | (None, Some(raw)) => serde_json::from_str::<u64>(raw.get()).ok(),
         (None, None) => sampling.and_then(|raw| {
@@ -126,28 +129,25 @@ fn split_hashed(hashed: Result<PrefixBlocks, Unhashed>) -> (PrefixBlocks, Option
     }
 }
 
+/// As [`token_count`], on the raw prompt fields; `message_text` is the
+/// messages' text if the hashing already counted it.
 fn raw_token_count(
-    input_ids: Option<&RawValue>,
-    prompt: Option<&RawValue>,
-    text: Option<&RawValue>,
-    messages: Option<&RawValue>,
+    prompt: RawPrompt<'_>,
+    message_text: Option<MessageText>,
     chars_per_token: f64,
 ) -> TokenCount {
-    for ids in [input_ids, prompt] {
+    for ids in [prompt.input_ids, prompt.prompt] {
         if let Some(count) = ids.and_then(raw_token_ids) {
             return TokenCount::Exact(count);
         }
     }
-    let mut chars = 0usize;
-    let mut any_text = false;
-    if let Some(messages) = messages {
-        let _ = for_each_item(messages, |message| {
-            if let Some([content]) = fields_of(message, &["content"]) {
-                any_text |= raw_add_text(content, &mut chars);
-            }
-        });
-    }
-    for value in [prompt, text] {
+    let MessageText {
+        mut chars,
+        any: mut any_text,
+    } = message_text
+        .or_else(|| prompt.messages.map(prefix_hash::message_text))
+        .unwrap_or_default();
+    for value in [prompt.prompt, prompt.text] {
         any_text |= raw_add_text(value, &mut chars);
     }
     if !any_text {
@@ -156,38 +156,66 @@ fn raw_token_count(
     TokenCount::Estimated((chars as f64 / chars_per_token).ceil() as u64)
 }
 
-/// As [`token_ids`], on a raw value.
+/// As [`token_ids`], on a raw value: scanned by hand, since the body was
+/// validated when it was read and a list of ids is most of such a body.
 fn raw_token_ids(raw: &RawValue) -> Option<u64> {
-    if !raw.get().starts_with('[') {
+    let bytes = raw.get().as_bytes();
+    if bytes.first() != Some(&b'[') {
         return None;
     }
-    let (mut flat, mut nested, mut items) = (true, true, 0u64);
-    let mut nested_sum = 0u64;
-    for_each_item(raw, |item| {
-        items += 1;
-        let text = item.get();
-        flat &= serde_json::from_str::<u64>(text).is_ok();
-        if nested {
-            let mut all_ids = text.starts_with('[');
-            let mut len = 0u64;
-            if all_ids {
-                let _ = for_each_item(item, |id| {
-                    len += 1;
-                    all_ids &= serde_json::from_str::<u64>(id.get()).is_ok();
-                });
+    let first = skip_whitespace(bytes, 1);
+    match bytes.get(first)? {
+        b']' => None,
+        // A batch: every item a list of ids.
+        b'[' => {
+            let (mut ids, mut at) = (0u64, first);
+            loop {
+                let (count, next) = raw_id_list(bytes, at)?;
+                ids += count;
+                at = skip_whitespace(bytes, next);
+                match bytes.get(at)? {
+                    b',' => at = skip_whitespace(bytes, at + 1),
+                    _ => return Some(ids),
+                }
             }
-            nested &= all_ids;
-            nested_sum += len;
         }
-    })
-    .ok()?;
-    if items == 0 {
+        _ => raw_id_list(bytes, 0).map(|(count, _)| count),
+    }
+}
+
+/// The ids in the list that opens at `bytes[at]` and the index after it,
+/// `None` unless it is a list of integers from 0 to `u64::MAX` (what
+/// `Value::is_u64` accepts: digits only, as JSON writes them).
+fn raw_id_list(bytes: &[u8], at: usize) -> Option<(u64, usize)> {
+    if bytes.get(at) != Some(&b'[') {
         return None;
     }
-    if flat {
-        return Some(items);
+    let mut at = skip_whitespace(bytes, at + 1);
+    if bytes.get(at) == Some(&b']') {
+        return Some((0, at + 1));
     }
-    nested.then_some(nested_sum)
+    let mut count = 0u64;
+    loop {
+        let mut value = 0u64;
+        let start = at;
+        while let Some(digit) = bytes.get(at).filter(|b| b.is_ascii_digit()) {
+            value = value
+                .checked_mul(10)?
+                .checked_add(u64::from(digit - b'0'))?;
+            at += 1;
+        }
+        if at == start {
+            return None;
+        }
+        count += 1;
+        at = skip_whitespace(bytes, at);
+        match bytes.get(at)? {
+            b',' => at = skip_whitespace(bytes, at + 1),
+            b']' => return Some((count, at + 1)),
+            // A sign, fraction or exponent: not an id.
+            _ => return None,
+        }
+    }
 }
 
 /// As [`add_text`], on a raw value.
@@ -197,13 +225,10 @@ fn raw_add_text(value: Option<&RawValue>, chars: &mut usize) -> bool {
     };
     let text = raw.get();
     if text.starts_with('"') {
-        return match serde_json::from_str::<Cow<'_, str>>(text) {
-            Ok(text) => {
-                *chars += text.chars().count();
-                true
-            }
-            Err(_) => false,
-        };
+        return json_str_chars(text).is_some_and(|count| {
+            *chars += count;
+            true
+        });
     }
     if !text.starts_with('[') {
         return false;
@@ -215,10 +240,8 @@ fn raw_add_text(value: Option<&RawValue>, chars: &mut usize) -> bool {
         } else {
             fields_of(item, &["text"]).and_then(|[text]| text)
         };
-        if let Some(text) =
-            text.and_then(|text| serde_json::from_str::<Cow<'_, str>>(text.get()).ok())
-        {
-            *chars += text.chars().count();
+        if let Some(count) = text.and_then(|text| json_str_chars(text.get())) {
+            *chars += count;
             found = true;
         }
     });
@@ -597,6 +620,44 @@ mod tests {
         let read = read_request(repeated, &cpt(4.0)).unwrap();
         assert!(read.info.streaming);
         assert_eq!(read.info.model.as_deref(), Some("b"));
+    }
+
+    /// Token id lists as clients write them, spaces and all: the raw
+    /// scanner counts what the parsed reader does.
+    #[test]
+    fn raw_token_ids_are_counted_as_the_parsed_reader_counts_them() {
+        let bodies = [
+            r#"{"input_ids": [ 1 , 2,3 ]}"#,
+            "{\"input_ids\": [\n  1,\n  2\r\n ]}",
+            r#"{"input_ids": [[ 1, 2 ] , [3], [ ]]}"#,
+            r#"{"input_ids": [[], []], "prompt": "text"}"#,
+            r#"{"input_ids": [ ], "prompt": [ 7 ]}"#,
+            r#"{"input_ids": [18446744073709551615, 0]}"#,
+            r#"{"input_ids": [18446744073709551616], "text": "abcd"}"#,
+            r#"{"input_ids": [1, -2], "text": "abcd"}"#,
+            r#"{"input_ids": [-0], "text": "abcd"}"#,
+            r#"{"input_ids": [1.5, 2], "text": "abcd"}"#,
+            r#"{"input_ids": [1e3], "text": "abcd"}"#,
+            r#"{"input_ids": [1, [2]], "text": "abcd"}"#,
+            r#"{"input_ids": [[1], 2], "text": "abcd"}"#,
+            r#"{"input_ids": [[1, "a"]], "text": "abcd"}"#,
+            r#"{"input_ids": ["1"], "text": "abcd"}"#,
+            r#"{"input_ids": {"a": 1}, "prompt": [[4, 5], [6]]}"#,
+            r#"{"input_ids": null, "prompt": [ [ 4 ,5 ] ]}"#,
+        ];
+        for raw in bodies {
+            let parsed: Value = serde_json::from_str(raw).unwrap();
+            let read = read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+            assert_eq!(
+                read.info.tokens,
+                request_info(&parsed, &cpt(4.0)).tokens,
+                "{raw}"
+            );
+        }
+        let count = |raw: &str| read_request(raw.as_bytes(), &cpt(4.0)).unwrap().info.tokens;
+        assert_eq!(count(bodies[0]), TokenCount::Exact(3));
+        assert_eq!(count(bodies[2]), TokenCount::Exact(3));
+        assert_eq!(count(bodies[6]), TokenCount::Estimated(1));
     }
 
     #[test]

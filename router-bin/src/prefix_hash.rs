@@ -281,6 +281,71 @@ fn hex4(bytes: &[u8], at: usize) -> Option<u32> {
     u32::from_str_radix(digits, 16).ok()
 }
 
+/// The characters of a raw JSON string (quotes included) once its escapes
+/// are decoded, counted where it lies: what
+/// `serde_json::from_str::<Cow<str>>(raw)` then `chars().count()` gives,
+/// and `None` where that fails (not a string, or a lone surrogate escape).
+pub(crate) fn json_str_chars(raw: &str) -> Option<usize> {
+    let inner = raw.strip_prefix('"')?.strip_suffix('"')?;
+    let bytes = inner.as_bytes();
+    // A byte that does not continue a UTF-8 sequence starts a character.
+    let count = |run: &[u8]| run.iter().filter(|&&b| (b as i8) >= -0x40).count();
+    let mut chars = 0;
+    let mut at = 0;
+    while let Some(offset) = memchr::memchr(b'\\', &bytes[at..]) {
+        chars += count(&bytes[at..at + offset]);
+        at = escape_end(bytes, at + offset)?;
+        chars += 1;
+    }
+    Some(chars + count(&bytes[at..]))
+}
+
+/// The index after the escape at `bytes[at]` (a backslash), `None` for one
+/// that does not decode to a character (a lone surrogate, or not an escape).
+fn escape_end(bytes: &[u8], at: usize) -> Option<usize> {
+    match *bytes.get(at + 1)? {
+        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(at + 2),
+        b'u' => match hex4(bytes, at + 2)? {
+            0xD800..0xDC00 => {
+                let low = (bytes.get(at + 6..at + 8)? == b"\\u")
+                    .then(|| hex4(bytes, at + 8))
+                    .flatten()?;
+                (0xDC00..0xE000).contains(&low).then_some(at + 12)
+            }
+            0xDC00..0xE000 => None,
+            _ => Some(at + 6),
+        },
+        _ => None,
+    }
+}
+
+/// The text of a chat's messages as the token estimate counts it: the
+/// characters of every text part, and whether there was any.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MessageText {
+    pub chars: usize,
+    pub any: bool,
+}
+
+impl MessageText {
+    /// Counts a raw JSON value if it is a string.
+    fn count(&mut self, raw: &str) {
+        if let Some(chars) = json_str_chars(raw) {
+            self.chars += chars;
+            self.any = true;
+        }
+    }
+}
+
+/// Counts the text of a raw chat's messages ([`MessageText`]) without
+/// hashing it.
+pub fn message_text(messages: &RawValue) -> MessageText {
+    let mut text = MessageText::default();
+    // A chain that takes no block: only the count is kept.
+    raw_chat(&mut Chain::new(TEXT_SEED, 1, 0), messages, &mut text);
+    text
+}
+
 /// Which field holds the prompt (see the module docs).
 enum Source<T> {
     Ids(T),
@@ -288,11 +353,16 @@ enum Source<T> {
     Text(T),
 }
 
-/// Hashes the prompt of a raw body.
-pub fn hash_raw(prompt: RawPrompt<'_>, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
+/// Hashes the prompt of a raw body. When that prompt is the chat's
+/// messages, the same pass counts their text, returned beside the hashes
+/// (`None`: the messages were not read; [`message_text`] counts them).
+pub fn hash_raw(
+    prompt: RawPrompt<'_>,
+    hashing: &PrefixHashing,
+) -> (Result<PrefixBlocks, Unhashed>, Option<MessageText>) {
     let max_blocks = hashing.max_blocks();
     if max_blocks == 0 || hashing.block_tokens == 0 {
-        return Err(Unhashed::Disabled);
+        return (Err(Unhashed::Disabled), None);
     }
     fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
         raw.filter(|raw| raw.get() != "null")
@@ -306,41 +376,52 @@ pub fn hash_raw(prompt: RawPrompt<'_>, hashing: &PrefixHashing) -> Result<Prefix
     } else if let Some(text) = present(prompt.prompt).or(present(prompt.text)) {
         Source::Text(text)
     } else {
-        return Err(Unhashed::NoPrompt);
+        return (Err(Unhashed::NoPrompt), None);
     };
     match source {
         Source::Ids(raw) => {
             let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
-            raw_ids(&mut chain, raw.get())?;
-            chain.into_blocks(hashing.block_tokens)
+            let hashed = raw_ids(&mut chain, raw.get())
+                .and_then(|()| chain.into_blocks(hashing.block_tokens));
+            (hashed, None)
         }
         Source::Chat(raw) => {
             let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
-            if !raw_chat(&mut chain, raw) {
-                return Err(Unhashed::NoPrompt);
-            }
-            chain.into_blocks(hashing.block_tokens)
-        }
-        Source::Text(raw) => {
-            let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
-            let text = match raw.get().as_bytes().first() {
-                Some(b'"') => raw,
-                Some(b'[') => {
-                    let mut first = None;
-                    let _ = for_each_item_while(raw, |item| {
-                        first = Some(item);
-                        false
-                    });
-                    first.ok_or(Unhashed::NoPrompt)?
-                }
-                _ => return Err(Unhashed::NoPrompt),
+            let mut text = MessageText::default();
+            let hashed = if raw_chat(&mut chain, raw, &mut text) {
+                chain.into_blocks(hashing.block_tokens)
+            } else {
+                Err(Unhashed::NoPrompt)
             };
-            if !chain.push_json_str(text.get()) {
-                return Err(Unhashed::NoPrompt);
-            }
-            chain.into_blocks(hashing.block_tokens)
+            (hashed, Some(text))
         }
+        Source::Text(raw) => (hash_raw_text(raw, hashing, max_blocks), None),
     }
+}
+
+/// Hashes a raw `prompt` or `text`: a string, or the first of a list.
+fn hash_raw_text(
+    raw: &RawValue,
+    hashing: &PrefixHashing,
+    max_blocks: usize,
+) -> Result<PrefixBlocks, Unhashed> {
+    let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
+    let text = match raw.get().as_bytes().first() {
+        Some(b'"') => raw,
+        Some(b'[') => {
+            let mut first = None;
+            let _ = for_each_item_while(raw, |item| {
+                first = Some(item);
+                false
+            });
+            first.ok_or(Unhashed::NoPrompt)?
+        }
+        _ => return Err(Unhashed::NoPrompt),
+    };
+    if !chain.push_json_str(text.get()) {
+        return Err(Unhashed::NoPrompt);
+    }
+    chain.into_blocks(hashing.block_tokens)
 }
 
 /// Whether a raw `prompt` is token ids: a list whose first item is a
@@ -394,7 +475,9 @@ fn raw_ids(chain: &mut Chain, raw: &str) -> Result<(), Unhashed> {
     if any { Ok(()) } else { Err(Unhashed::NoPrompt) }
 }
 
-fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
+/// The index of the first byte at or after `at` that is not JSON
+/// whitespace.
+pub(crate) fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
     while bytes.get(at).is_some_and(|b| b.is_ascii_whitespace()) {
         at += 1;
     }
@@ -427,49 +510,50 @@ fn read_id(bytes: &[u8], at: usize) -> Result<(u32, usize), Unhashed> {
     Ok((id as u32, end))
 }
 
-/// Pushes a raw chat's messages until the chain is full; whether any text
-/// part was found. Each message's `role` and `content` are captured in the
-/// one pass over the array, and a string content is pushed from where it
-/// lies.
-fn raw_chat(chain: &mut Chain, messages: &RawValue) -> bool {
+/// Reads a raw chat's messages in one pass: pushes their layout onto the
+/// chain until it is full, and counts the text of every message into
+/// `text` (the token estimate reads the whole chat, the hash only its
+/// leading blocks); whether any text part was pushed. Each message's `role`
+/// and `content` are captured where they lie, and a string content is
+/// pushed and counted from there.
+fn raw_chat(chain: &mut Chain, messages: &RawValue, text: &mut MessageText) -> bool {
     if !messages.get().starts_with('[') {
         return false;
     }
     let mut found = false;
     let _ = for_each_object_while(messages, &["role", "content"], |fields| {
-        if chain.is_full() {
-            return false;
-        }
         let Some([role, content]) = fields else {
             return true;
         };
-        chain.push(&[MESSAGE]);
-        if let Some(role) = role {
-            chain.push_json_str(role.get());
+        if !chain.is_full() {
+            chain.push(&[MESSAGE]);
+            if let Some(role) = role {
+                chain.push_json_str(role.get());
+            }
+            chain.push(&[CONTENT]);
         }
-        chain.push(&[CONTENT]);
         let Some(content) = content else {
             return true;
         };
-        match content.get().as_bytes().first() {
-            Some(b'"') => {
+        let mut part = |raw: &RawValue| {
+            text.count(raw.get());
+            if raw.get().starts_with('"') && !chain.is_full() {
                 chain.push(&[PART]);
-                found |= chain.push_json_str(content.get());
+                found |= chain.push_json_str(raw.get());
             }
+        };
+        match content.get().as_bytes().first() {
+            Some(b'"') => part(content),
             Some(b'[') => {
                 // Parts are few and small beside the text they hold.
-                let _ = for_each_item_while(content, |part| {
-                    if chain.is_full() {
-                        return false;
-                    }
-                    let text = if part.get().starts_with('"') {
-                        Some(part)
+                let _ = for_each_item_while(content, |item| {
+                    let raw = if item.get().starts_with('"') {
+                        Some(item)
                     } else {
-                        fields_of(part, &["text"]).and_then(|[text]| text)
+                        fields_of(item, &["text"]).and_then(|[text]| text)
                     };
-                    if let Some(text) = text.filter(|text| text.get().starts_with('"')) {
-                        chain.push(&[PART]);
-                        found |= chain.push_json_str(text.get());
+                    if let Some(raw) = raw {
+                        part(raw);
                     }
                     true
                 });
@@ -665,6 +749,7 @@ mod tests {
             },
             hashing,
         )
+        .0
     }
 
     /// Both readers' answer, held to be the same.
@@ -971,7 +1056,7 @@ mod tests {
         let ids: Vec<u32> = (0..10_000_000).collect();
         let blocks = hashed(&json!({"input_ids": ids}), &hashing).unwrap();
         assert_eq!(blocks.hashes().len(), 512);
-        // Many small messages stop being read at the bound too.
+        // Many small messages are hashed up to the bound too.
         let many: Vec<Value> = (0..100_000)
             .map(|i| json!({"role": "user", "content": format!("message {i}")}))
             .collect();
@@ -997,5 +1082,107 @@ mod tests {
         assert_eq!(at(3, 0.1), 100); // rounds up to 1 byte
         assert_eq!(at(1, f64::NAN), 100); // an unvalidated ratio degrades to 1 byte
         assert_eq!(at(64, 1e12), 0); // clamped to 1 MiB: no full block
+    }
+
+    #[test]
+    fn a_strings_characters_are_counted_as_serde_json_decodes_them() {
+        let decoded = |raw: &str| {
+            serde_json::from_str::<std::borrow::Cow<'_, str>>(raw)
+                .ok()
+                .map(|text| text.chars().count())
+        };
+        let mut raws: Vec<String> = [
+            r#""""#,
+            r#""plain ascii""#,
+            r#""caf\u00e9 and café""#,
+            r#""\ud83d\ude00 and 😀""#,
+            r#""quotes \" and \\ and \/ \b\f\n\r\t""#,
+            r#""\u0000\u001f""#,
+            // Lone surrogates: serde_json refuses them, and so does the count.
+            r#""\ud83d""#,
+            r#""a\ud83d b""#,
+            r#""\ud83d\u0041""#,
+            r#""\ude00""#,
+            r#""\ud83d\n""#,
+            // Not strings.
+            "7",
+            "[\"a\"]",
+            "null",
+        ]
+        .iter()
+        .map(|raw| (*raw).to_owned())
+        .collect();
+        // Every character below 0x800 and a sample above, escaped by serde_json
+        // where it must be, and each also as a \u escape.
+        for code in (0..0x800).chain((0x800..0x11_0000).step_by(997)) {
+            let Some(c) = char::from_u32(code) else {
+                continue;
+            };
+            let literal = serde_json::to_string(&format!("x{c}y")).unwrap();
+            let mut units = [0u16; 2];
+            let escaped: String = c
+                .encode_utf16(&mut units)
+                .iter()
+                .map(|unit| format!("\\u{unit:04x}"))
+                .collect();
+            raws.push(literal);
+            raws.push(format!("\"x{escaped}y\""));
+        }
+        for raw in &raws {
+            assert_eq!(json_str_chars(raw), decoded(raw), "{raw}");
+        }
+    }
+
+    #[test]
+    fn a_hashed_chat_is_counted_in_the_same_pass() {
+        // Escaped in the body: quotes, backslashes, a newline.
+        let text = long("a \"quoted\" \\ line\n", 300);
+        let body = json!({"messages": [
+            {"role": "system", "content": text},
+            {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "image_url"}, "de", {"text": 5}]},
+            "not a message",
+            {"role": "assistant"},
+        ]});
+        let raw: HashMap<String, Box<RawValue>> =
+            serde_json::from_str(&serde_json::to_string(&body).unwrap()).unwrap();
+        let messages = &*raw["messages"];
+        let prompt = RawPrompt {
+            messages: Some(messages),
+            ..RawPrompt::default()
+        };
+        let want = MessageText {
+            chars: 300 + 3 + 2,
+            any: true,
+        };
+        // Hashed, counted with it; off, the count alone reads the same.
+        let (hashed, counted) = hash_raw(prompt, &SMALL);
+        assert!(hashed.is_ok());
+        assert_eq!(counted, Some(want));
+        assert_eq!(message_text(messages), want);
+        // Only the first blocks are hashed, but every message is counted.
+        let short = PrefixHashing {
+            max_tokens: 8,
+            ..SMALL
+        };
+        let (hashed, counted) = hash_raw(prompt, &short);
+        assert_eq!(hashed.map(|blocks| blocks.hashes().len()), Ok(2));
+        assert_eq!(counted, Some(want));
+        let off = PrefixHashing {
+            max_tokens: 0,
+            ..SMALL
+        };
+        assert_eq!(hash_raw(prompt, &off), (Err(Unhashed::Disabled), None));
+        // A chat with no text part at all.
+        let images: Box<RawValue> =
+            serde_json::from_str(r#"[{"role": "user", "content": [{"type": "image_url"}]}]"#)
+                .unwrap();
+        let images = RawPrompt {
+            messages: Some(&*images),
+            ..RawPrompt::default()
+        };
+        assert_eq!(
+            hash_raw(images, &SMALL),
+            (Err(Unhashed::NoPrompt), Some(MessageText::default()))
+        );
     }
 }
