@@ -19,7 +19,8 @@ use serde_json::value::RawValue;
 
 use crate::config::RequestConfig;
 use crate::prefix_hash::{
-    self, MessageText, PrefixHashing, RawPrompt, Unhashed, json_str_chars, skip_whitespace,
+    self, MessageText, PrefixHashing, RawPrompt, Unhashed, json_str_chars, read_uint,
+    skip_whitespace,
 };
 
 /// What [`read_request`] found.
@@ -196,17 +197,7 @@ fn raw_id_list(bytes: &[u8], at: usize) -> Option<(u64, usize)> {
     }
     let mut count = 0u64;
     loop {
-        let mut value = 0u64;
-        let start = at;
-        while let Some(digit) = bytes.get(at).filter(|b| b.is_ascii_digit()) {
-            value = value
-                .checked_mul(10)?
-                .checked_add(u64::from(digit - b'0'))?;
-            at += 1;
-        }
-        if at == start {
-            return None;
-        }
+        (_, at) = read_uint(bytes, at, u64::MAX)?;
         count += 1;
         at = skip_whitespace(bytes, at);
         match bytes.get(at)? {

@@ -484,30 +484,34 @@ pub(crate) fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
     at
 }
 
+/// The unsigned JSON integer at `bytes[at]` if it is at most `max`, and
+/// the index after its digits; `None` for no digits or a larger value.
+/// Digits only: a sign, fraction or exponent is left for the caller to
+/// find at the returned index.
+pub(crate) fn read_uint(bytes: &[u8], at: usize, max: u64) -> Option<(u64, usize)> {
+    let mut value = 0u64;
+    let mut end = at;
+    while let Some(digit) = bytes.get(end).filter(|b| b.is_ascii_digit()) {
+        value = value
+            .checked_mul(10)?
+            .checked_add(u64::from(digit - b'0'))
+            .filter(|value| *value <= max)?;
+        end += 1;
+    }
+    (end > at).then_some((value, end))
+}
+
 /// The token id that starts at `bytes[at]` and the index after it. Digits
 /// only: a sign, fraction or exponent is out of range, as `Value::as_u64`
 /// and `u32::try_from` find, and so is anything above `u32::MAX`.
 fn read_id(bytes: &[u8], at: usize) -> Result<(u32, usize), Unhashed> {
-    let mut id: u64 = 0;
-    let mut end = at;
-    while let Some(&b) = bytes.get(end) {
-        match b {
-            b'0'..=b'9' => {
-                id = id * 10 + u64::from(b - b'0');
-                if id > u64::from(u32::MAX) {
-                    return Err(Unhashed::InvalidTokenIds);
-                }
-            }
-            b'-' | b'+' | b'.' | b'e' | b'E' => return Err(Unhashed::InvalidTokenIds),
-            _ => break,
-        }
-        end += 1;
-    }
-    if end == at {
+    let (id, end) = read_uint(bytes, at, u64::from(u32::MAX)).ok_or(Unhashed::InvalidTokenIds)?;
+    if matches!(bytes.get(end), Some(b'-' | b'+' | b'.' | b'e' | b'E')) {
         return Err(Unhashed::InvalidTokenIds);
     }
-    // `id` is at most `u32::MAX` here.
-    Ok((id as u32, end))
+    u32::try_from(id)
+        .map(|id| (id, end))
+        .map_err(|_| Unhashed::InvalidTokenIds)
 }
 
 /// Reads a raw chat's messages in one pass: pushes their layout onto the
