@@ -1,24 +1,29 @@
 //! What every HTTP load source shares, behind the `http` feature: the check
 //! of an `http://` base address, and one GET of a load report (accept and
 //! bearer headers, status, content type, a capped body) with every failure
-//! as a [`LoadError`]. The router's own HTTP client ([`pooled_client`],
+//! as a [`LoadError`]. The router's control-plane client ([`pooled_client`],
 //! [`read_capped`]) is built from the same pieces.
 //!
-//! It runs on hyper's pooled client directly: a poll parses no URL and
-//! builds no client, so polling a thousand workers every second stays a few
-//! percent of one core.
+//! A poll runs on the router's own HTTP/1.1 client ([`crate::h1`]): one
+//! kept-alive connection per load endpoint, a request head written in one
+//! system call and the answer read in the polling task, with no URL parsed,
+//! no client built and no connection task woken, so polling a thousand
+//! workers every second stays a few percent of one core.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, InvalidHeaderValue};
-use http::{HeaderValue, Request, StatusCode, Uri};
-use http_body_util::{BodyExt, Empty};
+use http::header::{ACCEPT, CONTENT_TYPE, InvalidHeaderValue};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use policy_core::{BackendError, LoadError, SourceOptions};
+
+use crate::h1;
 
 /// How long an idle poll connection stays open. Longer than any sane poll
 /// interval, so a worker polled every few seconds keeps one connection.
@@ -102,11 +107,17 @@ impl ReportFormat {
     }
 }
 
-/// One load endpoint: its URL (for errors), parsed once, and its format.
+/// One load endpoint: its URL (for errors), split once into the worker's
+/// connection pool and the path asked for, and its format.
 #[derive(Debug, Clone)]
 pub struct ReportUrl {
     url: String,
-    uri: Uri,
+    /// Kept-alive connections to the endpoint's server (its base address).
+    pool: Arc<h1::Pool>,
+    path: String,
+    query: Option<String>,
+    /// The `Accept` header the format asks with.
+    headers: HeaderMap,
     format: ReportFormat,
     /// The endpoint's name in [`LoadError::Unsupported`] (`/v1/loads`).
     what: &'static str,
@@ -121,13 +132,30 @@ impl ReportUrl {
         what: &'static str,
     ) -> Result<ReportUrl, BackendError> {
         let url = format!("{base}{path_and_query}");
-        let uri = url.parse().map_err(|_| BackendError::InvalidAddress {
+        let invalid = |reason| BackendError::InvalidAddress {
             url: url.clone(),
-            reason: "not a valid URL",
-        })?;
+            reason,
+        };
+        url.parse::<Uri>().map_err(|_| invalid("not a valid URL"))?;
+        let pool = h1::Pool::new(base);
+        if !pool.is_usable() {
+            return Err(invalid("expected http://host[:port][/prefix]"));
+        }
+        let (path, query) = match path_and_query.split_once('?') {
+            Some((path, query)) => (path, Some(query.to_owned())),
+            None => (path_and_query, None),
+        };
+        if !path.starts_with('/') {
+            return Err(invalid("the report's path must start with /"));
+        }
+        let mut headers = HeaderMap::with_capacity(1);
+        headers.insert(ACCEPT, format.accept());
         Ok(ReportUrl {
             url,
-            uri,
+            pool: Arc::new(pool),
+            path: path.to_owned(),
+            query,
+            headers,
             format,
             what,
         })
@@ -138,16 +166,20 @@ impl ReportUrl {
     }
 }
 
-/// GETs load reports: one pooled client with the source's key and body cap.
+/// GETs load reports with the source's key and body cap.
 ///
-/// The connection timeout is the source's deadline; the deadline of a whole
-/// poll is the caller's, since one poll may take several requests.
+/// A new connection must be made within the source's deadline; the
+/// deadline of a whole poll is the caller's, since one poll may take
+/// several requests.
 #[derive(Debug, Clone)]
 pub struct ReportClient {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    connect_timeout: Duration,
     authorization: Option<HeaderValue>,
     body_limit_bytes: usize,
 }
+
+/// A GET's body.
+static NO_BODY: Bytes = Bytes::new();
 
 impl ReportClient {
     /// Fails with [`BackendError::Client`] for an API key that cannot be a
@@ -163,43 +195,46 @@ impl ReportClient {
                 source: source.into(),
             })?;
         Ok(ReportClient {
-            client: pooled_client(options.deadline),
+            connect_timeout: options.deadline,
             authorization,
             body_limit_bytes: options.body_limit_bytes,
         })
     }
 
     /// One GET of `report`, its body read into memory. Errors:
-    /// - connection refused or unreachable → [`LoadError::Connect`];
+    /// - connection refused, unreachable or not made within the source's
+    ///   deadline → [`LoadError::Connect`];
     /// - HTTP 404, 405 or 501 → [`LoadError::Unsupported`]; any other non-200
     ///   status → [`LoadError::HttpStatus`];
     /// - a content type the format does not admit → [`LoadError::ContentType`];
     /// - a body (announced or read) over the cap → [`LoadError::BodyTooLarge`];
-    /// - a connection that fails or a body cut short → [`LoadError::Transport`].
+    /// - a connection that fails, a malformed answer or a body cut short →
+    ///   [`LoadError::Transport`].
     pub async fn get(&self, report: &ReportUrl) -> Result<Bytes, LoadError> {
         let transport = |source: Box<dyn std::error::Error + Send + Sync>| LoadError::Transport {
             url: report.url.clone(),
             source,
         };
-        let mut request = Request::new(Empty::new());
-        *request.uri_mut() = report.uri.clone();
-        request.headers_mut().insert(ACCEPT, report.format.accept());
-        if let Some(authorization) = &self.authorization {
-            request
-                .headers_mut()
-                .insert(AUTHORIZATION, authorization.clone());
-        }
-        let response = self.client.request(request).await.map_err(|error| {
-            if error.is_connect() {
-                LoadError::Connect {
-                    url: report.url.clone(),
-                    source: error.into(),
+        let request = h1::Outgoing {
+            method: &Method::GET,
+            path: &report.path,
+            query: report.query.as_deref(),
+            headers: &report.headers,
+            authorization: self.authorization.as_ref(),
+            body: &NO_BODY,
+        };
+        let response = h1::send(&report.pool, &request, self.connect_timeout)
+            .await
+            .map_err(|error| match error {
+                h1::SendError::Connect { .. } | h1::SendError::ConnectTimeout { .. } => {
+                    LoadError::Connect {
+                        url: report.url.clone(),
+                        source: error.into(),
+                    }
                 }
-            } else {
-                transport(error.into())
-            }
-        })?;
-        let status = response.status();
+                other => transport(other.into()),
+            })?;
+        let status = response.status;
         if matches!(
             status,
             StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED | StatusCode::NOT_IMPLEMENTED
@@ -215,7 +250,7 @@ impl ReportClient {
                 status: status.as_u16(),
             });
         }
-        let content_type = response.headers().get(CONTENT_TYPE);
+        let content_type = response.headers.get(CONTENT_TYPE);
         if !report.format.admits(content_type) {
             return Err(LoadError::ContentType {
                 url: report.url.clone(),
@@ -225,14 +260,14 @@ impl ReportClient {
                 expected: report.format.expected(),
             });
         }
-        read_capped(response.into_body(), self.body_limit_bytes)
+        read_capped(response.body, self.body_limit_bytes)
             .await
             .map_err(|error| match error {
                 CappedBodyError::TooLarge { limit_bytes } => LoadError::BodyTooLarge {
                     url: report.url.clone(),
                     limit_bytes,
                 },
-                CappedBodyError::Broken(source) => transport(source.into()),
+                CappedBodyError::Broken(source) => transport(source),
             })
     }
 }
@@ -260,34 +295,35 @@ pub enum CappedBodyError {
     #[error("the body exceeds {limit_bytes} bytes")]
     TooLarge { limit_bytes: usize },
     #[error("the body broke off")]
-    Broken(#[source] hyper::Error),
+    Broken(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// A whole response body in memory, refused as soon as it (announced or
-/// read so far) exceeds `limit_bytes`.
-pub async fn read_capped(
-    mut incoming: hyper::body::Incoming,
-    limit_bytes: usize,
-) -> Result<Bytes, CappedBodyError> {
+/// A whole response body in memory (hyper's or [`h1`]'s), refused as soon
+/// as it (announced or read so far) exceeds `limit_bytes`.
+pub async fn read_capped<B>(mut body: B, limit_bytes: usize) -> Result<Bytes, CappedBodyError>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let too_large = CappedBodyError::TooLarge { limit_bytes };
-    let announced = hyper::body::Body::size_hint(&incoming).exact();
+    let announced = body.size_hint().exact();
     if announced.is_some_and(|len| usize::try_from(len).map_or(true, |len| len > limit_bytes)) {
         return Err(too_large);
     }
     let capacity = announced
         .and_then(|len| usize::try_from(len).ok())
         .unwrap_or(0);
-    let mut body = BytesMut::with_capacity(capacity);
-    while let Some(frame) = incoming.frame().await {
-        let frame = frame.map_err(CappedBodyError::Broken)?;
+    let mut collected = BytesMut::with_capacity(capacity);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| CappedBodyError::Broken(error.into()))?;
         if let Ok(chunk) = frame.into_data() {
-            if body.len().saturating_add(chunk.len()) > limit_bytes {
+            if collected.len().saturating_add(chunk.len()) > limit_bytes {
                 return Err(too_large);
             }
-            body.extend_from_slice(&chunk);
+            collected.extend_from_slice(&chunk);
         }
     }
-    Ok(body.freeze())
+    Ok(collected.freeze())
 }
 
 #[cfg(test)]
@@ -357,6 +393,145 @@ mod tests {
         assert_eq!(value, "Bearer sk-1");
         assert!(value.is_sensitive());
         assert!(bearer_header("bad\nkey").is_err());
+    }
+
+    /// A worker at `/engine-a` on loopback: it answers the requests it
+    /// receives, on whichever connection, with `answers` in turn, and sends
+    /// each request's head, with the number of the connection it came on,
+    /// through the channel.
+    async fn scripted_worker(
+        answers: Vec<&'static str>,
+    ) -> (
+        String,
+        tokio::sync::mpsc::UnboundedReceiver<(usize, String)>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/engine-a/", listener.local_addr().unwrap());
+        let (heads, received) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut answers = answers.into_iter();
+            let mut connection = 0;
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut buffer = Vec::new();
+                'requests: loop {
+                    let end = loop {
+                        if let Some(at) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        let mut chunk = [0u8; 1024];
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => break 'requests,
+                            Ok(n) => buffer.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head: Vec<u8> = buffer.drain(..end).collect();
+                    let _ = heads.send((connection, String::from_utf8(head).unwrap()));
+                    let Some(answer) = answers.next() else { return };
+                    socket.write_all(answer.as_bytes()).await.unwrap();
+                    if answers.len() == 0 {
+                        // The script is over: closing ends a body cut short.
+                        return;
+                    }
+                }
+                connection += 1;
+            }
+        });
+        (http_base(&base).unwrap(), received)
+    }
+
+    #[tokio::test]
+    async fn polls_reuse_one_connection_and_read_every_framing() {
+        let (base, mut heads) = scripted_worker(vec![
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\r\n{\"a\": 1}",
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n4\r\n{\"b\"\r\n4\r\n: 2}\r\n0\r\n\r\n",
+            "HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 2\r\n\r\nhi",
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 64\r\n\r\n",
+        ])
+        .await;
+        let report =
+            ReportUrl::new(&base, "/v1/loads?rank=0", ReportFormat::Json, "/v1/loads").unwrap();
+        let options = SourceOptions {
+            api_key: Some("sk-1".into()),
+            body_limit_bytes: 32,
+            ..SourceOptions::default()
+        };
+        let client = ReportClient::new(&base, &options).unwrap();
+        assert_eq!(client.get(&report).await.unwrap(), "{\"a\": 1}");
+        let (connection, head) = heads.recv().await.unwrap();
+        assert_eq!(connection, 0);
+        assert!(
+            head.starts_with("GET /engine-a/v1/loads?rank=0 HTTP/1.1\r\n"),
+            "{head}"
+        );
+        let authority = base
+            .trim_start_matches("http://")
+            .trim_end_matches("/engine-a");
+        assert!(head.contains(&format!("host: {authority}\r\n")), "{head}");
+        assert!(head.contains("accept: application/json\r\n"), "{head}");
+        assert!(head.contains("authorization: Bearer sk-1\r\n"), "{head}");
+        // The next poll rides the same connection.
+        assert_eq!(client.get(&report).await.unwrap(), "{\"b\": 2}");
+        assert_eq!(
+            heads.recv().await.map(|(connection, _)| connection),
+            Some(0)
+        );
+        assert!(matches!(
+            client.get(&report).await,
+            Err(LoadError::HttpStatus { status: 503, .. })
+        ));
+        assert!(matches!(
+            client.get(&report).await,
+            Err(LoadError::ContentType { .. })
+        ));
+        assert!(matches!(
+            client.get(&report).await,
+            Err(LoadError::BodyTooLarge {
+                limit_bytes: 32,
+                ..
+            })
+        ));
+        // An error answer's connection is not kept (its body was not read).
+        let connections: Vec<usize> = std::iter::from_fn(|| heads.try_recv().ok())
+            .map(|(connection, _)| connection)
+            .collect();
+        assert_eq!(connections, [0, 1, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error_and_a_broken_answer_a_transport_one() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed = http_base(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        drop(listener);
+        let report = ReportUrl::new(
+            &closed,
+            "/metrics",
+            ReportFormat::PrometheusText,
+            "/metrics",
+        )
+        .unwrap();
+        let client = ReportClient::new(&closed, &SourceOptions::default()).unwrap();
+        assert!(matches!(
+            client.get(&report).await,
+            Err(LoadError::Connect { .. })
+        ));
+        let (base, _heads) =
+            scripted_worker(vec!["HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\ncut"]).await;
+        let report =
+            ReportUrl::new(&base, "/metrics", ReportFormat::PrometheusText, "/metrics").unwrap();
+        assert!(matches!(
+            client.get(&report).await,
+            Err(LoadError::Transport { .. })
+        ));
+    }
+
+    #[test]
+    fn a_report_path_must_be_absolute() {
+        assert!(matches!(
+            ReportUrl::new("http://h:1", "v1/loads", ReportFormat::Json, "x"),
+            Err(BackendError::InvalidAddress { .. })
+        ));
     }
 
     #[test]

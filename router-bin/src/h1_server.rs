@@ -1,5 +1,5 @@
 //! The router's HTTP/1.1 server for the generation routes: the client side
-//! of the proxy, as [`crate::h1`] is its worker side.
+//! of the proxy, as [`load_transport::h1`] is its worker side.
 //!
 //! hyper's server runs every request through a generic dispatcher: a
 //! service future, a response body polled frame by frame behind a trait
@@ -43,8 +43,8 @@ use tokio::time::{Instant, Sleep};
 
 use crate::app::App;
 use crate::client_body::{self, read_body};
-use crate::h1::{self, BodyError, Chunked, Framing};
 use crate::proxy::{self, Answer, ProxyBody};
+use load_transport::h1::{self, BodyError, Chunked, Framing};
 
 /// Most bytes of a request head (nginx's default is 1 KB, growing to four
 /// 8 KB buffers; hyper's about 400 KB).

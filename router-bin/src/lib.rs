@@ -37,7 +37,6 @@ pub mod client_body;
 pub mod config;
 pub mod error;
 pub mod estimate;
-pub mod h1;
 mod h1_server;
 pub mod metrics;
 pub mod monitor;

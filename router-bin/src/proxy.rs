@@ -4,7 +4,7 @@
 //! Per request the path takes one lock-free topology load, calls the
 //! policy on the snapshot's own candidate slice, and from then on holds
 //! only the chosen worker's [`Route`]; the request goes out on that
-//! worker's kept-alive connections ([`crate::h1`]), read and written by
+//! worker's kept-alive connections ([`load_transport::h1`]), read and written by
 //! this task alone.
 
 use std::pin::Pin;
@@ -24,13 +24,13 @@ use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 use crate::app::{App, SilentStream};
 use crate::client_body::read_body;
 use crate::estimate::read_request;
-use crate::h1::{self, WorkerBody};
 use crate::outlier::Failure;
 use crate::prefix_hash::Unhashed;
 use crate::sse::{self, FirstDataEvent};
 use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
+use load_transport::h1::{self, WorkerBody};
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
 pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {

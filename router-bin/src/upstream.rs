@@ -1,7 +1,7 @@
-//! The HTTP client to the workers: hyper's pooled client, keep-alive
-//! connections per worker address, and nothing else on the way. Requests are
-//! forwarded on it, and the control-plane calls ([`control_get`]: health
-//! checks, backend detection, `/v1/models`) share its connections.
+//! The control plane's HTTP client to the workers: hyper's pooled client,
+//! keep-alive connections per worker address ([`control_get`]: health
+//! checks, backend detection, `/v1/models`). Generation requests are
+//! forwarded, and loads polled, on `load_transport::h1` instead.
 
 use std::time::Duration;
 
@@ -14,11 +14,11 @@ use load_transport::http::{CappedBodyError, pooled_client, read_capped};
 /// A request body: the client's bytes, kept so a retry can send them again.
 pub type UpstreamBody = Full<Bytes>;
 
-/// The client requests are forwarded with.
+/// The control plane's client.
 pub type UpstreamClient = Client<HttpConnector, UpstreamBody>;
 
-/// Builds the forwarding client. `connect_timeout` bounds the TCP connect;
-/// the response head's deadline is the proxy's own.
+/// Builds the control plane's client. `connect_timeout` bounds the TCP
+/// connect; each call's deadline is its caller's.
 pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
     pooled_client(connect_timeout)
 }
@@ -44,7 +44,7 @@ pub enum ControlGetError {
     Body {
         url: String,
         #[source]
-        source: hyper::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     #[error("the answer from {url} exceeds {limit_bytes} bytes")]
     TooLarge { url: String, limit_bytes: usize },

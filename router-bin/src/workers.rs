@@ -11,9 +11,9 @@ use load_transport::http::bearer_header;
 use parking_lot::Mutex;
 use policy_core::{LoadSource, WorkerId, WorkerInfo};
 
-use crate::h1::Pool;
 use crate::metrics::WorkerMetrics;
 use crate::outlier::OutlierState;
+use load_transport::h1::Pool;
 
 /// One upstream engine.
 pub struct Worker {

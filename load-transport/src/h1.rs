@@ -1,21 +1,54 @@
-//! The request path's HTTP/1.1 client to the workers: a pool of kept-alive
+//! The router's HTTP/1.1 client to the workers: a pool of kept-alive
 //! connections per worker, and a response body read straight from the
-//! worker's socket by whoever polls it.
+//! worker's socket by whoever polls it. The router forwards generation
+//! requests with it, and every HTTP load source polls with it
+//! ([`ReportClient`](crate::http::ReportClient)).
 //!
 //! hyper's pooled client runs every upstream connection in a task of its
 //! own and hands each decoded body chunk to the response body through a
 //! channel of one slot: an SSE event costs a task wake each way, and a
 //! request a dispatch message, a pool checkout keyed by scheme and
-//! authority, and a oneshot back. Here the task serving the client does
-//! it all itself, as nginx's one event loop does: it writes the request
-//! head and body with one vectored write, reads and parses the head, and
-//! its [`WorkerBody`] reads the socket when the client's connection asks
-//! for the next frame. Each read returns every whole chunk that arrived,
-//! joined into one frame, so a burst of events costs one read and one
-//! write to the client, and an event that arrives alone goes out at once.
+//! authority, and a oneshot back. Here the task that sends the request
+//! does it all itself, as nginx's one event loop does: it writes the
+//! request head and body with one vectored write, reads and parses the
+//! head, and its [`WorkerBody`] reads the socket when it is asked for the
+//! next frame. Each read returns every whole chunk that arrived, joined
+//! into one frame, so a burst of events costs one read and one write to
+//! the client, and an event that arrives alone goes out at once.
 //!
-//! Only the proxied generation requests use it; the control plane (health
-//! checks, probes, `/v1/models`, load polls) stays on hyper's client.
+//! The framing pieces ([`Framing`], [`decode_body`], [`poll_read_buf`],
+//! [`write_all_vectored`]) are public for the router's own HTTP/1.1
+//! server, which reads request bodies the same way. The control plane
+//! (health checks, probes, `/v1/models`) stays on hyper's client
+//! ([`pooled_client`](crate::http::pooled_client)).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use bytes::Bytes;
+//! use http::{HeaderMap, Method};
+//! use http_body_util::BodyExt;
+//! use load_transport::h1::{self, Outgoing, Pool};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = Arc::new(Pool::new("http://10.0.0.3:8000"));
+//! let body = Bytes::new();
+//! let request = Outgoing {
+//!     method: &Method::GET,
+//!     path: "/v1/loads",
+//!     query: None,
+//!     headers: &HeaderMap::new(),
+//!     authorization: None,
+//!     body: &body,
+//! };
+//! let response = h1::send(&pool, &request, Duration::from_secs(1)).await?;
+//! assert!(response.status.is_success());
+//! // Read to its end, the connection goes back to the pool for the next one.
+//! let _report = response.body.collect().await?.to_bytes();
+//! # Ok(())
+//! # }
+//! ```
 
 use std::io::{IoSlice, Write as _};
 use std::pin::Pin;
@@ -420,10 +453,7 @@ async fn exchange(
 
 /// Writes `slices` in order, in as few system calls as the socket allows
 /// (one, normally).
-pub(crate) async fn write_all_vectored(
-    stream: &mut TcpStream,
-    slices: &[&[u8]],
-) -> std::io::Result<()> {
+pub async fn write_all_vectored(stream: &mut TcpStream, slices: &[&[u8]]) -> std::io::Result<()> {
     // The slice being written, and how much of it is out.
     let mut index = 0usize;
     let mut offset = 0usize;
@@ -467,7 +497,7 @@ pub(crate) async fn write_all_vectored(
 /// Reads what the socket has into the buffer's spare room. tokio marks the
 /// socket drained when a read fills less than the room offered, so the
 /// next poll waits for readiness without another system call.
-pub(crate) fn poll_read_buf(
+pub fn poll_read_buf(
     stream: &mut TcpStream,
     buffer: &mut BytesMut,
     cx: &mut Context<'_>,
@@ -596,7 +626,7 @@ fn parse_head(
 /// How a body's end is known (a response's; a request's is never
 /// `UntilClose`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framing {
+pub enum Framing {
     Length { remaining: u64 },
     Chunked(Chunked),
     UntilClose,
@@ -605,7 +635,7 @@ pub(crate) enum Framing {
 
 impl Framing {
     /// What is known of the rest of the body's length.
-    pub(crate) fn size_hint(&self) -> SizeHint {
+    pub fn size_hint(&self) -> SizeHint {
         match self {
             Framing::Length { remaining } => SizeHint::with_exact(*remaining),
             Framing::Done => SizeHint::with_exact(0),
@@ -616,7 +646,7 @@ impl Framing {
 
 /// Where a chunked body's decoder is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Chunked {
+pub enum Chunked {
     /// At a chunk-size line.
     Size,
     /// Inside a chunk's data.
@@ -667,7 +697,7 @@ impl WorkerBody {
 /// Takes the body data that `buffer` holds, framed as `framing` says,
 /// and moves `framing` on (to `Done` at the body's end): the data
 /// (possibly none). Both sides of the proxy read bodies with it.
-pub(crate) fn decode_body(
+pub fn decode_body(
     framing: &mut Framing,
     buffer: &mut BytesMut,
 ) -> Result<Option<Bytes>, BodyError> {
