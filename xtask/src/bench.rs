@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: selection cost and proxy overhead, measured side by
 //! side, written to `target/bench/report.json` and `target/bench/report.md`.
 //!
-//! Three parts, each its own submodule:
+//! Four parts, each its own submodule:
 //! - [`select`]: the criterion benchmarks of `policy-least-load` (and of the
 //!   baselines it runs), summarized as `select/<policy>/<workers>[/2-thread]`;
 //! - [`proxy`]: wrk against engine-sim in canned mode, directly, through the
@@ -9,7 +9,8 @@
 //!   the p99 of the router and of nginx at half the router's saturation
 //!   throughput;
 //! - [`fleet`]: the router in front of 16, 256, 1024 and 4096 canned engines:
-//!   its CPU per request and its load monitor's CPU per poll round;
+//!   its CPU per request and its load monitor's CPU per poll round, beside
+//!   nginx's CPU per request over the same engines;
 //! - [`replicas`]: one router, three replicas without sync and three with
 //!   sync in front of one engine-sim fleet under the same open-loop load (p99
 //!   TTFT), and sync's CPU per replica at 1024 workers.
@@ -344,17 +345,9 @@ fn router_has_fresh_loads(port: u16, workers: usize, max_age_s: f64) -> Result<b
     Ok(fresh >= workers)
 }
 
-/// A command run as `taskset -c CORE program`, so the pid stays the
-/// program's (taskset execs it).
-fn pinned(core: &str, program: &Path) -> Command {
-    let mut command = Command::new("taskset");
-    command.args(["-c", core]).arg(program);
-    command
-}
-
-/// Like [`pinned`], with the open-file limit raised to at least `open_files`
-/// first (up to the hard limit; never lowered). bash and taskset exec the
-/// program, so the pid is still the program's.
+/// `program` pinned to `core` (`taskset`), with the open-file limit raised
+/// to at least `open_files` first (up to the hard limit; never lowered).
+/// bash and taskset exec the program, so the pid is still the program's.
 fn pinned_many_files(core: &str, program: &Path, open_files: u64) -> Command {
     let mut command = Command::new("bash");
     command

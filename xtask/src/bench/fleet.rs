@@ -1,7 +1,9 @@
 //! The router in front of many workers: 16, 256, 1024 and 4096 canned
 //! engines served by one engine-sim process. For each fleet size, the load
 //! monitor's CPU with the router idle, then the router's CPU per request
-//! under wrk.
+//! under wrk, then nginx's (`least_conn`) over the same workers: what any
+//! proxy pays for a larger set of upstream connections, beside what the
+//! router pays.
 //!
 //! The sizes take turns within every run (16, 256, 1024, 4096, then again),
 //! each with a router of its own started for the turn and stopped after it,
@@ -11,7 +13,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::proxy::{start_engines, start_router};
+use super::proxy::{start_engines, start_nginx, start_router};
 use super::report::Row;
 use super::wrk::{self, Mode, Target, WrkRun};
 use super::{Options, median, proc_stat, spread};
@@ -22,8 +24,10 @@ const POLL_INTERVAL_MS: u64 = 1000;
 /// load report (4096 workers are added one health check at a time).
 const READY_WITHIN: Duration = Duration::from_secs(180);
 
+/// CPU seconds of a proxy process and its direct children (the router has
+/// none; nginx's master has its worker).
 fn cpu_s(pid: u32) -> Result<f64, String> {
-    proc_stat::cpu_time(pid)
+    proc_stat::cpu_time_with_children(pid)
         .map(|time| time.as_secs_f64())
         .ok_or_else(|| format!("cannot read /proc/{pid}/stat"))
 }
@@ -37,6 +41,8 @@ struct Size {
     cpu_us_per_request: Vec<f64>,
     /// The same, less what the idle polling costs over the run.
     cpu_us_per_request_less_polling: Vec<f64>,
+    nginx_runs: Vec<WrkRun>,
+    nginx_cpu_us_per_request: Vec<f64>,
 }
 
 pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<String>), String> {
@@ -78,6 +84,8 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
     for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
         let throughput: Vec<f64> = measured.runs.iter().map(WrkRun::throughput_rps).collect();
         let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
+        let cpu_vs_nginx =
+            median(&measured.cpu_us_per_request) / median(&measured.nginx_cpu_us_per_request);
         rows.push(
             Row::new(format!("router-cpu/least_load/{size}"))
                 .settled("throughput_rps", &throughput)
@@ -87,13 +95,31 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                     "cpu_us_per_request_less_polling",
                     &measured.cpu_us_per_request_less_polling,
                 )
+                .num("cpu_vs_nginx", cpu_vs_nginx)
                 .int("errors", measured.runs.iter().map(|r| r.errors).sum())
                 .int("runs", measured.runs.len() as u64)
                 .num("spread", spread(&throughput)),
         );
     }
+    for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
+        let throughput: Vec<f64> = measured
+            .nginx_runs
+            .iter()
+            .map(WrkRun::throughput_rps)
+            .collect();
+        let p99: Vec<f64> = measured.nginx_runs.iter().map(|r| r.p99_ms).collect();
+        rows.push(
+            Row::new(format!("nginx-cpu/least_conn/{size}"))
+                .settled("throughput_rps", &throughput)
+                .num("p99_ms", median(&p99))
+                .settled("cpu_us_per_request", &measured.nginx_cpu_us_per_request)
+                .int("errors", measured.nginx_runs.iter().map(|r| r.errors).sum())
+                .int("runs", measured.nginx_runs.len() as u64)
+                .num("spread", spread(&throughput)),
+        );
+    }
     let notes = vec![format!(
-        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first.",
+        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first. Then `nginx-cpu/least_conn/<workers>`: nginx (one worker process on core 1, `least_conn`, an idle-connection cache of one connection per worker, at least 128) over the same workers, the same wrk run, nginx's CPU (master + worker) / requests; `cpu_vs_nginx` in the router's row is the ratio of the two medians.",
         options.duration_s, options.duration_s
     )];
     Ok((rows, notes))
@@ -124,28 +150,58 @@ fn measure_size(
     let fraction = (cpu_s(pid)? - before) / start.elapsed().as_secs_f64();
     into.idle_fractions.push(fraction);
 
+    let loaded = loaded_run(options, out_dir, port, pid)?;
+    drop(router);
+    if loaded.run.requests > 0 {
+        let requests = loaded.run.requests as f64;
+        into.cpu_us_per_request.push(loaded.cpu_s * 1e6 / requests);
+        into.cpu_us_per_request_less_polling
+            .push((loaded.cpu_s - fraction * loaded.wall_s).max(0.0) * 1e6 / requests);
+    }
+
+    let (nginx, nginx_port) = start_nginx(&out_dir.join("fleet"), workers)?;
+    let nginx_loaded = loaded_run(options, out_dir, nginx_port, nginx.child.id())?;
+    drop(nginx);
+    if nginx_loaded.run.requests > 0 {
+        into.nginx_cpu_us_per_request
+            .push(nginx_loaded.cpu_s * 1e6 / nginx_loaded.run.requests as f64);
+    }
+    eprintln!(
+        "xtask:    {size:>5} workers: idle {:.2}% of a core; {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req; nginx {:>9.0} req/s  CPU {:.1} µs/req",
+        fraction * 100.0,
+        loaded.run.throughput_rps(),
+        loaded.run.p99_ms,
+        into.cpu_us_per_request.last().copied().unwrap_or(f64::NAN),
+        nginx_loaded.run.throughput_rps(),
+        into.nginx_cpu_us_per_request
+            .last()
+            .copied()
+            .unwrap_or(f64::NAN),
+    );
+    into.runs.push(loaded.run);
+    into.nginx_runs.push(nginx_loaded.run);
+    Ok(())
+}
+
+/// One saturating wrk run through a proxy, and the proxy's CPU over it.
+struct LoadedRun {
+    run: WrkRun,
+    cpu_s: f64,
+    wall_s: f64,
+}
+
+/// A 1 s warm-up, then one non-streaming wrk run of the configured length
+/// through the proxy on `port`, whose process is `pid`.
+fn loaded_run(options: &Options, out_dir: &Path, port: u16, pid: u32) -> Result<LoadedRun, String> {
     let target = Target::Port(port);
     let script = wrk::script(out_dir, Mode::NonStream, &target, None)?;
     wrk::run(&script, &target, 1)?;
     let before = cpu_s(pid)?;
     let start = Instant::now();
     let run = wrk::run(&script, &target, options.duration_s)?;
-    let wall_s = start.elapsed().as_secs_f64();
-    let used = cpu_s(pid)? - before;
-    drop(router);
-    if run.requests > 0 {
-        let requests = run.requests as f64;
-        into.cpu_us_per_request.push(used * 1e6 / requests);
-        into.cpu_us_per_request_less_polling
-            .push((used - fraction * wall_s).max(0.0) * 1e6 / requests);
-    }
-    eprintln!(
-        "xtask:    {size:>5} workers: idle {:.2}% of a core; {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req",
-        fraction * 100.0,
-        run.throughput_rps(),
-        run.p99_ms,
-        into.cpu_us_per_request.last().copied().unwrap_or(f64::NAN)
-    );
-    into.runs.push(run);
-    Ok(())
+    Ok(LoadedRun {
+        wall_s: start.elapsed().as_secs_f64(),
+        cpu_s: cpu_s(pid)? - before,
+        run,
+    })
 }

@@ -129,8 +129,13 @@ pub(crate) fn start_router(
     Ok((process, port))
 }
 
-/// nginx in the foreground on the proxy core, `least_conn` over `ports`.
-fn start_nginx(dir: &Path, ports: &[u16]) -> Result<(Process, u16), String> {
+/// nginx in the foreground on the proxy core, `least_conn` over `ports`,
+/// its config and logs under `dir/nginx`.
+///
+/// Its idle-connection cache holds one connection per upstream at least
+/// (128 for a small fleet), as the router keeps one per worker, so a large
+/// fleet's requests find a warm connection through both proxies alike.
+pub(crate) fn start_nginx(dir: &Path, ports: &[u16]) -> Result<(Process, u16), String> {
     let port = crate::free_ports(1)?;
     let nginx_dir = dir.join("nginx");
     std::fs::create_dir_all(nginx_dir.join("tmp"))
@@ -140,16 +145,22 @@ fn start_nginx(dir: &Path, ports: &[u16]) -> Result<(Process, u16), String> {
         .iter()
         .map(|upstream| format!("        server 127.0.0.1:{upstream};\n"))
         .collect();
+    let keepalive = ports.len().max(128);
+    // A client and an upstream connection per request in flight, plus the
+    // idle upstream connections kept.
+    let worker_connections = keepalive + 4096;
+    let open_files = worker_connections as u64 * 2;
     // Matches the router: one worker on one core, keep-alive to the upstreams,
     // no buffering so SSE chunks pass as they come.
     let conf = format!(
         "daemon off;
 master_process on;
 worker_processes 1;
+worker_rlimit_nofile {open_files};
 pid {d}/nginx.pid;
 error_log {d}/error.log warn;
 events {{
-    worker_connections 4096;
+    worker_connections {worker_connections};
 }}
 http {{
     access_log off;
@@ -161,7 +172,7 @@ http {{
     keepalive_requests 1000000;
     upstream engines {{
         least_conn;
-{servers}        keepalive 128;
+{servers}        keepalive {keepalive};
         keepalive_requests 1000000;
     }}
     server {{
@@ -185,7 +196,7 @@ http {{
     } else {
         "nginx".into()
     };
-    let mut command = super::pinned(PROXY_CORE, &nginx);
+    let mut command = super::pinned_many_files(PROXY_CORE, &nginx, open_files);
     command
         .arg("-c")
         .arg(&conf_path)

@@ -273,6 +273,17 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
             us(idle_16_us, 2),
         ));
     }
+    let nginx_16 = value("nginx-cpu/least_conn/16", "cpu_us_per_request");
+    let nginx_1024 = value("nginx-cpu/least_conn/1024", "cpu_us_per_request");
+    let nginx_growth = nginx_1024
+        .zip(nginx_16)
+        .map(|(at_1024, at_16)| at_1024 / at_16);
+    lines.push(format!(
+        "- for reference, not a target: nginx (`least_conn`, which scans its upstreams too) CPU per request at 1024 workers / at 16: {} ({} / {} µs)",
+        ratio_text(nginx_growth),
+        nginx_1024.map_or("–".to_owned(), |v| format!("{v:.1}")),
+        nginx_16.map_or("–".to_owned(), |v| format!("{v:.1}")),
+    ));
     for (row, what) in [
         ("select/least_load/1024", "a busy fleet"),
         (
@@ -420,6 +431,21 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
                 "less idle polling µs/req",
                 1,
             ),
+            ("cpu_vs_nginx", "CPU vs nginx", 2),
+            ("errors", "errors", 0),
+            ("runs", "runs", 0),
+            ("throughput_rps_spread", "req/s spread", 3),
+        ],
+    );
+    table(
+        &mut out,
+        rows,
+        "nginx-cpu/",
+        &[
+            ("throughput_rps", "req/s", 0),
+            ("p99_ms", "p99 ms", 3),
+            ("cpu_us_per_request", "nginx CPU µs/req", 1),
+            ("cpu_us_per_request_spread", "CPU spread", 3),
             ("errors", "errors", 0),
             ("runs", "runs", 0),
             ("throughput_rps_spread", "req/s spread", 3),
