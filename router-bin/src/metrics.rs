@@ -1,7 +1,7 @@
 //! The router's Prometheus metrics, served at `/metrics`.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use parking_lot::RwLock;
@@ -35,13 +35,19 @@ pub struct OutcomeLabel {
 type HistogramFamily = Family<WorkerLabel, Histogram, fn() -> Histogram>;
 
 /// Latency buckets from 1 ms to about 65 s, doubling.
-fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.001, 2.0, 17))
-}
+static LATENCY_BOUNDS: LazyLock<Arc<[f64]>> =
+    LazyLock::new(|| exponential_buckets(0.001, 2.0, 17).collect());
 
 /// Score buckets from 0.1 ms to about 840 s, doubling.
+static SCORE_BOUNDS: LazyLock<Arc<[f64]>> =
+    LazyLock::new(|| exponential_buckets(0.0001, 2.0, 24).collect());
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(Arc::clone(&LATENCY_BOUNDS))
+}
+
 fn score_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.0001, 2.0, 24))
+    Histogram::new(Arc::clone(&SCORE_BOUNDS))
 }
 
 /// A Prometheus histogram recorded with atomics alone. prometheus-client's
@@ -56,8 +62,10 @@ pub struct Histogram {
 
 #[derive(Debug)]
 struct HistogramCells {
-    /// Upper bounds, ascending; the last bucket (`+Inf`) has none.
-    bounds: Box<[f64]>,
+    /// Upper bounds, ascending; the last bucket (`+Inf`) has none. Shared
+    /// by every histogram of a kind: with a copy per worker, each
+    /// observation's bucket search read that worker's cold copy.
+    bounds: Arc<[f64]>,
     /// One more than `bounds`: the last counts what is above them all.
     counts: Box<[AtomicU64]>,
     /// The sum of the observations, as `f64` bits.
@@ -65,8 +73,9 @@ struct HistogramCells {
 }
 
 impl Histogram {
-    pub fn new(bounds: impl IntoIterator<Item = f64>) -> Histogram {
-        let bounds: Box<[f64]> = bounds.into_iter().collect();
+    /// A histogram over `bounds` (ascending), which it may share with
+    /// others.
+    pub fn new(bounds: Arc<[f64]>) -> Histogram {
         let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
         Histogram {
             cells: Arc::new(HistogramCells {
@@ -177,7 +186,7 @@ impl ShardedHistogram {
 
     /// A new shard (for one worker), counted in the sum from now on.
     pub fn shard(&self) -> Histogram {
-        let shard = Histogram::new(self.like.cells.bounds.iter().copied());
+        let shard = Histogram::new(Arc::clone(&self.like.cells.bounds));
         self.shards.write().push(shard.clone());
         shard
     }
@@ -539,4 +548,38 @@ impl WorkerMetrics {
 
 pub fn seconds(duration: Duration) -> f64 {
     duration.as_secs_f64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_observation_lands_in_the_first_bucket_at_or_above_it() {
+        let histogram = Histogram::new(Arc::from([0.1, 1.0, 10.0]));
+        for value in [0.05, 0.1, 0.5, 10.0, 11.0] {
+            histogram.observe(value);
+        }
+        let mut sum = 0.0;
+        let mut buckets = histogram.empty_buckets();
+        histogram.add_to(&mut sum, &mut buckets);
+        let counts: Vec<u64> = buckets.iter().map(|(_, count)| *count).collect();
+        assert_eq!(counts, [2, 1, 1, 1]);
+        assert!((sum - 21.65).abs() < 1e-9);
+        assert_eq!(histogram.count(), 5);
+    }
+
+    #[test]
+    fn every_shard_shares_one_copy_of_the_bounds_and_counts_in_the_sum() {
+        let sharded = ShardedHistogram::new(score_histogram);
+        let (first, second) = (sharded.shard(), sharded.shard());
+        assert!(Arc::ptr_eq(&first.cells.bounds, &second.cells.bounds));
+        assert!(Arc::ptr_eq(
+            &latency_histogram().cells.bounds,
+            &latency_histogram().cells.bounds
+        ));
+        first.observe(0.002);
+        second.observe(f64::NAN);
+        assert_eq!(sharded.count(), 2);
+    }
 }
