@@ -433,6 +433,16 @@ impl TieRule {
         self.keep(tie, within_secs);
     }
 
+    /// The oldest kept candidate's last dispatch and the lowest score among
+    /// those that old. [`TieRule::offer`] drops a candidate strictly newer
+    /// and no lower in score, which can change neither the lowest score nor
+    /// what is kept: a caller that sees one may skip the offer. Scanning a
+    /// large tie, most candidates are such.
+    #[inline]
+    pub fn oldest(&self) -> Option<(i64, f64)> {
+        self.oldest
+    }
+
     fn keep(&mut self, tie: Tie, within_secs: f64) {
         if let Some(spill) = &mut self.spill {
             if spill.len() == spill.capacity() {
@@ -1343,10 +1353,22 @@ impl LeastLoad {
                 }
                 values.push((index, value));
             }
-            rule.offer(index, value, || {
+            let mut last_dispatch_nanos = || {
                 let packed = packed.then(|| keys.last_dispatch_nanos(id)).flatten();
                 packed.unwrap_or_else(|| LeastLoad::hot_last_dispatch_nanos(hot, view, id))
-            });
+            };
+            // The common case in a large tie, checked before the rule works
+            // out its bar again for the candidate.
+            match rule.oldest() {
+                Some((oldest_nanos, oldest_secs)) if oldest_secs <= value => {
+                    let last_dispatch_nanos = last_dispatch_nanos();
+                    if oldest_nanos < last_dispatch_nanos {
+                        continue;
+                    }
+                    rule.offer(index, value, || last_dispatch_nanos);
+                }
+                _ => rule.offer(index, value, last_dispatch_nanos),
+            }
         }
         lowest_secs
     }

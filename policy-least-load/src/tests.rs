@@ -1713,6 +1713,26 @@ mod tie_rule {
         rule.choose(rng).map(|tie| tie.index)
     }
 
+    /// [`one_pass`], skipping the offer of every candidate behind the
+    /// oldest kept one, as the selection's scan does.
+    fn one_pass_skipping_behind(
+        candidates: &[(f64, i64)],
+        tolerance_secs: f64,
+        rng: &TieBreaker,
+    ) -> Option<usize> {
+        let mut rule = TieRule::new(tolerance_secs);
+        for (index, (score, last_dispatch)) in candidates.iter().enumerate() {
+            if let Some((oldest_nanos, oldest_secs)) = rule.oldest()
+                && oldest_secs <= *score
+                && oldest_nanos < *last_dispatch
+            {
+                continue;
+            }
+            rule.offer(index, *score, || *last_dispatch);
+        }
+        rule.choose(rng).map(|tie| tie.index)
+    }
+
     /// Scores on a grid of a quarter of the default tolerance, so exact ties
     /// and ties at the edge of the tolerance are common, with some off the
     /// grid and some unusable.
@@ -1747,6 +1767,13 @@ mod tie_rule {
             );
             // The same draws were taken: the generators are still in step.
             prop_assert_eq!(rng.next_u64(), reference_rng.next_u64());
+            let skipping_rng = TieBreaker::new(seed);
+            let reference_rng = TieBreaker::new(seed);
+            prop_assert_eq!(
+                one_pass_skipping_behind(&candidates, tolerance_secs, &skipping_rng),
+                reference(&candidates, tolerance_secs, &reference_rng)
+            );
+            prop_assert_eq!(skipping_rng.next_u64(), reference_rng.next_u64());
         }
     }
 
