@@ -265,11 +265,28 @@ fn filter_pass(
     bar
 }
 
+/// What [`next_within`] passes over besides the candidates it returns.
+#[derive(Debug, Clone, Copy)]
+struct PassOver {
+    /// Estimates above this are outside the filter's bar.
+    bar_secs: f64,
+    /// The lowest value so far: an estimate equal to it ...
+    lowest_secs: f64,
+    /// ... of a candidate last dispatched to after this is behind the
+    /// oldest tie kept ([`TieRule::oldest`]), when that one's score is the
+    /// lowest (`i64::MAX` otherwise: nothing is after it).
+    behind_after_nanos: i64,
+}
+
 /// The next candidate from `*next` on that [`LeastLoad::estimate_pass`]
 /// must look at, moving `*next` past it: one whose estimate is at most
-/// `bar_secs` (`Some(estimate)`), or one it cannot estimate (`None`: no
-/// usable key, or `exact` names its slot). A busy fleet's candidates are
-/// mostly ruled out here, in a loop that holds only its own few values.
+/// `pass_over.bar_secs` (`Some(estimate)`), or one it cannot estimate
+/// (`None`: no usable key, or `exact` names its slot). A busy fleet's
+/// candidates are mostly ruled out here, in a loop that holds only its own
+/// few values, and so is an idle fleet's: a candidate whose estimate is the
+/// lowest so far but that is behind the oldest tie kept would change
+/// nothing the pass keeps (it is no new lowest, its value is not kept, and
+/// the tie rule would drop it).
 #[inline]
 fn next_within(
     keys: &mut KeyCursor<'_>,
@@ -277,7 +294,7 @@ fn next_within(
     next: &mut usize,
     fresh_from_nanos: i64,
     own_tokens: f64,
-    bar_secs: f64,
+    pass_over: PassOver,
     exact: &impl Fn(usize) -> bool,
 ) -> Option<(usize, Option<f64>)> {
     while let Some(id) = candidates.get(*next) {
@@ -290,7 +307,14 @@ fn next_within(
                     && !exact(id.slot()) =>
             {
                 let estimate = key.base_secs + own_tokens * key.inv_rate;
-                if estimate <= bar_secs {
+                if estimate <= pass_over.bar_secs {
+                    if estimate == pass_over.lowest_secs
+                        && keys
+                            .last_dispatch_nanos(*id)
+                            .is_some_and(|last| pass_over.behind_after_nanos < last)
+                    {
+                        continue;
+                    }
                     return Some((index, Some(estimate)));
                 }
             }
@@ -1321,7 +1345,14 @@ impl LeastLoad {
             &mut next,
             fresh_from_nanos,
             own_tokens,
-            bar_secs,
+            PassOver {
+                bar_secs,
+                lowest_secs,
+                behind_after_nanos: match rule.oldest() {
+                    Some((oldest_nanos, oldest_secs)) if oldest_secs <= lowest_secs => oldest_nanos,
+                    _ => i64::MAX,
+                },
+            },
             &exact,
         ) {
             let id = candidates[index];
