@@ -273,8 +273,7 @@ struct PassOver {
     /// The lowest value so far: an estimate equal to it ...
     lowest_secs: f64,
     /// ... of a candidate last dispatched to after this is behind the
-    /// oldest tie kept ([`TieRule::oldest`]), when that one's score is the
-    /// lowest (`i64::MAX` otherwise: nothing is after it).
+    /// oldest tie kept ([`TieRule::behind_after_nanos`] of the lowest).
     behind_after_nanos: i64,
 }
 
@@ -442,10 +441,10 @@ impl TieRule {
         {
             self.lowest = Some(tie);
         }
+        if self.behind_after_nanos(score_secs) < tie.last_dispatch_nanos {
+            return;
+        }
         if let Some((oldest_nanos, oldest_secs)) = self.oldest {
-            if oldest_nanos < tie.last_dispatch_nanos && oldest_secs <= score_secs {
-                return;
-            }
             if tie.last_dispatch_nanos < oldest_nanos
                 || (tie.last_dispatch_nanos == oldest_nanos && score_secs < oldest_secs)
             {
@@ -457,14 +456,18 @@ impl TieRule {
         self.keep(tie, within_secs);
     }
 
-    /// The oldest kept candidate's last dispatch and the lowest score among
-    /// those that old. [`TieRule::offer`] drops a candidate strictly newer
-    /// and no lower in score, which can change neither the lowest score nor
-    /// what is kept: a caller that sees one may skip the offer. Scanning a
-    /// large tie, most candidates are such.
+    /// The last dispatch after which a candidate scored `score_secs` is
+    /// behind the oldest kept one (strictly newer, no lower in score), or
+    /// `i64::MAX` when nothing is. [`TieRule::offer`] drops such a
+    /// candidate, which changes neither the lowest score nor what is kept,
+    /// so a caller that sees one may skip the offer: scanning a large tie,
+    /// most candidates are such.
     #[inline]
-    pub fn oldest(&self) -> Option<(i64, f64)> {
-        self.oldest
+    pub fn behind_after_nanos(&self, score_secs: f64) -> i64 {
+        match self.oldest {
+            Some((oldest_nanos, oldest_secs)) if oldest_secs <= score_secs => oldest_nanos,
+            _ => i64::MAX,
+        }
     }
 
     fn keep(&mut self, tie: Tie, within_secs: f64) {
@@ -1348,10 +1351,7 @@ impl LeastLoad {
             PassOver {
                 bar_secs,
                 lowest_secs,
-                behind_after_nanos: match rule.oldest() {
-                    Some((oldest_nanos, oldest_secs)) if oldest_secs <= lowest_secs => oldest_nanos,
-                    _ => i64::MAX,
-                },
+                behind_after_nanos: rule.behind_after_nanos(lowest_secs),
             },
             &exact,
         ) {
@@ -1390,15 +1390,15 @@ impl LeastLoad {
             };
             // The common case in a large tie, checked before the rule works
             // out its bar again for the candidate.
-            match rule.oldest() {
-                Some((oldest_nanos, oldest_secs)) if oldest_secs <= value => {
+            match rule.behind_after_nanos(value) {
+                i64::MAX => rule.offer(index, value, last_dispatch_nanos),
+                behind_after_nanos => {
                     let last_dispatch_nanos = last_dispatch_nanos();
-                    if oldest_nanos < last_dispatch_nanos {
+                    if behind_after_nanos < last_dispatch_nanos {
                         continue;
                     }
                     rule.offer(index, value, || last_dispatch_nanos);
                 }
-                _ => rule.offer(index, value, last_dispatch_nanos),
             }
         }
         lowest_secs

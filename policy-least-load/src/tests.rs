@@ -1722,10 +1722,7 @@ mod tie_rule {
     ) -> Option<usize> {
         let mut rule = TieRule::new(tolerance_secs);
         for (index, (score, last_dispatch)) in candidates.iter().enumerate() {
-            if let Some((oldest_nanos, oldest_secs)) = rule.oldest()
-                && oldest_secs <= *score
-                && oldest_nanos < *last_dispatch
-            {
+            if rule.behind_after_nanos(*score) < *last_dispatch {
                 continue;
             }
             rule.offer(index, *score, || *last_dispatch);
