@@ -13,10 +13,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use super::proc_stat::{self, CpuTimes};
 use super::proxy::{start_engines, start_nginx, start_router};
 use super::report::Row;
 use super::wrk::{self, Mode, Target, WrkRun};
-use super::{Options, median, proc_stat, spread};
+use super::{Options, median, spread};
 
 const FLEET_SIZES: [u16; 4] = [16, 256, 1024, 4096];
 const POLL_INTERVAL_MS: u64 = 1000;
@@ -24,12 +25,10 @@ const POLL_INTERVAL_MS: u64 = 1000;
 /// load report (4096 workers are added one health check at a time).
 const READY_WITHIN: Duration = Duration::from_secs(180);
 
-/// CPU seconds of a proxy process and its direct children (the router has
+/// CPU time of a proxy process and its direct children (the router has
 /// none; nginx's master has its worker).
-fn cpu_s(pid: u32) -> Result<f64, String> {
-    proc_stat::cpu_time_with_children(pid)
-        .map(|time| time.as_secs_f64())
-        .ok_or_else(|| format!("cannot read /proc/{pid}/stat"))
+fn cpu(pid: u32) -> Result<CpuTimes, String> {
+    proc_stat::cpu_times_with_children(pid).ok_or_else(|| format!("cannot read /proc/{pid}/stat"))
 }
 
 /// One fleet size's measurements over the runs.
@@ -39,10 +38,13 @@ struct Size {
     idle_fractions: Vec<f64>,
     runs: Vec<WrkRun>,
     cpu_us_per_request: Vec<f64>,
+    /// The user-space part of `cpu_us_per_request`.
+    cpu_user_us_per_request: Vec<f64>,
     /// The same, less what the idle polling costs over the run.
     cpu_us_per_request_less_polling: Vec<f64>,
     nginx_runs: Vec<WrkRun>,
     nginx_cpu_us_per_request: Vec<f64>,
+    nginx_cpu_user_us_per_request: Vec<f64>,
 }
 
 pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<String>), String> {
@@ -91,6 +93,10 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 .settled("throughput_rps", &throughput)
                 .num("p99_ms", median(&p99))
                 .settled("cpu_us_per_request", &measured.cpu_us_per_request)
+                .num(
+                    "cpu_user_us_per_request",
+                    median(&measured.cpu_user_us_per_request),
+                )
                 .settled(
                     "cpu_us_per_request_less_polling",
                     &measured.cpu_us_per_request_less_polling,
@@ -113,13 +119,17 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 .settled("throughput_rps", &throughput)
                 .num("p99_ms", median(&p99))
                 .settled("cpu_us_per_request", &measured.nginx_cpu_us_per_request)
+                .num(
+                    "cpu_user_us_per_request",
+                    median(&measured.nginx_cpu_user_us_per_request),
+                )
                 .int("errors", measured.nginx_runs.iter().map(|r| r.errors).sum())
                 .int("runs", measured.nginx_runs.len() as u64)
                 .num("spread", spread(&throughput)),
         );
     }
     let notes = vec![format!(
-        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first. Then `nginx-cpu/least_conn/<workers>`: nginx (one worker process on core 1, `least_conn`, an idle-connection cache of one connection per worker, at least 128) over the same workers, the same wrk run, nginx's CPU (master + worker) / requests; `cpu_vs_nginx` in the router's row is the ratio of the two medians.",
+        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first. Then `nginx-cpu/least_conn/<workers>`: nginx (one worker process on core 1, `least_conn`, an idle-connection cache of one connection per worker, at least 128) over the same workers, the same wrk run, nginx's CPU (master + worker) / requests; `cpu_vs_nginx` in the router's row is the ratio of the two medians. `of which user` (both proxies' rows): the user-space part (utime) of the CPU per request; the rest is the kernel's, which grows with the number of upstream sockets for any proxy.",
         options.duration_s, options.duration_s
     )];
     Ok((rows, notes))
@@ -144,27 +154,33 @@ fn measure_size(
         || super::router_has_fresh_loads(port, usize::from(size), 2.0),
     )?;
 
-    let before = cpu_s(pid)?;
+    let before = cpu(pid)?;
     let start = Instant::now();
     std::thread::sleep(Duration::from_secs(options.duration_s));
-    let fraction = (cpu_s(pid)? - before) / start.elapsed().as_secs_f64();
+    let fraction = cpu(pid)?.since(before).total_s() / start.elapsed().as_secs_f64();
     into.idle_fractions.push(fraction);
 
     let loaded = loaded_run(options, out_dir, port, pid)?;
     drop(router);
     if loaded.run.requests > 0 {
         let requests = loaded.run.requests as f64;
-        into.cpu_us_per_request.push(loaded.cpu_s * 1e6 / requests);
+        let cpu_s = loaded.cpu.total_s();
+        into.cpu_us_per_request.push(cpu_s * 1e6 / requests);
+        into.cpu_user_us_per_request
+            .push(loaded.cpu.user_s * 1e6 / requests);
         into.cpu_us_per_request_less_polling
-            .push((loaded.cpu_s - fraction * loaded.wall_s).max(0.0) * 1e6 / requests);
+            .push((cpu_s - fraction * loaded.wall_s).max(0.0) * 1e6 / requests);
     }
 
     let (nginx, nginx_port) = start_nginx(&out_dir.join("fleet"), workers)?;
     let nginx_loaded = loaded_run(options, out_dir, nginx_port, nginx.child.id())?;
     drop(nginx);
     if nginx_loaded.run.requests > 0 {
+        let requests = nginx_loaded.run.requests as f64;
         into.nginx_cpu_us_per_request
-            .push(nginx_loaded.cpu_s * 1e6 / nginx_loaded.run.requests as f64);
+            .push(nginx_loaded.cpu.total_s() * 1e6 / requests);
+        into.nginx_cpu_user_us_per_request
+            .push(nginx_loaded.cpu.user_s * 1e6 / requests);
     }
     eprintln!(
         "xtask:    {size:>5} workers: idle {:.2}% of a core; {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req; nginx {:>9.0} req/s  CPU {:.1} µs/req",
@@ -186,7 +202,7 @@ fn measure_size(
 /// One saturating wrk run through a proxy, and the proxy's CPU over it.
 struct LoadedRun {
     run: WrkRun,
-    cpu_s: f64,
+    cpu: CpuTimes,
     wall_s: f64,
 }
 
@@ -196,12 +212,12 @@ fn loaded_run(options: &Options, out_dir: &Path, port: u16, pid: u32) -> Result<
     let target = Target::Port(port);
     let script = wrk::script(out_dir, Mode::NonStream, &target, None)?;
     wrk::run(&script, &target, 1)?;
-    let before = cpu_s(pid)?;
+    let before = cpu(pid)?;
     let start = Instant::now();
     let run = wrk::run(&script, &target, options.duration_s)?;
     Ok(LoadedRun {
         wall_s: start.elapsed().as_secs_f64(),
-        cpu_s: cpu_s(pid)? - before,
+        cpu: cpu(pid)?.since(before),
         run,
     })
 }

@@ -52,14 +52,13 @@ struct Proxy {
 }
 
 impl Proxy {
-    fn cpu_s(&self) -> Option<f64> {
+    fn cpu(&self) -> Option<proc_stat::CpuTimes> {
         let pid = self.process.child.id();
-        let time = if self.with_children {
-            proc_stat::cpu_time_with_children(pid)
+        if self.with_children {
+            proc_stat::cpu_times_with_children(pid)
         } else {
-            proc_stat::cpu_time(pid)
-        };
-        time.map(|t| t.as_secs_f64())
+            proc_stat::cpu_times(pid)
+        }
     }
 }
 
@@ -239,6 +238,8 @@ fn count_sse_events(port: u16) -> Result<usize, String> {
 struct Measured {
     runs: Vec<WrkRun>,
     cpu_us_per_request: Vec<f64>,
+    /// The user-space part of `cpu_us_per_request`.
+    cpu_user_us_per_request: Vec<f64>,
 }
 
 /// The row of one path's runs. Throughput and CPU per request must agree
@@ -265,7 +266,12 @@ fn summarize(name: String, measured: &Measured, half_load: bool) -> Row {
     // A p99 is noisier than a throughput; the runs' range shows how much.
     row = row.num("p99_min_ms", p99_min).num("p99_max_ms", p99_max);
     if !measured.cpu_us_per_request.is_empty() {
-        row = row.settled("cpu_us_per_request", &measured.cpu_us_per_request);
+        row = row
+            .settled("cpu_us_per_request", &measured.cpu_us_per_request)
+            .num(
+                "cpu_user_us_per_request",
+                median(&measured.cpu_user_us_per_request),
+            );
     }
     row.int("errors", errors)
         .int("runs", measured.runs.len() as u64)
@@ -285,14 +291,18 @@ fn measure_once(
         .iter()
         .find(|(p, _)| *p == path)
         .map(|(_, proxy)| proxy);
-    let before = proxy.and_then(Proxy::cpu_s);
+    let before = proxy.and_then(Proxy::cpu);
     let run = wrk::run(script, target, duration_s)?;
-    let after = proxy.and_then(Proxy::cpu_s);
+    let after = proxy.and_then(Proxy::cpu);
     if let (Some(before), Some(after)) = (before, after)
         && run.requests > 0
     {
+        let spent = after.since(before);
+        let requests = run.requests as f64;
         into.cpu_us_per_request
-            .push((after - before) * 1e6 / run.requests as f64);
+            .push(spent.total_s() * 1e6 / requests);
+        into.cpu_user_us_per_request
+            .push(spent.user_s * 1e6 / requests);
     }
     eprintln!(
         "xtask:    {:<12} {:>9.0} req/s  p50 {:>7.3} ms  p99 {:>7.3} ms  errors {}",
@@ -380,6 +390,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 Measured {
                     runs: Vec::new(),
                     cpu_us_per_request: Vec::new(),
+                    cpu_user_us_per_request: Vec::new(),
                 },
             ));
         }
@@ -437,6 +448,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 Measured {
                     runs: Vec::new(),
                     cpu_us_per_request: Vec::new(),
+                    cpu_user_us_per_request: Vec::new(),
                 },
             ));
         }
@@ -471,7 +483,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         "Half load: wrk2 is not packaged in Debian (bookworm has only `wrk`), so the rate is held with wrk's Lua `delay()`: each of the 64 connections waits 64/rate s (dithered to whole ms) before each request, a closed loop with think time. wrk's latency clock starts when the request is sent, after the delay, so it is the response time at that offered load; achieved req/s is reported next to the paced rate. Coordinated omission is not corrected (it matters little at 50% load).".to_owned(),
     );
     notes.push(
-        "`cpu_us_per_request`: the proxy's user+system CPU (`/proc/<pid>/stat`; nginx: master + worker) over the run divided by the requests; 10 ms tick resolution, so ±1% at these run lengths.".to_owned(),
+        "`cpu_us_per_request`: the proxy's user+system CPU (`/proc/<pid>/stat`; nginx: master + worker) over the run divided by the requests; 10 ms tick resolution, so ±1% at these run lengths. `of which user`: its user-space part (utime); the rest is the kernel's, mostly loopback TCP.".to_owned(),
     );
     Ok((rows, notes))
 }

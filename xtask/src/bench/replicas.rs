@@ -56,8 +56,8 @@ const SETUPS: [Setup; 3] = [
 ];
 
 fn cpu_s(pid: u32) -> Result<f64, String> {
-    proc_stat::cpu_time(pid)
-        .map(|time| time.as_secs_f64())
+    proc_stat::cpu_times(pid)
+        .map(proc_stat::CpuTimes::total_s)
         .ok_or_else(|| format!("cannot read /proc/{pid}/stat"))
 }
 

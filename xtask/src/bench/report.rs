@@ -367,6 +367,7 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("vs_direct", "vs direct", 3),
             ("vs_nginx", "vs nginx", 3),
             ("cpu_us_per_request", "proxy CPU µs/req", 1),
+            ("cpu_user_us_per_request", "of which user", 1),
             ("errors", "errors", 0),
             ("runs", "runs", 0),
             ("spread", "spread", 3),
@@ -425,6 +426,7 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("throughput_rps", "req/s", 0),
             ("p99_ms", "p99 ms", 3),
             ("cpu_us_per_request", "router CPU µs/req", 1),
+            ("cpu_user_us_per_request", "of which user", 1),
             ("cpu_us_per_request_spread", "CPU spread", 3),
             (
                 "cpu_us_per_request_less_polling",
@@ -445,6 +447,7 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("throughput_rps", "req/s", 0),
             ("p99_ms", "p99 ms", 3),
             ("cpu_us_per_request", "nginx CPU µs/req", 1),
+            ("cpu_user_us_per_request", "of which user", 1),
             ("cpu_us_per_request_spread", "CPU spread", 3),
             ("errors", "errors", 0),
             ("runs", "runs", 0),
