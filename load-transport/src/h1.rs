@@ -12,9 +12,12 @@
 //! does it all itself, as nginx's one event loop does: it writes the
 //! request head and body with one vectored write, reads and parses the
 //! head, and its [`WorkerBody`] reads the socket when it is asked for the
-//! next frame. Each read returns every whole chunk that arrived, joined
-//! into one frame, so a burst of events costs one read and one write to
-//! the client, and an event that arrives alone goes out at once.
+//! next frame. Each read returns every whole chunk that arrived as one
+//! piece, so a burst of events costs one read and one write to the client,
+//! and an event that arrives alone goes out at once. For a chunked
+//! HTTP/1.1 answer the chunks pass as the worker framed them
+//! ([`WorkerBody::poll_piece`]): the router neither copies their data
+//! together nor frames it again.
 //!
 //! The framing pieces ([`Framing`], [`decode_body`], [`poll_read_buf`],
 //! [`write_all_vectored`]) are public for the router's own HTTP/1.1
@@ -81,6 +84,8 @@ const MAX_POOLED_BUFFER: usize = 256 * 1024;
 const MAX_WRITE_SLICES: usize = 32;
 /// Most bytes of a chunk-size line (with extensions) or a trailer line.
 const MAX_LINE_BYTES: usize = 4 * 1024;
+/// Most hex digits of a chunk size (60 bits).
+const MAX_SIZE_DIGITS: usize = 15;
 
 /// Why a request got no response head.
 #[derive(Debug, thiserror::Error)]
@@ -672,13 +677,69 @@ pub struct WorkerBody {
 }
 
 impl WorkerBody {
-    /// Decodes what the buffer holds: the data (possibly empty) and whether
-    /// the body has ended.
-    fn decode(&mut self) -> Result<Option<Bytes>, BodyError> {
+    /// The next piece of the body, reading the socket when the buffer holds
+    /// none. With `relay`, whole chunks in plain form come as
+    /// [`Piece::Chunks`], framing and all, for a chunked HTTP/1.1 answer to
+    /// pass on as they came: no copying their data together, no framing it
+    /// again. Everything else (and everything without `relay`) comes as
+    /// [`Piece::Data`].
+    pub fn poll_piece(
+        &mut self,
+        cx: &mut Context<'_>,
+        relay: bool,
+    ) -> Poll<Option<Result<Piece, BodyError>>> {
+        loop {
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            let piece = match self.next_piece(relay) {
+                Ok(piece) => piece,
+                Err(error) => {
+                    self.ended = true;
+                    self.connection = None;
+                    return Poll::Ready(Some(Err(error)));
+                }
+            };
+            if self.framing == Framing::Done {
+                self.finish();
+            }
+            if let Some(piece) = piece {
+                return Poll::Ready(Some(Ok(piece)));
+            }
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            let Some(connection) = self.connection.as_mut() else {
+                return Poll::Ready(None);
+            };
+            connection.buffer.reserve(READ_RESERVE);
+            let read = poll_read_buf(&mut connection.stream, &mut connection.buffer, cx);
+            match ready!(read) {
+                Ok(0) => {
+                    self.connection = None;
+                    self.ended = true;
+                    if self.framing == Framing::UntilClose {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Err(BodyError::Closed)));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    self.ended = true;
+                    self.connection = None;
+                    return Poll::Ready(Some(Err(BodyError::Io(error))));
+                }
+            }
+        }
+    }
+
+    /// Takes a piece from what the buffer holds (none when it holds no
+    /// data), moving the framing on.
+    fn next_piece(&mut self, relay: bool) -> Result<Option<Piece>, BodyError> {
         let Some(connection) = self.connection.as_mut() else {
             return Ok(None);
         };
-        decode_body(&mut self.framing, &mut connection.buffer)
+        take_piece(&mut self.framing, &mut connection.buffer, relay)
     }
 
     /// The body was read to its end: the connection goes back to the pool
@@ -726,6 +787,163 @@ pub fn decode_body(
     }
 }
 
+/// Takes the next piece of a body framed as `framing` from `buffer` (none
+/// when it holds no data), moving `framing` on; see
+/// [`WorkerBody::poll_piece`] for `relay`.
+fn take_piece(
+    framing: &mut Framing,
+    buffer: &mut BytesMut,
+    relay: bool,
+) -> Result<Option<Piece>, BodyError> {
+    // Relaying starts only at a chunk boundary, where an answer that framed
+    // the data before it is at one too.
+    if relay
+        && *framing == Framing::Chunked(Chunked::Size)
+        && let Some(chunks) = whole_chunks(buffer)
+    {
+        return Ok(Some(Piece::Chunks(chunks)));
+    }
+    Ok(decode_body(framing, buffer)?.map(Piece::Data))
+}
+
+/// A piece of a worker's body on its way to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// Body data, for whoever writes it to frame.
+    Data(Bytes),
+    /// Whole chunks of a chunked body as the worker sent them, framing
+    /// included, each a size line of hex digits and CRLF, the data and
+    /// CRLF: a chunked HTTP/1.1 answer passes them on as they are.
+    Chunks(Bytes),
+}
+
+impl Piece {
+    /// The body data the piece carries, in order: for chunks, each one's
+    /// data.
+    pub fn data_parts(&self) -> DataParts<'_> {
+        match self {
+            Piece::Data(data) => DataParts {
+                rest: data,
+                framed: false,
+            },
+            Piece::Chunks(framed) => DataParts {
+                rest: framed,
+                framed: true,
+            },
+        }
+    }
+
+    /// The body data, joined (for chunks, copied out of their framing).
+    pub fn into_data(self) -> Bytes {
+        match self {
+            Piece::Data(data) => data,
+            Piece::Chunks(ref framed) => {
+                let mut data = BytesMut::with_capacity(framed.len());
+                for part in self.data_parts() {
+                    data.extend_from_slice(part);
+                }
+                data.freeze()
+            }
+        }
+    }
+
+    /// The piece's length on the wire.
+    pub fn len(&self) -> usize {
+        match self {
+            Piece::Data(bytes) | Piece::Chunks(bytes) => bytes.len(),
+        }
+    }
+
+    /// Whether it carries no bytes at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The body data of a [`Piece`], part by part.
+#[derive(Debug, Clone)]
+pub struct DataParts<'a> {
+    rest: &'a [u8],
+    framed: bool,
+}
+
+impl<'a> Iterator for DataParts<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        if !self.framed {
+            return (!self.rest.is_empty()).then(|| std::mem::take(&mut self.rest));
+        }
+        // A `Chunks` piece holds whole chunks in plain form only.
+        let (size, line) = plain_size_line(self.rest)?;
+        let data = self.rest.get(line..line + size)?;
+        self.rest = self.rest.get(line + size + 2..).unwrap_or_default();
+        Some(data)
+    }
+}
+
+/// Splits off the whole chunks at the buffer's front whose size line is in
+/// plain form (see [`plain_size_line`]) and whose data ends in CRLF,
+/// framing and all, without copying. It stops at anything else, which
+/// [`decode_chunked`] then reads: a chunk not yet whole (its data goes
+/// out as it comes), the last chunk, a size line with extensions, a bare
+/// LF. Called at a size line.
+fn whole_chunks(buffer: &mut BytesMut) -> Option<Bytes> {
+    let mut rest: &[u8] = buffer;
+    while let Some((size, line)) = plain_size_line(rest)
+        && size > 0
+        && let Some(chunk_bytes) = line
+            .checked_add(size)
+            .and_then(|bytes| bytes.checked_add(2))
+        && let Some(chunk) = rest.get(..chunk_bytes)
+        && chunk.ends_with(b"\r\n")
+    {
+        rest = &rest[chunk_bytes..];
+    }
+    let end = buffer.len() - rest.len();
+    (end > 0).then(|| buffer.split_to(end).freeze())
+}
+
+/// A chunk-size line in plain form at the front of `bytes`: 1 to 15 hex
+/// digits and CRLF, no extensions, spaces or bare LF. The size and the
+/// line's length; `None` for anything else, or a line not yet whole.
+fn plain_size_line(bytes: &[u8]) -> Option<(usize, usize)> {
+    let mut size = 0u64;
+    let mut digits = 0;
+    while digits <= MAX_SIZE_DIGITS
+        && let Some(&byte) = bytes.get(digits)
+        && let value = HEX_VALUE[usize::from(byte)]
+        && value != NOT_HEX
+    {
+        size = size << 4 | u64::from(value);
+        digits += 1;
+    }
+    if digits == 0 || digits > MAX_SIZE_DIGITS || bytes.get(digits..digits + 2) != Some(b"\r\n") {
+        return None;
+    }
+    Some((usize::try_from(size).ok()?, digits + 2))
+}
+
+/// Not a hex digit, in [`HEX_VALUE`].
+const NOT_HEX: u8 = 0xff;
+
+/// Each byte's value as a hex digit, or [`NOT_HEX`]: a size line's digits
+/// are read with one load each.
+const HEX_VALUE: [u8; 256] = {
+    let mut table = [NOT_HEX; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        table[byte] = match byte as u8 {
+            digit @ b'0'..=b'9' => digit - b'0',
+            digit @ b'a'..=b'f' => digit - b'a' + 10,
+            digit @ b'A'..=b'F' => digit - b'A' + 10,
+            _ => NOT_HEX,
+        };
+        byte += 1;
+    }
+    table
+};
+
 /// Decodes the whole chunks (and the part of one) that `buffer` holds into
 /// one run of data, moved to the buffer's front and split off; what
 /// remains is an incomplete size line or nothing. `None` when no data.
@@ -745,15 +963,16 @@ fn decode_chunked(buffer: &mut BytesMut, state: &mut Chunked) -> Result<Option<B
                     .next()
                     .map(<[u8]>::trim_ascii)
                     .unwrap_or_default();
-                if digits.is_empty() || digits.len() > 15 {
+                if digits.is_empty() || digits.len() > MAX_SIZE_DIGITS {
                     return Err(BodyError::BadChunk("chunk size"));
                 }
                 let mut size = 0u64;
                 for digit in digits {
-                    let value = (*digit as char)
-                        .to_digit(16)
-                        .ok_or(BodyError::BadChunk("chunk size"))?;
-                    size = size * 16 + u64::from(value);
+                    let value = HEX_VALUE[usize::from(*digit)];
+                    if value == NOT_HEX {
+                        return Err(BodyError::BadChunk("chunk size"));
+                    }
+                    size = size << 4 | u64::from(value);
                 }
                 read += line_end.total;
                 *state = if size == 0 {
@@ -845,54 +1064,12 @@ impl Body for WorkerBody {
     type Error = BodyError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let this = &mut *self;
-        loop {
-            if this.ended {
-                return Poll::Ready(None);
-            }
-            let data = match this.decode() {
-                Ok(data) => data,
-                Err(error) => {
-                    this.ended = true;
-                    this.connection = None;
-                    return Poll::Ready(Some(Err(error)));
-                }
-            };
-            if this.framing == Framing::Done {
-                this.finish();
-            }
-            if let Some(data) = data {
-                return Poll::Ready(Some(Ok(Frame::data(data))));
-            }
-            if this.ended {
-                return Poll::Ready(None);
-            }
-            let Some(connection) = this.connection.as_mut() else {
-                return Poll::Ready(None);
-            };
-            connection.buffer.reserve(READ_RESERVE);
-            let read = poll_read_buf(&mut connection.stream, &mut connection.buffer, cx);
-            match ready!(read) {
-                Ok(0) => {
-                    this.connection = None;
-                    if this.framing == Framing::UntilClose {
-                        this.ended = true;
-                        return Poll::Ready(None);
-                    }
-                    this.ended = true;
-                    return Poll::Ready(Some(Err(BodyError::Closed)));
-                }
-                Ok(_) => {}
-                Err(error) => {
-                    this.ended = true;
-                    this.connection = None;
-                    return Poll::Ready(Some(Err(BodyError::Io(error))));
-                }
-            }
-        }
+        self.get_mut()
+            .poll_piece(cx, false)
+            .map_ok(|piece| Frame::data(piece.into_data()))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -1070,6 +1247,118 @@ mod tests {
         let (frames, ended) = decode_pieces(&bytewise).unwrap();
         assert_eq!(frames.concat(), "hello0123456789");
         assert!(ended);
+    }
+
+    /// Relays `wire` fed in the given pieces, as the router's HTTP/1.1
+    /// server writes it: chunks as they came, data framed as a chunk of its
+    /// own, and the last chunk. The client's wire, and whether the end was
+    /// found.
+    fn relay_pieces(pieces: &[&[u8]]) -> Result<(Vec<u8>, bool), BodyError> {
+        let mut buffer = BytesMut::new();
+        let mut framing = Framing::Chunked(Chunked::Size);
+        let mut client = Vec::new();
+        for piece in pieces {
+            buffer.extend_from_slice(piece);
+            while let Some(piece) = take_piece(&mut framing, &mut buffer, true)? {
+                match piece {
+                    Piece::Chunks(chunks) => client.extend_from_slice(&chunks),
+                    Piece::Data(data) => {
+                        client.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                        client.extend_from_slice(&data);
+                        client.extend_from_slice(b"\r\n");
+                    }
+                }
+            }
+        }
+        let ended = framing == Framing::Done;
+        if ended {
+            assert!(buffer.is_empty(), "nothing after the end: {buffer:?}");
+            client.extend_from_slice(b"0\r\n\r\n");
+        }
+        Ok((client, ended))
+    }
+
+    #[test]
+    fn whole_plain_chunks_are_relayed_as_they_came() {
+        let chunks = b"5\r\nhello\r\n1\r\n \r\nA\r\n0123456789\r\n";
+        let wire = [&chunks[..], b"0\r\nx-trailer: 1\r\n\r\n"].concat();
+        let mut buffer = BytesMut::from(&wire[..]);
+        let mut framing = Framing::Chunked(Chunked::Size);
+        let piece = take_piece(&mut framing, &mut buffer, true).unwrap();
+        assert_eq!(piece, Some(Piece::Chunks(Bytes::from_static(chunks))));
+        let parts: Vec<&[u8]> = piece.as_ref().unwrap().data_parts().collect();
+        assert_eq!(parts, [&b"hello"[..], b" ", b"0123456789"]);
+        assert_eq!(piece.unwrap().into_data(), "hello 0123456789");
+        // The last chunk and the trailers end the body; they are not relayed.
+        assert_eq!(take_piece(&mut framing, &mut buffer, true).unwrap(), None);
+        assert_eq!(framing, Framing::Done);
+        assert!(buffer.is_empty());
+        // Without relay, the same chunks are one run of data.
+        let mut buffer = BytesMut::from(&wire[..]);
+        let mut framing = Framing::Chunked(Chunked::Size);
+        let piece = take_piece(&mut framing, &mut buffer, false).unwrap();
+        assert_eq!(
+            piece,
+            Some(Piece::Data(Bytes::from_static(b"hello 0123456789")))
+        );
+    }
+
+    #[test]
+    fn plain_size_lines_are_hex_digits_and_crlf_only() {
+        assert_eq!(plain_size_line(b"1a\r\ndata"), Some((0x1a, 4)));
+        assert_eq!(plain_size_line(b"0\r\n"), Some((0, 3)));
+        assert_eq!(
+            plain_size_line(b"fffffffffffffff\r\n"),
+            Some(((1 << 60) - 1, 17))
+        );
+        for other in [
+            &b"1a"[..],
+            b"1a\r",
+            b"1a\n",
+            b"1a \r\n",
+            b"1a;x=1\r\n",
+            b"\r\n",
+            b"0000000000000001\r\n",
+            b"g\r\n",
+        ] {
+            assert_eq!(plain_size_line(other), None, "{other:?}");
+        }
+    }
+
+    #[test]
+    fn every_split_of_a_relayed_body_reaches_the_client_whole() {
+        // Plain chunks, then forms that are decoded rather than relayed: an
+        // extension, spaces, upper-case hex, a bare LF after the data.
+        let wire =
+            b"5\r\nhello\r\n3;ext=1\r\nabc\r\nB \r\n0123456789A\r\n2\r\nxy\n1\r\nz\r\n0\r\n\r\n";
+        let data = "helloabc0123456789Axyz";
+        let client_data = |client: &[u8]| {
+            let (frames, ended) = decode_pieces(&[client]).unwrap();
+            assert!(ended);
+            frames.concat()
+        };
+        for split in 0..=wire.len() {
+            let (head, tail) = wire.split_at(split);
+            let (client, ended) = relay_pieces(&[head, tail]).unwrap();
+            assert!(ended, "split at {split}");
+            assert_eq!(client_data(&client), data, "split at {split}");
+        }
+        let bytewise: Vec<&[u8]> = wire.chunks(1).collect();
+        let (client, ended) = relay_pieces(&bytewise).unwrap();
+        assert!(ended);
+        assert_eq!(client_data(&client), data);
+        // Whole, the first chunk passes as it came.
+        let (client, _) = relay_pieces(&[wire]).unwrap();
+        assert!(client.starts_with(b"5\r\nhello\r\n"));
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors_when_relayed_too() {
+        assert!(relay_pieces(&[b"zz\r\n"]).is_err());
+        assert!(relay_pieces(&[b"2\r\nabX\r\n"]).is_err());
+        assert!(relay_pieces(&[b"1\r\na\r\n2\r\nabXY\r\n"]).is_err());
+        assert!(relay_pieces(&[b"1234567890abcdef0\r\n"]).is_err());
+        assert!(relay_pieces(&[&[b'1'; MAX_LINE_BYTES + 1]]).is_err());
     }
 
     #[test]

@@ -36,7 +36,6 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName};
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
@@ -44,7 +43,7 @@ use tokio::time::{Instant, Sleep};
 use crate::app::App;
 use crate::client_body::{self, read_body};
 use crate::proxy::{self, Answer, ProxyBody};
-use load_transport::h1::{self, BodyError, Chunked, Framing};
+use load_transport::h1::{self, BodyError, Chunked, Framing, Piece};
 
 /// Most bytes of a request head (nginx's default is 1 KB, growing to four
 /// 8 KB buffers; hyper's about 400 KB).
@@ -457,7 +456,7 @@ async fn serve_request(
             return false;
         }
     };
-    let answer = proxy::handle_read(app.clone(), parts, body, arrived);
+    let answer = proxy::handle_read(app.clone(), parts, body, arrived, true);
     let Some(answer) = until_answered(connection, answer).await else {
         return false;
     };
@@ -627,21 +626,21 @@ async fn write_answer(
         };
     }
     let mut sent: u64 = 0;
-    // A frame taken while waiting, to go out first.
-    let mut carried: Option<Option<Result<Frame<Bytes>, axum::Error>>> = None;
+    // A chunked answer passes a worker's chunks on as they came.
+    let relay = out == Out::Chunked;
+    // A piece taken while waiting, to go out first.
+    let mut carried: Option<Option<Result<Piece, axum::Error>>> = None;
     loop {
-        // Every frame that is ready now goes into one write.
+        // Every piece that is ready now goes into one write.
         let ended = loop {
             let polled = match carried.take() {
-                Some(frame) => Poll::Ready(frame),
-                None => poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await,
+                Some(piece) => Poll::Ready(piece),
+                None => poll_fn(|cx| Poll::Ready(body.poll_piece(cx, relay))).await,
             };
             match polled {
-                Poll::Ready(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        sent += data.len() as u64;
-                        writer.data(data, out);
-                    }
+                Poll::Ready(Some(Ok(piece))) => {
+                    sent += piece.len() as u64;
+                    writer.piece(piece, out);
                 }
                 Poll::Ready(Some(Err(error))) => {
                     // What was sent stands; the connection closes without
@@ -677,8 +676,8 @@ async fn write_answer(
         loop {
             tokio::select! {
                 biased;
-                frame = body.frame() => {
-                    carried = Some(frame);
+                piece = poll_fn(|cx| body.poll_piece(cx, relay)) => {
+                    carried = Some(piece);
                     break;
                 }
                 open = watch_for_close(&mut connection.stream, &mut connection.buffer), if connection.buffer.len() < MAX_READ_AHEAD_BYTES => {
@@ -764,23 +763,29 @@ struct Writer {
 }
 
 impl Writer {
-    /// Adds a frame of the body, framed as `out` says.
-    fn data(&mut self, data: Bytes, out: Out) {
-        if data.is_empty() {
-            return;
+    /// Adds a piece of the body, framed as `out` says (chunks come
+    /// framed).
+    fn piece(&mut self, piece: Piece, out: Out) {
+        match piece {
+            Piece::Chunks(chunks) => self.append(chunks),
+            Piece::Data(data) if data.is_empty() => {}
+            Piece::Data(data) if out == Out::Chunked => {
+                write_hex(&mut self.bytes, data.len());
+                self.bytes.extend_from_slice(b"\r\n");
+                self.append(data);
+                self.bytes.extend_from_slice(b"\r\n");
+            }
+            Piece::Data(data) => self.append(data),
         }
-        let chunked = out == Out::Chunked;
-        if chunked {
-            write_hex(&mut self.bytes, data.len());
-            self.bytes.extend_from_slice(b"\r\n");
-        }
-        if data.len() <= COPY_LIMIT_BYTES {
-            self.bytes.extend_from_slice(&data);
+    }
+
+    /// Adds `bytes` as they are: copied if small, else a slice of their
+    /// own.
+    fn append(&mut self, bytes: Bytes) {
+        if bytes.len() <= COPY_LIMIT_BYTES {
+            self.bytes.extend_from_slice(&bytes);
         } else {
-            self.frames.push((self.bytes.len(), data));
-        }
-        if chunked {
-            self.bytes.extend_from_slice(b"\r\n");
+            self.frames.push((self.bytes.len(), bytes));
         }
     }
 
@@ -1053,19 +1058,24 @@ mod tests {
     }
 
     #[test]
-    fn frames_are_chunked_with_hex_sizes() {
+    fn data_is_chunked_with_hex_sizes_and_chunks_pass_as_they_are() {
+        let data = |bytes: &'static [u8]| Piece::Data(Bytes::from_static(bytes));
         let mut writer = Writer::default();
-        writer.data(Bytes::from_static(b"hello"), Out::Chunked);
-        writer.data(Bytes::new(), Out::Chunked);
-        writer.data(Bytes::from(vec![b'x'; 0x1a2b]), Out::Chunked);
-        writer.data(Bytes::from_static(b"!"), Out::Chunked);
+        writer.piece(data(b"hello"), Out::Chunked);
+        writer.piece(data(b""), Out::Chunked);
+        writer.piece(Piece::Data(Bytes::from(vec![b'x'; 0x1a2b])), Out::Chunked);
+        writer.piece(data(b"!"), Out::Chunked);
+        writer.piece(
+            Piece::Chunks(Bytes::from_static(b"2\r\nab\r\n")),
+            Out::Chunked,
+        );
         assert_eq!(writer.frames.len(), 1, "a large frame is not copied");
         let (before, frame) = &writer.frames[0];
         assert_eq!(&writer.bytes[..*before], b"5\r\nhello\r\n1a2b\r\n");
         assert_eq!(frame.len(), 0x1a2b);
-        assert_eq!(&writer.bytes[*before..], b"\r\n1\r\n!\r\n");
+        assert_eq!(&writer.bytes[*before..], b"\r\n1\r\n!\r\n2\r\nab\r\n");
         let mut whole = Writer::default();
-        whole.data(Bytes::from_static(b"{}"), Out::Length(2));
+        whole.piece(data(b"{}"), Out::Length(2));
         assert_eq!(&whole.bytes[..], b"{}");
         assert!(whole.frames.is_empty());
         for value in [0usize, 9, 10, 255, 4096, usize::MAX] {

@@ -7,6 +7,8 @@
 //! worker's kept-alive connections ([`load_transport::h1`]), read and written by
 //! this task alone.
 
+use std::collections::VecDeque;
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -17,7 +19,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
-use http_body::{Frame, SizeHint};
+use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 
@@ -30,7 +32,7 @@ use crate::sse::{self, FirstDataEvent};
 use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
-use load_transport::h1::{self, WorkerBody};
+use load_transport::h1::{self, Piece, WorkerBody};
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
 pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
@@ -83,17 +85,20 @@ where
             return error.response().map(ProxyBody::Boxed);
         }
     };
-    handle_read(app, parts, body, arrived).await
+    handle_read(app, parts, body, arrived, false).await
 }
 
 /// [`handle`] once the body has been read (from `arrived`, when its head
 /// had): what the router's own HTTP/1.1 server (`h1_server.rs`) calls,
-/// having read the body itself.
+/// having read the body itself. `relay_chunks`: the answer will be polled
+/// with [`ProxyBody::poll_piece`] for a chunked HTTP/1.1 answer, so a
+/// stream's chunks may be held as the worker framed them.
 pub async fn handle_read(
     app: Arc<App>,
     parts: http::request::Parts,
     body: Bytes,
     arrived: tokio::time::Instant,
+    relay_chunks: bool,
 ) -> Answer {
     let received_at = arrived.into_std();
     let deadline = arrived + app.config.server.request_deadline();
@@ -123,6 +128,7 @@ pub async fn handle_read(
         received_at,
         deadline,
         head_timeout,
+        relay_chunks,
     };
     forward(app, &request).await
 }
@@ -139,6 +145,9 @@ struct ClientRequest {
     deadline: tokio::time::Instant,
     /// How long one attempt may wait for the response head.
     head_timeout: std::time::Duration,
+    /// The answer goes out chunked on the router's own HTTP/1.1 server,
+    /// which passes a worker's chunks on as they came.
+    relay_chunks: bool,
 }
 
 impl ClientRequest {
@@ -386,7 +395,7 @@ async fn attempt_on(
     let mut first_event = FirstDataEvent::default();
     let held = match tokio::time::timeout_at(
         first_byte_by,
-        until_first_event(&mut inner, &mut first_event),
+        until_first_event(&mut inner, &mut first_event, request.relay_chunks),
     )
     .await
     {
@@ -563,37 +572,24 @@ async fn whole_answer(
     gateway_error(status, "upstream_error", message)
 }
 
-/// Reads a stream until its first `data:` field has arrived (or it ended);
-/// returns what was read, to be sent first.
+/// Reads `inner` up to its first SSE `data:` field (or its end), feeding
+/// `first_event`: the pieces read, in order. With `relay_chunks` they may
+/// be chunks as the worker framed them.
 async fn until_first_event(
     inner: &mut WorkerBody,
     first_event: &mut FirstDataEvent,
-) -> Result<Option<Bytes>, h1::BodyError> {
-    let mut first: Option<Bytes> = None;
-    let mut joined: Option<BytesMut> = None;
-    while let Some(frame) = inner.frame().await {
-        let Ok(data) = frame?.into_data() else {
-            continue;
-        };
-        let found = first_event.feed(&data);
-        match (&mut joined, first.take()) {
-            (Some(joined), _) => joined.extend_from_slice(&data),
-            (None, None) => first = Some(data),
-            (None, Some(earlier)) => {
-                let mut both = BytesMut::with_capacity(earlier.len() + data.len());
-                both.extend_from_slice(&earlier);
-                both.extend_from_slice(&data);
-                joined = Some(both);
-            }
-        }
+    relay_chunks: bool,
+) -> Result<VecDeque<Piece>, h1::BodyError> {
+    let mut pieces = VecDeque::new();
+    while let Some(piece) = poll_fn(|cx| inner.poll_piece(cx, relay_chunks)).await {
+        let piece = piece?;
+        let found = piece.data_parts().any(|part| first_event.feed(part));
+        pieces.push_back(piece);
         if found {
             break;
         }
     }
-    Ok(match joined {
-        Some(joined) => Some(joined.freeze()),
-        None => first.filter(|first| !first.is_empty()),
-    })
+    Ok(pieces)
 }
 
 /// Most bytes of a worker's error answer the router reads to pass it on.
@@ -715,7 +711,7 @@ fn since(start: Instant, now: Instant) -> f64 {
 pub struct TrackedBody {
     inner: WorkerBody,
     /// Read before the head was sent (up to the first event); goes first.
-    held: Option<Bytes>,
+    held: VecDeque<Piece>,
     tracker: Option<RequestTracker>,
     first_event: FirstDataEvent,
     app: Arc<App>,
@@ -737,7 +733,10 @@ pub struct TrackedBody {
 impl std::fmt::Debug for TrackedBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TrackedBody")
-            .field("held_bytes", &self.held.as_ref().map(Bytes::len))
+            .field(
+                "held_bytes",
+                &self.held.iter().map(Piece::len).sum::<usize>(),
+            )
             .field("first_event", &self.first_event.found())
             .field("ended", &self.ended)
             .finish_non_exhaustive()
@@ -771,7 +770,7 @@ impl TrackedBody {
         failure: Option<Failure>,
         kind: &str,
         message: String,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+    ) -> Poll<Option<Result<Piece, std::io::Error>>> {
         if let Some(tracker) = self.tracker.take() {
             let worker = tracker.worker();
             if let Some(failure) = failure {
@@ -784,7 +783,7 @@ impl TrackedBody {
         }
         self.silent = None;
         self.ended = true;
-        Poll::Ready(Some(Ok(Frame::data(sse::error_event(kind, &message)))))
+        Poll::Ready(Some(Ok(Piece::Data(sse::error_event(kind, &message)))))
     }
 
     /// The idle timer fired: re-arms it past the last frame if the stream
@@ -822,62 +821,58 @@ impl TrackedBody {
         IdleCheck::Stalled
     }
 
-    fn pass(&mut self, frame: Frame<Bytes>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+    fn pass(&mut self, piece: Piece) -> Poll<Option<Result<Piece, std::io::Error>>> {
         self.last_frame_at = tokio::time::Instant::now();
         if self.silent.take().is_some() {
             // The timer was set for the stall; the next silence is sooner.
             let next_check = self.last_frame_at + self.silent_after.unwrap_or(self.idle_timeout);
             self.idle.as_mut().reset(next_check);
         }
-        if let Some(data) = frame.data_ref()
-            && !self.first_event.found()
-            && self.first_event.feed(data)
+        if !self.first_event.found()
+            && piece.data_parts().any(|part| self.first_event.feed(part))
             && let Some(tracker) = self.tracker.as_mut()
         {
             tracker.first_token();
         }
-        Poll::Ready(Some(Ok(frame)))
+        Poll::Ready(Some(Ok(piece)))
     }
-}
 
-impl http_body::Body for TrackedBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
+    /// The next piece of the stream; see [`WorkerBody::poll_piece`] for
+    /// `relay`.
+    pub fn poll_piece(
+        &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        let this = &mut *self;
-        if this.ended {
+        relay: bool,
+    ) -> Poll<Option<Result<Piece, std::io::Error>>> {
+        if self.ended {
             return Poll::Ready(None);
         }
-        if let Some(held) = this.held.take() {
-            if this.inner.is_end_stream() {
-                this.succeeded();
+        if let Some(held) = self.held.pop_front() {
+            if self.held.is_empty() && self.inner.is_end_stream() {
+                self.succeeded();
             }
-            return this.pass(Frame::data(held));
+            return self.pass(held);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if this.inner.is_end_stream() {
-                    this.succeeded();
+        match self.inner.poll_piece(cx, relay) {
+            Poll::Ready(Some(Ok(piece))) => {
+                if self.inner.is_end_stream() {
+                    self.succeeded();
                 }
-                this.pass(frame)
+                self.pass(piece)
             }
-            Poll::Ready(Some(Err(error))) => this.end_early(
+            Poll::Ready(Some(Err(error))) => self.end_early(
                 Some(Failure::Cut),
                 "upstream_error",
                 format!("the worker's response broke off: {}", error_chain(&error)),
             ),
             Poll::Ready(None) => {
-                this.succeeded();
+                self.succeeded();
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.deadline.as_mut().poll(cx).is_ready() {
-                    let limit_ms = this.app.config.server.request_deadline_ms;
-                    return this.end_early(
+                if self.deadline.as_mut().poll(cx).is_ready() {
+                    let limit_ms = self.app.config.server.request_deadline_ms;
+                    return self.end_early(
                         None,
                         "timeout",
                         format!("the request ran past its deadline (server.request_deadline_ms = {limit_ms})"),
@@ -885,12 +880,12 @@ impl http_body::Body for TrackedBody {
                 }
                 // A fired timer is re-armed (or the stream has stalled);
                 // the re-armed one is polled so that it wakes us.
-                while this.idle.as_mut().poll(cx).is_ready() {
-                    match this.idle_fired() {
+                while self.idle.as_mut().poll(cx).is_ready() {
+                    match self.idle_fired() {
                         IdleCheck::Rearmed | IdleCheck::WentSilent => {}
                         IdleCheck::Stalled => {
-                            let idle_ms = this.app.config.server.stream_idle_timeout_ms;
-                            return this.end_early(
+                            let idle_ms = self.app.config.server.stream_idle_timeout_ms;
+                            return self.end_early(
                                 Some(Failure::Stalled),
                                 "timeout",
                                 format!("the worker sent nothing for {idle_ms} ms (server.stream_idle_timeout_ms)"),
@@ -902,13 +897,27 @@ impl http_body::Body for TrackedBody {
             }
         }
     }
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        self.get_mut()
+            .poll_piece(cx, false)
+            .map_ok(|piece| Frame::data(piece.into_data()))
+    }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || (self.held.is_none() && self.inner.is_end_stream())
+        self.ended || (self.held.is_empty() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.held.is_some() {
+        if !self.held.is_empty() {
             return SizeHint::default();
         }
         self.inner.size_hint()
@@ -931,6 +940,23 @@ impl ProxyBody {
     /// A whole answer of `bytes`.
     pub fn whole(bytes: Bytes) -> ProxyBody {
         ProxyBody::Whole((!bytes.is_empty()).then_some(bytes))
+    }
+
+    /// The next piece of the body: for a chunked HTTP/1.1 answer, with
+    /// `relay`, a stream's chunks as the worker framed them
+    /// ([`WorkerBody::poll_piece`]); everything else as data. Trailers are
+    /// not passed on.
+    pub fn poll_piece(
+        &mut self,
+        cx: &mut Context<'_>,
+        relay: bool,
+    ) -> Poll<Option<Result<Piece, axum::Error>>> {
+        if let ProxyBody::Stream(stream) = self {
+            return stream.poll_piece(cx, relay).map_err(axum::Error::new);
+        }
+        Pin::new(self)
+            .poll_frame(cx)
+            .map_ok(|frame| Piece::Data(frame.into_data().unwrap_or_default()))
     }
 }
 

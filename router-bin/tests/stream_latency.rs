@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{fast_config, start_router, wait_until, worker};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::{Mutex, mpsc};
 
 /// Events written one at a time.
@@ -24,9 +24,8 @@ const EVENTS: usize = 200;
 /// latency, only so that a lost event fails instead of hanging.
 const DEADLINE: Duration = Duration::from_secs(20);
 
-/// An engine speaking just enough HTTP/1.1 by hand that the moment each
-/// event goes to the socket is known: `/health` answers 200, `/v1/loads`
-/// an SGLang report, and a generation request a chunked SSE stream whose
+/// An engine on a raw socket, so that the moment each event goes to the
+/// socket is known: a generation request gets a chunked SSE stream whose
 /// events are written when `write` says, each write's time sent back.
 struct HandEngine {
     url: String,
@@ -37,18 +36,13 @@ struct HandEngine {
 }
 
 async fn hand_engine() -> HandEngine {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let (write, writes) = mpsc::unbounded_channel::<usize>();
     let (written_tx, written) = mpsc::unbounded_channel::<Instant>();
     let writes = Arc::new(Mutex::new(Some(writes)));
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let writes = writes.clone();
-            let written_tx = written_tx.clone();
-            tokio::spawn(serve(stream, writes, written_tx));
-        }
-    });
+    let url = common::hand::hand_engine(move |stream| {
+        stream_events(stream, writes.clone(), written_tx.clone())
+    })
+    .await;
     HandEngine {
         url,
         write,
@@ -56,89 +50,34 @@ async fn hand_engine() -> HandEngine {
     }
 }
 
-/// Serves one connection's requests until it closes.
-async fn serve(
+/// Answers the one generation request: an event per `writes` message.
+async fn stream_events(
     mut stream: TcpStream,
     writes: Arc<Mutex<Option<mpsc::UnboundedReceiver<usize>>>>,
     written: mpsc::UnboundedSender<Instant>,
-) {
-    stream.set_nodelay(true).unwrap();
-    let mut buffer = Vec::new();
-    loop {
-        let Some((head, body_len)) = read_head(&mut stream, &mut buffer).await else {
-            return;
-        };
-        // The body follows the head; it is not needed, only read past.
-        while buffer.len() < body_len {
-            let mut more = [0u8; 4096];
-            match stream.read(&mut more).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buffer.extend_from_slice(&more[..n]),
-            }
-        }
-        buffer.drain(..body_len);
-        let answer = |body: &str| {
-            format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            )
-        };
-        if head.starts_with("GET /health") {
-            stream.write_all(answer("{}").as_bytes()).await.unwrap();
-        } else if head.starts_with("GET /v1/loads") {
-            let loads = r#"{"timestamp": "", "version": "test", "dp_rank_count": 1, "loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0, "token_usage": 0.1, "gen_throughput": 2000.0}]}"#;
-            stream.write_all(answer(loads).as_bytes()).await.unwrap();
-        } else if head.starts_with("POST ") {
-            let Some(mut writes) = writes.lock().await.take() else {
-                panic!("one stream only");
-            };
-            stream
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-                .await
-                .unwrap();
-            while let Some(index) = writes.recv().await {
-                let event = if index == EVENTS {
-                    "data: [DONE]\n\n".to_owned()
-                } else {
-                    format!("data: {{\"seq\":{index}}}\n\n")
-                };
-                let chunk = format!("{:x}\r\n{event}\r\n", event.len());
-                written.send(Instant::now()).unwrap();
-                stream.write_all(chunk.as_bytes()).await.unwrap();
-                if index == EVENTS {
-                    stream.write_all(b"0\r\n\r\n").await.unwrap();
-                    break;
-                }
-            }
+) -> Option<TcpStream> {
+    let Some(mut writes) = writes.lock().await.take() else {
+        panic!("one stream only");
+    };
+    stream
+        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    while let Some(index) = writes.recv().await {
+        let event = if index == EVENTS {
+            "data: [DONE]\n\n".to_owned()
         } else {
-            stream
-                .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
-                .await
-                .unwrap();
+            format!("data: {{\"seq\":{index}}}\n\n")
+        };
+        let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+        written.send(Instant::now()).unwrap();
+        stream.write_all(chunk.as_bytes()).await.unwrap();
+        if index == EVENTS {
+            stream.write_all(b"0\r\n\r\n").await.unwrap();
+            break;
         }
     }
-}
-
-/// Reads one request head from the connection; its text and body length.
-async fn read_head(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<(String, usize)> {
-    loop {
-        if let Some(end) = buffer.windows(4).position(|window| window == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buffer[..end]).into_owned();
-            buffer.drain(..end + 4);
-            let body_len = head
-                .lines()
-                .filter_map(|line| line.split_once(':'))
-                .find(|(name, _)| name.trim().eq_ignore_ascii_case("content-length"))
-                .and_then(|(_, value)| value.trim().parse().ok())
-                .unwrap_or(0);
-            return Some((head, body_len));
-        }
-        let mut more = [0u8; 4096];
-        match stream.read(&mut more).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buffer.extend_from_slice(&more[..n]),
-        }
-    }
+    Some(stream)
 }
 
 fn percentile(sorted: &[Duration], fraction: f64) -> Duration {

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod hand;
 pub mod nats;
 pub mod upstream;
 
