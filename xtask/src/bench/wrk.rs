@@ -69,8 +69,12 @@ impl WrkRun {
 }
 
 /// Writes the Lua script for `mode` and `target`, optionally paced to
-/// `rate_rps` in total (each connection waits 64/rate s between requests,
-/// dithered to whole milliseconds: wrk's `delay()` takes milliseconds).
+/// `rate_rps` in total: each connection waits an exponentially distributed
+/// time between requests (mean 64/rate s, dithered to whole milliseconds:
+/// wrk's `delay()` takes milliseconds), so its requests arrive as a
+/// Poisson stream. A fixed wait would let the connections fall into step
+/// and fire together, and how far they did would change from run to run,
+/// and with it the p99. Each wrk thread seeds its own random numbers.
 pub(crate) fn script(
     dir: &Path,
     mode: Mode,
@@ -82,25 +86,31 @@ pub(crate) fn script(
     lua.push_str(&format!("wrk.body = '{}'\n", mode.body()));
     lua.push_str("wrk.headers[\"Content-Type\"] = \"application/json\"\n");
     let mut name = format!("wrk-{}", mode.name());
+    // `setup` runs once per wrk thread, in the main Lua state.
+    let mut setup =
+        String::from("local threads = 0\nfunction setup(thread)\n  threads = threads + 1\n");
     if let Target::Spread(ports) = target {
         let list: Vec<String> = ports.iter().map(|port| format!("\"{port}\"")).collect();
-        lua.push_str(&format!(
-            "local ports = {{{}}}\nlocal next_port = 0\n\
-             function setup(thread)\n  next_port = next_port % #ports + 1\n  \
-             thread.addr = wrk.lookup(\"127.0.0.1\", ports[next_port])[1]\nend\n",
-            list.join(", ")
-        ));
+        lua.push_str(&format!("local ports = {{{}}}\n", list.join(", ")));
+        setup.push_str(
+            "  thread.addr = wrk.lookup(\"127.0.0.1\", ports[(threads - 1) % #ports + 1])[1]\n",
+        );
         name.push_str("-spread");
     }
     if let Some(rate) = rate_rps {
-        let delay_ms = f64::from(CONNECTIONS) * 1000.0 / rate.max(1.0);
+        let mean_delay_ms = f64::from(CONNECTIONS) * 1000.0 / rate.max(1.0);
+        setup.push_str("  thread:set(\"seed\", threads)\n");
         lua.push_str(&format!(
-            "local delay_ms = {delay_ms:.4}\n\
-             function delay()\n  local whole = math.floor(delay_ms)\n  \
-             if math.random() < delay_ms - whole then return whole + 1 end\n  return whole\nend\n"
+            "local mean_delay_ms = {mean_delay_ms:.4}\n\
+             function init(args)\n  math.randomseed(seed)\nend\n\
+             function delay()\n  local wait = -math.log(1 - math.random()) * mean_delay_ms\n  \
+             local whole = math.floor(wait)\n  \
+             if math.random() < wait - whole then return whole + 1 end\n  return whole\nend\n"
         ));
         name.push_str(&format!("-paced-{rate:.0}"));
     }
+    setup.push_str("end\n");
+    lua.push_str(&setup);
     lua.push_str(
         "function done(summary, latency, requests)\n  \
          local e = summary.errors\n  \
@@ -168,6 +178,37 @@ fn parse(stdout: &str) -> Option<WrkRun> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_paced_script_waits_exponentially_with_a_seed_per_thread() {
+        let dir = std::env::temp_dir().join(format!("xtask-wrk-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let paced = script(
+            &dir,
+            Mode::Stream,
+            &Target::Spread(vec![10, 11]),
+            Some(2000.0),
+        )
+        .unwrap();
+        let lua = std::fs::read_to_string(&paced).unwrap();
+        // 64 connections at 2000 req/s: 32 ms between one connection's requests.
+        assert!(lua.contains("local mean_delay_ms = 32.0000"), "{lua}");
+        assert!(
+            lua.contains("-math.log(1 - math.random()) * mean_delay_ms"),
+            "{lua}"
+        );
+        assert!(lua.contains("thread:set(\"seed\", threads)"), "{lua}");
+        assert!(lua.contains("math.randomseed(seed)"), "{lua}");
+        assert!(lua.contains("ports[(threads - 1) % #ports + 1]"), "{lua}");
+        assert_eq!(lua.matches("function setup(thread)").count(), 1, "{lua}");
+        let unpaced = script(&dir, Mode::NonStream, &Target::Port(10), None).unwrap();
+        let lua = std::fs::read_to_string(&unpaced).unwrap();
+        assert!(
+            !lua.contains("function delay()") && !lua.contains("ports"),
+            "{lua}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn summary_line_is_parsed() {
