@@ -429,8 +429,10 @@ async fn attempt_on(
             ));
         }
     };
+    // One clock read for the first event's arrival and the stream's timers.
+    let now = tokio::time::Instant::now();
     if first_event.found() {
-        tracker.first_token();
+        tracker.first_token_at(now.into_std());
     }
     let idle_timeout = server.stream_idle_timeout();
     // Past the idle deadline the stream ends anyway, so no hold-back then.
@@ -439,7 +441,6 @@ async fn attempt_on(
         .outlier_detection
         .silent_stream()
         .filter(|silent_after| *silent_after < idle_timeout);
-    let now = tokio::time::Instant::now();
     let body = TrackedBody {
         inner,
         held,
