@@ -157,7 +157,7 @@ pub(crate) async fn serve(
                 return Served::Closed;
             }
         };
-        let keep_alive = serve_request(app, &mut connection, head, stopping).await;
+        let keep_alive = serve_request(app, &mut connection, head, waiting.started, stopping).await;
         if !keep_alive || *stopping.borrow() {
             return Served::Closed;
         }
@@ -415,15 +415,19 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Parsed, Malformed> {
     }))
 }
 
-/// Serves one request whose head was read; true if the connection can
-/// carry another.
+/// Serves one request whose head was read, and whose first byte arrived at
+/// `head_started` if that was noted (a later request on the connection);
+/// true if the connection can carry another.
 async fn serve_request(
     app: &Arc<App>,
     connection: &mut ClientConnection,
     head: RequestHead,
+    head_started: Option<Instant>,
     stopping: &watch::Receiver<bool>,
 ) -> bool {
-    let arrived = Instant::now();
+    // The clock was read when the head began to arrive; only a first
+    // request (or a pipelined one) reads it here.
+    let arrived = head_started.unwrap_or_else(Instant::now);
     let server = &app.config.server;
     let RequestHead {
         parts,
