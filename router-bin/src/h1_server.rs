@@ -643,6 +643,12 @@ async fn write_answer(
             };
             match polled {
                 Poll::Ready(Some(Ok(piece))) => {
+                    // Only a chunked answer asks for chunks; any other
+                    // gets data, whose length `sent` counts.
+                    let piece = match piece {
+                        Piece::Chunks(_) if !relay => Piece::Data(piece.into_data()),
+                        piece => piece,
+                    };
                     sent += piece.len() as u64;
                     writer.piece(piece, out);
                 }
@@ -768,7 +774,7 @@ struct Writer {
 
 impl Writer {
     /// Adds a piece of the body, framed as `out` says (chunks come
-    /// framed).
+    /// framed: they are asked for only when `out` is chunked).
     fn piece(&mut self, piece: Piece, out: Out) {
         match piece {
             Piece::Chunks(chunks) => self.append(chunks),
