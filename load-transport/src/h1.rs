@@ -53,7 +53,7 @@
 //! # }
 //! ```
 
-use std::io::{IoSlice, Write as _};
+use std::io::IoSlice;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
@@ -333,8 +333,9 @@ fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
         head.extend_from_slice(authorization.as_bytes());
         head.extend_from_slice(b"\r\n");
     }
-    // Into the head itself: no allocation.
-    let _ = write!(head, "content-length: {}\r\n\r\n", request.body.len());
+    head.extend_from_slice(b"content-length: ");
+    head.extend_from_slice(itoa::Buffer::new().format(request.body.len()).as_bytes());
+    head.extend_from_slice(b"\r\n\r\n");
 }
 
 /// A worker's response head, and its body to read.

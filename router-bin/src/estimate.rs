@@ -8,7 +8,6 @@
 //! [`request_info`] and [`max_output_tokens`] read the same facts from a
 //! parsed [`Value`]; the tests hold the two to the same answers.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -89,9 +88,7 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
         max_tokens,
         sampling,
     ] = top;
-    let model = model
-        .and_then(|raw| serde_json::from_str::<Cow<'_, str>>(raw.get()).ok())
-        .map(|model| Arc::<str>::from(model.as_ref()));
+    let model = model.and_then(json_arc_str);
     let streaming = stream.is_some_and(|raw| raw.get() == "true");
     let raw_prompt = RawPrompt {
         input_ids,
@@ -252,6 +249,58 @@ pub(crate) fn fields_of<'a, const N: usize>(
     ObjectFields { names }.deserialize(&mut de).ok().flatten()
 }
 
+/// Where an object's key stands in `names`, compared where it lies: a key
+/// read as `String` (or `Cow<str>`, which serde always builds owned) cost
+/// an allocation for every key of every request.
+struct KeyIndex<'n> {
+    names: &'n [&'static str],
+}
+
+impl<'de> DeserializeSeed<'de> for KeyIndex<'_> {
+    type Value = Option<usize>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyIndex<'_> {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    /// serde_json passes a key without escapes as it lies in the body, and
+    /// one with escapes decoded into its scratch buffer: no allocation
+    /// either way.
+    fn visit_str<E>(self, key: &str) -> Result<Self::Value, E> {
+        Ok(self.names.iter().position(|name| *name == key))
+    }
+}
+
+/// A JSON string as an `Arc<str>`, built once from the text where it lies
+/// (or from serde_json's decoding of its escapes); `None` for any other
+/// value.
+fn json_arc_str(raw: &RawValue) -> Option<Arc<str>> {
+    struct ArcStr;
+
+    impl Visitor<'_> for ArcStr {
+        type Value = Arc<str>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON string")
+        }
+
+        fn visit_str<E>(self, text: &str) -> Result<Arc<str>, E> {
+            Ok(Arc::from(text))
+        }
+    }
+
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    de.deserialize_str(ArcStr).ok()
+}
+
 /// Calls `each` with every item of a raw JSON array.
 fn for_each_item<'a>(
     raw: &'a RawValue,
@@ -296,8 +345,9 @@ impl<'de, const N: usize> Visitor<'de> for ObjectFields<N> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut found = [None; N];
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-            match self.names.iter().position(|name| *name == key) {
+        let names = self.names;
+        while let Some(named) = map.next_key_seed(KeyIndex { names })? {
+            match named {
                 Some(index) => found[index] = Some(map.next_value::<&'de RawValue>()?),
                 None => {
                     map.next_value::<IgnoredAny>()?;
@@ -611,6 +661,32 @@ mod tests {
         let read = read_request(repeated, &cpt(4.0)).unwrap();
         assert!(read.info.streaming);
         assert_eq!(read.info.model.as_deref(), Some("b"));
+    }
+
+    /// Keys and the model written with escapes, as a client's JSON encoder
+    /// may write them, are read as decoded, as the parsed reader reads them.
+    #[test]
+    fn escaped_keys_and_model_are_read_as_decoded() {
+        let raws = [
+            r#"{"mod\u0065l": "caf\u00e9 \"x\"", "str\u0065am": true, "max_tok\u0065ns": 9}"#,
+            r#"{"messages": [{"r\u006fle": "user", "cont\u0065nt": "abcdefgh"}], "\u006dodel": "m"}"#,
+            r#"{"model": "a\\b", "modeL": "wrong case", "prompt": "abcd"}"#,
+            r#"{"model": ["not", "a", "string"], "prompt": "abcd"}"#,
+        ];
+        for raw in raws {
+            let parsed: Value = serde_json::from_str(raw).unwrap();
+            let read = read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+            assert_eq!(read.info, request_info(&parsed, &cpt(4.0)), "{raw}");
+            assert_eq!(read.max_output_tokens, max_output_tokens(&parsed), "{raw}");
+        }
+        let read = |raw: &str| read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+        let first = read(raws[0]);
+        assert_eq!(first.info.model.as_deref(), Some("caf\u{e9} \"x\""));
+        assert!(first.info.streaming);
+        assert_eq!(first.max_output_tokens, Some(9));
+        assert_eq!(read(raws[1]).info.tokens, TokenCount::Estimated(2));
+        assert_eq!(read(raws[2]).info.model.as_deref(), Some("a\\b"));
+        assert_eq!(read(raws[3]).info.model, None);
     }
 
     /// Token id lists as clients write them, spaces and all: the raw

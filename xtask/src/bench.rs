@@ -38,7 +38,8 @@ use report::Row;
 
 const BENCH_USAGE: &str =
     "usage: cargo xtask bench [--only select|proxy|fleet|replicas]... [--runs N]
-                         [--duration-s S] [--measurement-time-s S]
+                         [--duration-s S] [--half-load-duration-s S]
+                         [--measurement-time-s S]
 
   --only PART              run only this part (repeatable); default: all four.
                            A partial run writes target/bench/partial/report.{md,json}
@@ -49,6 +50,10 @@ const BENCH_USAGE: &str =
                            median is reported for it and the bench exits non-zero
                            after writing the report
   --duration-s S           length of one wrk run, seconds (default 10)
+  --half-load-duration-s S length of one paced run at half load, seconds (default
+                           30): a p99 is the tail of 1 % of the requests, and a
+                           stall of a tenth of a second on a shared machine moves
+                           a 10 s run's p99 by 2x; a longer run dilutes it
   --measurement-time-s S   criterion measurement time per benchmark (default 3)";
 
 /// The core that load generator and upstream share.
@@ -62,6 +67,9 @@ struct Options {
     parts: Vec<String>,
     runs: usize,
     duration_s: u64,
+    /// Length of one paced run at half load, longer than `duration_s`: see
+    /// `--half-load-duration-s` in [`BENCH_USAGE`].
+    half_load_duration_s: u64,
     measurement_time_s: u64,
 }
 
@@ -73,6 +81,7 @@ impl Options {
             // spreads up to 1.6×, and one bad run of three moves the median.
             runs: 5,
             duration_s: 10,
+            half_load_duration_s: 30,
             measurement_time_s: 3,
         };
         let mut iter = args.iter();
@@ -97,6 +106,10 @@ impl Options {
                 "--runs" => options.runs = number("--runs", value("--runs")?)?.max(1) as usize,
                 "--duration-s" => {
                     options.duration_s = number("--duration-s", value("--duration-s")?)?.max(1);
+                }
+                "--half-load-duration-s" => {
+                    options.half_load_duration_s =
+                        number("--half-load-duration-s", value("--half-load-duration-s")?)?.max(1);
                 }
                 "--measurement-time-s" => {
                     options.measurement_time_s =
@@ -443,14 +456,26 @@ mod tests {
 
     #[test]
     fn options_parse() -> Result<(), String> {
-        let args: Vec<String> = ["--only", "proxy", "--runs", "5", "--duration-s", "4"]
-            .map(String::from)
-            .to_vec();
+        let args: Vec<String> = [
+            "--only",
+            "proxy",
+            "--runs",
+            "5",
+            "--duration-s",
+            "4",
+            "--half-load-duration-s",
+            "12",
+        ]
+        .map(String::from)
+        .to_vec();
         let options = Options::parse(&args)?;
         assert!(options.wants("proxy"));
         assert!(!options.wants("select"));
         assert_eq!(options.runs, 5);
         assert_eq!(options.duration_s, 4);
+        assert_eq!(options.half_load_duration_s, 12);
+        assert_eq!(Options::parse(&[])?.half_load_duration_s, 30);
+        assert!(Options::parse(&["--half-load-duration-s".to_owned(), "x".to_owned()]).is_err());
         assert!(Options::parse(&["--only".to_owned(), "x".to_owned()]).is_err());
         Ok(())
     }

@@ -455,7 +455,14 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         for run in 0..options.runs {
             eprintln!("xtask:  run {}/{}", run + 1, options.runs);
             for (path, target, script, into) in &mut measured {
-                measure_once(&proxies, *path, target, script, options.duration_s, into)?;
+                measure_once(
+                    &proxies,
+                    *path,
+                    target,
+                    script,
+                    options.half_load_duration_s,
+                    into,
+                )?;
             }
         }
         let half_rows: Vec<Row> = measured
@@ -480,7 +487,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         }
     }
     notes.push(
-        "Half load: wrk2 is not packaged in Debian (bookworm has only `wrk`), so the rate is held with wrk's Lua `delay()`: each of the 64 connections waits 64/rate s (dithered to whole ms) before each request, a closed loop with think time. wrk's latency clock starts when the request is sent, after the delay, so it is the response time at that offered load; achieved req/s is reported next to the paced rate. Coordinated omission is not corrected (it matters little at 50% load).".to_owned(),
+        format!("Half load: wrk2 is not packaged in Debian (bookworm has only `wrk`), so the rate is held with wrk's Lua `delay()`: each of the 64 connections waits an exponentially distributed time with a mean of 64/rate s before each request (rounded to whole ms at random, in proportion, so the mean holds; each wrk thread seeds its own random numbers), so requests arrive as a Poisson stream at the paced rate. A closed loop with think time: wrk's latency clock starts when the request is sent, after the delay, so it is the response time at that offered load; achieved req/s is reported next to the paced rate. Coordinated omission is not corrected (it matters little at 50% load). Each paced run lasts {} s, longer than a saturation run: a p99 is the tail of 1 % of the requests, and on a shared machine a stall of a tenth of a second moves a 10 s run's p99 by up to 2×.", options.half_load_duration_s),
     );
     notes.push(
         "`cpu_us_per_request`: the proxy's user+system CPU (`/proc/<pid>/stat`; nginx: master + worker) over the run divided by the requests; 10 ms tick resolution, so ±1% at these run lengths. `of which user`: its user-space part (utime); the rest is the kernel's, mostly loopback TCP.".to_owned(),

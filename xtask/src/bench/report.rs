@@ -489,10 +489,11 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
     out.push_str("## How it was measured\n\n");
     let _ = writeln!(
         out,
-        "- wrk: {} connections, {} threads, {} s per run, {} runs per row (median; `spread` = max/min of the runs' throughput, or of CPU for poll rows).",
+        "- wrk: {} connections, {} threads, {} s per run ({} s per paced run at half load), {} runs per row (median; `spread` = max/min of the runs' throughput, or of CPU for poll rows).",
         super::wrk::CONNECTIONS,
         super::wrk::THREADS,
         options.duration_s,
+        options.half_load_duration_s,
         options.runs
     );
     for note in notes {
