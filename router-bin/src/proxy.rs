@@ -451,10 +451,10 @@ async fn attempt_on(
         silent_after,
         last_frame_at: now,
         silent: None,
-        idle: Box::pin(tokio::time::sleep_until(
-            now + silent_after.unwrap_or(idle_timeout),
+        timer: Box::pin(tokio::time::sleep_until(
+            (now + silent_after.unwrap_or(idle_timeout)).min(request.deadline),
         )),
-        deadline: Box::pin(tokio::time::sleep_until(request.deadline)),
+        deadline: request.deadline,
         ended: false,
     };
     respond(status, headers, ProxyBody::Stream(Box::new(body)))
@@ -708,7 +708,8 @@ fn since(start: Instant, now: Instant) -> f64 {
 ///
 /// The idle timer is not moved for every frame: a frame only notes its
 /// time, and when the timer fires it is pushed to that time plus the
-/// threshold if the stream has sent since.
+/// threshold if the stream has sent since. One timer serves both deadlines:
+/// it is never set past the request's.
 pub struct TrackedBody {
     inner: WorkerBody,
     /// Read before the head was sent (up to the first event); goes first.
@@ -724,9 +725,11 @@ pub struct TrackedBody {
     /// Held while the stream is silent: its worker gets no new requests.
     silent: Option<SilentStream>,
     /// Fires no earlier than `silent_after` past the last frame (the stream
-    /// went silent), then `idle_timeout` past it (it has stalled).
-    idle: Pin<Box<tokio::time::Sleep>>,
-    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// went silent), then `idle_timeout` past it (it has stalled), or at
+    /// `deadline`, whichever is sooner.
+    timer: Pin<Box<tokio::time::Sleep>>,
+    /// The request's deadline.
+    deadline: tokio::time::Instant,
     /// The router ended the body (an error event went out).
     ended: bool,
 }
@@ -790,8 +793,7 @@ impl TrackedBody {
     /// The idle timer fired: re-arms it past the last frame if the stream
     /// sent since, holds the worker back if the stream has been silent for
     /// `silent_after`, or finds it stalled.
-    fn idle_fired(&mut self) -> IdleCheck {
-        let now = tokio::time::Instant::now();
+    fn idle_fired(&mut self, now: tokio::time::Instant) -> IdleCheck {
         let silent_for = now.saturating_duration_since(self.last_frame_at);
         let holding_back = self.silent_after.is_some() && self.tracker.is_some();
         if holding_back
@@ -799,27 +801,29 @@ impl TrackedBody {
             && let Some(silent_after) = self.silent_after
         {
             if silent_for < silent_after {
-                self.idle.as_mut().reset(self.last_frame_at + silent_after);
+                self.arm(self.last_frame_at + silent_after);
                 return IdleCheck::Rearmed;
             }
             if let Some(tracker) = &self.tracker {
                 self.silent = Some(SilentStream::new(&self.app, tracker.worker()));
             }
             if silent_for < self.idle_timeout {
-                self.idle
-                    .as_mut()
-                    .reset(self.last_frame_at + self.idle_timeout);
+                self.arm(self.last_frame_at + self.idle_timeout);
                 return IdleCheck::WentSilent;
             }
             return IdleCheck::Stalled;
         }
         if silent_for < self.idle_timeout {
-            self.idle
-                .as_mut()
-                .reset(self.last_frame_at + self.idle_timeout);
+            self.arm(self.last_frame_at + self.idle_timeout);
             return IdleCheck::Rearmed;
         }
         IdleCheck::Stalled
+    }
+
+    /// Sets the timer for the idle check due at `idle_due`, or for the
+    /// request's deadline if that comes first.
+    fn arm(&mut self, idle_due: tokio::time::Instant) {
+        self.timer.as_mut().reset(idle_due.min(self.deadline));
     }
 
     fn pass(&mut self, piece: Piece) -> Poll<Option<Result<Piece, std::io::Error>>> {
@@ -827,7 +831,7 @@ impl TrackedBody {
         if self.silent.take().is_some() {
             // The timer was set for the stall; the next silence is sooner.
             let next_check = self.last_frame_at + self.silent_after.unwrap_or(self.idle_timeout);
-            self.idle.as_mut().reset(next_check);
+            self.arm(next_check);
         }
         if !self.first_event.found()
             && piece.data_parts().any(|part| self.first_event.feed(part))
@@ -871,18 +875,20 @@ impl TrackedBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if self.deadline.as_mut().poll(cx).is_ready() {
-                    let limit_ms = self.app.config.server.request_deadline_ms;
-                    return self.end_early(
-                        None,
-                        "timeout",
-                        format!("the request ran past its deadline (server.request_deadline_ms = {limit_ms})"),
-                    );
-                }
-                // A fired timer is re-armed (or the stream has stalled);
-                // the re-armed one is polled so that it wakes us.
-                while self.idle.as_mut().poll(cx).is_ready() {
-                    match self.idle_fired() {
+                // A fired timer is re-armed (or the stream has stalled, or
+                // reached its deadline); the re-armed one is polled so that
+                // it wakes us.
+                while self.timer.as_mut().poll(cx).is_ready() {
+                    let now = tokio::time::Instant::now();
+                    if now >= self.deadline {
+                        let limit_ms = self.app.config.server.request_deadline_ms;
+                        return self.end_early(
+                            None,
+                            "timeout",
+                            format!("the request ran past its deadline (server.request_deadline_ms = {limit_ms})"),
+                        );
+                    }
+                    match self.idle_fired(now) {
                         IdleCheck::Rearmed | IdleCheck::WentSilent => {}
                         IdleCheck::Stalled => {
                             let idle_ms = self.app.config.server.stream_idle_timeout_ms;
