@@ -30,9 +30,9 @@
 //! use std::time::Duration;
 //!
 //! use bytes::Bytes;
-//! use http::{HeaderMap, Method};
+//! use http::Method;
 //! use http_body_util::BodyExt;
-//! use load_transport::h1::{self, Outgoing, Pool};
+//! use load_transport::h1::{self, HeaderLines, Outgoing, Pool};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = Arc::new(Pool::new("http://10.0.0.3:8000"));
@@ -41,7 +41,7 @@
 //!     method: &Method::GET,
 //!     path: "/v1/loads",
 //!     query: None,
-//!     headers: &HeaderMap::new(),
+//!     headers: &HeaderLines::default(),
 //!     authorization: None,
 //!     body: &body,
 //! };
@@ -59,7 +59,7 @@ use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderName};
+use http::header::HeaderName;
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
@@ -176,8 +176,6 @@ struct Connection {
     buffer: BytesMut,
     /// The request head, built here to reuse its allocation.
     head: Vec<u8>,
-    /// Where the response head's headers lie, reused likewise.
-    spans: Vec<HeaderSpan>,
 }
 
 impl Pool {
@@ -249,19 +247,18 @@ impl Pool {
             stream,
             buffer: BytesMut::new(),
             head: Vec::new(),
-            spans: Vec::new(),
         })
     }
 }
 
 /// What a request to a worker is: the client's method, path, query,
-/// headers (hop-by-hop ones are left out here) and whole body.
+/// headers (hop-by-hop ones already left out) and whole body.
 #[derive(Debug, Clone, Copy)]
 pub struct Outgoing<'a> {
     pub method: &'a Method,
     pub path: &'a str,
     pub query: Option<&'a str>,
-    pub headers: &'a HeaderMap,
+    pub headers: &'a HeaderLines,
     /// Replaces the client's `Authorization` (the worker's own key).
     pub authorization: Option<&'a HeaderValue>,
     pub body: &'a Bytes,
@@ -282,25 +279,14 @@ pub const HOP_BY_HOP: [&str; 9] = [
 
 /// Whether a header is forwarded: not hop-by-hop, not named in
 /// `Connection` (`listed`, lowercase), not `Host` or `Content-Length` (the
-/// next hop's own).
-pub fn is_forwarded(name: &HeaderName, listed: &[String]) -> bool {
-    let name = name.as_str();
-    !(HOP_BY_HOP.contains(&name)
-        || name == "host"
-        || name == "content-length"
-        || listed.iter().any(|listed| listed == name))
-}
-
-/// The names a `Connection` header lists, lowercase: hop-by-hop too.
-pub fn connection_listed(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .map(|name| name.trim().to_ascii_lowercase())
-        .filter(|name| !name.is_empty())
-        .collect()
+/// next hop's own). `name` in any case.
+pub fn is_forwarded(name: &str, listed: &[String]) -> bool {
+    !(HOP_BY_HOP.iter().any(|hop| hop.eq_ignore_ascii_case(name))
+        || name.eq_ignore_ascii_case("host")
+        || name.eq_ignore_ascii_case("content-length")
+        || listed
+            .iter()
+            .any(|listed| listed.eq_ignore_ascii_case(name)))
 }
 
 fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
@@ -316,22 +302,19 @@ fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(target.host_header.as_bytes());
     head.extend_from_slice(b"\r\n");
-    let listed = connection_listed(request.headers);
-    for (name, value) in request.headers {
-        if !is_forwarded(name, &listed)
-            || (request.authorization.is_some() && name == header::AUTHORIZATION)
-        {
-            continue;
+    match request.authorization {
+        None => head.extend_from_slice(request.headers.as_wire()),
+        Some(authorization) => {
+            // The worker's key replaces the client's.
+            for line in request.headers.lines() {
+                if !line.name().eq_ignore_ascii_case(b"authorization") {
+                    head.extend_from_slice(line.as_wire());
+                }
+            }
+            head.extend_from_slice(b"authorization: ");
+            head.extend_from_slice(authorization.as_bytes());
+            head.extend_from_slice(b"\r\n");
         }
-        head.extend_from_slice(name.as_str().as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(value.as_bytes());
-        head.extend_from_slice(b"\r\n");
-    }
-    if let Some(authorization) = request.authorization {
-        head.extend_from_slice(b"authorization: ");
-        head.extend_from_slice(authorization.as_bytes());
-        head.extend_from_slice(b"\r\n");
     }
     head.extend_from_slice(b"content-length: ");
     head.extend_from_slice(itoa::Buffer::new().format(request.body.len()).as_bytes());
@@ -343,8 +326,142 @@ fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
 pub struct Response {
     pub status: StatusCode,
     /// The worker's headers, hop-by-hop ones and `Content-Length` left out.
-    pub headers: HeaderMap,
+    pub headers: HeaderLines,
     pub body: WorkerBody,
+}
+
+/// Headers as they go on to the next hop: the lines as the last one wrote
+/// them (`name: value\r\n`, each name in its case), less those
+/// [`is_forwarded`] leaves out. An HTTP/1.1 writer copies them as they
+/// are, so a proxied head builds no [`HeaderMap`] either way; one is built
+/// only when asked for ([`to_header_map`](Self::to_header_map)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderLines {
+    /// Each name and value passed httparse's checks (or came from a
+    /// [`HeaderMap`]), so each line is one header a map would take too.
+    lines: Vec<u8>,
+}
+
+/// One line of [`HeaderLines`].
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderLine<'a> {
+    /// The whole line, CRLF included.
+    wire: &'a [u8],
+    colon: usize,
+}
+
+impl<'a> HeaderLine<'a> {
+    pub fn name(&self) -> &'a [u8] {
+        &self.wire[..self.colon]
+    }
+
+    pub fn value(&self) -> &'a [u8] {
+        &self.wire[self.colon + 2..self.wire.len() - 2]
+    }
+
+    /// The line as written, CRLF included.
+    pub fn as_wire(&self) -> &'a [u8] {
+        self.wire
+    }
+}
+
+impl HeaderLines {
+    /// The headers `fields` gives (name, value; it is called twice) that
+    /// go on to the next hop: hop-by-hop ones, those `Connection` lists
+    /// (wherever it stands), `Host` and `Content-Length` are left out.
+    pub fn forwarded<'f, I>(fields: impl Fn() -> I) -> HeaderLines
+    where
+        I: Iterator<Item = (&'f str, &'f [u8])>,
+    {
+        let mut listed: Vec<String> = Vec::new();
+        let mut room = 0;
+        for (name, value) in fields() {
+            room += name.len() + value.len() + 4;
+            if name.eq_ignore_ascii_case("connection") {
+                listed.extend(
+                    value
+                        .split(|byte| *byte == b',')
+                        .map(|token| {
+                            String::from_utf8_lossy(token.trim_ascii()).to_ascii_lowercase()
+                        })
+                        .filter(|token| !token.is_empty()),
+                );
+            }
+        }
+        let mut lines = HeaderLines {
+            lines: Vec::with_capacity(room),
+        };
+        for (name, value) in fields() {
+            if is_forwarded(name, &listed) {
+                lines.push(name, value);
+            }
+        }
+        lines
+    }
+
+    /// The headers of `map` that go on to the next hop, as
+    /// [`forwarded`](Self::forwarded) chooses them.
+    pub fn forwarded_from_map(map: &HeaderMap) -> HeaderLines {
+        HeaderLines::forwarded(|| {
+            map.iter()
+                .map(|(name, value)| (name.as_str(), value.as_bytes()))
+        })
+    }
+
+    /// The header lines, each ending in CRLF: ready to write into an
+    /// HTTP/1.1 head.
+    pub fn as_wire(&self) -> &[u8] {
+        &self.lines
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
+    /// Each header line, in order.
+    pub fn lines(&self) -> impl Iterator<Item = HeaderLine<'_>> {
+        self.lines
+            .split_inclusive(|byte| *byte == b'\n')
+            .filter_map(|wire| {
+                let colon = wire.iter().position(|byte| *byte == b':')?;
+                Some(HeaderLine { wire, colon })
+            })
+    }
+
+    /// The first value of the header `name` (any case).
+    pub fn get(&self, name: &str) -> Option<&[u8]> {
+        self.lines()
+            .find(|line| line.name().eq_ignore_ascii_case(name.as_bytes()))
+            .map(|line| line.value())
+    }
+
+    /// The headers as a [`HeaderMap`] (names lowercased), for a server
+    /// that needs one (hyper's).
+    pub fn to_header_map(&self) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for line in self.lines() {
+            // Both were checked as the head was read, so neither fails.
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(line.name()),
+                HeaderValue::from_bytes(line.value()),
+            ) {
+                map.append(name, value);
+            }
+        }
+        map
+    }
+
+    /// Adds a header line (after those there are).
+    pub fn append(&mut self, name: &HeaderName, value: &HeaderValue) {
+        self.push(name.as_str(), value.as_bytes());
+    }
+
+    fn push(&mut self, name: &str, value: &[u8]) {
+        self.lines.extend_from_slice(name.as_bytes());
+        self.lines.extend_from_slice(b": ");
+        self.lines.extend_from_slice(value);
+        self.lines.extend_from_slice(b"\r\n");
+    }
 }
 
 /// Sends `request` to the pool's worker and reads the response head: on a
@@ -377,7 +494,7 @@ pub async fn send(
 /// A parsed head and the connection, its buffer past the head.
 struct Head {
     status: StatusCode,
-    headers: HeaderMap,
+    headers: HeaderLines,
     framing: Framing,
     reusable: bool,
     connection: Connection,
@@ -413,7 +530,7 @@ async fn exchange(
     connection.buffer.clear();
     loop {
         if !connection.buffer.is_empty()
-            && let Some(head) = parse_head(&mut connection.buffer, &mut connection.spans)?
+            && let Some(head) = parse_head(&mut connection.buffer)?
         {
             let (status, headers, framing, reusable) = head;
             return Ok(Head {
@@ -511,19 +628,11 @@ pub fn poll_read_buf(
     tokio_util::io::poll_read_buf(Pin::new(stream), cx, buffer)
 }
 
-type ParsedHead = (StatusCode, HeaderMap, Framing, bool);
-
-/// A response header's name and where its value lies in the head.
-type HeaderSpan = (HeaderName, usize, usize);
+type ParsedHead = (StatusCode, HeaderLines, Framing, bool);
 
 /// Parses a whole response head at the start of `buffer` and removes it;
 /// `None` while it is incomplete. Informational (1xx) heads are skipped.
-/// `spans` is scratch space, kept by the connection so that a head costs
-/// no allocation for it.
-fn parse_head(
-    buffer: &mut BytesMut,
-    spans: &mut Vec<HeaderSpan>,
-) -> Result<Option<ParsedHead>, SendError> {
+fn parse_head(buffer: &mut BytesMut) -> Result<Option<ParsedHead>, SendError> {
     loop {
         // Left uninitialized: httparse writes only the headers it finds.
         let mut headers =
@@ -549,20 +658,15 @@ fn parse_head(
             continue;
         }
         let http10 = response.version == Some(0);
-        // Header slices point into `buffer`; keep their offsets, then take
-        // the head out as one `Bytes` and slice values from it (no copy).
-        let base = buffer.as_ptr() as usize;
-        spans.clear();
+        // The framing and `Connection` first: the names `Connection` lists
+        // are not forwarded, wherever they stand.
         let mut chunked = false;
         let mut length: Option<u64> = None;
         let mut close = http10;
         let mut keep_alive = false;
-        let mut listed: Vec<String> = Vec::new();
         for header in response.headers.iter() {
-            let name = HeaderName::from_bytes(header.name.as_bytes())
-                .map_err(|_| SendError::BadHead(format!("header name {:?}", header.name)))?;
-            let value = header.value;
-            if name == header::TRANSFER_ENCODING {
+            let (name, value) = (header.name, header.value);
+            if name.eq_ignore_ascii_case("transfer-encoding") {
                 // Chunked must be the last coding; anything else is read to
                 // the close.
                 chunked = value
@@ -572,7 +676,7 @@ fn parse_head(
                 if !chunked {
                     close = true;
                 }
-            } else if name == header::CONTENT_LENGTH {
+            } else if name.eq_ignore_ascii_case("content-length") {
                 let parsed = std::str::from_utf8(value)
                     .ok()
                     .and_then(|text| text.trim().parse::<u64>().ok())
@@ -581,20 +685,16 @@ fn parse_head(
                     return Err(SendError::BadHead("conflicting content-length".into()));
                 }
                 length = Some(parsed);
-            } else if name == header::CONNECTION {
+            } else if name.eq_ignore_ascii_case("connection") {
                 for token in value.split(|byte| *byte == b',') {
                     let token = token.trim_ascii();
                     if token.eq_ignore_ascii_case(b"close") {
                         close = true;
                     } else if token.eq_ignore_ascii_case(b"keep-alive") {
                         keep_alive = true;
-                    } else if !token.is_empty() {
-                        listed.push(String::from_utf8_lossy(token).to_ascii_lowercase());
                     }
                 }
             }
-            let start = value.as_ptr() as usize - base;
-            spans.push((name, start, value.len()));
         }
         if http10 && keep_alive {
             close = false;
@@ -615,17 +715,16 @@ fn parse_head(
                 }
             }
         };
-        let head = buffer.split_to(head_len).freeze();
-        let mut map = HeaderMap::with_capacity(spans.len());
-        for (name, start, len) in spans.drain(..) {
-            if !is_forwarded(&name, &listed) {
-                continue;
-            }
-            let value = HeaderValue::from_maybe_shared(head.slice(start..start + len))
-                .map_err(|_| SendError::BadHead(format!("header {name}")))?;
-            map.append(name, value);
-        }
-        return Ok(Some((status, map, framing, !close)));
+        // The lines passed on are copied out, so the read buffer stays the
+        // connection's own for the body.
+        let forwarded = HeaderLines::forwarded(|| {
+            response
+                .headers
+                .iter()
+                .map(|header| (header.name, header.value))
+        });
+        buffer.advance(head_len);
+        return Ok(Some((status, forwarded, framing, !close)));
     }
 }
 
@@ -1085,6 +1184,7 @@ impl Body for WorkerBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::header;
 
     #[test]
     fn worker_addresses_are_split_once() {
@@ -1128,6 +1228,7 @@ mod tests {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        let headers = HeaderLines::forwarded_from_map(&headers);
         let body = Bytes::from_static(b"{}");
         let request = Outgoing {
             method: &Method::POST,
@@ -1169,7 +1270,7 @@ mod tests {
 
     fn parse(text: &str) -> Option<ParsedHead> {
         let mut buffer = BytesMut::from(text.as_bytes());
-        parse_head(&mut buffer, &mut Vec::new()).unwrap()
+        parse_head(&mut buffer).unwrap()
     }
 
     #[test]
@@ -1181,9 +1282,13 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert_eq!(framing, Framing::Chunked(Chunked::Size));
         assert!(reusable);
-        assert_eq!(headers.len(), 2, "{headers:?}");
-        assert_eq!(headers["x-a"], "1");
-        assert!(!headers.contains_key(header::TRANSFER_ENCODING));
+        assert_eq!(
+            headers.as_wire(),
+            b"content-type: text/event-stream\r\nx-a: 1\r\n",
+            "the framing left out, the rest as written"
+        );
+        assert_eq!(headers.get("X-A"), Some(&b"1"[..]));
+        assert_eq!(headers.get("transfer-encoding"), None);
 
         let (_, headers, framing, reusable) = parse(
             "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close, x-b\r\nx-b: 2\r\n\r\n",
@@ -1192,6 +1297,18 @@ mod tests {
         assert_eq!(framing, Framing::Length { remaining: 5 });
         assert!(!reusable, "connection: close");
         assert!(headers.is_empty(), "{headers:?}");
+
+        // A listed name is dropped even before `Connection` lists it;
+        // names keep the worker's case on the wire, and are lowercased in
+        // a map.
+        let (_, headers, _, _) = parse(
+            "HTTP/1.1 200 OK\r\nX-B: 2\r\nConnection: X-B\r\nX-Keep:  3 \r\nContent-Length: 0\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(headers.as_wire(), b"X-Keep: 3\r\n");
+        let map = headers.to_header_map();
+        assert_eq!(map.len(), 1, "{map:?}");
+        assert_eq!(map["x-keep"], "3");
 
         let (_, _, framing, reusable) = parse("HTTP/1.0 200 OK\r\n\r\n").unwrap();
         assert_eq!(framing, Framing::UntilClose);
@@ -1204,7 +1321,7 @@ mod tests {
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "1xx skipped");
         assert!(parse("HTTP/1.1 200 OK\r\ncontent-le").is_none(), "partial");
         let mut bad = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n"[..]);
-        assert!(parse_head(&mut bad, &mut Vec::new()).is_err());
+        assert!(parse_head(&mut bad).is_err());
     }
 
     /// Decodes `wire` fed in the given pieces; every data frame, and

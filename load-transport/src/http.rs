@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{ACCEPT, CONTENT_TYPE, InvalidHeaderValue};
-use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use http::{HeaderValue, Method, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -85,11 +85,11 @@ impl ReportFormat {
         }
     }
 
-    fn admits(self, content_type: Option<&HeaderValue>) -> bool {
+    fn admits(self, content_type: Option<&[u8]>) -> bool {
         let Some(content_type) = content_type else {
             return self == ReportFormat::PrometheusText;
         };
-        let essence = String::from_utf8_lossy(content_type.as_bytes())
+        let essence = String::from_utf8_lossy(content_type)
             .split(';')
             .next()
             .unwrap_or_default()
@@ -117,7 +117,7 @@ pub struct ReportUrl {
     path: String,
     query: Option<String>,
     /// The `Accept` header the format asks with.
-    headers: HeaderMap,
+    headers: h1::HeaderLines,
     format: ReportFormat,
     /// The endpoint's name in [`LoadError::Unsupported`] (`/v1/loads`).
     what: &'static str,
@@ -148,8 +148,8 @@ impl ReportUrl {
         if !path.starts_with('/') {
             return Err(invalid("the report's path must start with /"));
         }
-        let mut headers = HeaderMap::with_capacity(1);
-        headers.insert(ACCEPT, format.accept());
+        let mut headers = h1::HeaderLines::default();
+        headers.append(&ACCEPT, &format.accept());
         Ok(ReportUrl {
             url,
             pool: Arc::new(pool),
@@ -250,12 +250,12 @@ impl ReportClient {
                 status: status.as_u16(),
             });
         }
-        let content_type = response.headers.get(CONTENT_TYPE);
+        let content_type = response.headers.get(CONTENT_TYPE.as_str());
         if !report.format.admits(content_type) {
             return Err(LoadError::ContentType {
                 url: report.url.clone(),
                 content_type: content_type
-                    .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+                    .map(|value| String::from_utf8_lossy(value).into_owned())
                     .unwrap_or_default(),
                 expected: report.format.expected(),
             });
@@ -365,7 +365,7 @@ mod tests {
     #[test]
     fn content_types_are_admitted_by_format() {
         let admits = |format: ReportFormat, value: Option<&'static str>| {
-            format.admits(value.map(HeaderValue::from_static).as_ref())
+            format.admits(value.map(str::as_bytes))
         };
         assert!(admits(ReportFormat::Json, Some("application/json")));
         assert!(admits(

@@ -13,6 +13,11 @@
 //! drops its request, which closes the worker's connection and stops the
 //! generation.
 //!
+//! Headers pass through as lines ([`h1::HeaderLines`]): the client's go to
+//! the worker, and the worker's to the client, as they were written, less
+//! the hop-by-hop ones. No `HeaderMap`, `Uri` or request `Parts` is built
+//! for a proxied request; hyper's path builds its map from the lines.
+//!
 //! Only `POST` to one of [`proxy::GENERATE_PATHS`] is served here. A
 //! connection whose next request is anything else (`/health`, `/metrics`,
 //! the admin API), or that opens with HTTP/2's preface (h2c with prior
@@ -32,9 +37,9 @@ use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderName};
-use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
+use bytes::{Buf, Bytes, BytesMut};
+use http::header;
+use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -42,7 +47,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::app::App;
 use crate::client_body::{self, read_body};
-use crate::proxy::{self, Answer, ProxyBody};
+use crate::proxy::{self, Answer, AnswerHeaders};
 use load_transport::h1::{self, BodyError, Chunked, Framing, Piece};
 
 /// Most bytes of a request head (nginx's default is 1 KB, growing to four
@@ -149,8 +154,11 @@ pub(crate) async fn serve(
                 });
             }
             NextHead::Malformed(status, message) => {
-                let answer = proxy::error_response(status, "invalid_request_error", message)
-                    .map(ProxyBody::Boxed);
+                let answer = Answer::own(proxy::error_response(
+                    status,
+                    "invalid_request_error",
+                    message,
+                ));
                 if write_answer(&mut connection, answer, false).await == Written::Close {
                     linger(&mut connection).await;
                 }
@@ -276,7 +284,7 @@ fn preface_pending(buffer: &[u8]) -> bool {
 /// A generation request's head, parsed.
 #[derive(Debug)]
 struct RequestHead {
-    parts: http::request::Parts,
+    client: proxy::ClientHead,
     framing: Framing,
     keep_alive: bool,
     expects_continue: bool,
@@ -324,26 +332,25 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Parsed, Malformed> {
     else {
         return Err(malformed("malformed request line"));
     };
-    let path = target.split('?').next().unwrap_or_default();
+    let (path, query) = match target.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (target, None),
+    };
     // HTTP/1.0 clients (no chunked answers, keep-alive by request) are
     // rare enough to leave to hyper.
-    if method != "POST" || !proxy::GENERATE_PATHS.contains(&path) || minor != 1 {
-        return Ok(Parsed::NotHere);
-    }
-    // Header values stay in the head; keep their offsets, then take the
-    // head out as one `Bytes` and slice the URI and values from it.
-    let base = buffer.as_ptr() as usize;
-    let target_span = (target.as_ptr() as usize - base, target.len());
-    let mut spans: Vec<(HeaderName, usize, usize)> = Vec::with_capacity(request.headers.len());
+    let path = match proxy::generate_path(path) {
+        Some(path) if method == "POST" && minor == 1 => path,
+        _ => return Ok(Parsed::NotHere),
+    };
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut close = false;
     let mut expects_continue = false;
+    // httparse checked every name and value; a header is matched by its
+    // name in any case.
     for field in request.headers.iter() {
-        let name = HeaderName::from_bytes(field.name.as_bytes())
-            .map_err(|_| malformed(format!("header name {:?}", field.name)))?;
-        let value = field.value;
-        if name == header::CONTENT_LENGTH {
+        let (name, value) = (field.name, field.value);
+        if name.eq_ignore_ascii_case("content-length") {
             for item in value.split(|byte| *byte == b',') {
                 let parsed = std::str::from_utf8(item)
                     .ok()
@@ -354,7 +361,7 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Parsed, Malformed> {
                 }
                 length = Some(parsed);
             }
-        } else if name == header::TRANSFER_ENCODING {
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
             // A request's body length is only known when chunked is the
             // last coding (RFC 9112 §6.3).
             let last = value
@@ -368,15 +375,14 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Parsed, Malformed> {
                 ));
             }
             chunked = true;
-        } else if name == header::CONNECTION {
+        } else if name.eq_ignore_ascii_case("connection") {
             for token in value.split(|byte| *byte == b',') {
                 let token = token.trim_ascii();
                 close |= token.eq_ignore_ascii_case(b"close");
             }
-        } else if name == header::EXPECT {
+        } else if name.eq_ignore_ascii_case("expect") {
             expects_continue = value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
         }
-        spans.push((name, value.as_ptr() as usize - base, value.len()));
     }
     if chunked && length.is_some() {
         // Both framings at once is how requests are smuggled past proxies.
@@ -384,21 +390,19 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Parsed, Malformed> {
             "a request may not carry both transfer-encoding and content-length",
         ));
     }
-    let head = buffer.split_to(head_len).freeze();
-    let uri = Uri::from_maybe_shared(head.slice(target_span.0..target_span.0 + target_span.1))
-        .map_err(|_| malformed("invalid request target"))?;
-    let mut map = HeaderMap::with_capacity(spans.len());
-    for (name, start, len) in spans {
-        let value = HeaderValue::from_maybe_shared(head.slice(start..start + len))
-            .map_err(|_| malformed(format!("invalid value of header {name}")))?;
-        map.append(name, value);
-    }
-    let mut request = http::Request::new(());
-    *request.method_mut() = Method::POST;
-    *request.uri_mut() = uri;
-    *request.version_mut() = Version::HTTP_11;
-    *request.headers_mut() = map;
-    let (parts, ()) = request.into_parts();
+    // What goes on is copied out, so the read buffer stays the
+    // connection's own for the body and the next request.
+    let client = proxy::ClientHead {
+        path,
+        query: query.map(str::to_owned),
+        headers: h1::HeaderLines::forwarded(|| {
+            request
+                .headers
+                .iter()
+                .map(|field| (field.name, field.value))
+        }),
+    };
+    buffer.advance(head_len);
     let framing = if chunked {
         Framing::Chunked(Chunked::Size)
     } else {
@@ -408,7 +412,7 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Parsed, Malformed> {
         }
     };
     Ok(Parsed::Request(RequestHead {
-        parts,
+        client,
         framing,
         keep_alive: !close,
         expects_continue,
@@ -430,7 +434,7 @@ async fn serve_request(
     let arrived = head_started.unwrap_or_else(Instant::now);
     let server = &app.config.server;
     let RequestHead {
-        parts,
+        client,
         framing,
         keep_alive,
         expects_continue,
@@ -453,14 +457,14 @@ async fn serve_request(
         Err(error) => {
             tracing::debug!(%error, "request body not read");
             // Whatever is left of the body is not worth reading.
-            let answer = error.response().map(ProxyBody::Boxed);
+            let answer = Answer::own(error.response());
             if write_answer(connection, answer, false).await == Written::Close {
                 linger(connection).await;
             }
             return false;
         }
     };
-    let answer = proxy::handle_read(app.clone(), parts, body, arrived, true);
+    let answer = proxy::handle_read(app.clone(), client, body, arrived, true);
     let Some(answer) = until_answered(connection, answer).await else {
         return false;
     };
@@ -605,11 +609,14 @@ async fn write_answer(
     } else {
         Written::Close
     };
-    let (parts, mut body) = answer.into_parts();
-    let status = parts.status;
+    let Answer {
+        status,
+        headers,
+        mut body,
+    } = answer;
     // An answer of the router's own that says close (a body it did not
     // read) closes.
-    let keep_alive = keep_alive && !says_close(&parts.headers);
+    let keep_alive = keep_alive && !matches!(&headers, AnswerHeaders::Own(own) if says_close(own));
     let out = if status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
@@ -622,7 +629,7 @@ async fn write_answer(
         }
     };
     let writer = &mut connection.writer;
-    write_head(&mut writer.bytes, status, &parts.headers, out, keep_alive);
+    write_head(&mut writer.bytes, status, &headers, out, keep_alive);
     if out == Out::None {
         return match writer.flush(&mut connection.stream).await {
             Ok(()) => whole,
@@ -716,7 +723,7 @@ fn says_close(headers: &HeaderMap) -> bool {
 fn write_head(
     buffer: &mut Vec<u8>,
     status: StatusCode,
-    headers: &HeaderMap,
+    headers: &AnswerHeaders,
     out: Out,
     keep_alive: bool,
 ) {
@@ -725,23 +732,32 @@ fn write_head(
     buffer.extend_from_slice(b" ");
     buffer.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     buffer.extend_from_slice(b"\r\n");
-    let mut dated = false;
-    for (name, value) in headers {
-        // The proxy's answers carry no hop-by-hop headers (the worker's are
-        // dropped as its head is read); the framing and `Connection` are
-        // this connection's own.
-        if name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::CONNECTION
-        {
-            continue;
+    let dated = match headers {
+        // A worker's lines hold no hop-by-hop headers and no framing: they
+        // were left out as its head was read.
+        AnswerHeaders::Worker(lines) => {
+            buffer.extend_from_slice(lines.as_wire());
+            lines.get("date").is_some()
         }
-        dated |= name == header::DATE;
-        buffer.extend_from_slice(name.as_str().as_bytes());
-        buffer.extend_from_slice(b": ");
-        buffer.extend_from_slice(value.as_bytes());
-        buffer.extend_from_slice(b"\r\n");
-    }
+        AnswerHeaders::Own(headers) => {
+            let mut dated = false;
+            for (name, value) in headers {
+                // The framing and `Connection` are this connection's own.
+                if name == header::CONTENT_LENGTH
+                    || name == header::TRANSFER_ENCODING
+                    || name == header::CONNECTION
+                {
+                    continue;
+                }
+                dated |= name == header::DATE;
+                buffer.extend_from_slice(name.as_str().as_bytes());
+                buffer.extend_from_slice(b": ");
+                buffer.extend_from_slice(value.as_bytes());
+                buffer.extend_from_slice(b"\r\n");
+            }
+            dated
+        }
+    };
     match out {
         Out::None => {}
         Out::Length(length) => {
@@ -860,6 +876,7 @@ fn http_date(buffer: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderValue;
 
     fn parsed(text: &str) -> Result<Parsed, Malformed> {
         let mut buffer = BytesMut::from(text.as_bytes());
@@ -880,9 +897,13 @@ mod tests {
             "POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nX-Two: a\r\nX-Two: b\r\n\r\n{}",
         );
         assert_eq!(&rest[..], b"{}");
-        assert_eq!(head.parts.uri.path(), "/v1/chat/completions");
-        assert_eq!(head.parts.uri.query(), Some("x=1"));
-        assert_eq!(head.parts.headers.get_all("x-two").iter().count(), 2);
+        assert_eq!(head.client.path, "/v1/chat/completions");
+        assert_eq!(head.client.query.as_deref(), Some("x=1"));
+        assert_eq!(
+            head.client.headers.as_wire(),
+            b"X-Two: a\r\nX-Two: b\r\n",
+            "both values, as written; host and length are the next hop's own"
+        );
         assert_eq!(head.framing, Framing::Length { remaining: 2 });
         assert!(head.keep_alive);
         assert!(!head.expects_continue);
@@ -1039,7 +1060,7 @@ mod tests {
         write_head(
             &mut buffer,
             StatusCode::OK,
-            &headers,
+            &AnswerHeaders::Own(headers),
             Out::Length(12345),
             true,
         );
@@ -1052,7 +1073,7 @@ mod tests {
         write_head(
             &mut buffer,
             StatusCode::BAD_GATEWAY,
-            &HeaderMap::new(),
+            &AnswerHeaders::Own(HeaderMap::new()),
             Out::Chunked,
             false,
         );
@@ -1064,6 +1085,29 @@ mod tests {
         assert!(
             text.ends_with(" GMT\r\nconnection: close\r\n\r\n"),
             "{text}"
+        );
+
+        // A worker's lines go out as they are; its date is not doubled.
+        let mut lines = h1::HeaderLines::default();
+        lines.append(
+            &header::CONTENT_TYPE,
+            &HeaderValue::from_static("application/json"),
+        );
+        lines.append(
+            &header::DATE,
+            &HeaderValue::from_static("Tue, 01 Dec 2026 00:00:00 GMT"),
+        );
+        let mut buffer = Vec::new();
+        write_head(
+            &mut buffer,
+            StatusCode::OK,
+            &AnswerHeaders::Worker(lines),
+            Out::Length(2),
+            true,
+        );
+        assert_eq!(
+            String::from_utf8(buffer).unwrap(),
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ndate: Tue, 01 Dec 2026 00:00:00 GMT\r\ncontent-length: 2\r\n\r\n"
         );
     }
 

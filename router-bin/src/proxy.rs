@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as _, Frame, SizeHint};
@@ -43,29 +43,98 @@ pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>
 /// An error the router answers for a worker (a gateway error): no
 /// `Retry-After`, which only the router's own lack of capacity carries.
 fn gateway_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Answer {
-    error_response(status, kind, message).map(ProxyBody::Boxed)
+    Answer::own(error_response(status, kind, message))
 }
 
 /// The router itself has no capacity for the request: 503 with `Retry-After`.
 fn unavailable(message: &str) -> Answer {
-    let mut response = gateway_error(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
+    let mut response = error_response(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    response
+    Answer::own(response)
 }
 
 /// What the proxy answers a client with.
-pub type Answer = http::Response<ProxyBody>;
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: AnswerHeaders,
+    pub body: ProxyBody,
+}
+
+/// An answer's headers: the router's own, or a worker's as it wrote them.
+/// The router's HTTP/1.1 server writes a worker's lines as they are, so
+/// the hot path builds no [`HeaderMap`] for them.
+#[derive(Debug)]
+pub enum AnswerHeaders {
+    Own(HeaderMap),
+    Worker(h1::HeaderLines),
+}
+
+impl Answer {
+    /// One of the router's own responses (an error, or a page of its own).
+    pub fn own(response: Response) -> Answer {
+        let (parts, body) = response.into_parts();
+        Answer {
+            status: parts.status,
+            headers: AnswerHeaders::Own(parts.headers),
+            body: ProxyBody::Boxed(body),
+        }
+    }
+
+    /// The answer as an `http` response, for hyper's server.
+    pub fn into_response(self) -> http::Response<ProxyBody> {
+        let mut response = http::Response::new(self.body);
+        *response.status_mut() = self.status;
+        *response.headers_mut() = match self.headers {
+            AnswerHeaders::Own(headers) => headers,
+            AnswerHeaders::Worker(headers) => headers.to_header_map(),
+        };
+        response
+    }
+}
 
 /// The paths [`generate`] serves (all `POST`).
 pub const GENERATE_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
+
+/// `path` as one of [`GENERATE_PATHS`], if it is one.
+pub fn generate_path(path: &str) -> Option<&'static str> {
+    GENERATE_PATHS.into_iter().find(|known| *known == path)
+}
+
+/// A generation request's head as it goes on to a worker (always a
+/// `POST`).
+#[derive(Debug)]
+pub struct ClientHead {
+    /// One of [`GENERATE_PATHS`].
+    pub path: &'static str,
+    pub query: Option<String>,
+    /// The client's headers that go on: hop-by-hop ones, `Host` and
+    /// `Content-Length` left out.
+    pub headers: h1::HeaderLines,
+}
+
+impl ClientHead {
+    /// The head of a request hyper read: `None` unless its path is one of
+    /// [`GENERATE_PATHS`].
+    pub fn from_parts(parts: &http::request::Parts) -> Option<ClientHead> {
+        Some(ClientHead {
+            path: generate_path(parts.uri.path())?,
+            query: parts.uri.query().map(str::to_owned),
+            headers: h1::HeaderLines::forwarded_from_map(&parts.headers),
+        })
+    }
+}
 
 /// `POST /v1/chat/completions`, `/v1/completions`, `/generate`, as an axum
 /// handler. The router's own server calls [`handle`] directly instead.
 pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    handle(app, parts, body).await.map(Body::new)
+    handle(app, parts, body)
+        .await
+        .into_response()
+        .map(Body::new)
 }
 
 /// One generation request, whatever its body type: the router's server
@@ -77,15 +146,22 @@ where
     B::Error: Into<axum::BoxError>,
 {
     let arrived = tokio::time::Instant::now();
+    let Some(head) = ClientHead::from_parts(&parts) else {
+        return Answer::own(error_response(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("no generation endpoint at {}", parts.uri.path()),
+        ));
+    };
     let server = &app.config.server;
     let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");
-            return error.response().map(ProxyBody::Boxed);
+            return Answer::own(error.response());
         }
     };
-    handle_read(app, parts, body, arrived, false).await
+    handle_read(app, head, body, arrived, false).await
 }
 
 /// [`handle`] once the body has been read (from `arrived`, when its head
@@ -95,7 +171,7 @@ where
 /// stream's chunks may be held as the worker framed them.
 pub async fn handle_read(
     app: Arc<App>,
-    parts: http::request::Parts,
+    head: ClientHead,
     body: Bytes,
     arrived: tokio::time::Instant,
     relay_chunks: bool,
@@ -122,7 +198,7 @@ pub async fn handle_read(
         .server
         .head_timeout(info.streaming, read.max_output_tokens);
     let request = ClientRequest {
-        parts,
+        head,
         body,
         info,
         received_at,
@@ -135,9 +211,7 @@ pub async fn handle_read(
 
 /// A client's request, read and parsed, as every attempt sends it.
 struct ClientRequest {
-    /// The client's method, URI and headers (hop-by-hop ones are left out
-    /// when the request is written to a worker).
-    parts: http::request::Parts,
+    head: ClientHead,
     body: Bytes,
     info: RequestInfo,
     received_at: Instant,
@@ -154,10 +228,10 @@ impl ClientRequest {
     /// The request as `worker` gets it, with the worker's key.
     fn outgoing<'a>(&'a self, worker: &'a Worker) -> h1::Outgoing<'a> {
         h1::Outgoing {
-            method: &self.parts.method,
-            path: self.parts.uri.path(),
-            query: self.parts.uri.query(),
-            headers: &self.parts.headers,
+            method: &Method::POST,
+            path: self.head.path,
+            query: self.head.query.as_deref(),
+            headers: &self.head.headers,
             authorization: worker.authorization.as_ref(),
             body: &self.body,
         }
@@ -457,15 +531,11 @@ async fn attempt_on(
         deadline: request.deadline,
         ended: false,
     };
-    respond(status, headers, ProxyBody::Stream(Box::new(body)))
-}
-
-/// A response to the client with the worker's status and headers.
-fn respond(status: StatusCode, headers: HeaderMap, body: ProxyBody) -> Attempt {
-    let mut response = http::Response::new(body);
-    *response.status_mut() = status;
-    *response.headers_mut() = headers;
-    Attempt::Done(response)
+    Attempt::Done(Answer {
+        status,
+        headers: AnswerHeaders::Worker(headers),
+        body: ProxyBody::Stream(Box::new(body)),
+    })
 }
 
 /// Most bytes of a non-streaming answer the router holds to pass on whole.
@@ -522,7 +592,7 @@ async fn whole_answer(
     app: &Arc<App>,
     tracker: RequestTracker,
     status: StatusCode,
-    headers: HeaderMap,
+    headers: h1::HeaderLines,
     inner: WorkerBody,
     request: &ClientRequest,
     head_at: Instant,
@@ -535,10 +605,11 @@ async fn whole_answer(
         match tokio::time::timeout_at(read_by, read_whole(inner, WHOLE_ANSWER_LIMIT_BYTES)).await {
             Ok(Ok(answer)) => {
                 app.request_succeeded(worker);
-                let mut response = http::Response::new(ProxyBody::whole(answer));
-                *response.status_mut() = status;
-                *response.headers_mut() = headers;
-                return response;
+                return Answer {
+                    status,
+                    headers: AnswerHeaders::Worker(headers),
+                    body: ProxyBody::whole(answer),
+                };
             }
             Ok(Err(ReadWholeError::TooLarge { limit_bytes })) => {
                 // Not the worker's fault; the router's own limit.
@@ -600,22 +671,23 @@ const ERROR_BODY_LIMIT_BYTES: usize = 1024 * 1024;
 /// that is not JSON is wrapped in an OpenAI-shaped error.
 async fn worker_error(
     status: StatusCode,
-    headers: &HeaderMap,
+    headers: &h1::HeaderLines,
     body: WorkerBody,
     read_by: tokio::time::Instant,
 ) -> Answer {
     let read = tokio::time::timeout_at(read_by, read_whole(body, ERROR_BODY_LIMIT_BYTES)).await;
     let text = match read {
         Ok(Ok(bytes)) if serde_json::from_slice::<serde_json::Value>(&bytes).is_ok() => {
-            let mut headers = headers.clone();
+            let mut headers = headers.to_header_map();
             headers.insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
             );
-            let mut response = http::Response::new(ProxyBody::whole(bytes));
-            *response.status_mut() = status;
-            *response.headers_mut() = headers;
-            return response;
+            return Answer {
+                status,
+                headers: AnswerHeaders::Own(headers),
+                body: ProxyBody::whole(bytes),
+            };
         }
         Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).trim().to_owned(),
         Ok(Err(_)) => "(its body broke off or was too large)".to_owned(),
@@ -623,17 +695,17 @@ async fn worker_error(
     };
     const SHOWN_CHARS: usize = 1000;
     let shown: String = text.chars().take(SHOWN_CHARS).collect();
-    let mut response = gateway_error(
+    let mut response = error_response(
         status,
         "upstream_error",
         format!("the worker answered {status}: {shown}"),
     );
-    for (name, value) in headers {
+    for (name, value) in &headers.to_header_map() {
         if name != header::CONTENT_TYPE {
             response.headers_mut().append(name, value.clone());
         }
     }
-    response
+    Answer::own(response)
 }
 
 /// Holds a request's dispatch and in-flight count until its response ends,

@@ -185,7 +185,7 @@ impl Handler {
             let response = match route {
                 Routed::Generate(app, request) => {
                     let (parts, body) = request.into_parts();
-                    proxy::handle(app, parts, body).await
+                    proxy::handle(app, parts, body).await.into_response()
                 }
                 Routed::Routes(routed) => match routed.await {
                     Ok(response) => response.map(ProxyBody::Boxed),
