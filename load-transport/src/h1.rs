@@ -278,15 +278,22 @@ pub const HOP_BY_HOP: [&str; 9] = [
 ];
 
 /// Whether a header is forwarded: not hop-by-hop, not named in
-/// `Connection` (`listed`, lowercase), not `Host` or `Content-Length` (the
-/// next hop's own). `name` in any case.
-pub fn is_forwarded(name: &str, listed: &[String]) -> bool {
-    !(HOP_BY_HOP.iter().any(|hop| hop.eq_ignore_ascii_case(name))
-        || name.eq_ignore_ascii_case("host")
-        || name.eq_ignore_ascii_case("content-length")
+/// `Connection` (`listed`), not `Host` or `Content-Length` (the next hop's
+/// own). Names compare in any case.
+pub fn is_forwarded(name: &[u8], listed: &[&[u8]]) -> bool {
+    !(is_never_forwarded(name)
         || listed
             .iter()
             .any(|listed| listed.eq_ignore_ascii_case(name)))
+}
+
+/// Whether `name` is left out whatever `Connection` lists.
+fn is_never_forwarded(name: &[u8]) -> bool {
+    HOP_BY_HOP
+        .iter()
+        .any(|hop| hop.as_bytes().eq_ignore_ascii_case(name))
+        || name.eq_ignore_ascii_case(b"host")
+        || name.eq_ignore_ascii_case(b"content-length")
 }
 
 fn write_head(head: &mut Vec<u8>, target: &Target, request: &Outgoing<'_>) {
@@ -373,7 +380,9 @@ impl HeaderLines {
     where
         I: Iterator<Item = (&'f str, &'f [u8])>,
     {
-        let mut listed: Vec<String> = Vec::new();
+        // Borrowed, and only names not left out anyway: the common
+        // `Connection: keep-alive` (or `close`) costs no allocation.
+        let mut listed: Vec<&[u8]> = Vec::new();
         let mut room = 0;
         for (name, value) in fields() {
             room += name.len() + value.len() + 4;
@@ -381,10 +390,12 @@ impl HeaderLines {
                 listed.extend(
                     value
                         .split(|byte| *byte == b',')
-                        .map(|token| {
-                            String::from_utf8_lossy(token.trim_ascii()).to_ascii_lowercase()
-                        })
-                        .filter(|token| !token.is_empty()),
+                        .map(<[u8]>::trim_ascii)
+                        .filter(|token| {
+                            !token.is_empty()
+                                && !token.eq_ignore_ascii_case(b"close")
+                                && !is_never_forwarded(token)
+                        }),
                 );
             }
         }
@@ -392,7 +403,7 @@ impl HeaderLines {
             lines: Vec::with_capacity(room),
         };
         for (name, value) in fields() {
-            if is_forwarded(name, &listed) {
+            if is_forwarded(name.as_bytes(), &listed) {
                 lines.push(name, value);
             }
         }

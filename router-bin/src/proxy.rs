@@ -83,6 +83,15 @@ impl Answer {
         }
     }
 
+    /// A worker's answer, its headers as it wrote them.
+    fn worker(status: StatusCode, headers: h1::HeaderLines, body: ProxyBody) -> Answer {
+        Answer {
+            status,
+            headers: AnswerHeaders::Worker(headers),
+            body,
+        }
+    }
+
     /// The answer as an `http` response, for hyper's server.
     pub fn into_response(self) -> http::Response<ProxyBody> {
         let mut response = http::Response::new(self.body);
@@ -531,11 +540,11 @@ async fn attempt_on(
         deadline: request.deadline,
         ended: false,
     };
-    Attempt::Done(Answer {
+    Attempt::Done(Answer::worker(
         status,
-        headers: AnswerHeaders::Worker(headers),
-        body: ProxyBody::Stream(Box::new(body)),
-    })
+        headers,
+        ProxyBody::Stream(Box::new(body)),
+    ))
 }
 
 /// Most bytes of a non-streaming answer the router holds to pass on whole.
@@ -605,11 +614,7 @@ async fn whole_answer(
         match tokio::time::timeout_at(read_by, read_whole(inner, WHOLE_ANSWER_LIMIT_BYTES)).await {
             Ok(Ok(answer)) => {
                 app.request_succeeded(worker);
-                return Answer {
-                    status,
-                    headers: AnswerHeaders::Worker(headers),
-                    body: ProxyBody::whole(answer),
-                };
+                return Answer::worker(status, headers, ProxyBody::whole(answer));
             }
             Ok(Err(ReadWholeError::TooLarge { limit_bytes })) => {
                 // Not the worker's fault; the router's own limit.
