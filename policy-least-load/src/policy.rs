@@ -286,7 +286,11 @@ struct PassOver {
 /// lowest so far but that is behind the oldest tie kept would change
 /// nothing the pass keeps (it is no new lowest, its value is not kept, and
 /// the tie rule would drop it).
-#[inline]
+///
+/// Kept out of line: inlined into the selection, its loop's values were
+/// spilled to the stack and reloaded for every candidate; on its own it
+/// holds them all in registers.
+#[inline(never)]
 fn next_within(
     keys: &mut KeyCursor<'_>,
     candidates: &[WorkerId],
@@ -296,10 +300,17 @@ fn next_within(
     pass_over: PassOver,
     exact: &impl Fn(usize) -> bool,
 ) -> Option<(usize, Option<f64>)> {
-    while let Some(id) = candidates.get(*next) {
-        let index = *next;
-        *next += 1;
-        match keys.key(*id) {
+    // Worked on in locals and written back once, so that the loop keeps
+    // them in registers rather than storing them for every candidate.
+    let mut cursor = *keys;
+    let mut at = *next;
+    let found = loop {
+        let Some(id) = candidates.get(at) else {
+            break None;
+        };
+        let index = at;
+        at += 1;
+        match cursor.key(*id) {
             Some(key)
                 if key.tag == key_tag(*id)
                     && key.received_nanos >= fresh_from_nanos
@@ -308,19 +319,21 @@ fn next_within(
                 let estimate = key.base_secs + own_tokens * key.inv_rate;
                 if estimate <= pass_over.bar_secs {
                     if estimate == pass_over.lowest_secs
-                        && keys
+                        && cursor
                             .last_dispatch_nanos(*id)
                             .is_some_and(|last| pass_over.behind_after_nanos < last)
                     {
                         continue;
                     }
-                    return Some((index, Some(estimate)));
+                    break Some((index, Some(estimate)));
                 }
             }
-            _ => return Some((index, None)),
+            _ => break Some((index, None)),
         }
-    }
-    None
+    };
+    *keys = cursor;
+    *next = at;
+    found
 }
 
 /// The highest estimate the filter keeps, given the lowest so far.
@@ -394,7 +407,11 @@ thread_local! {
 }
 
 impl TieRule {
-    const STACK: usize = 32;
+    /// Small, because the rule is built and moved on every selection (a
+    /// copy of the whole array each time): a busy fleet ties a few
+    /// candidates, and an idle one keeps about ln(n) of them (each kept one
+    /// is older than every one before it).
+    const STACK: usize = 8;
 
     pub fn new(tolerance_secs: f64) -> TieRule {
         TieRule {

@@ -547,7 +547,7 @@ impl HotTable {
 }
 
 /// Reads [`HotKey`]s; see [`HotTable::keys`].
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct KeyCursor<'t> {
     table: &'t HotTable,
     chunk_index: usize,

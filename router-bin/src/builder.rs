@@ -139,7 +139,7 @@ impl RouterBuilder {
                 }
             };
         }
-        let runtime = match tokio::runtime::Runtime::new() {
+        let runtime = match runtime_for_this_machine() {
             Ok(runtime) => runtime,
             Err(error) => {
                 eprintln!("router: cannot start the runtime: {error}");
@@ -188,4 +188,20 @@ fn init_logging() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// The runtime the router runs on: one thread per core it may use, or,
+/// given a single core (a container's CPU limit, `taskset`), one thread
+/// that runs every task itself. A second thread on one core would only
+/// hand work across threads and switch between them; nginx, given one
+/// core, runs one worker the same way.
+fn runtime_for_this_machine() -> std::io::Result<tokio::runtime::Runtime> {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if cores == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Runtime::new()
+    }
 }

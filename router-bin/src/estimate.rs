@@ -39,6 +39,10 @@ pub enum RequestBodyError {
     NotAnObject,
     #[error("request body is not valid JSON: {0}")]
     Invalid(#[source] serde_json::Error),
+    /// JSON is UTF-8 (RFC 8259 §8.1); a body that is not is refused whole,
+    /// even where the bytes lie in a field the router does not read.
+    #[error("request body is not UTF-8: {0}")]
+    NotUtf8(#[source] std::str::Utf8Error),
 }
 
 /// The top-level fields the router reads, in this order.
@@ -67,7 +71,9 @@ pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
 /// [`request_info`] and [`max_output_tokens`] read them from a parsed one.
 pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, RequestBodyError> {
     let chars_per_token = config.chars_per_token;
-    let mut de = serde_json::Deserializer::from_slice(body);
+    // Checked once here, so no string the walk meets is checked again.
+    let body = std::str::from_utf8(body).map_err(RequestBodyError::NotUtf8)?;
+    let mut de = serde_json::Deserializer::from_str(body);
     let top = match (ObjectFields { names: &TOP_FIELDS }).deserialize(&mut de) {
         Ok(Some(top)) => top,
         Ok(None) => return Err(RequestBodyError::NotAnObject),
@@ -748,6 +754,19 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(body)
             );
+        } // Bytes that are not UTF-8, in a field read or in one passed over.
+        for body in [
+            &b"{\"model\": \"m\xff\"}"[..],
+            b"{\"user\": \"\xc3\", \"prompt\": \"hi\"}",
+            b"\xfe{}",
+        ] {
+            let error = read_request(body, &cpt(4.0)).unwrap_err();
+            assert!(
+                matches!(error, RequestBodyError::NotUtf8(_)),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            assert!(error.to_string().starts_with("request body is not UTF-8"));
         }
     }
 

@@ -401,7 +401,12 @@ async fn attempt_on(
         .checked_add(request.head_timeout)
         .map_or(request.deadline, |by| by.min(request.deadline));
     let outgoing = request.outgoing(worker);
-    let sent = h1::send(&worker.pool, &outgoing, server.connect_timeout());
+    let sent = h1::send_at(
+        &worker.pool,
+        &outgoing,
+        server.connect_timeout(),
+        now.into_std(),
+    );
     let response = match tokio::time::timeout_at(first_byte_by, sent).await {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
