@@ -4,7 +4,10 @@
 //!
 //! [`read_request`] is what the proxy runs on every request: it walks the
 //! body once without building it (no map, no string copies but the
-//! model's), capturing only the fields it reads as raw JSON slices.
+//! model's), capturing the fields it reads as raw JSON slices, but for the
+//! chat's `messages`, which it hashes and counts as it passes them
+//! ([`crate::prefix_hash::ChatSeed`]). The body is checked as UTF-8 once,
+//! up front.
 //! [`request_info`] and [`max_output_tokens`] read the same facts from a
 //! parsed [`Value`]; the tests hold the two to the same answers.
 
@@ -18,8 +21,8 @@ use serde_json::value::RawValue;
 
 use crate::config::RequestConfig;
 use crate::prefix_hash::{
-    self, MessageText, PrefixHashing, RawPrompt, Unhashed, json_str_chars, read_uint,
-    skip_whitespace,
+    self, ChatSeed, MessageText, PrefixHashing, RawPrompt, ReadChat, Unhashed, json_str_chars,
+    read_uint, skip_whitespace,
 };
 
 /// What [`read_request`] found.
@@ -46,7 +49,7 @@ pub enum RequestBodyError {
 }
 
 /// The top-level fields the router reads, in this order.
-const TOP_FIELDS: [&str; 9] = [
+const TOP_FIELDS: [&str; TOP_FIELD_COUNT] = [
     "model",
     "stream",
     "input_ids",
@@ -57,6 +60,9 @@ const TOP_FIELDS: [&str; 9] = [
     "max_tokens",
     "sampling_params",
 ];
+const TOP_FIELD_COUNT: usize = 9;
+/// `messages`' place in [`TOP_FIELDS`]: read where it lies ([`ChatSeed`]).
+const MESSAGES: usize = 5;
 
 /// How `[request]` says prompts are hashed.
 pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
@@ -71,12 +77,13 @@ pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
 /// [`request_info`] and [`max_output_tokens`] read them from a parsed one.
 pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, RequestBodyError> {
     let chars_per_token = config.chars_per_token;
+    let hashing = prefix_hashing(config);
     // Checked once here, so no string the walk meets is checked again.
     let body = std::str::from_utf8(body).map_err(RequestBodyError::NotUtf8)?;
     let mut de = serde_json::Deserializer::from_str(body);
-    let top = match (ObjectFields { names: &TOP_FIELDS }).deserialize(&mut de) {
-        Ok(Some(top)) => top,
-        Ok(None) => return Err(RequestBodyError::NotAnObject),
+    // Only an object is asked for, so any other value is a type error.
+    let top = match de.deserialize_map(TopFields { hashing: &hashing }) {
+        Ok(top) => top,
         Err(error) if error.classify() == serde_json::error::Category::Data => {
             return Err(RequestBodyError::NotAnObject);
         }
@@ -89,21 +96,21 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
         input_ids,
         prompt,
         text,
-        messages,
+        _,
         max_completion,
         max_tokens,
         sampling,
-    ] = top;
+    ] = top.raw;
     let model = model.and_then(json_arc_str);
     let streaming = stream.is_some_and(|raw| raw.get() == "true");
     let raw_prompt = RawPrompt {
         input_ids,
         prompt,
         text,
-        messages,
     };
-    // A chat hashed is a chat counted: its messages are read once.
-    let (hashed, message_text) = prefix_hash::hash_raw(raw_prompt, &prefix_hashing(config));
+    // The chat was hashed and counted in the walk: its messages are read once.
+    let message_text = top.messages.as_ref().map(ReadChat::text);
+    let hashed = prefix_hash::hash_raw(raw_prompt, top.messages, &hashing);
     let tokens = raw_token_count(raw_prompt, message_text, chars_per_token);
     let (prefix, prefix_unhashed) = split_hashed(hashed);
     let max_output_tokens = match (max_completion, max_tokens) {
@@ -133,8 +140,8 @@ fn split_hashed(hashed: Result<PrefixBlocks, Unhashed>) -> (PrefixBlocks, Option
     }
 }
 
-/// As [`token_count`], on the raw prompt fields; `message_text` is the
-/// messages' text if the hashing already counted it.
+/// As [`token_count`], on the raw prompt fields and the text of the
+/// messages, if any.
 fn raw_token_count(
     prompt: RawPrompt<'_>,
     message_text: Option<MessageText>,
@@ -148,9 +155,7 @@ fn raw_token_count(
     let MessageText {
         mut chars,
         any: mut any_text,
-    } = message_text
-        .or_else(|| prompt.messages.map(prefix_hash::message_text))
-        .unwrap_or_default();
+    } = message_text.unwrap_or_default();
     for value in [prompt.prompt, prompt.text] {
         any_text |= raw_add_text(value, &mut chars);
     }
@@ -393,6 +398,50 @@ impl<'de, const N: usize> Visitor<'de> for ObjectFields<N> {
     }
 }
 
+/// The top-level fields of a body: the raw values of [`TOP_FIELDS`], the
+/// others skipped without being built, and `messages` read where it lies.
+struct TopFields<'h> {
+    hashing: &'h PrefixHashing,
+}
+
+/// What [`TopFields`] read.
+struct Top<'de> {
+    /// By place in [`TOP_FIELDS`]; `messages`' place stays empty.
+    raw: [Option<&'de RawValue>; TOP_FIELD_COUNT],
+    messages: Option<ReadChat>,
+}
+
+impl<'de> Visitor<'de> for TopFields<'_> {
+    type Value = Top<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut top = Top {
+            raw: [None; TOP_FIELD_COUNT],
+            messages: None,
+        };
+        let names = &TOP_FIELDS;
+        while let Some(named) = map.next_key_seed(KeyIndex { names })? {
+            match named {
+                // The last of a repeated name wins, as in a parsed `Value`.
+                Some(MESSAGES) => {
+                    top.messages = map.next_value_seed(ChatSeed {
+                        hashing: self.hashing,
+                    })?;
+                }
+                Some(index) => top.raw[index] = Some(map.next_value::<&'de RawValue>()?),
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(top)
+    }
+}
+
 /// Calls `each` with the raw value of every item of an array, until it
 /// returns false.
 struct Items<F> {
@@ -630,10 +679,14 @@ mod tests {
             json!({"text": [long, "second of a batch"]}),
             json!({"input_ids": ids}),
             json!({"prompt": [ids, [1, 2]], "messages": [{"role": "user", "content": long}]}),
+            json!({"messages": null, "prompt": long}),
+            json!({"prompt": long, "messages": null}),
         ];
         let unhashed_bodies = [
             json!({"input_ids": [1, -2, 3], "prompt": long}),
             json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            json!({"messages": "not a list", "prompt": long}),
+            json!({"messages": {"role": "user", "content": long}}),
         ];
         let mut hashed = 0;
         for body in bodies
@@ -652,7 +705,7 @@ mod tests {
             );
             hashed += usize::from(!read.info.prefix.is_empty());
         }
-        assert_eq!(hashed, 5, "exactly the long prompts are hashed");
+        assert_eq!(hashed, 7, "exactly the long prompts are hashed");
         // The same body hashed with hashing off: unknown, and why.
         let off = RequestConfig {
             prefix_hash_max_tokens: 0,

@@ -38,7 +38,7 @@
 use std::fmt;
 
 use policy_core::PrefixBlocks;
-use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -130,16 +130,16 @@ impl Unhashed {
 }
 
 /// The prompt fields of a raw body, as [`crate::estimate::read_request`]
-/// captured them.
+/// captured them (`messages` is read where it lies: [`ReadChat`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RawPrompt<'a> {
     pub input_ids: Option<&'a RawValue>,
     pub prompt: Option<&'a RawValue>,
     pub text: Option<&'a RawValue>,
-    pub messages: Option<&'a RawValue>,
 }
 
 /// The chained block hashes of a byte stream, cut into blocks as it comes.
+#[derive(Debug)]
 struct Chain {
     block_bytes: usize,
     max_blocks: usize,
@@ -337,15 +337,6 @@ impl MessageText {
     }
 }
 
-/// Counts the text of a raw chat's messages ([`MessageText`]) without
-/// hashing it.
-pub fn message_text(messages: &RawValue) -> MessageText {
-    let mut text = MessageText::default();
-    // A chain that takes no block: only the count is kept.
-    raw_chat(&mut Chain::new(TEXT_SEED, 1, 0), messages, &mut text);
-    text
-}
-
 /// Which field holds the prompt (see the module docs).
 enum Source<T> {
     Ids(T),
@@ -353,49 +344,33 @@ enum Source<T> {
     Text(T),
 }
 
-/// Hashes the prompt of a raw body. When that prompt is the chat's
-/// messages, the same pass counts their text, returned beside the hashes
-/// (`None`: the messages were not read; [`message_text`] counts them).
+/// Hashes the prompt of a raw body: `prompt`'s token ids or text fields,
+/// and `messages` as the body's reader read them ([`ReadChat`]).
 pub fn hash_raw(
     prompt: RawPrompt<'_>,
+    messages: Option<ReadChat>,
     hashing: &PrefixHashing,
-) -> (Result<PrefixBlocks, Unhashed>, Option<MessageText>) {
+) -> Result<PrefixBlocks, Unhashed> {
     let max_blocks = hashing.max_blocks();
     if max_blocks == 0 || hashing.block_tokens == 0 {
-        return (Err(Unhashed::Disabled), None);
+        return Err(Unhashed::Disabled);
     }
     fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
         raw.filter(|raw| raw.get() != "null")
     }
-    let source = if let Some(ids) = present(prompt.input_ids) {
-        Source::Ids(ids)
-    } else if let Some(ids) = present(prompt.prompt).filter(|raw| raw_holds_ids(raw)) {
-        Source::Ids(ids)
-    } else if let Some(messages) = present(prompt.messages) {
-        Source::Chat(messages)
-    } else if let Some(text) = present(prompt.prompt).or(present(prompt.text)) {
-        Source::Text(text)
-    } else {
-        return (Err(Unhashed::NoPrompt), None);
-    };
-    match source {
-        Source::Ids(raw) => {
-            let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
-            let hashed = raw_ids(&mut chain, raw.get())
-                .and_then(|()| chain.into_blocks(hashing.block_tokens));
-            (hashed, None)
-        }
-        Source::Chat(raw) => {
-            let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
-            let mut text = MessageText::default();
-            let hashed = if raw_chat(&mut chain, raw, &mut text) {
-                chain.into_blocks(hashing.block_tokens)
-            } else {
-                Err(Unhashed::NoPrompt)
-            };
-            (hashed, Some(text))
-        }
-        Source::Text(raw) => (hash_raw_text(raw, hashing, max_blocks), None),
+    let ids = present(prompt.input_ids)
+        .or_else(|| present(prompt.prompt).filter(|raw| raw_holds_ids(raw)));
+    if let Some(ids) = ids {
+        let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
+        return raw_ids(&mut chain, ids.get())
+            .and_then(|()| chain.into_blocks(hashing.block_tokens));
+    }
+    if let Some(chat) = messages {
+        return chat.into_blocks(hashing.block_tokens);
+    }
+    match present(prompt.prompt).or(present(prompt.text)) {
+        Some(text) => hash_raw_text(text, hashing, max_blocks),
+        None => Err(Unhashed::NoPrompt),
     }
 }
 
@@ -514,21 +489,49 @@ fn read_id(bytes: &[u8], at: usize) -> Result<(u32, usize), Unhashed> {
         .map_err(|_| Unhashed::InvalidTokenIds)
 }
 
-/// Reads a raw chat's messages in one pass: pushes their layout onto the
-/// chain until it is full, and counts the text of every message into
-/// `text` (the token estimate reads the whole chat, the hash only its
-/// leading blocks); whether any text part was pushed. Each message's `role`
-/// and `content` are captured where they lie, and a string content is
-/// pushed and counted from there.
-fn raw_chat(chain: &mut Chain, messages: &RawValue, text: &mut MessageText) -> bool {
-    if !messages.get().starts_with('[') {
-        return false;
-    }
-    let mut found = false;
-    let _ = for_each_object_while(messages, &["role", "content"], |fields| {
-        let Some([role, content]) = fields else {
-            return true;
+/// A chat's `messages`, read in one pass where they lie in the body
+/// ([`ChatSeed`]): their layout pushed onto a chain until it is full, and
+/// the text of every message counted (the token estimate reads the whole
+/// chat, the hash only its leading blocks). Each message's `role` and
+/// `content` are captured where they lie, and a string content is pushed
+/// and counted from there. A value that is not a list reads as a chat
+/// with no text.
+#[derive(Debug)]
+pub struct ReadChat {
+    chain: Chain,
+    text: MessageText,
+    /// Whether any text part was pushed.
+    found: bool,
+}
+
+impl ReadChat {
+    /// A chat with nothing read yet, chained as `hashing` says (counted
+    /// only, with hashing off).
+    fn new(hashing: &PrefixHashing) -> ReadChat {
+        let chain = match hashing.max_blocks() {
+            0 => Chain::new(TEXT_SEED, 1, 0),
+            _ if hashing.block_tokens == 0 => Chain::new(TEXT_SEED, 1, 0),
+            max_blocks => Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks),
         };
+        ReadChat {
+            chain,
+            text: MessageText::default(),
+            found: false,
+        }
+    }
+
+    /// The text of its messages, as the token estimate counts it.
+    pub fn text(&self) -> MessageText {
+        self.text
+    }
+
+    /// Reads one item of the list: its `role` and `content`, or `None`
+    /// when it is not an object (it adds nothing).
+    fn message(&mut self, fields: Option<[Option<&RawValue>; 2]>) {
+        let Some([role, content]) = fields else {
+            return;
+        };
+        let chain = &mut self.chain;
         if !chain.is_full() {
             chain.push(&[MESSAGE]);
             if let Some(role) = role {
@@ -537,13 +540,15 @@ fn raw_chat(chain: &mut Chain, messages: &RawValue, text: &mut MessageText) -> b
             chain.push(&[CONTENT]);
         }
         let Some(content) = content else {
-            return true;
+            return;
         };
+        let text = &mut self.text;
+        let found = &mut self.found;
         let mut part = |raw: &RawValue| {
             text.count(raw.get());
             if raw.get().starts_with('"') && !chain.is_full() {
                 chain.push(&[PART]);
-                found |= chain.push_json_str(raw.get());
+                *found |= chain.push_json_str(raw.get());
             }
         };
         match content.get().as_bytes().first() {
@@ -564,58 +569,85 @@ fn raw_chat(chain: &mut Chain, messages: &RawValue, text: &mut MessageText) -> b
             }
             _ => {}
         }
-        true
-    });
-    found
-}
+    }
 
-/// Calls `each` with the named fields of every item of a raw JSON array
-/// (`None` for an item that is not an object), in one pass, until it
-/// returns false; the rest of the array is not read (and the result is then
-/// an error).
-fn for_each_object_while<'a, const N: usize>(
-    raw: &'a RawValue,
-    names: &'static [&'static str; N],
-    each: impl FnMut(Option<[Option<&'a RawValue>; N]>) -> bool,
-) -> Result<(), serde_json::Error> {
-    let mut de = serde_json::Deserializer::from_str(raw.get());
-    ObjectItems { names, each }.deserialize(&mut de)
-}
-
-struct ObjectItems<F, const N: usize> {
-    names: &'static [&'static str; N],
-    each: F,
-}
-
-impl<'de, F, const N: usize> DeserializeSeed<'de> for ObjectItems<F, N>
-where
-    F: FnMut(Option<[Option<&'de RawValue>; N]>) -> bool,
-{
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_seq(self)
+    /// Its blocks; no prompt if no message held text.
+    fn into_blocks(self, block_tokens: u32) -> Result<PrefixBlocks, Unhashed> {
+        if !self.found {
+            return Err(Unhashed::NoPrompt);
+        }
+        self.chain.into_blocks(block_tokens)
     }
 }
 
-impl<'de, F, const N: usize> Visitor<'de> for ObjectItems<F, N>
-where
-    F: FnMut(Option<[Option<&'de RawValue>; N]>) -> bool,
-{
-    type Value = ();
+/// Reads a raw `messages` value as the body's reader does ([`ChatSeed`]);
+/// `None` for `null`.
+pub fn read_chat(messages: &RawValue, hashing: &PrefixHashing) -> Option<ReadChat> {
+    let mut de = serde_json::Deserializer::from_str(messages.get());
+    // A raw value is valid JSON, so the walk cannot fail.
+    ChatSeed { hashing }.deserialize(&mut de).ok().flatten()
+}
+
+/// Reads a body's `messages` where it lies, within the walk over the body
+/// ([`crate::estimate::read_request`]), so that the chat is not skipped
+/// once and read again: `None` for `null` (as if absent), a [`ReadChat`]
+/// for anything else.
+#[derive(Debug, Clone, Copy)]
+pub struct ChatSeed<'h> {
+    pub hashing: &'h PrefixHashing,
+}
+
+impl<'de> DeserializeSeed<'de> for ChatSeed<'_> {
+    type Value = Option<ReadChat>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ChatSeed<'_> {
+    type Value = Option<ReadChat>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON array")
+        f.write_str("any JSON value")
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
-        let names = self.names;
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut chat = ReadChat::new(self.hashing);
+        let names = &["role", "content"];
         while let Some(fields) = seq.next_element_seed(ObjectFields { names })? {
-            if !(self.each)(fields) {
-                break;
-            }
+            chat.message(fields);
         }
-        Ok(())
+        Ok(Some(chat))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Some(ReadChat::new(self.hashing)))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Some(ReadChat::new(self.hashing)))
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Some(ReadChat::new(self.hashing)))
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Some(ReadChat::new(self.hashing)))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Some(ReadChat::new(self.hashing)))
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(Some(ReadChat::new(self.hashing)))
     }
 }
 
@@ -749,11 +781,10 @@ mod tests {
                 input_ids: get("input_ids"),
                 prompt: get("prompt"),
                 text: get("text"),
-                messages: get("messages"),
             },
+            get("messages").and_then(|raw| read_chat(raw, hashing)),
             hashing,
         )
-        .0
     }
 
     /// Both readers' answer, held to be the same.
@@ -1150,43 +1181,52 @@ mod tests {
         let raw: HashMap<String, Box<RawValue>> =
             serde_json::from_str(&serde_json::to_string(&body).unwrap()).unwrap();
         let messages = &*raw["messages"];
-        let prompt = RawPrompt {
-            messages: Some(messages),
-            ..RawPrompt::default()
-        };
+        let prompt = RawPrompt::default();
         let want = MessageText {
             chars: 300 + 3 + 2,
             any: true,
         };
-        // Hashed, counted with it; off, the count alone reads the same.
-        let (hashed, counted) = hash_raw(prompt, &SMALL);
-        assert!(hashed.is_ok());
-        assert_eq!(counted, Some(want));
-        assert_eq!(message_text(messages), want);
+        // Hashed and counted in one read; off, the count reads the same.
+        let chat = read_chat(messages, &SMALL).unwrap();
+        assert_eq!(chat.text(), want);
+        assert!(hash_raw(prompt, Some(chat), &SMALL).is_ok());
         // Only the first blocks are hashed, but every message is counted.
         let short = PrefixHashing {
             max_tokens: 8,
             ..SMALL
         };
-        let (hashed, counted) = hash_raw(prompt, &short);
+        let chat = read_chat(messages, &short).unwrap();
+        assert_eq!(chat.text(), want);
+        let hashed = hash_raw(prompt, Some(chat), &short);
         assert_eq!(hashed.map(|blocks| blocks.hashes().len()), Ok(2));
-        assert_eq!(counted, Some(want));
         let off = PrefixHashing {
             max_tokens: 0,
             ..SMALL
         };
-        assert_eq!(hash_raw(prompt, &off), (Err(Unhashed::Disabled), None));
+        let chat = read_chat(messages, &off).unwrap();
+        assert_eq!(chat.text(), want);
+        assert_eq!(hash_raw(prompt, Some(chat), &off), Err(Unhashed::Disabled));
         // A chat with no text part at all.
         let images: Box<RawValue> =
             serde_json::from_str(r#"[{"role": "user", "content": [{"type": "image_url"}]}]"#)
                 .unwrap();
-        let images = RawPrompt {
-            messages: Some(&*images),
-            ..RawPrompt::default()
-        };
+        let chat = read_chat(&images, &SMALL).unwrap();
+        assert_eq!(chat.text(), MessageText::default());
         assert_eq!(
-            hash_raw(images, &SMALL),
-            (Err(Unhashed::NoPrompt), Some(MessageText::default()))
+            hash_raw(prompt, Some(chat), &SMALL),
+            Err(Unhashed::NoPrompt)
         );
+        // `null` reads as no messages; any other value as a chat with no text.
+        let null: Box<RawValue> = serde_json::from_str("null").unwrap();
+        assert!(read_chat(&null, &SMALL).is_none());
+        for other in [r#""hi""#, "7", "-1.5", "true", r#"{"role": "user"}"#] {
+            let other: Box<RawValue> = serde_json::from_str(other).unwrap();
+            let chat = read_chat(&other, &SMALL).unwrap();
+            assert_eq!(chat.text(), MessageText::default(), "{other}");
+            assert_eq!(
+                hash_raw(prompt, Some(chat), &SMALL),
+                Err(Unhashed::NoPrompt)
+            );
+        }
     }
 }
