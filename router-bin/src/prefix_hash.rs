@@ -72,6 +72,11 @@ pub struct PrefixHashing {
 }
 
 impl PrefixHashing {
+    /// Whether hashing is off (`max_tokens` or `block_tokens` is 0).
+    fn is_off(&self) -> bool {
+        self.max_blocks() == 0 || self.block_tokens == 0
+    }
+
     /// Blocks hashed at most.
     fn max_blocks(&self) -> usize {
         let blocks = self.max_tokens / u64::from(self.block_tokens.max(1));
@@ -352,7 +357,7 @@ pub fn hash_raw(
     hashing: &PrefixHashing,
 ) -> Result<PrefixBlocks, Unhashed> {
     let max_blocks = hashing.max_blocks();
-    if max_blocks == 0 || hashing.block_tokens == 0 {
+    if hashing.is_off() {
         return Err(Unhashed::Disabled);
     }
     fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
@@ -508,10 +513,10 @@ impl ReadChat {
     /// A chat with nothing read yet, chained as `hashing` says (counted
     /// only, with hashing off).
     fn new(hashing: &PrefixHashing) -> ReadChat {
-        let chain = match hashing.max_blocks() {
-            0 => Chain::new(TEXT_SEED, 1, 0),
-            _ if hashing.block_tokens == 0 => Chain::new(TEXT_SEED, 1, 0),
-            max_blocks => Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks),
+        let chain = if hashing.is_off() {
+            Chain::new(TEXT_SEED, 1, 0)
+        } else {
+            Chain::new(TEXT_SEED, hashing.text_block_bytes(), hashing.max_blocks())
         };
         ReadChat {
             chain,
@@ -654,7 +659,7 @@ impl<'de> Visitor<'de> for ChatSeed<'_> {
 /// Hashes the prompt of a parsed body, as [`hash_raw`] hashes a raw one.
 pub fn hash_value(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
     let max_blocks = hashing.max_blocks();
-    if max_blocks == 0 || hashing.block_tokens == 0 {
+    if hashing.is_off() {
         return Err(Unhashed::Disabled);
     }
     let present = |key: &str| body.get(key).filter(|value| !value.is_null());
