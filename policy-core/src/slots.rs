@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use arc_swap::{ArcSwap, Guard};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::{PollMark, WorkerId, WorkerInfo, WorkerStats, worker_url_key};
 
@@ -185,6 +185,40 @@ enum Held<N> {
     Started,
 }
 
+/// The outstanding dispatches of one [`WorkerLedger`], by sequence number.
+type Outstanding<N> = HashMap<u64, Held<N>, BuildHasherDefault<SeqHasher>>;
+
+/// A count that only the holder of its ledger's lock changes, and anyone
+/// reads without it. The lock already orders the writers, so a change is a
+/// plain load and store rather than a locked read-modify-write: a selection
+/// and its finish change three counts each, and a locked instruction costs
+/// as much as the rest of the change.
+#[derive(Debug, Default)]
+struct LockedCount(AtomicU64);
+
+impl LockedCount {
+    #[inline]
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Adds `delta`; `_held` shows the ledger's lock is held.
+    #[inline]
+    fn add<N>(&self, _held: &MutexGuard<'_, Outstanding<N>>, delta: u64) {
+        let count = self.0.load(Ordering::Relaxed);
+        self.0.store(count.saturating_add(delta), Ordering::Release);
+    }
+
+    /// Subtracts `delta`, stopping at zero (the ledger never releases more
+    /// than it credited, so it never needs to); `_held` shows the ledger's
+    /// lock is held.
+    #[inline]
+    fn sub<N>(&self, _held: &MutexGuard<'_, Outstanding<N>>, delta: u64) {
+        let count = self.0.load(Ordering::Relaxed);
+        self.0.store(count.saturating_sub(delta), Ordering::Release);
+    }
+}
+
 /// This router's live work on one worker: what is pending (dispatched, first
 /// token not yet seen) and what is in flight (not yet finished).
 ///
@@ -199,18 +233,18 @@ enum Held<N> {
 /// [`WorkerLedger::first_token_noted`]. Most policies keep none (`()`).
 #[derive(Debug)]
 pub struct WorkerLedger<N = ()> {
-    pending_tokens: AtomicU64,
-    pending_requests: AtomicU64,
-    in_flight_requests: AtomicU64,
-    outstanding: Mutex<HashMap<u64, Held<N>, BuildHasherDefault<SeqHasher>>>,
+    pending_tokens: LockedCount,
+    pending_requests: LockedCount,
+    in_flight_requests: LockedCount,
+    outstanding: Mutex<Outstanding<N>>,
 }
 
 impl<N> Default for WorkerLedger<N> {
     fn default() -> WorkerLedger<N> {
         WorkerLedger {
-            pending_tokens: AtomicU64::new(0),
-            pending_requests: AtomicU64::new(0),
-            in_flight_requests: AtomicU64::new(0),
+            pending_tokens: LockedCount::default(),
+            pending_requests: LockedCount::default(),
+            in_flight_requests: LockedCount::default(),
             outstanding: Mutex::new(HashMap::default()),
         }
     }
@@ -249,9 +283,9 @@ impl<N: Copy> WorkerLedger<N> {
     /// The live counts, read without locking.
     pub fn stats(&self) -> WorkerStats {
         WorkerStats {
-            in_flight_requests: self.in_flight_requests.load(Ordering::Acquire),
-            pending_requests: self.pending_requests.load(Ordering::Acquire),
-            pending_tokens: self.pending_tokens.load(Ordering::Acquire),
+            in_flight_requests: self.in_flight_requests.get(),
+            pending_requests: self.pending_requests.get(),
+            pending_tokens: self.pending_tokens.get(),
         }
     }
 
@@ -272,9 +306,9 @@ impl<N: Copy> WorkerLedger<N> {
             .insert(seq, Held::Pending(tokens, note))
             .is_none()
         {
-            self.pending_tokens.fetch_add(tokens, Ordering::AcqRel);
-            self.pending_requests.fetch_add(1, Ordering::AcqRel);
-            self.in_flight_requests.fetch_add(1, Ordering::AcqRel);
+            self.pending_tokens.add(&outstanding, tokens);
+            self.pending_requests.add(&outstanding, 1);
+            self.in_flight_requests.add(&outstanding, 1);
         }
         true
     }
@@ -284,14 +318,12 @@ impl<N: Copy> WorkerLedger<N> {
     pub fn first_token_noted(&self, seq: u64) -> Option<(u64, N)> {
         let mut outstanding = self.outstanding.lock();
         let held = outstanding.get_mut(&seq)?;
-        match *held {
-            Held::Pending(tokens, note) => {
-                *held = Held::Started;
-                self.release_pending(tokens);
-                Some((tokens, note))
-            }
-            Held::Started => None,
-        }
+        let Held::Pending(tokens, note) = *held else {
+            return None;
+        };
+        *held = Held::Started;
+        self.release_pending(&outstanding, tokens);
+        Some((tokens, note))
     }
 
     /// Releases everything dispatch `seq` still holds; returns whether it was
@@ -300,12 +332,12 @@ impl<N: Copy> WorkerLedger<N> {
         let mut outstanding = self.outstanding.lock();
         match outstanding.remove(&seq) {
             Some(Held::Pending(tokens, _)) => {
-                self.release_pending(tokens);
-                self.in_flight_requests.fetch_sub(1, Ordering::AcqRel);
+                self.release_pending(&outstanding, tokens);
+                self.in_flight_requests.sub(&outstanding, 1);
                 true
             }
             Some(Held::Started) => {
-                self.in_flight_requests.fetch_sub(1, Ordering::AcqRel);
+                self.in_flight_requests.sub(&outstanding, 1);
                 true
             }
             None => false,
@@ -326,9 +358,9 @@ impl<N: Copy> WorkerLedger<N> {
         }
     }
 
-    fn release_pending(&self, tokens: u64) {
-        self.pending_tokens.fetch_sub(tokens, Ordering::AcqRel);
-        self.pending_requests.fetch_sub(1, Ordering::AcqRel);
+    fn release_pending(&self, held: &MutexGuard<'_, Outstanding<N>>, tokens: u64) {
+        self.pending_tokens.sub(held, tokens);
+        self.pending_requests.sub(held, 1);
     }
 }
 
@@ -362,6 +394,51 @@ mod tests {
         assert_eq!(ledger.first_token(99), None);
         assert!(!ledger.finish(99));
         assert_eq!(ledger.stats(), WorkerStats::default());
+    }
+
+    #[test]
+    fn counts_changed_under_the_lock_stop_at_zero() {
+        let ledger: WorkerLedger = WorkerLedger::new();
+        let held = ledger.outstanding.lock();
+        ledger.pending_tokens.add(&held, 40);
+        ledger.pending_tokens.sub(&held, 100);
+        assert_eq!(ledger.pending_tokens.get(), 0);
+        ledger.pending_tokens.add(&held, u64::MAX);
+        ledger.pending_tokens.add(&held, 1);
+        assert_eq!(ledger.pending_tokens.get(), u64::MAX);
+    }
+
+    #[test]
+    fn counts_stay_exact_under_concurrent_credits_and_finishes() {
+        let ledger = Arc::new(WorkerLedger::new());
+        let threads: Vec<_> = (0..4u64)
+            .map(|thread| {
+                let ledger = Arc::clone(&ledger);
+                std::thread::spawn(move || {
+                    for i in 0..2000u64 {
+                        let seq = thread * 1_000_000 + i;
+                        ledger.credit(seq, 7);
+                        if i % 2 == 0 {
+                            ledger.first_token(seq);
+                        }
+                        ledger.finish(seq);
+                    }
+                    // One left outstanding per thread.
+                    ledger.credit(thread * 1_000_000 + 5000, 3);
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().expect("a crediting thread panicked");
+        }
+        assert_eq!(
+            ledger.stats(),
+            WorkerStats {
+                in_flight_requests: 4,
+                pending_requests: 4,
+                pending_tokens: 12
+            }
+        );
     }
 
     #[test]

@@ -210,6 +210,8 @@ thread_local! {
     /// The filter's kept candidates (index, estimate), kept by each thread,
     /// so a selection allocates nothing once the thread has seen its largest.
     static KEPT: Cell<Vec<(usize, f64)>> = const { Cell::new(Vec::new()) };
+    /// [`scan_estimates`]'s kept candidates, kept by each thread likewise.
+    static WITHIN: Cell<Vec<Within>> = const { Cell::new(Vec::new()) };
 }
 
 #[cfg(test)]
@@ -265,51 +267,112 @@ fn filter_pass(
     bar
 }
 
-/// What [`next_within`] passes over besides the candidates it returns.
+/// A candidate [`scan_estimates`] kept: within the bar when it was seen.
 #[derive(Debug, Clone, Copy)]
-struct PassOver {
-    /// Estimates above this are outside the filter's bar.
-    bar_secs: f64,
-    /// The lowest value so far: an estimate equal to it ...
-    lowest_secs: f64,
-    /// ... of a candidate last dispatched to after this is behind the
-    /// oldest tie kept ([`TieRule::behind_after_nanos`] of the lowest).
-    behind_after_nanos: i64,
+struct Within {
+    index: usize,
+    /// Its estimate, or its exact score when it has no usable key.
+    value_secs: f64,
+    last_dispatch_nanos: i64,
 }
 
-/// The next candidate from `*next` on that [`LeastLoad::estimate_pass`]
-/// must look at, moving `*next` past it: one whose estimate is at most
-/// `pass_over.bar_secs` (`Some(estimate)`), or one it cannot estimate
-/// (`None`: no usable key, or `exact` names its slot). A busy fleet's
-/// candidates are mostly ruled out here, in a loop that holds only its own
-/// few values, and so is an idle fleet's: a candidate whose estimate is the
-/// lowest so far but that is behind the oldest tie kept would change
-/// nothing the pass keeps (it is no new lowest, its value is not kept, and
-/// the tie rule would drop it).
+/// Where [`scan_estimates`] stands in the candidate list, and what it has
+/// seen so far.
+#[derive(Debug, Clone, Copy)]
+struct Scan {
+    /// The next candidate to look at.
+    next: usize,
+    /// The lowest value kept (infinite before the first).
+    lowest_secs: f64,
+    /// [`filter_bar`] of `lowest_secs`; values above it are not kept.
+    /// Starts at the largest finite value, so a vetoed (infinite) or NaN
+    /// value is never kept.
+    bar_secs: f64,
+    /// The oldest last dispatch among the kept values equal to the lowest.
+    lowest_oldest_nanos: i64,
+}
+
+impl Scan {
+    fn new() -> Scan {
+        Scan {
+            next: 0,
+            lowest_secs: f64::INFINITY,
+            bar_secs: f64::MAX,
+            lowest_oldest_nanos: i64::MIN,
+        }
+    }
+
+    /// Keeps the candidate at `index`, whose value is within the bar,
+    /// unless it equals the lowest and was dispatched to after an earlier
+    /// candidate of that value: such a one can neither win nor take part
+    /// in a draw, since the earlier one is within the final tolerance
+    /// whenever it is, no higher and strictly older. (In an idle fleet
+    /// every candidate ties, and most are such.)
+    #[inline]
+    fn keep(
+        &mut self,
+        kept: &mut Vec<Within>,
+        index: usize,
+        value_secs: f64,
+        last_dispatch_nanos: i64,
+        tolerance_secs: f64,
+    ) {
+        if value_secs < self.lowest_secs {
+            self.lowest_secs = value_secs;
+            self.bar_secs = filter_bar(value_secs, tolerance_secs);
+            self.lowest_oldest_nanos = last_dispatch_nanos;
+        } else if value_secs == self.lowest_secs {
+            if last_dispatch_nanos > self.lowest_oldest_nanos {
+                return;
+            }
+            self.lowest_oldest_nanos = last_dispatch_nanos;
+        }
+        // Values above the bar now stay above it: the bar only falls.
+        if kept.len() == kept.capacity() && kept.len() >= KEPT_COMPACT_LEN {
+            let bar_secs = self.bar_secs;
+            kept.retain(|within| within.value_secs <= bar_secs);
+        }
+        kept.push(Within {
+            index,
+            value_secs,
+            last_dispatch_nanos,
+        });
+    }
+}
+
+/// The filter's pass over the candidates from `scan.next` on: keeps
+/// ([`Scan::keep`]) every candidate whose estimate is within the bar of
+/// the lowest so far, and stops at one it cannot estimate (no usable key,
+/// or `exact` names its slot), returning its index for the caller to score
+/// exactly and keep; `None` at the end of the list.
 ///
-/// Kept out of line: inlined into the selection, its loop's values were
-/// spilled to the stack and reloaded for every candidate; on its own it
-/// holds them all in registers.
+/// A busy fleet's candidates are mostly ruled out here by one comparison,
+/// and the few kept are recorded without leaving the loop, so the tie rule
+/// sees only what is within the final bar, once the pass is over.
+///
+/// Kept out of line, with its cursor and state in locals written back once:
+/// inlined into the selection, the loop's values were spilled to the stack
+/// and reloaded for every candidate; on its own it holds them in registers.
 #[inline(never)]
-fn next_within(
+#[allow(clippy::too_many_arguments)]
+fn scan_estimates(
     keys: &mut KeyCursor<'_>,
     candidates: &[WorkerId],
-    next: &mut usize,
+    scan: &mut Scan,
+    kept: &mut Vec<Within>,
     fresh_from_nanos: i64,
     own_tokens: f64,
-    pass_over: PassOver,
+    tolerance_secs: f64,
     exact: &impl Fn(usize) -> bool,
-) -> Option<(usize, Option<f64>)> {
-    // Worked on in locals and written back once, so that the loop keeps
-    // them in registers rather than storing them for every candidate.
+) -> Option<usize> {
     let mut cursor = *keys;
-    let mut at = *next;
-    let found = loop {
-        let Some(id) = candidates.get(at) else {
+    let mut state = *scan;
+    let unestimated = loop {
+        let Some(id) = candidates.get(state.next) else {
             break None;
         };
-        let index = at;
-        at += 1;
+        let index = state.next;
+        state.next += 1;
         match cursor.key(*id) {
             Some(key)
                 if key.tag == key_tag(*id)
@@ -317,23 +380,17 @@ fn next_within(
                     && !exact(id.slot()) =>
             {
                 let estimate = key.base_secs + own_tokens * key.inv_rate;
-                if estimate <= pass_over.bar_secs {
-                    if estimate == pass_over.lowest_secs
-                        && cursor
-                            .last_dispatch_nanos(*id)
-                            .is_some_and(|last| pass_over.behind_after_nanos < last)
-                    {
-                        continue;
-                    }
-                    break Some((index, Some(estimate)));
+                if estimate <= state.bar_secs {
+                    let last_dispatch_nanos = cursor.last_dispatch_in_chunk(*id);
+                    state.keep(kept, index, estimate, last_dispatch_nanos, tolerance_secs);
                 }
             }
-            _ => break Some((index, None)),
+            _ => break Some(index),
         }
     };
     *keys = cursor;
-    *next = at;
-    found
+    *scan = state;
+    unestimated
 }
 
 /// The highest estimate the filter keeps, given the lowest so far.
@@ -1248,16 +1305,17 @@ impl LeastLoad {
     /// The same choice as [`LeastLoad::argmin_exact`], from the filter's
     /// estimates where they decide it.
     ///
-    /// One pass reads each candidate's [`HotKey`](crate::state) only (32
-    /// bytes, side by side with its neighbours') and estimates its score
-    /// as `base_secs + own_tokens × inv_rate`: a multiply-add instead of a
-    /// division, off the exact score by a few ulps (every term is
-    /// non-negative and every integer below 2⁵² converts exactly). A
-    /// candidate it cannot estimate (no fresh snapshot, a prefix held
-    /// there, a key being rewritten) is scored exactly. Every value within
-    /// the tie tolerance of the lowest so far is offered to the tie rule,
-    /// with the candidate's last dispatch from the packed copy beside the
-    /// keys.
+    /// One pass ([`scan_estimates`]) reads each candidate's
+    /// [`HotKey`](crate::state) only (32 bytes, side by side with its
+    /// neighbours') and estimates its score as `base_secs + own_tokens ×
+    /// inv_rate`: a multiply-add instead of a division, off the exact score
+    /// by a few ulps (every term is non-negative and every integer below
+    /// 2⁵² converts exactly). A candidate it cannot estimate (no fresh
+    /// snapshot, a prefix held there, a key being rewritten) is scored
+    /// exactly. It keeps every value within the filter's bar of the lowest
+    /// so far, with the candidate's last dispatch from the packed copy
+    /// beside the keys; once it is over, those within the final bar are
+    /// offered to the tie rule, in candidate order.
     ///
     /// The values decide when none lies within a relative [`FILTER_MARGIN`]
     /// (far above the estimates' error) of the edge of the final tolerance,
@@ -1269,12 +1327,8 @@ impl LeastLoad {
     /// exactly ([`LeastLoad::chosen`]). This is the common case: a busy
     /// fleet's scores rarely fall within a few ulps of that edge, and an
     /// idle fleet's workers, which all report the same empty queue and tie,
-    /// are decided from the packed keys and last dispatch times.
-    ///
-    /// To tell, the pass keeps each value it offers, but a value equal to
-    /// the lowest so far only once (an idle fleet's equal values would
-    /// otherwise be most of the pass's work). Otherwise the two-pass
-    /// argmin decides ([`LeastLoad::argmin_two_pass`]).
+    /// are decided from the packed keys and last dispatch times. Otherwise
+    /// the two-pass argmin decides ([`LeastLoad::argmin_two_pass`]).
     fn argmin_filtered(
         &self,
         hot: &HotTable,
@@ -1285,10 +1339,9 @@ impl LeastLoad {
         own_elsewhere: u64,
     ) -> TieRule {
         let tolerance_secs = self.params.tie_tolerance_secs;
-        let mut values = KEPT.with(Cell::take);
-        values.clear();
-        let mut rule = TieRule::new(tolerance_secs);
-        let lowest_secs = if own.matches.is_empty() {
+        let mut kept = WITHIN.with(Cell::take);
+        kept.clear();
+        let scan = if own.matches.is_empty() {
             self.estimate_pass(
                 hot,
                 view,
@@ -1296,8 +1349,7 @@ impl LeastLoad {
                 now_nanos,
                 own,
                 own_elsewhere,
-                &mut rule,
-                &mut values,
+                &mut kept,
                 |_| false,
             )
         } else {
@@ -1308,34 +1360,40 @@ impl LeastLoad {
                 now_nanos,
                 own,
                 own_elsewhere,
-                &mut rule,
-                &mut values,
+                &mut kept,
                 |slot| own.matches.holds(slot),
             )
         };
-        let decided = LeastLoad::estimates_decide(&values, lowest_secs, tolerance_secs);
-        values.clear();
-        KEPT.with(|cell| cell.set(values));
-        if !lowest_secs.is_finite() {
-            // Nothing was offered: no candidate can take the request.
+        let mut rule = TieRule::new(tolerance_secs);
+        for within in &kept {
+            if within.value_secs <= scan.bar_secs {
+                rule.offer(within.index, within.value_secs, || {
+                    within.last_dispatch_nanos
+                });
+            }
+        }
+        let decided = LeastLoad::estimates_decide(&kept, scan.lowest_secs, tolerance_secs);
+        kept.clear();
+        WITHIN.with(|cell| cell.set(kept));
+        if !scan.lowest_secs.is_finite() {
+            // Nothing was kept: no candidate can take the request.
             return rule;
         }
         if decided {
             #[cfg(test)]
             SURE_RULES.with(|count| count.set(count.get() + 1));
-            rule.estimated_bar_secs = Some(filter_bar(lowest_secs, tolerance_secs));
+            rule.estimated_bar_secs = Some(scan.bar_secs);
             return rule;
         }
         drop(rule);
         self.argmin_two_pass(hot, view, candidates, now_nanos, own, own_elsewhere)
     }
 
-    /// The pass of [`LeastLoad::argmin_filtered`]: offers `rule` every
-    /// candidate's value (its estimate, or its exact score where `exact`
-    /// names its slot or it has no usable key) within the tie tolerance of
-    /// the lowest so far, and pushes onto `values` each value offered but
-    /// those equal to the lowest so far (pushed when it became so); returns
-    /// the lowest value.
+    /// The pass of [`LeastLoad::argmin_filtered`]: keeps in `kept` every
+    /// candidate whose value (its estimate, or its exact score where
+    /// `exact` names its slot or it has no usable key) is within the
+    /// filter's bar of the lowest so far ([`scan_estimates`],
+    /// [`Scan::keep`]); returns where the scan ended.
     #[inline]
     #[allow(clippy::too_many_arguments)]
     fn estimate_pass(
@@ -1346,91 +1404,57 @@ impl LeastLoad {
         now_nanos: i64,
         own: &OwnWork,
         own_elsewhere: u64,
-        rule: &mut TieRule,
-        values: &mut Vec<(usize, f64)>,
+        kept: &mut Vec<Within>,
         exact: impl Fn(usize) -> bool,
-    ) -> f64 {
+    ) -> Scan {
         let tolerance_secs = self.params.tie_tolerance_secs;
         // A key received at or after this is fresh (and so is the record).
         let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
         let own_tokens = own_elsewhere as f64;
         let mut fleet = None;
         let mut keys = hot.keys();
-        let mut lowest_secs = f64::INFINITY;
-        let mut bar_secs = f64::INFINITY;
-        let mut next = 0;
-        while let Some((index, estimate)) = next_within(
+        let mut scan = Scan::new();
+        while let Some(index) = scan_estimates(
             &mut keys,
             candidates,
-            &mut next,
+            &mut scan,
+            kept,
             fresh_from_nanos,
             own_tokens,
-            PassOver {
-                bar_secs,
-                lowest_secs,
-                behind_after_nanos: rule.behind_after_nanos(lowest_secs),
-            },
+            tolerance_secs,
             &exact,
         ) {
             let id = candidates[index];
-            let (value, packed) = match estimate {
-                Some(estimate) => (estimate, true),
-                None => match self.candidate_score(
-                    hot,
-                    view,
-                    id,
-                    candidates,
-                    &mut fleet,
-                    now_nanos,
-                    own,
-                    own_elsewhere,
-                ) {
-                    Some(score_secs) if score_secs <= bar_secs => (score_secs, false),
-                    _ => continue,
-                },
-            };
-            // A value equal to the lowest so far was kept when it became so.
-            let new_lowest = value < lowest_secs;
-            if new_lowest {
-                lowest_secs = value;
-                bar_secs = filter_bar(lowest_secs, tolerance_secs);
-            }
-            if new_lowest || value != lowest_secs {
-                if values.len() == values.capacity() && values.len() >= KEPT_COMPACT_LEN {
-                    values.retain(|(_, kept)| *kept <= bar_secs);
-                }
-                values.push((index, value));
-            }
-            let mut last_dispatch_nanos = || {
-                let packed = packed.then(|| keys.last_dispatch_nanos(id)).flatten();
-                packed.unwrap_or_else(|| LeastLoad::hot_last_dispatch_nanos(hot, view, id))
-            };
-            // The common case in a large tie, checked before the rule works
-            // out its bar again for the candidate.
-            match rule.behind_after_nanos(value) {
-                i64::MAX => rule.offer(index, value, last_dispatch_nanos),
-                behind_after_nanos => {
-                    let last_dispatch_nanos = last_dispatch_nanos();
-                    if behind_after_nanos < last_dispatch_nanos {
-                        continue;
-                    }
-                    rule.offer(index, value, || last_dispatch_nanos);
-                }
+            let score_secs = self.candidate_score(
+                hot,
+                view,
+                id,
+                candidates,
+                &mut fleet,
+                now_nanos,
+                own,
+                own_elsewhere,
+            );
+            if let Some(score_secs) = score_secs
+                && score_secs <= scan.bar_secs
+            {
+                let last_dispatch_nanos = LeastLoad::hot_last_dispatch_nanos(hot, view, id);
+                scan.keep(kept, index, score_secs, last_dispatch_nanos, tolerance_secs);
             }
         }
-        lowest_secs
+        scan
     }
 
     /// Whether the values of [`LeastLoad::argmin_filtered`]'s pass decide
-    /// the tie set: none of `values` lies between the
-    /// highest value sure to be within the tie tolerance of the lowest
-    /// exact score ([`sure_bar`]) and the lowest that is sure not to be
+    /// the tie set: none of `kept` lies between the highest value sure to
+    /// be within the tie tolerance of the lowest exact score
+    /// ([`sure_bar`]) and the lowest that is sure not to be
     /// ([`filter_bar`]).
-    fn estimates_decide(values: &[(usize, f64)], lowest_secs: f64, tolerance_secs: f64) -> bool {
+    fn estimates_decide(kept: &[Within], lowest_secs: f64, tolerance_secs: f64) -> bool {
         let bar = filter_bar(lowest_secs, tolerance_secs);
         let sure = sure_bar(lowest_secs, tolerance_secs);
         let decided = |value: f64| value > bar || value <= sure;
-        values.iter().all(|&(_, value)| decided(value))
+        kept.iter().all(|within| decided(within.value_secs))
     }
 
     /// The same choice as [`LeastLoad::argmin_exact`], in two passes, for
@@ -1670,12 +1694,14 @@ impl Policy for LeastLoad {
             let cached_tokens = own.cached_tokens(chosen.slot.id, tokens);
             let tokens = tokens - cached_tokens;
             // The veto and the credit are one critical section; the note is
-            // what the first token will teach the worker's rate.
+            // what the first token will teach the worker's rate. The last
+            // dispatch is recorded in it too, so its writers are serialized.
             let credited = state.ledger.try_credit_noted(seq, tokens, |stats| {
                 let hot = self.fresh_hot(state, now_nanos);
                 let others_waiting = hot.map_or(0, |hot| hot.others_waiting_requests);
                 let remote = self.remote(state);
                 self.admits(others_waiting, stats, remote).then(|| {
+                    state.last_dispatch.record_under_ledger_lock(now_nanos);
                     let foreign_ahead_tokens = hot
                         .map_or(0, |hot| hot.queued_tokens)
                         .saturating_add(remote.tokens);
@@ -1695,7 +1721,6 @@ impl Policy for LeastLoad {
                         index_ms(now_nanos),
                     );
                 }
-                state.last_dispatch.record(now_nanos);
                 if self.params.inflight == InflightMode::SincePoll {
                     state.since_poll.add(tokens);
                 }
