@@ -1454,7 +1454,7 @@ mod filtered_argmin {
 
         #[test]
         fn the_filtered_choice_and_draws_are_the_one_pass_ones(
-            workers in prop::collection::vec(worker(), 16..90),
+            workers in prop::collection::vec(worker(), 2..90),
             tolerance_secs in prop_oneof![Just(0.0), Just(0.0025), Just(0.01), 0.0f64..0.03],
             reported_rate in any::<bool>(),
             cap in prop_oneof![3 => Just(0u64), 1 => 2u64..4],
@@ -1506,7 +1506,7 @@ mod sure_ties {
 
         #[test]
         fn an_idle_fleet_is_decided_as_the_one_pass_rule_decides(
-            workers in 16usize..200,
+            workers in 2usize..200,
             busy in prop::collection::vec((0usize..200, 0i64..4), 0..8),
             tolerance_secs in prop_oneof![Just(0.0025), Just(0.01), 0.0001f64..0.03],
             sizes in prop::collection::vec(prop_oneof![Just(0u64), 1u64..3000], 1..40),
