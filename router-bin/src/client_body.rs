@@ -78,7 +78,8 @@ impl IntoResponse for BodyReadError {
 }
 
 /// Reads the whole of `body` if it is at most `limit_bytes` long and arrives
-/// within `deadline` (counted from this call).
+/// within `deadline` of `started`: the request's arrival, a time the caller
+/// has already read, so the read costs no clock read of its own.
 ///
 /// A body over the limit is read on and thrown away for up to
 /// [`DISCARD_LIMIT_BYTES`] and [`DISCARD_TIME`] before `TooLarge` returns, so
@@ -91,12 +92,19 @@ pub async fn read_body<B>(
     mut body: B,
     limit_bytes: usize,
     deadline: Duration,
+    started: tokio::time::Instant,
 ) -> Result<Bytes, BodyReadError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    match tokio::time::timeout(deadline, collect(&mut body, limit_bytes)).await {
+    let read = collect(&mut body, limit_bytes);
+    // A deadline past what the clock can hold is no deadline.
+    let read = match started.checked_add(deadline) {
+        Some(read_by) => tokio::time::timeout_at(read_by, read).await,
+        None => Ok(read.await),
+    };
+    match read {
         Err(_elapsed) => Err(BodyReadError::TimedOut { after: deadline }),
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err(Stop::Broken(source))) => Err(BodyReadError::Disconnected { source }),
@@ -183,6 +191,7 @@ mod tests {
 
     use axum::body::Body;
     use futures::{StreamExt, stream};
+    use tokio::time::Instant;
 
     use super::*;
 
@@ -214,16 +223,28 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_within_the_limit_is_read_whole() {
-        let one = read_body(Body::from("hello"), 5, LONG).await.unwrap();
+        let one = read_body(Body::from("hello"), 5, LONG, Instant::now())
+            .await
+            .unwrap();
         assert_eq!(one, "hello");
         let pieces = Body::from_stream(stream::iter(chunks(&["he", "ll", "o"])));
-        assert_eq!(read_body(pieces, 5, LONG).await.unwrap(), "hello");
-        assert_eq!(read_body(Body::empty(), 5, LONG).await.unwrap(), "");
+        assert_eq!(
+            read_body(pieces, 5, LONG, Instant::now()).await.unwrap(),
+            "hello"
+        );
+        assert_eq!(
+            read_body(Body::empty(), 5, LONG, Instant::now())
+                .await
+                .unwrap(),
+            ""
+        );
     }
 
     #[tokio::test]
     async fn a_declared_length_over_the_limit_is_too_large() {
-        let error = read_body(Body::from("123456"), 5, LONG).await.unwrap_err();
+        let error = read_body(Body::from("123456"), 5, LONG, Instant::now())
+            .await
+            .unwrap_err();
         assert!(
             matches!(error, BodyReadError::TooLarge { limit_bytes: 5 }),
             "{error:?}"
@@ -234,7 +255,7 @@ mod tests {
     async fn a_streamed_body_over_the_limit_is_too_large_and_read_to_its_end() {
         let pulled = Arc::new(AtomicU64::new(0));
         let parts = chunks(&["1234", "5678", "rest of it", "and more"]);
-        let error = read_body(counted(parts, pulled.clone()), 5, LONG)
+        let error = read_body(counted(parts, pulled.clone()), 5, LONG, Instant::now())
             .await
             .unwrap_err();
         assert!(matches!(error, BodyReadError::TooLarge { .. }), "{error:?}");
@@ -254,7 +275,7 @@ mod tests {
             counter.fetch_add(chunk.len() as u64, Ordering::SeqCst);
             Ok::<_, std::io::Error>(chunk)
         });
-        let error = read_body(Body::from_stream(endless), 1024, LONG)
+        let error = read_body(Body::from_stream(endless), 1024, LONG, Instant::now())
             .await
             .unwrap_err();
         assert!(matches!(error, BodyReadError::TooLarge { .. }), "{error:?}");
@@ -264,9 +285,28 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn the_deadline_counts_from_the_requests_arrival() {
+        // The head arrived 20 s ago: of a 30 s deadline, 10 s are left.
+        tokio::time::advance(Duration::from_secs(20)).await;
+        let arrived = Instant::now() - Duration::from_secs(20);
+        let reading = Instant::now();
+        let error = read_body(stalling(chunks(&["12"])), 100, LONG, arrived)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, BodyReadError::TimedOut { after } if after == LONG),
+            "{error:?}"
+        );
+        assert_eq!(reading.elapsed(), Duration::from_secs(10));
+        // A deadline the clock cannot hold is no deadline.
+        let read = read_body(Body::from("hello"), 5, Duration::MAX, Instant::now()).await;
+        assert_eq!(read.unwrap(), "hello");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn discarding_stops_after_the_time_bound() {
         let started = tokio::time::Instant::now();
-        let error = read_body(stalling(chunks(&["123456"])), 5, LONG)
+        let error = read_body(stalling(chunks(&["123456"])), 5, LONG, Instant::now())
             .await
             .unwrap_err();
         assert!(matches!(error, BodyReadError::TooLarge { .. }), "{error:?}");
@@ -280,7 +320,7 @@ mod tests {
     async fn a_stalled_body_times_out_at_the_deadline() {
         let deadline = Duration::from_millis(500);
         let started = tokio::time::Instant::now();
-        let error = read_body(stalling(chunks(&["12345"])), 100, deadline)
+        let error = read_body(stalling(chunks(&["12345"])), 100, deadline, Instant::now())
             .await
             .unwrap_err();
         assert!(
@@ -299,9 +339,14 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
             Some((Ok::<_, std::io::Error>(Bytes::from_static(b"x")), ()))
         });
-        let error = read_body(Body::from_stream(trickle), 1 << 20, Duration::from_secs(1))
-            .await
-            .unwrap_err();
+        let error = read_body(
+            Body::from_stream(trickle),
+            1 << 20,
+            Duration::from_secs(1),
+            Instant::now(),
+        )
+        .await
+        .unwrap_err();
         assert!(matches!(error, BodyReadError::TimedOut { .. }), "{error:?}");
     }
 
@@ -312,9 +357,14 @@ mod tests {
             std::io::ErrorKind::UnexpectedEof,
             "client went away",
         )));
-        let error = read_body(Body::from_stream(stream::iter(parts)), 5, LONG)
-            .await
-            .unwrap_err();
+        let error = read_body(
+            Body::from_stream(stream::iter(parts)),
+            5,
+            LONG,
+            Instant::now(),
+        )
+        .await
+        .unwrap_err();
         assert!(
             matches!(error, BodyReadError::Disconnected { .. }),
             "{error:?}"

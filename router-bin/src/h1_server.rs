@@ -452,7 +452,14 @@ async fn serve_request(
         connection: &mut *connection,
         framing,
     };
-    let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
+    let body = match read_body(
+        body,
+        server.body_limit_bytes,
+        server.client_body_timeout(),
+        arrived,
+    )
+    .await
+    {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");

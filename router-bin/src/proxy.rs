@@ -163,7 +163,14 @@ where
         ));
     };
     let server = &app.config.server;
-    let body = match read_body(body, server.body_limit_bytes, server.client_body_timeout()).await {
+    let body = match read_body(
+        body,
+        server.body_limit_bytes,
+        server.client_body_timeout(),
+        arrived,
+    )
+    .await
+    {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");

@@ -59,7 +59,7 @@ async fn serve(config: RouterConfig) -> Served {
     let limit = server.body_limit_bytes;
     let deadline = server.client_body_timeout();
     let upload = move |body: Body| async move {
-        match read_body(body, limit, deadline).await {
+        match read_body(body, limit, deadline, tokio::time::Instant::now()).await {
             Ok(bytes) => format!("{} bytes", bytes.len()).into_response(),
             Err(error) => error.into_response(),
         }
