@@ -14,6 +14,8 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use thiserror::Error;
 
+use crate::config::ServerConfig;
+
 /// After a body turns out too large, at most this much more of it is read
 /// and thrown away before answering 413. A client that writes its whole body
 /// before reading (Python's urllib, for one) then reads the 413 instead of a
@@ -75,6 +77,26 @@ impl IntoResponse for BodyReadError {
     fn into_response(self) -> Response {
         self.response()
     }
+}
+
+/// [`read_body`] under the server's `body_limit_bytes` and
+/// `client_body_timeout_ms`, from the request's arrival.
+pub async fn read_client_body<B>(
+    body: B,
+    server: &ServerConfig,
+    arrived: tokio::time::Instant,
+) -> Result<Bytes, BodyReadError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    read_body(
+        body,
+        server.body_limit_bytes,
+        server.client_body_timeout(),
+        arrived,
+    )
+    .await
 }
 
 /// Reads the whole of `body` if it is at most `limit_bytes` long and arrives

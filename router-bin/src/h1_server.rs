@@ -46,7 +46,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use crate::app::App;
-use crate::client_body::{self, read_body};
+use crate::client_body::{self, read_client_body};
 use crate::proxy::{self, Answer, AnswerHeaders};
 use load_transport::h1::{self, BodyError, Chunked, Framing, Piece};
 
@@ -452,14 +452,7 @@ async fn serve_request(
         connection: &mut *connection,
         framing,
     };
-    let body = match read_body(
-        body,
-        server.body_limit_bytes,
-        server.client_body_timeout(),
-        arrived,
-    )
-    .await
-    {
+    let body = match read_client_body(body, server, arrived).await {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");

@@ -24,7 +24,7 @@ use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 
 use crate::app::{App, SilentStream};
-use crate::client_body::read_body;
+use crate::client_body::read_client_body;
 use crate::estimate::read_request;
 use crate::outlier::Failure;
 use crate::prefix_hash::Unhashed;
@@ -163,14 +163,7 @@ where
         ));
     };
     let server = &app.config.server;
-    let body = match read_body(
-        body,
-        server.body_limit_bytes,
-        server.client_body_timeout(),
-        arrived,
-    )
-    .await
-    {
+    let body = match read_client_body(body, server, arrived).await {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");
