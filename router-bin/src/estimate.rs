@@ -22,7 +22,7 @@ use serde_json::value::RawValue;
 use crate::config::RequestConfig;
 use crate::prefix_hash::{
     self, ChatSeed, MessageText, PrefixHashing, RawPrompt, ReadChat, Unhashed, json_str_chars,
-    read_uint, skip_whitespace,
+    scan_uint_list, skip_whitespace,
 };
 
 /// What [`read_request`] found.
@@ -110,9 +110,13 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
     };
     // The chat was hashed and counted in the walk: its messages are read once.
     let message_text = top.messages.as_ref().map(ReadChat::text);
-    let hashed = prefix_hash::hash_raw(raw_prompt, top.messages, &hashing);
-    let tokens = raw_token_count(raw_prompt, message_text, chars_per_token);
-    let (prefix, prefix_unhashed) = split_hashed(hashed);
+    let hashed = prefix_hash::hash_raw_counting(raw_prompt, top.messages, &hashing);
+    // A list of ids the hash read whole is not read again for its count.
+    let tokens = match hashed.ids_counted {
+        Some(ids) => TokenCount::Exact(ids),
+        None => raw_token_count(raw_prompt, message_text, chars_per_token),
+    };
+    let (prefix, prefix_unhashed) = split_hashed(hashed.blocks);
     let max_output_tokens = match (max_completion, max_tokens) {
         (Some(raw), _) | (None, Some(raw)) => serde_json::from_str::<u64>(raw.get()).ok(),
         (None, None) => sampling.and_then(|raw| {
@@ -196,25 +200,7 @@ fn raw_token_ids(raw: &RawValue) -> Option<u64> {
 /// `None` unless it is a list of integers from 0 to `u64::MAX` (what
 /// `Value::is_u64` accepts: digits only, as JSON writes them).
 fn raw_id_list(bytes: &[u8], at: usize) -> Option<(u64, usize)> {
-    if bytes.get(at) != Some(&b'[') {
-        return None;
-    }
-    let mut at = skip_whitespace(bytes, at + 1);
-    if bytes.get(at) == Some(&b']') {
-        return Some((0, at + 1));
-    }
-    let mut count = 0u64;
-    loop {
-        (_, at) = read_uint(bytes, at, u64::MAX)?;
-        count += 1;
-        at = skip_whitespace(bytes, at);
-        match bytes.get(at)? {
-            b',' => at = skip_whitespace(bytes, at + 1),
-            b']' => return Some((count, at + 1)),
-            // A sign, fraction or exponent: not an id.
-            _ => return None,
-        }
-    }
+    scan_uint_list(bytes, at, u64::MAX, |_| true)
 }
 
 /// As [`add_text`], on a raw value.
@@ -784,6 +770,36 @@ mod tests {
         assert_eq!(count(bodies[0]), TokenCount::Exact(3));
         assert_eq!(count(bodies[2]), TokenCount::Exact(3));
         assert_eq!(count(bodies[6]), TokenCount::Estimated(1));
+    }
+
+    #[test]
+    fn id_counts_do_not_stop_where_the_hash_stops() {
+        // Two 4-token blocks at most: the hash reads 8 ids, the estimate
+        // counts them all.
+        let bounded = RequestConfig {
+            prefix_hash_block_tokens: 4,
+            prefix_hash_max_tokens: 8,
+            ..RequestConfig::default()
+        };
+        for raw in [
+            r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]}"#,
+            r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 4294967296]}"#,
+            r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, -10], "text": "abcd"}"#,
+            r#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}"#,
+            r#"{"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10]]}"#,
+            r#"{"input_ids": [1, 2, 3, 4294967296], "prompt": [5]}"#,
+        ] {
+            let parsed: Value = serde_json::from_str(raw).unwrap();
+            let read = read_request(raw.as_bytes(), &bounded).unwrap();
+            let expected = request_info(&parsed, &bounded);
+            assert_eq!(read.info.tokens, expected.tokens, "{raw}");
+            assert_eq!(read.info.prefix, expected.prefix, "{raw}");
+        }
+        let count = |raw: &str| read_request(raw.as_bytes(), &bounded).unwrap().info.tokens;
+        assert_eq!(
+            count(r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]}"#),
+            TokenCount::Exact(11)
+        );
     }
 
     #[test]

@@ -356,9 +356,34 @@ pub fn hash_raw(
     messages: Option<ReadChat>,
     hashing: &PrefixHashing,
 ) -> Result<PrefixBlocks, Unhashed> {
+    hash_raw_counting(prompt, messages, hashing).blocks
+}
+
+/// What [`hash_raw_counting`] found.
+#[derive(Debug)]
+pub struct RawHashed {
+    pub blocks: Result<PrefixBlocks, Unhashed>,
+    /// The number of token ids in the list hashed, when the hash read it
+    /// whole as the token estimate reads it (one list, not a batch, every
+    /// item an unsigned integer, at least one): the estimate's exact count,
+    /// so that a long id list is read once, not twice.
+    pub ids_counted: Option<u64>,
+}
+
+/// [`hash_raw`], and the count of the token ids it read, if it read them
+/// all ([`RawHashed::ids_counted`]).
+pub fn hash_raw_counting(
+    prompt: RawPrompt<'_>,
+    messages: Option<ReadChat>,
+    hashing: &PrefixHashing,
+) -> RawHashed {
+    let unhashed = |reason| RawHashed {
+        blocks: Err(reason),
+        ids_counted: None,
+    };
     let max_blocks = hashing.max_blocks();
     if hashing.is_off() {
-        return Err(Unhashed::Disabled);
+        return unhashed(Unhashed::Disabled);
     }
     fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
         raw.filter(|raw| raw.get() != "null")
@@ -367,15 +392,26 @@ pub fn hash_raw(
         .or_else(|| present(prompt.prompt).filter(|raw| raw_holds_ids(raw)));
     if let Some(ids) = ids {
         let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
-        return raw_ids(&mut chain, ids.get())
-            .and_then(|()| chain.into_blocks(hashing.block_tokens));
+        let (hashed, ids_counted) = raw_ids(&mut chain, ids.get());
+        return RawHashed {
+            blocks: hashed.and_then(|()| chain.into_blocks(hashing.block_tokens)),
+            ids_counted,
+        };
     }
     if let Some(chat) = messages {
-        return chat.into_blocks(hashing.block_tokens);
+        return unhashed_or(chat.into_blocks(hashing.block_tokens));
     }
     match present(prompt.prompt).or(present(prompt.text)) {
-        Some(text) => hash_raw_text(text, hashing, max_blocks),
-        None => Err(Unhashed::NoPrompt),
+        Some(text) => unhashed_or(hash_raw_text(text, hashing, max_blocks)),
+        None => unhashed(Unhashed::NoPrompt),
+    }
+}
+
+/// Blocks hashed from anything but an id list: no ids counted.
+fn unhashed_or(blocks: Result<PrefixBlocks, Unhashed>) -> RawHashed {
+    RawHashed {
+        blocks,
+        ids_counted: None,
     }
 }
 
@@ -417,42 +453,118 @@ fn raw_holds_ids(raw: &RawValue) -> bool {
 }
 
 /// Pushes the ids of a raw id list (the first sequence of a batch) until
-/// the chain is full. The list was validated as JSON, so only what an item
-/// is needs checking. Ids are gathered a block at a time, so a block costs
-/// one push, not one per id.
-fn raw_ids(chain: &mut Chain, raw: &str) -> Result<(), Unhashed> {
-    let Some(mut rest) = raw.strip_prefix('[') else {
-        return Err(Unhashed::InvalidTokenIds);
-    };
-    rest = rest.trim_start();
-    if let Some(first) = rest.strip_prefix('[') {
-        rest = first;
+/// the chain is full, and counts them as the token estimate does
+/// ([`RawHashed::ids_counted`]). The list was validated as JSON, so only
+/// what an item is needs checking. Ids are gathered a block at a time, so
+/// a block costs one push, not one per id.
+///
+/// Past a full chain the list is still read, for the count, but what it
+/// holds no longer decides the hash: it is hashed as far as it was pushed.
+fn raw_ids(chain: &mut Chain, raw: &str) -> (Result<(), Unhashed>, Option<u64>) {
+    let bytes = raw.as_bytes();
+    if bytes.first() != Some(&b'[') {
+        return (Err(Unhashed::InvalidTokenIds), None);
     }
-    let bytes = rest.as_bytes();
-    let mut at = 0;
-    let mut any = false;
-    let mut block = Vec::with_capacity(chain.block_bytes.min(MAX_TEXT_BLOCK_BYTES));
-    loop {
-        at = skip_whitespace(bytes, at);
-        if bytes.get(at).is_none_or(|&b| b == b']') || chain.is_full() {
-            break;
+    let first = skip_whitespace(bytes, 1);
+    let batch = bytes.get(first) == Some(&b'[');
+    let list = if batch { first } else { 0 };
+    let block_bytes = chain.block_bytes;
+    let mut block = Vec::with_capacity(block_bytes.min(MAX_TEXT_BLOCK_BYTES));
+    let mut pushed = 0u64;
+    // An id above `u32::MAX` before the chain is full.
+    let mut out_of_range = false;
+    let read = scan_uint_list(bytes, list, u64::MAX, |id| {
+        if chain.is_full() {
+            return true;
         }
-        let (id, next) = read_id(bytes, at)?;
+        let Ok(id) = u32::try_from(id) else {
+            out_of_range = true;
+            return false;
+        };
         block.extend_from_slice(&id.to_le_bytes());
-        if block.len() >= chain.block_bytes {
+        if block.len() >= block_bytes {
             chain.push(&block);
             block.clear();
         }
-        any = true;
-        at = skip_whitespace(bytes, next);
-        match bytes.get(at) {
-            Some(b',') => at += 1,
-            Some(b']') => break,
-            _ => return Err(Unhashed::InvalidTokenIds),
+        pushed += 1;
+        true
+    });
+    chain.push(&block);
+    // What lies past a full chain does not decide the hash.
+    let hashed = if out_of_range || (read.is_none() && !chain.is_full()) {
+        Err(Unhashed::InvalidTokenIds)
+    } else if pushed == 0 {
+        Err(Unhashed::NoPrompt)
+    } else {
+        Ok(())
+    };
+    let ids_counted = match read {
+        Some((ids, _)) if !batch && !out_of_range && ids > 0 => Some(ids),
+        _ => None,
+    };
+    (hashed, ids_counted)
+}
+
+/// Reads the list of unsigned JSON integers that opens at `bytes[at]`,
+/// passing each to `each` until it returns false: the number of integers
+/// read and the index after the list (or of where the reading stopped).
+/// `None` unless it is such a list, every integer at most `max`: an item
+/// with a sign, fraction or exponent, or that is not a number, makes it
+/// none (as `Value::as_u64` finds). The list was validated as JSON, so
+/// only what an item is needs checking.
+///
+/// Token id lists are most of the bodies that hold them, so this is one
+/// tight loop over the bytes, the digits accumulated unchecked: nineteen
+/// digits cannot overflow a `u64`, and only a longer run (never a token
+/// id) is read again with checks.
+pub(crate) fn scan_uint_list(
+    bytes: &[u8],
+    at: usize,
+    max: u64,
+    mut each: impl FnMut(u64) -> bool,
+) -> Option<(u64, usize)> {
+    const UNCHECKED_DIGITS: usize = 19;
+    if bytes.get(at) != Some(&b'[') {
+        return None;
+    }
+    let items = bytes.get(at + 1..)?;
+    let mut count = 0u64;
+    let mut value = 0u64;
+    let mut digits = 0usize;
+    for (offset, &byte) in items.iter().enumerate() {
+        let digit = byte.wrapping_sub(b'0');
+        if digit <= 9 {
+            value = value.wrapping_mul(10).wrapping_add(u64::from(digit));
+            digits += 1;
+            continue;
+        }
+        if digits > 0 {
+            if digits > UNCHECKED_DIGITS {
+                value = items
+                    .get(offset - digits..offset)?
+                    .iter()
+                    .try_fold(0u64, |value, digit| {
+                        value.checked_mul(10)?.checked_add(u64::from(digit - b'0'))
+                    })?;
+            }
+            if value > max {
+                return None;
+            }
+            count += 1;
+            if !each(value) {
+                return Some((count, at + 1 + offset));
+            }
+            value = 0;
+            digits = 0;
+        }
+        match byte {
+            b',' | b' ' | b'\t' | b'\n' | b'\r' => {}
+            b']' => return Some((count, at + 2 + offset)),
+            // A sign, fraction, exponent or any other value.
+            _ => return None,
         }
     }
-    chain.push(&block);
-    if any { Ok(()) } else { Err(Unhashed::NoPrompt) }
+    None
 }
 
 /// The index of the first byte at or after `at` that is not JSON
@@ -462,36 +574,6 @@ pub(crate) fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
         at += 1;
     }
     at
-}
-
-/// The unsigned JSON integer at `bytes[at]` if it is at most `max`, and
-/// the index after its digits; `None` for no digits or a larger value.
-/// Digits only: a sign, fraction or exponent is left for the caller to
-/// find at the returned index.
-pub(crate) fn read_uint(bytes: &[u8], at: usize, max: u64) -> Option<(u64, usize)> {
-    let mut value = 0u64;
-    let mut end = at;
-    while let Some(digit) = bytes.get(end).filter(|b| b.is_ascii_digit()) {
-        value = value
-            .checked_mul(10)?
-            .checked_add(u64::from(digit - b'0'))
-            .filter(|value| *value <= max)?;
-        end += 1;
-    }
-    (end > at).then_some((value, end))
-}
-
-/// The token id that starts at `bytes[at]` and the index after it. Digits
-/// only: a sign, fraction or exponent is out of range, as `Value::as_u64`
-/// and `u32::try_from` find, and so is anything above `u32::MAX`.
-fn read_id(bytes: &[u8], at: usize) -> Result<(u32, usize), Unhashed> {
-    let (id, end) = read_uint(bytes, at, u64::from(u32::MAX)).ok_or(Unhashed::InvalidTokenIds)?;
-    if matches!(bytes.get(end), Some(b'-' | b'+' | b'.' | b'e' | b'E')) {
-        return Err(Unhashed::InvalidTokenIds);
-    }
-    u32::try_from(id)
-        .map(|id| (id, end))
-        .map_err(|_| Unhashed::InvalidTokenIds)
 }
 
 /// A chat's `messages`, read in one pass where they lie in the body
@@ -1043,6 +1125,121 @@ mod tests {
         };
         let tail_bad = json!({"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, -9]});
         assert_eq!(hashed(&tail_bad, &bounded).unwrap().hashes().len(), 2);
+    }
+
+    #[test]
+    fn unsigned_integer_lists_are_scanned_as_serde_reads_them() {
+        // What `Value::as_u64` makes of each item, for the lists a
+        // validated body can hold.
+        let reference = |raw: &str, max: u64| -> Option<u64> {
+            let items: Vec<Value> = serde_json::from_str(raw).ok()?;
+            let mut count = 0;
+            for item in items {
+                // A number written with a fraction or exponent is not an id,
+                // though `as_u64` may read it as one.
+                let written = item.to_string();
+                if !written.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                item.as_u64().filter(|id| *id <= max)?;
+                count += 1;
+            }
+            Some(count)
+        };
+        for raw in [
+            "[]",
+            "[ ]",
+            "[0]",
+            "[1,2,3]",
+            "[ 1 ,\n\t2\r\n, 3 ]",
+            "[4294967295, 0]",
+            "[4294967296]",
+            "[9999999999999999999]",
+            "[18446744073709551615]",
+            "[18446744073709551616]",
+            "[123456789012345678901234567890]",
+            "[1, -2]",
+            "[-0]",
+            "[1.5]",
+            "[1e3]",
+            "[1E3, 2]",
+            "[1, [2]]",
+            "[\"1\"]",
+            "[1, null]",
+            "[true]",
+            "[{}]",
+        ] {
+            for max in [u64::from(u32::MAX), u64::MAX] {
+                let mut seen = Vec::new();
+                let scanned = scan_uint_list(raw.as_bytes(), 0, max, |id| {
+                    seen.push(id);
+                    true
+                });
+                assert_eq!(
+                    scanned.map(|(count, _)| count),
+                    reference(raw, max),
+                    "{raw} up to {max}"
+                );
+                if let Some((count, end)) = scanned {
+                    assert_eq!(end, raw.len(), "{raw}: the index after the list");
+                    assert_eq!(seen.len() as u64, count);
+                    let parsed: Vec<u64> = serde_json::from_str(raw).unwrap();
+                    assert_eq!(seen, parsed, "{raw}");
+                }
+            }
+        }
+        // A list inside a body: the index after it; and a stop on request.
+        let body = b"[[1, 22], [333]]";
+        assert_eq!(scan_uint_list(body, 1, u64::MAX, |_| true), Some((2, 8)));
+        assert_eq!(scan_uint_list(body, 10, u64::MAX, |_| true), Some((1, 15)));
+        assert_eq!(scan_uint_list(body, 0, u64::MAX, |_| true), None);
+        assert_eq!(
+            scan_uint_list(b"[5, 6, 7]", 0, u64::MAX, |id| id < 6),
+            Some((2, 5))
+        );
+    }
+
+    #[test]
+    fn an_id_list_read_whole_for_its_hash_is_counted_once() {
+        let counted = |raw: &str, hashing: &PrefixHashing| {
+            let fields: HashMap<String, Box<RawValue>> = serde_json::from_str(raw).unwrap();
+            let get = |key: &str| fields.get(key).map(|raw| &**raw);
+            let prompt = RawPrompt {
+                input_ids: get("input_ids"),
+                prompt: get("prompt"),
+                text: get("text"),
+            };
+            hash_raw_counting(prompt, None, hashing).ids_counted
+        };
+        let bounded = PrefixHashing {
+            max_tokens: 8,
+            ..SMALL
+        };
+        for hashing in [&SMALL, &bounded] {
+            assert_eq!(counted(r#"{"input_ids": [1, 2, 3]}"#, hashing), Some(3));
+            assert_eq!(counted(r#"{"prompt": [1, 2, 3, 4, 5]}"#, hashing), Some(5));
+            // A batch is counted whole by the estimate, not here.
+            assert_eq!(counted(r#"{"input_ids": [[1, 2], [3]]}"#, hashing), None);
+            for not_counted in [
+                r#"{"input_ids": []}"#,
+                r#"{"input_ids": [1, -2]}"#,
+                r#"{"input_ids": [4294967296, 1]}"#,
+                r#"{"input_ids": "1 2"}"#,
+                r#"{"prompt": "text"}"#,
+            ] {
+                assert_eq!(counted(not_counted, hashing), None, "{not_counted}");
+            }
+        }
+        // Past a full chain the ids are still counted, though not hashed.
+        let long = r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 4294967296]}"#;
+        assert_eq!(counted(long, &bounded), Some(12));
+        assert_eq!(from_raw(long, &bounded).unwrap().hashes().len(), 2);
+        assert_eq!(counted(long, &SMALL), None);
+        // An item past a full chain that is no id leaves the hash as it was
+        // and the count to the estimate.
+        let tail_bad = r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, -9]}"#;
+        assert_eq!(counted(tail_bad, &bounded), None);
+        assert_eq!(from_raw(tail_bad, &bounded).unwrap().hashes().len(), 2);
     }
 
     #[test]
