@@ -63,6 +63,10 @@ const TOP_FIELDS: [&str; TOP_FIELD_COUNT] = [
 const TOP_FIELD_COUNT: usize = 9;
 /// `messages`' place in [`TOP_FIELDS`]: read where it lies ([`ChatSeed`]).
 const MESSAGES: usize = 5;
+/// The places in [`TOP_FIELDS`] of the scalars read where they lie
+/// ([`Scalar`]): `model`, `stream`, `max_completion_tokens` and
+/// `max_tokens`.
+const SCALARS: [usize; 4] = [0, 1, 6, 7];
 
 /// How `[request]` says prompts are hashed.
 pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
@@ -90,19 +94,13 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
         Err(error) => return Err(RequestBodyError::Invalid(error)),
     };
     de.end().map_err(RequestBodyError::Invalid)?;
-    let [
-        model,
-        stream,
-        input_ids,
-        prompt,
-        text,
-        _,
-        max_completion,
-        max_tokens,
-        sampling,
-    ] = top.raw;
-    let model = model.and_then(json_arc_str);
-    let streaming = stream.is_some_and(|raw| raw.get() == "true");
+    let [_, _, input_ids, prompt, text, _, _, _, sampling] = top.raw;
+    let [model, stream, max_completion, max_tokens] = top.scalars;
+    let model = match model {
+        Some(Scalar::Str(model)) => Some(model),
+        _ => None,
+    };
+    let streaming = matches!(stream, Some(Scalar::Bool(true)));
     let raw_prompt = RawPrompt {
         input_ids,
         prompt,
@@ -118,7 +116,10 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
     };
     let (prefix, prefix_unhashed) = split_hashed(hashed.blocks);
     let max_output_tokens = match (max_completion, max_tokens) {
-        (Some(raw), _) | (None, Some(raw)) => serde_json::from_str::<u64>(raw.get()).ok(),
+        (Some(limit), _) | (None, Some(limit)) => match limit {
+            Scalar::Uint(limit) => Some(limit),
+            _ => None,
+        },
         (None, None) => sampling.and_then(|raw| {
             let [max_new] = fields_of(raw, &["max_new_tokens"])?;
             serde_json::from_str::<u64>(max_new?.get()).ok()
@@ -276,26 +277,71 @@ impl<'de> Visitor<'de> for KeyIndex<'_> {
     }
 }
 
-/// A JSON string as an `Arc<str>`, built once from the text where it lies
-/// (or from serde_json's decoding of its escapes); `None` for any other
-/// value.
-fn json_arc_str(raw: &RawValue) -> Option<Arc<str>> {
-    struct ArcStr;
+/// A top-level scalar the router reads, read where it lies (a raw value
+/// read again would walk it twice, with a second deserializer): what
+/// `Value::as_str`, `as_bool` and `as_u64` would find, or `Other`.
+#[derive(Debug)]
+enum Scalar {
+    /// A string, built once into the `Arc<str>` the model is kept as, from
+    /// the text where it lies or from serde_json's decoding of its escapes.
+    Str(Arc<str>),
+    Bool(bool),
+    /// An integer from 0 to `u64::MAX`.
+    Uint(u64),
+    /// Any other value (negative, fractional, null, a list or an object).
+    Other,
+}
 
-    impl Visitor<'_> for ArcStr {
-        type Value = Arc<str>;
+struct ScalarSeed;
 
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a JSON string")
-        }
+impl<'de> DeserializeSeed<'de> for ScalarSeed {
+    type Value = Scalar;
 
-        fn visit_str<E>(self, text: &str) -> Result<Arc<str>, E> {
-            Ok(Arc::from(text))
-        }
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Scalar, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ScalarSeed {
+    type Value = Scalar;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
     }
 
-    let mut de = serde_json::Deserializer::from_str(raw.get());
-    de.deserialize_str(ArcStr).ok()
+    fn visit_str<E>(self, text: &str) -> Result<Scalar, E> {
+        Ok(Scalar::Str(Arc::from(text)))
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Scalar, E> {
+        Ok(Scalar::Bool(value))
+    }
+
+    fn visit_u64<E>(self, value: u64) -> Result<Scalar, E> {
+        Ok(Scalar::Uint(value))
+    }
+
+    fn visit_i64<E>(self, value: i64) -> Result<Scalar, E> {
+        Ok(u64::try_from(value).map_or(Scalar::Other, Scalar::Uint))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
+    }
+
+    fn visit_unit<E>(self) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Scalar::Other)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Scalar::Other)
+    }
 }
 
 /// Calls `each` with every item of a raw JSON array.
@@ -392,8 +438,11 @@ struct TopFields<'h> {
 
 /// What [`TopFields`] read.
 struct Top<'de> {
-    /// By place in [`TOP_FIELDS`]; `messages`' place stays empty.
+    /// By place in [`TOP_FIELDS`]; the places of `messages` and of the
+    /// [`SCALARS`] stay empty.
     raw: [Option<&'de RawValue>; TOP_FIELD_COUNT],
+    /// The [`SCALARS`], in their order.
+    scalars: [Option<Scalar>; SCALARS.len()],
     messages: Option<ReadChat>,
 }
 
@@ -407,6 +456,7 @@ impl<'de> Visitor<'de> for TopFields<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut top = Top {
             raw: [None; TOP_FIELD_COUNT],
+            scalars: [const { None }; SCALARS.len()],
             messages: None,
         };
         let names = &TOP_FIELDS;
@@ -418,7 +468,10 @@ impl<'de> Visitor<'de> for TopFields<'_> {
                         hashing: self.hashing,
                     })?;
                 }
-                Some(index) => top.raw[index] = Some(map.next_value::<&'de RawValue>()?),
+                Some(index) => match SCALARS.iter().position(|scalar| *scalar == index) {
+                    Some(scalar) => top.scalars[scalar] = Some(map.next_value_seed(ScalarSeed)?),
+                    None => top.raw[index] = Some(map.next_value::<&'de RawValue>()?),
+                },
                 None => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -598,6 +651,47 @@ mod tests {
         assert_eq!(max_output_tokens(&json!({"max_tokens": -1})), None);
         assert_eq!(max_output_tokens(&json!({"max_tokens": "lots"})), None);
         assert_eq!(max_output_tokens(&json!({})), None);
+    }
+
+    #[test]
+    fn model_stream_and_limits_are_read_as_the_parsed_reader_reads_them() {
+        let bodies = [
+            r#"{"model": "m", "stream": true, "max_tokens": 64}"#,
+            r#"{"model": "caf\u00e9\n", "stream": false, "max_completion_tokens": 0}"#,
+            r#"{"model": 5, "stream": "true", "max_tokens": "64"}"#,
+            r#"{"model": null, "stream": 1, "max_tokens": null}"#,
+            r#"{"model": ["m"], "stream": [true], "max_tokens": [64]}"#,
+            r#"{"model": {"name": "m"}, "stream": {}, "max_tokens": {"n": 1}}"#,
+            r#"{"max_tokens": -1}"#,
+            r#"{"max_tokens": -0}"#,
+            r#"{"max_tokens": 64.0}"#,
+            r#"{"max_tokens": 1e2}"#,
+            r#"{"max_tokens": 18446744073709551615}"#,
+            r#"{"max_tokens": 18446744073709551616}"#,
+            r#"{"max_completion_tokens": null, "max_tokens": 64}"#,
+            r#"{"max_completion_tokens": "x", "max_tokens": 64}"#,
+            r#"{"max_tokens": 64, "max_completion_tokens": 32}"#,
+            r#"{"sampling_params": {"max_new_tokens": 16}}"#,
+            r#"{"max_tokens": 8, "sampling_params": {"max_new_tokens": 16}}"#,
+            // The last of a repeated name wins, as in a parsed body.
+            r#"{"model": "a", "model": "b", "stream": true, "stream": false}"#,
+            r#"{"max_tokens": 1, "max_tokens": "x"}"#,
+            r#"{"stream": false, "stream": true, "max_tokens": "x", "max_tokens": 2}"#,
+        ];
+        for raw in bodies {
+            let parsed: Value = serde_json::from_str(raw).unwrap();
+            let read = read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+            let expected = request_info(&parsed, &cpt(4.0));
+            assert_eq!(read.info.model, expected.model, "{raw}");
+            assert_eq!(read.info.streaming, expected.streaming, "{raw}");
+            assert_eq!(read.max_output_tokens, max_output_tokens(&parsed), "{raw}");
+        }
+        let read = |raw: &str| read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+        assert_eq!(read(bodies[1]).info.model.as_deref(), Some("caf\u{e9}\n"));
+        assert_eq!(read(bodies[10]).max_output_tokens, Some(u64::MAX));
+        assert_eq!(read(bodies[17]).info.model.as_deref(), Some("b"));
+        assert!(read(bodies[19]).info.streaming);
+        assert_eq!(read(bodies[19]).max_output_tokens, Some(2));
     }
 
     #[test]
