@@ -48,25 +48,25 @@ pub enum RequestBodyError {
     NotUtf8(#[source] std::str::Utf8Error),
 }
 
-/// The top-level fields the router reads, in this order.
+/// The top-level fields the router reads: first the scalars, read where
+/// they lie ([`Scalar`]), then those kept as raw JSON, among them
+/// `messages`, read where it lies too ([`ChatSeed`]).
 const TOP_FIELDS: [&str; TOP_FIELD_COUNT] = [
     "model",
     "stream",
+    "max_completion_tokens",
+    "max_tokens",
     "input_ids",
     "prompt",
     "text",
     "messages",
-    "max_completion_tokens",
-    "max_tokens",
     "sampling_params",
 ];
 const TOP_FIELD_COUNT: usize = 9;
-/// `messages`' place in [`TOP_FIELDS`]: read where it lies ([`ChatSeed`]).
-const MESSAGES: usize = 5;
-/// The places in [`TOP_FIELDS`] of the scalars read where they lie
-/// ([`Scalar`]): `model`, `stream`, `max_completion_tokens` and
-/// `max_tokens`.
-const SCALARS: [usize; 4] = [0, 1, 6, 7];
+/// How many of [`TOP_FIELDS`] are scalars.
+const SCALAR_COUNT: usize = 4;
+/// `messages`' place in [`TOP_FIELDS`].
+const MESSAGES: usize = 7;
 
 /// How `[request]` says prompts are hashed.
 pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
@@ -94,8 +94,8 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
         Err(error) => return Err(RequestBodyError::Invalid(error)),
     };
     de.end().map_err(RequestBodyError::Invalid)?;
-    let [_, _, input_ids, prompt, text, _, _, _, sampling] = top.raw;
     let [model, stream, max_completion, max_tokens] = top.scalars;
+    let [input_ids, prompt, text, _, sampling] = top.raw;
     let model = match model {
         Some(Scalar::Str(model)) => Some(model),
         _ => None,
@@ -430,19 +430,20 @@ impl<'de, const N: usize> Visitor<'de> for ObjectFields<N> {
     }
 }
 
-/// The top-level fields of a body: the raw values of [`TOP_FIELDS`], the
-/// others skipped without being built, and `messages` read where it lies.
+/// The top-level fields of a body: the scalars of [`TOP_FIELDS`] read
+/// where they lie, the raw values of the rest but `messages`, which is
+/// read where it lies too, and any other field skipped without being built.
 struct TopFields<'h> {
     hashing: &'h PrefixHashing,
 }
 
 /// What [`TopFields`] read.
 struct Top<'de> {
-    /// By place in [`TOP_FIELDS`]; the places of `messages` and of the
-    /// [`SCALARS`] stay empty.
-    raw: [Option<&'de RawValue>; TOP_FIELD_COUNT],
-    /// The [`SCALARS`], in their order.
-    scalars: [Option<Scalar>; SCALARS.len()],
+    /// The first [`SCALAR_COUNT`] of [`TOP_FIELDS`], in their order.
+    scalars: [Option<Scalar>; SCALAR_COUNT],
+    /// The rest, by place in [`TOP_FIELDS`] less [`SCALAR_COUNT`];
+    /// `messages`' place stays empty.
+    raw: [Option<&'de RawValue>; TOP_FIELD_COUNT - SCALAR_COUNT],
     messages: Option<ReadChat>,
 }
 
@@ -455,8 +456,8 @@ impl<'de> Visitor<'de> for TopFields<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut top = Top {
-            raw: [None; TOP_FIELD_COUNT],
-            scalars: [const { None }; SCALARS.len()],
+            scalars: [const { None }; SCALAR_COUNT],
+            raw: [None; TOP_FIELD_COUNT - SCALAR_COUNT],
             messages: None,
         };
         let names = &TOP_FIELDS;
@@ -468,10 +469,12 @@ impl<'de> Visitor<'de> for TopFields<'_> {
                         hashing: self.hashing,
                     })?;
                 }
-                Some(index) => match SCALARS.iter().position(|scalar| *scalar == index) {
-                    Some(scalar) => top.scalars[scalar] = Some(map.next_value_seed(ScalarSeed)?),
-                    None => top.raw[index] = Some(map.next_value::<&'de RawValue>()?),
-                },
+                Some(index) if index < SCALAR_COUNT => {
+                    top.scalars[index] = Some(map.next_value_seed(ScalarSeed)?);
+                }
+                Some(index) => {
+                    top.raw[index - SCALAR_COUNT] = Some(map.next_value::<&'de RawValue>()?);
+                }
                 None => {
                     map.next_value::<IgnoredAny>()?;
                 }

@@ -399,16 +399,16 @@ pub fn hash_raw_counting(
         };
     }
     if let Some(chat) = messages {
-        return unhashed_or(chat.into_blocks(hashing.block_tokens));
+        return without_ids_counted(chat.into_blocks(hashing.block_tokens));
     }
     match present(prompt.prompt).or(present(prompt.text)) {
-        Some(text) => unhashed_or(hash_raw_text(text, hashing, max_blocks)),
+        Some(text) => without_ids_counted(hash_raw_text(text, hashing, max_blocks)),
         None => unhashed(Unhashed::NoPrompt),
     }
 }
 
-/// Blocks hashed from anything but an id list: no ids counted.
-fn unhashed_or(blocks: Result<PrefixBlocks, Unhashed>) -> RawHashed {
+/// Blocks hashed from anything but an id list, which count no ids.
+fn without_ids_counted(blocks: Result<PrefixBlocks, Unhashed>) -> RawHashed {
     RawHashed {
         blocks,
         ids_counted: None,
