@@ -4,10 +4,12 @@
 //!
 //! [`read_request`] is what the proxy runs on every request: it walks the
 //! body once without building it (no map, no string copies but the
-//! model's), capturing the fields it reads as raw JSON slices, but for the
-//! chat's `messages`, which it hashes and counts as it passes them
-//! ([`crate::prefix_hash::ChatSeed`]). The body is checked as UTF-8 once,
-//! up front.
+//! model's). The model, the streaming flag and the output limits are read
+//! as it passes them; the chat's `messages` are hashed and counted as it
+//! passes them ([`crate::prefix_hash::ChatSeed`]); the prompt fields are
+//! captured as raw JSON slices, and a token id list among them is read
+//! once more, for its hash and count together. The body is checked as
+//! UTF-8 once, up front.
 //! [`request_info`] and [`max_output_tokens`] read the same facts from a
 //! parsed [`Value`]; the tests hold the two to the same answers.
 
