@@ -377,13 +377,9 @@ pub fn hash_raw_counting(
     messages: Option<ReadChat>,
     hashing: &PrefixHashing,
 ) -> RawHashed {
-    let unhashed = |reason| RawHashed {
-        blocks: Err(reason),
-        ids_counted: None,
-    };
     let max_blocks = hashing.max_blocks();
     if hashing.is_off() {
-        return unhashed(Unhashed::Disabled);
+        return without_ids_counted(Err(Unhashed::Disabled));
     }
     fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
         raw.filter(|raw| raw.get() != "null")
@@ -403,11 +399,12 @@ pub fn hash_raw_counting(
     }
     match present(prompt.prompt).or(present(prompt.text)) {
         Some(text) => without_ids_counted(hash_raw_text(text, hashing, max_blocks)),
-        None => unhashed(Unhashed::NoPrompt),
+        None => without_ids_counted(Err(Unhashed::NoPrompt)),
     }
 }
 
-/// Blocks hashed from anything but an id list, which count no ids.
+/// Blocks hashed (or not) from anything but an id list, which count no
+/// ids.
 fn without_ids_counted(blocks: Result<PrefixBlocks, Unhashed>) -> RawHashed {
     RawHashed {
         blocks,
