@@ -75,7 +75,8 @@ const MAX_IDLE_PER_WORKER: usize = 1024;
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// Most headers of a response head.
 const MAX_HEADERS: usize = 100;
-/// Room made in the read buffer before each read.
+/// Room made in the read buffer when under half of it is free
+/// ([`make_read_room`]).
 const READ_RESERVE: usize = 16 * 1024;
 /// A connection whose buffer grew past this goes back to the pool with a
 /// fresh one.
@@ -592,7 +593,7 @@ async fn exchange(
                 "longer than {MAX_HEAD_BYTES} bytes"
             )));
         }
-        connection.buffer.reserve(READ_RESERVE);
+        make_read_room(&mut connection.buffer, READ_RESERVE);
         let read = std::future::poll_fn(|cx| {
             poll_read_buf(&mut connection.stream, &mut connection.buffer, cx)
         })
@@ -661,6 +662,17 @@ pub async fn write_all_vectored(stream: &mut TcpStream, slices: &[&[u8]]) -> std
         }
     }
     Ok(())
+}
+
+/// Makes room in `buffer` for a read of up to `room_bytes`, unless half of
+/// that is free already. What was read before it (a request body, a frame
+/// still being sent) keeps the buffer's allocation shared, so reserving
+/// the whole room whenever a byte of it was used would move the buffer to
+/// a new allocation on every request.
+pub fn make_read_room(buffer: &mut BytesMut, room_bytes: usize) {
+    if buffer.capacity() - buffer.len() < room_bytes / 2 {
+        buffer.reserve(room_bytes);
+    }
 }
 
 /// Reads what the socket has into the buffer's spare room. tokio marks the
@@ -858,7 +870,7 @@ impl WorkerBody {
             let Some(connection) = self.connection.as_mut() else {
                 return Poll::Ready(None);
             };
-            connection.buffer.reserve(READ_RESERVE);
+            make_read_room(&mut connection.buffer, READ_RESERVE);
             let read = poll_read_buf(&mut connection.stream, &mut connection.buffer, cx);
             match ready!(read) {
                 Ok(0) => {
@@ -1231,6 +1243,31 @@ impl Body for WorkerBody {
 mod tests {
     use super::*;
     use http::header;
+
+    #[test]
+    fn read_room_stays_in_a_shared_allocation_while_half_of_it_is_free() {
+        let mut buffer = BytesMut::with_capacity(1024);
+        buffer.extend_from_slice(&[b'x'; 300]);
+        // What was read is handed on and still held, as a request body is.
+        let held = buffer.split_to(300).freeze();
+        let room_at = buffer.spare_capacity_mut().as_ptr();
+        make_read_room(&mut buffer, 1024);
+        assert_eq!(
+            buffer.capacity(),
+            1024 - 300,
+            "half the room is free: no move"
+        );
+        assert_eq!(buffer.spare_capacity_mut().as_ptr(), room_at);
+
+        buffer.extend_from_slice(&[b'y'; 400]);
+        make_read_room(&mut buffer, 1024);
+        assert!(
+            buffer.capacity() - buffer.len() >= 1024,
+            "under half free: the whole room"
+        );
+        assert_eq!(&buffer[..], &[b'y'; 400][..], "what was unread is kept");
+        assert_eq!(&held[..], &[b'x'; 300][..]);
+    }
 
     #[test]
     fn never_forwarded_names_are_the_hop_headers_host_and_content_length() {

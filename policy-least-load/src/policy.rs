@@ -616,13 +616,20 @@ impl TieRule {
     }
 }
 
-impl Drop for TieRule {
-    fn drop(&mut self) {
-        // The room goes back to the thread for its next selection.
+impl TieRule {
+    /// Gives the room beyond the stack back to the thread, for its next
+    /// rule; the rule keeps only its stack.
+    fn give_back_room(&mut self) {
         if let Some(mut spill) = self.spill.take() {
             spill.clear();
             SPILL.with(|cell| cell.set(spill));
         }
+    }
+}
+
+impl Drop for TieRule {
+    fn drop(&mut self) {
+        self.give_back_room();
     }
 }
 
@@ -1539,7 +1546,7 @@ impl LeastLoad {
     #[allow(clippy::too_many_arguments)]
     fn chosen(
         &self,
-        rule: TieRule,
+        mut rule: TieRule,
         hot: &HotTable,
         view: &SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
@@ -1548,8 +1555,9 @@ impl LeastLoad {
     ) -> Option<Tie> {
         let tie = rule.choose(&self.rng);
         let estimated_bar_secs = rule.estimated_bar_secs;
-        // Gives the rule's room back before a second rule may need it.
-        drop(rule);
+        // Before a second rule may need the room; not `drop(rule)`, which
+        // would copy the rule (its whole stack) to drop it.
+        rule.give_back_room();
         let tie = tie?;
         let Some(bar_secs) = estimated_bar_secs else {
             return Some(tie);

@@ -55,7 +55,8 @@ use load_transport::h1::{self, BodyError, Chunked, Framing, Piece};
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// Most headers of a request head (hyper's default).
 const MAX_HEADERS: usize = 100;
-/// Room made in the read buffer before each read.
+/// Room made in the read buffer when under half of it is free
+/// ([`h1::make_read_room`]).
 const READ_RESERVE: usize = 8 * 1024;
 /// Most bytes of what follows a request (a pipelined one) read while it is
 /// served; past this the socket is no longer watched until the answer ends.
@@ -243,7 +244,7 @@ async fn next_head(
             return NextHead::Close;
         }
         let was_empty = connection.buffer.is_empty();
-        connection.buffer.reserve(READ_RESERVE);
+        h1::make_read_room(&mut connection.buffer, READ_RESERVE);
         tokio::select! {
             biased;
             read = poll_fn(|cx| h1::poll_read_buf(&mut connection.stream, &mut connection.buffer, cx)) => match read {
@@ -464,7 +465,9 @@ async fn serve_request(
             return false;
         }
     };
-    let answer = proxy::handle_read(app.clone(), client, body, arrived, true);
+    // Pinned here, where it is built: a future passed by value would be
+    // copied (kilobytes) into `until_answered`'s state and again into its pin.
+    let answer = pin!(proxy::handle_read(app.clone(), client, body, arrived, true));
     let Some(answer) = until_answered(connection, answer).await else {
         return false;
     };
@@ -476,9 +479,8 @@ async fn serve_request(
 /// its connection first (the answer, and so its request, is dropped).
 async fn until_answered(
     connection: &mut ClientConnection,
-    answer: impl Future<Output = Answer>,
+    mut answer: Pin<&mut impl Future<Output = Answer>>,
 ) -> Option<Answer> {
-    let mut answer = pin!(answer);
     loop {
         tokio::select! {
             biased;
@@ -496,7 +498,7 @@ async fn until_answered(
 /// Waits for the socket to have something: false if the client closed it
 /// (or it broke), true if bytes arrived (kept for the next request).
 async fn watch_for_close(stream: &mut TcpStream, buffer: &mut BytesMut) -> bool {
-    buffer.reserve(READ_RESERVE);
+    h1::make_read_room(buffer, READ_RESERVE);
     match poll_fn(|cx| h1::poll_read_buf(stream, buffer, cx)).await {
         Ok(0) | Err(_) => false,
         Ok(_) => true,
@@ -514,7 +516,7 @@ async fn linger(connection: &mut ClientConnection) {
         let mut discarded = 0u64;
         while discarded <= client_body::DISCARD_LIMIT_BYTES {
             connection.buffer.clear();
-            connection.buffer.reserve(READ_RESERVE);
+            h1::make_read_room(&mut connection.buffer, READ_RESERVE);
             match poll_fn(|cx| {
                 h1::poll_read_buf(&mut connection.stream, &mut connection.buffer, cx)
             })
@@ -554,7 +556,7 @@ impl Body for ClientBody<'_> {
             if this.framing == Framing::Done {
                 return Poll::Ready(None);
             }
-            connection.buffer.reserve(READ_RESERVE);
+            h1::make_read_room(&mut connection.buffer, READ_RESERVE);
             match std::task::ready!(h1::poll_read_buf(
                 &mut connection.stream,
                 &mut connection.buffer,
