@@ -120,8 +120,15 @@ pub(crate) async fn serve(
     app: &Arc<App>,
     stream: TcpStream,
     deadlines: Deadlines,
-    stopping: &mut watch::Receiver<bool>,
+    stopping: &watch::Receiver<bool>,
 ) -> Served {
+    let mut stop_receiver = stopping.clone();
+    let mut stop_wait = StopWait {
+        wait: pin!(async move {
+            let _ = stop_receiver.wait_for(|stopping| *stopping).await;
+        }),
+        done: false,
+    };
     let mut connection = ClientConnection {
         stream,
         buffer: BytesMut::with_capacity(READ_RESERVE),
@@ -143,6 +150,7 @@ pub(crate) async fn serve(
             deadlines,
             &mut timer,
             stopping,
+            &mut stop_wait,
         )
         .await
         {
@@ -167,7 +175,7 @@ pub(crate) async fn serve(
             }
         };
         let keep_alive = serve_request(app, &mut connection, head, waiting.started, stopping).await;
-        if !keep_alive || *stopping.borrow() {
+        if !keep_alive || is_stopping(stopping) {
             return Served::Closed;
         }
         waiting = HeadWait {
@@ -222,9 +230,9 @@ async fn next_head(
     waiting: &mut HeadWait,
     deadlines: Deadlines,
     timer: &mut Pin<&mut Sleep>,
-    stopping: &mut watch::Receiver<bool>,
+    stopping: &watch::Receiver<bool>,
+    stop_wait: &mut StopWait<'_, impl Future<Output = ()>>,
 ) -> NextHead {
-    let mut stop_seen = *stopping.borrow();
     loop {
         if connection.buffer.is_empty() {
             // Nothing to parse.
@@ -240,7 +248,7 @@ async fn next_head(
                 Err((status, message)) => return NextHead::Malformed(status, message),
             }
         }
-        if stop_seen && connection.buffer.is_empty() {
+        if (stop_wait.done || is_stopping(stopping)) && connection.buffer.is_empty() {
             return NextHead::Close;
         }
         let was_empty = connection.buffer.is_empty();
@@ -268,12 +276,32 @@ async fn next_head(
                 }
                 timer.as_mut().reset(waiting.next_check(deadlines, now));
             }
-            changed = stopping.changed(), if !stop_seen => {
-                // A server gone without a word stops too.
-                stop_seen = changed.is_err() || *stopping.borrow();
-            }
+            () = stop_wait.wait.as_mut(), if !stop_wait.done => stop_wait.done = true,
         }
     }
+}
+
+/// Whether the server is stopping, or is gone without a word: one atomic
+/// load while nothing was sent, where reading the value takes the channel's
+/// lock, which every connection shares and every request would touch. A
+/// connection never marks a value seen on this receiver (its wait for the
+/// stop runs on a clone), so a stop once sent stays visible here.
+fn is_stopping(stopping: &watch::Receiver<bool>) -> bool {
+    match stopping.has_changed() {
+        Ok(false) => false,
+        Ok(true) => *stopping.borrow(),
+        Err(_closed) => true,
+    }
+}
+
+/// An idle connection's wait for the server's stop. It is made once per
+/// connection, so its place in the channel's list of waiters is taken once,
+/// not taken and given up around every request.
+struct StopWait<'a, F> {
+    wait: Pin<&'a mut F>,
+    /// The wait has ended (the stop came, or the server is gone): it is
+    /// not polled again.
+    done: bool,
 }
 
 /// Whether `buffer` is, so far, HTTP/2's preface.
@@ -471,7 +499,7 @@ async fn serve_request(
     let Some(answer) = until_answered(connection, answer).await else {
         return false;
     };
-    let keep_alive = keep_alive && !*stopping.borrow();
+    let keep_alive = keep_alive && !is_stopping(stopping);
     write_answer(connection, answer, keep_alive).await == Written::Open
 }
 

@@ -432,7 +432,7 @@ async fn serve_connection(connection: Connection) {
     // The generation routes are served by the router's own HTTP/1.1 server;
     // a connection that asks for anything else goes on under hyper.
     let (read_ahead, stream) = match &handler.generate {
-        Some(app) => match h1_server::serve(app, stream, deadlines, &mut stopping).await {
+        Some(app) => match h1_server::serve(app, stream, deadlines, &stopping).await {
             Served::Closed => return,
             Served::Handoff(Handoff { read, stream }) => (read, stream),
         },

@@ -390,6 +390,65 @@ async fn shutdown_closes_idle_connections_and_finishes_requests_in_flight() {
         .unwrap();
 }
 
+/// The same on the generation routes, which the router's own HTTP/1.1
+/// server serves: a connection idle after an answer closes at the stop,
+/// and one whose request is being read gets its answer, then is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_idle_generation_connections_and_answers_requests_being_read() {
+    let mut served = serve(config(|server| {
+        server.client_header_timeout_ms = 60_000;
+        server.client_body_timeout_ms = 60_000;
+        server.keepalive_timeout_ms = 60_000;
+    }))
+    .await;
+    let request =
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 2\r\n\r\n{}";
+    let mut idle = connect(&served).await;
+    idle.write_all(request).await.unwrap();
+    let answer = read_response(&mut idle).await;
+    assert!(answer.starts_with("HTTP/1.1 "), "{answer}");
+    assert!(
+        !answer.to_ascii_lowercase().contains("connection: close"),
+        "kept alive before the stop: {answer}"
+    );
+    let mut busy = connect(&served).await;
+    busy.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // The router asks for the body once it is reading it.
+    let mut continued = Vec::new();
+    while find(&continued, b"\r\n\r\n").is_none() {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(PATIENCE, busy.read(&mut byte))
+            .await
+            .expect("no 100 Continue")
+            .unwrap();
+        assert_eq!(read, 1, "closed before 100 Continue: {continued:?}");
+        continued.push(byte[0]);
+    }
+    assert!(continued.starts_with(b"HTTP/1.1 100"), "{continued:?}");
+
+    drop(served.stop.take());
+    assert!(read_until_closed(&mut idle).await.is_empty());
+    busy.write_all(b"{}").await.unwrap();
+    let answer = String::from_utf8(read_until_closed(&mut busy).await).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 "), "{answer}");
+    let end = find(answer.as_bytes(), b"\r\n\r\n").expect("a whole head");
+    let length: usize = answer[..end]
+        .to_ascii_lowercase()
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map(|value| value.trim().parse().unwrap())
+        .expect("a length");
+    assert_eq!(answer.len(), end + 4 + length, "one whole answer: {answer}");
+    tokio::time::timeout(PATIENCE, served.serving)
+        .await
+        .expect("serving did not return after its connections ended")
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2c_with_prior_knowledge_is_still_served() {
     let served = serve(config(|_| {})).await;
