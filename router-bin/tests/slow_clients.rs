@@ -119,15 +119,8 @@ async fn read_response(stream: &mut TcpStream) -> String {
         let mut received = Vec::new();
         let mut buffer = [0u8; 8192];
         loop {
-            if let Some(end) = find(&received, b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&received[..end]).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|line| line.strip_prefix("content-length:"))
-                    .map_or(0, |value| value.trim().parse().unwrap());
-                if received.len() >= end + 4 + length {
-                    return String::from_utf8(received).unwrap();
-                }
+            if whole_response_len(&received).is_some_and(|len| received.len() >= len) {
+                return String::from_utf8(received).unwrap();
             }
             let n = stream.read(&mut buffer).await.unwrap();
             assert!(n > 0, "closed mid-response: {received:?}");
@@ -137,6 +130,18 @@ async fn read_response(stream: &mut TcpStream) -> String {
     tokio::time::timeout(PATIENCE, reading)
         .await
         .expect("no response")
+}
+
+/// The length of the response that `received` opens with (its head and
+/// its `Content-Length` body), once its head is whole.
+fn whole_response_len(received: &[u8]) -> Option<usize> {
+    let end = find(received, b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&received[..end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map_or(0, |value| value.trim().parse().unwrap());
+    Some(end + 4 + length)
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -360,14 +365,28 @@ async fn handlers_see_the_peer_address() {
     assert!(!response.starts_with("HTTP/1.1 403"), "{response}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_closes_idle_connections_and_finishes_requests_in_flight() {
-    let mut served = serve(config(|server| {
+/// A router whose client deadlines are far off, so that only the stop
+/// closes its connections.
+async fn serve_with_long_deadlines() -> Served {
+    serve(config(|server| {
         server.client_header_timeout_ms = 60_000;
         server.client_body_timeout_ms = 60_000;
         server.keepalive_timeout_ms = 60_000;
     }))
-    .await;
+    .await
+}
+
+/// Waits for a stopped router's serving to return.
+async fn serving_ends(served: Served) {
+    tokio::time::timeout(PATIENCE, served.serving)
+        .await
+        .expect("serving did not return after its connections ended")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_idle_connections_and_finishes_requests_in_flight() {
+    let mut served = serve_with_long_deadlines().await;
     let mut idle = connect(&served).await;
     health_on(&mut idle).await;
     let mut busy = connect(&served).await;
@@ -384,10 +403,7 @@ async fn shutdown_closes_idle_connections_and_finishes_requests_in_flight() {
     let answer = String::from_utf8(read_until_closed(&mut busy).await).unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.ends_with("10 bytes"), "{answer}");
-    tokio::time::timeout(PATIENCE, served.serving)
-        .await
-        .expect("serving did not return after its connections ended")
-        .unwrap();
+    serving_ends(served).await;
 }
 
 /// The same on the generation routes, which the router's own HTTP/1.1
@@ -395,12 +411,7 @@ async fn shutdown_closes_idle_connections_and_finishes_requests_in_flight() {
 /// and one whose request is being read gets its answer, then is closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_idle_generation_connections_and_answers_requests_being_read() {
-    let mut served = serve(config(|server| {
-        server.client_header_timeout_ms = 60_000;
-        server.client_body_timeout_ms = 60_000;
-        server.keepalive_timeout_ms = 60_000;
-    }))
-    .await;
+    let mut served = serve_with_long_deadlines().await;
     let request =
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 2\r\n\r\n{}";
     let mut idle = connect(&served).await;
@@ -435,18 +446,12 @@ async fn shutdown_closes_idle_generation_connections_and_answers_requests_being_
     busy.write_all(b"{}").await.unwrap();
     let answer = String::from_utf8(read_until_closed(&mut busy).await).unwrap();
     assert!(answer.starts_with("HTTP/1.1 "), "{answer}");
-    let end = find(answer.as_bytes(), b"\r\n\r\n").expect("a whole head");
-    let length: usize = answer[..end]
-        .to_ascii_lowercase()
-        .lines()
-        .find_map(|line| line.strip_prefix("content-length:"))
-        .map(|value| value.trim().parse().unwrap())
-        .expect("a length");
-    assert_eq!(answer.len(), end + 4 + length, "one whole answer: {answer}");
-    tokio::time::timeout(PATIENCE, served.serving)
-        .await
-        .expect("serving did not return after its connections ended")
-        .unwrap();
+    assert_eq!(
+        whole_response_len(answer.as_bytes()),
+        Some(answer.len()),
+        "one whole answer: {answer}"
+    );
+    serving_ends(served).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
