@@ -495,7 +495,7 @@ async fn serve_request(
     };
     // Pinned here, where it is built: a future passed by value would be
     // copied (kilobytes) into `until_answered`'s state and again into its pin.
-    let answer = pin!(proxy::handle_read(app.clone(), client, body, arrived, true));
+    let answer = pin!(proxy::handle_read(app, client, body, arrived, true));
     let Some(answer) = until_answered(connection, answer).await else {
         return false;
     };

@@ -38,6 +38,7 @@ pub mod config;
 pub mod error;
 pub mod estimate;
 mod h1_server;
+pub mod metric_shards;
 pub mod metrics;
 pub mod monitor;
 pub mod outlier;

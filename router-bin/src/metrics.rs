@@ -1,6 +1,5 @@
 //! The router's Prometheus metrics, served at `/metrics`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -12,6 +11,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::exponential_buckets;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
+
+use crate::metric_shards::ShardedWords;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabel {
@@ -50,11 +51,12 @@ fn score_histogram() -> Histogram {
     Histogram::new(Arc::clone(&SCORE_BOUNDS))
 }
 
-/// A Prometheus histogram recorded with atomics alone. prometheus-client's
-/// own `Histogram` takes a write lock for every observation; this one does
-/// one relaxed add to a bucket and one compare-and-swap on the sum, so
-/// requests on different threads never wait for each other, and requests on
-/// different workers never touch the same cache line.
+/// A Prometheus histogram recorded without locks. prometheus-client's own
+/// `Histogram` takes a write lock for every observation; this one adds to a
+/// bucket and to the sum in the recording thread's own shard
+/// ([`ShardedWords`]), so requests on different threads never wait for each
+/// other nor write the same cache line, and requests on different workers
+/// never touch the same histogram.
 #[derive(Debug, Clone)]
 pub struct Histogram {
     cells: Arc<HistogramCells>,
@@ -66,23 +68,24 @@ struct HistogramCells {
     /// by every histogram of a kind: with a copy per worker, each
     /// observation's bucket search read that worker's cold copy.
     bounds: Arc<[f64]>,
-    /// One more than `bounds`: the last counts what is above them all.
-    counts: Box<[AtomicU64]>,
-    /// The sum of the observations, as `f64` bits.
-    sum_bits: AtomicU64,
+    /// Words `0..=bounds.len()` count the buckets (the last counts what is
+    /// above every bound); the next one holds the sum, as `f64` bits.
+    words: ShardedWords,
+}
+
+impl HistogramCells {
+    fn sum_word(&self) -> usize {
+        self.bounds.len() + 1
+    }
 }
 
 impl Histogram {
     /// A histogram over `bounds` (ascending), which it may share with
     /// others.
     pub fn new(bounds: Arc<[f64]>) -> Histogram {
-        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        let words = ShardedWords::new(bounds.len() + 2);
         Histogram {
-            cells: Arc::new(HistogramCells {
-                bounds,
-                counts,
-                sum_bits: AtomicU64::new(0f64.to_bits()),
-            }),
+            cells: Arc::new(HistogramCells { bounds, words }),
         }
     }
 
@@ -90,29 +93,17 @@ impl Histogram {
         let cells = &*self.cells;
         // The first bucket whose bound is at least the value; NaN lands in +Inf.
         let bucket = cells.bounds.partition_point(|bound| *bound < value);
-        if let Some(count) = cells.counts.get(bucket) {
-            count.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut current = cells.sum_bits.load(Ordering::Relaxed);
-        loop {
-            let next = (f64::from_bits(current) + value).to_bits();
-            match cells.sum_bits.compare_exchange_weak(
-                current,
-                next,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return,
-                Err(actual) => current = actual,
-            }
-        }
+        let shard = cells.words.writer();
+        shard.add(bucket, 1);
+        shard.add_f64(cells.sum_word(), value);
     }
 
     /// Adds this histogram's sum, count and per-bucket counts to the totals.
     fn add_to(&self, sum: &mut f64, buckets: &mut [(f64, u64)]) {
-        *sum += f64::from_bits(self.cells.sum_bits.load(Ordering::Relaxed));
-        for ((_, total), count) in buckets.iter_mut().zip(self.cells.counts.iter()) {
-            *total += count.load(Ordering::Relaxed);
+        let cells = &*self.cells;
+        *sum += cells.words.sum_f64(cells.sum_word());
+        for (bucket, (_, total)) in buckets.iter_mut().enumerate() {
+            *total += cells.words.sum(bucket);
         }
     }
 
@@ -130,10 +121,8 @@ impl Histogram {
 
     /// The number of observations.
     pub fn count(&self) -> u64 {
-        self.cells
-            .counts
-            .iter()
-            .map(|count| count.load(Ordering::Relaxed))
+        (0..self.cells.sum_word())
+            .map(|bucket| self.cells.words.sum(bucket))
             .sum()
     }
 }
@@ -211,17 +200,105 @@ impl EncodeMetric for ShardedHistogram {
     }
 }
 
+/// A Prometheus counter kept as a shard per recording thread
+/// ([`ShardedWords`]): what every request to a worker counts.
+#[derive(Debug, Clone)]
+pub struct PerThreadCounter {
+    words: Arc<ShardedWords>,
+}
+
+impl Default for PerThreadCounter {
+    fn default() -> PerThreadCounter {
+        PerThreadCounter {
+            words: Arc::new(ShardedWords::new(1)),
+        }
+    }
+}
+
+impl PerThreadCounter {
+    pub fn inc(&self) {
+        self.words.add(0, 1);
+    }
+
+    pub fn inc_by(&self, value: u64) {
+        self.words.add(0, value);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.words.sum(0)
+    }
+}
+
+impl TypedMetric for PerThreadCounter {
+    const TYPE: MetricType = MetricType::Counter;
+}
+
+impl EncodeMetric for PerThreadCounter {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_counter::<NoLabelSet, _, u64>(&self.get(), None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// A Prometheus gauge moved by increments and decrements, kept as a shard
+/// per recording thread ([`ShardedWords`]). A request may end on another
+/// thread than it started on: one shard can go below zero, their sum cannot.
+#[derive(Debug, Clone)]
+pub struct PerThreadGauge {
+    words: Arc<ShardedWords>,
+}
+
+impl Default for PerThreadGauge {
+    fn default() -> PerThreadGauge {
+        PerThreadGauge {
+            words: Arc::new(ShardedWords::new(1)),
+        }
+    }
+}
+
+impl PerThreadGauge {
+    pub fn inc(&self) {
+        self.words.add(0, 1);
+    }
+
+    pub fn dec(&self) {
+        self.words.add(0, u64::MAX);
+    }
+
+    pub fn get(&self) -> i64 {
+        // Two's complement: the wrapped sum of the shards is the signed one.
+        self.words.sum(0) as i64
+    }
+}
+
+impl TypedMetric for PerThreadGauge {
+    const TYPE: MetricType = MetricType::Gauge;
+}
+
+impl EncodeMetric for PerThreadGauge {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_gauge(&self.get())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
 /// Every metric the router exports.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    pub requests: Family<RequestLabels, Counter>,
+    pub requests: Family<RequestLabels, PerThreadCounter>,
     pub request_duration: HistogramFamily,
     pub time_to_first_byte: HistogramFamily,
     pub time_to_first_token: HistogramFamily,
-    pub in_flight: Family<WorkerLabel, Gauge>,
-    pub selections: Family<WorkerLabel, Counter>,
-    pub dispatched_tokens: Family<WorkerLabel, Counter>,
+    pub in_flight: Family<WorkerLabel, PerThreadGauge>,
+    pub selections: Family<WorkerLabel, PerThreadCounter>,
+    pub dispatched_tokens: Family<WorkerLabel, PerThreadCounter>,
     pub retries: Counter,
     pub rejected: Counter,
     pub poll_duration: HistogramFamily,
@@ -253,7 +330,7 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("router");
-        let requests = Family::<RequestLabels, Counter>::default();
+        let requests = Family::<RequestLabels, PerThreadCounter>::default();
         registry.register(
             "requests",
             "Requests proxied, by worker and status",
@@ -280,19 +357,19 @@ impl Metrics {
             "Time from receiving a request to its first token passing through (first SSE data chunk, or the start of a non-streaming response)",
             time_to_first_token.clone(),
         );
-        let in_flight = Family::<WorkerLabel, Gauge>::default();
+        let in_flight = Family::<WorkerLabel, PerThreadGauge>::default();
         registry.register(
             "in_flight_requests",
             "Requests in flight per worker",
             in_flight.clone(),
         );
-        let selections = Family::<WorkerLabel, Counter>::default();
+        let selections = Family::<WorkerLabel, PerThreadCounter>::default();
         registry.register(
             "selections",
             "Times the policy chose each worker",
             selections.clone(),
         );
-        let dispatched_tokens = Family::<WorkerLabel, Counter>::default();
+        let dispatched_tokens = Family::<WorkerLabel, PerThreadCounter>::default();
         registry.register(
             "dispatched_tokens",
             "Prompt token-work dispatched to each worker (estimated on the HTTP path)",
@@ -486,9 +563,9 @@ pub struct WorkerMetrics {
     pub request_duration: Histogram,
     pub time_to_first_byte: Histogram,
     pub time_to_first_token: Histogram,
-    pub in_flight: Gauge,
-    pub selections: Counter,
-    pub dispatched_tokens: Counter,
+    pub in_flight: PerThreadGauge,
+    pub selections: PerThreadCounter,
+    pub dispatched_tokens: PerThreadCounter,
     /// This worker's shard of `selected_score`.
     pub selected_score: Histogram,
     pub poll_duration: Histogram,
@@ -498,7 +575,7 @@ pub struct WorkerMetrics {
     pub ejections: Counter,
     pub silent_streams: Gauge,
     /// `requests_total{status="200"}`, the common case, resolved up front.
-    pub requests_ok: Counter,
+    pub requests_ok: PerThreadCounter,
 }
 
 impl WorkerMetrics {
@@ -581,5 +658,45 @@ mod tests {
         first.observe(0.002);
         second.observe(f64::NAN);
         assert_eq!(sharded.count(), 2);
+    }
+
+    #[test]
+    fn per_thread_metrics_scrape_as_the_sum_of_every_thread() {
+        let metrics = Metrics::new();
+        let worker = WorkerMetrics::new(&metrics, "http://10.0.0.1:30000");
+        // A request that starts on one thread and ends on another, and
+        // counts and observations from several threads.
+        worker.in_flight.inc();
+        std::thread::scope(|scope| {
+            scope.spawn(|| worker.in_flight.dec());
+            for _ in 0..3 {
+                scope.spawn(|| {
+                    worker.selections.inc();
+                    worker.dispatched_tokens.inc_by(100);
+                    worker.request_status(&metrics, "200");
+                    worker.request_status(&metrics, "503");
+                    worker.time_to_first_token.observe(0.5);
+                });
+            }
+        });
+        worker.in_flight.inc();
+        let text = metrics.render();
+        let worker_label = r#"{worker="http://10.0.0.1:30000"}"#;
+        for line in [
+            format!("router_in_flight_requests{worker_label} 1"),
+            format!("router_selections_total{worker_label} 3"),
+            format!("router_dispatched_tokens_total{worker_label} 300"),
+            r#"router_requests_total{worker="http://10.0.0.1:30000",status="200"} 3"#.to_owned(),
+            r#"router_requests_total{worker="http://10.0.0.1:30000",status="503"} 3"#.to_owned(),
+            format!("router_time_to_first_token_seconds_sum{worker_label} 1.5"),
+            format!("router_time_to_first_token_seconds_count{worker_label} 3"),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "no line {line:?} in\n{text}"
+            );
+        }
+        assert!(text.contains("# TYPE router_in_flight_requests gauge"));
+        assert!(text.contains("# TYPE router_selections counter"));
     }
 }

@@ -170,7 +170,7 @@ where
             return Answer::own(error.response());
         }
     };
-    handle_read(app, head, body, arrived, false).await
+    handle_read(&app, head, body, arrived, false).await
 }
 
 /// [`handle`] once the body has been read (from `arrived`, when its head
@@ -178,8 +178,11 @@ where
 /// having read the body itself. `relay_chunks`: the answer will be polled
 /// with [`ProxyBody::poll_piece`] for a chunked HTTP/1.1 answer, so a
 /// stream's chunks may be held as the worker framed them.
+///
+/// The app is borrowed, not cloned: its reference count is one cache line
+/// that every request on every core would write twice.
 pub async fn handle_read(
-    app: Arc<App>,
+    app: &Arc<App>,
     head: ClientHead,
     body: Bytes,
     arrived: tokio::time::Instant,
@@ -314,7 +317,7 @@ fn choose(
     }
 }
 
-async fn forward(app: Arc<App>, request: &ClientRequest) -> Answer {
+async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
     let mut tried: Vec<WorkerId> = Vec::new();
     let mut last_answer: Option<Answer> = None;
     let mut last_reason = String::new();
@@ -325,7 +328,7 @@ async fn forward(app: Arc<App>, request: &ClientRequest) -> Answer {
         if now >= request.deadline {
             break;
         }
-        let tracker = match choose(&app, request, &tried, now) {
+        let tracker = match choose(app, request, &tried, now) {
             Chosen::Worker(tracker) => tracker,
             Chosen::Gone(id) => {
                 tried.push(id);
@@ -353,7 +356,7 @@ async fn forward(app: Arc<App>, request: &ClientRequest) -> Answer {
             continue;
         }
         let worker_id = worker.id;
-        match attempt_on(&app, tracker, request, now).await {
+        match attempt_on(app, tracker, request, now).await {
             Attempt::Done(response) => return response,
             Attempt::Retry { answer, reason } => {
                 tracing::debug!(worker = %worker_id, %reason, "attempt failed before any generation; trying another worker");
