@@ -278,6 +278,46 @@ fn summarize(name: String, measured: &Measured, half_load: bool) -> Row {
         .num("spread", spread(&throughput))
 }
 
+/// Run `i` of a path over run `i` of nginx, for throughput and CPU per
+/// request: the runs are interleaved, so the two runs of a pair are
+/// minutes apart at most and drift on a shared machine hits both. Their
+/// median and range are reported beside the ratio of the medians (the
+/// figure the targets judge), so a reader sees how much the comparison
+/// itself moved from run to run.
+fn with_paired_ratios(row: Row, own: &Measured, nginx: &Measured) -> Row {
+    let paired = |own: &[f64], nginx: &[f64]| -> Vec<f64> {
+        own.iter()
+            .zip(nginx)
+            .map(|(own, nginx)| own / nginx)
+            .filter(|ratio| ratio.is_finite())
+            .collect()
+    };
+    let throughput =
+        |m: &Measured| -> Vec<f64> { m.runs.iter().map(WrkRun::throughput_rps).collect() };
+    let mut row = row;
+    for (key, ratios) in [
+        (
+            "vs_nginx_paired",
+            paired(&throughput(own), &throughput(nginx)),
+        ),
+        (
+            "cpu_vs_nginx_paired",
+            paired(&own.cpu_us_per_request, &nginx.cpu_us_per_request),
+        ),
+    ] {
+        if ratios.is_empty() {
+            continue;
+        }
+        let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        row = row
+            .num(key, median(&ratios))
+            .num(&format!("{key}_min"), low)
+            .num(&format!("{key}_max"), high);
+    }
+    row
+}
+
 /// One wrk run against `path`, with the proxy's CPU per request.
 fn measure_once(
     proxies: &[(Path4, Proxy)],
@@ -414,12 +454,19 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         };
         let direct = throughput(Path4::Direct);
         let nginx_rps = throughput(Path4::Nginx);
-        for row in mode_rows {
+        let nginx_runs = measured
+            .iter()
+            .find(|(path, _)| *path == Path4::Nginx)
+            .map(|(_, m)| m);
+        for (row, (_, own_runs)) in mode_rows.into_iter().zip(&measured) {
             let own = row.get("throughput_rps").unwrap_or(f64::NAN);
-            rows.push(
-                row.num("vs_direct", own / direct)
-                    .num("vs_nginx", own / nginx_rps),
-            );
+            let row = row
+                .num("vs_direct", own / direct)
+                .num("vs_nginx", own / nginx_rps);
+            rows.push(match nginx_runs {
+                Some(nginx_runs) => with_paired_ratios(row, own_runs, nginx_runs),
+                None => row,
+            });
         }
     }
 
@@ -493,4 +540,45 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         "`cpu_us_per_request`: the proxy's user+system CPU (`/proc/<pid>/stat`; nginx: master + worker) over the run divided by the requests; 10 ms tick resolution, so ±1% at these run lengths. `of which user`: its user-space part (utime); the rest is the kernel's, mostly loopback TCP.".to_owned(),
     );
     Ok((rows, notes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(rps: &[f64], cpu_us: &[f64]) -> Measured {
+        Measured {
+            runs: rps
+                .iter()
+                .map(|rps| WrkRun {
+                    requests: *rps as u64 * 10,
+                    duration_s: 10.0,
+                    p50_ms: 1.0,
+                    p99_ms: 2.0,
+                    errors: 0,
+                })
+                .collect(),
+            cpu_us_per_request: cpu_us.to_vec(),
+            cpu_user_us_per_request: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn each_run_is_compared_with_the_nginx_run_beside_it() {
+        // Run 2 is slow for both: run by run the router is 0.9× nginx's
+        // CPU every time, though the medians' ratio says 1.0×.
+        let router = measured(&[100.0, 50.0, 110.0], &[18.0, 36.0, 9.0]);
+        let nginx = measured(&[100.0, 50.0, 100.0], &[20.0, 40.0, 10.0]);
+        let row = with_paired_ratios(Row::new("proxy/least_load/non-stream"), &router, &nginx);
+        assert_eq!(row.get("cpu_vs_nginx_paired"), Some(0.9));
+        assert_eq!(row.get("cpu_vs_nginx_paired_min"), Some(0.9));
+        assert_eq!(row.get("vs_nginx_paired"), Some(1.0));
+        assert_eq!(row.get("vs_nginx_paired_max"), Some(1.1));
+        let lines = super::super::report::targets(&[row]);
+        assert!(
+            lines.iter().any(|line| line.contains("throughput ≥ 1.1× nginx")
+                && line.contains("run by run, each beside nginx's run next to it: median 1.000×, range 1.000–1.100×")),
+            "{lines:#?}"
+        );
+    }
 }

@@ -195,6 +195,18 @@ fn ratio_text(ratio: Option<f64>) -> String {
     ratio.map_or("–".to_owned(), |r| format!("{r:.3}×"))
 }
 
+/// `; run by run: median …× (…–…×)`, the paired ratios' summary a
+/// saturation row carries under `key`, or nothing.
+fn paired_text(row: Option<&Row>, key: &str) -> String {
+    let field = |suffix: &str| row.and_then(|row| row.get(&format!("{key}{suffix}")));
+    match (field(""), field("_min"), field("_max")) {
+        (Some(median), Some(low), Some(high)) => format!(
+            "; run by run, each beside nginx's run next to it: median {median:.3}×, range {low:.3}–{high:.3}×"
+        ),
+        _ => String::new(),
+    }
+}
+
 /// The performance targets, checked against the rows. A target whose row
 /// FAILED (or was not measured) is "not measured", never met.
 pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
@@ -205,19 +217,22 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
         let nginx = value(&format!("proxy/nginx/{mode}"), "cpu_us_per_request");
         let ratio = router.zip(nginx).map(|(router, nginx)| router / nginx);
         lines.push(format!(
-            "- router (least_load, {mode}) CPU per request ≤ 1.0× nginx's: {} ({}: router {} µs, nginx {} µs)",
+            "- router (least_load, {mode}) CPU per request ≤ 1.0× nginx's: {} ({}: router {} µs, nginx {} µs{})",
             verdict(ratio.map(|r| r <= 1.0)),
             ratio_text(ratio),
             router.map_or("–".to_owned(), |v| format!("{v:.1}")),
             nginx.map_or("–".to_owned(), |v| format!("{v:.1}")),
+            paired_text(find(rows, &format!("proxy/least_load/{mode}")), "cpu_vs_nginx_paired"),
         ));
     }
     for mode in ["non-stream", "stream"] {
-        let ratio = value(&format!("proxy/least_load/{mode}"), "vs_nginx");
+        let row = find(rows, &format!("proxy/least_load/{mode}"));
+        let ratio = row.and_then(|row| row.get("vs_nginx"));
         lines.push(format!(
-            "- router (least_load, {mode}) throughput ≥ 1.1× nginx: {} ({})",
+            "- router (least_load, {mode}) throughput ≥ 1.1× nginx: {} ({}{})",
             verdict(ratio.map(|r| r >= 1.1)),
-            ratio_text(ratio)
+            ratio_text(ratio),
+            paired_text(row, "vs_nginx_paired"),
         ));
     }
     for mode in ["stream", "non-stream"] {
