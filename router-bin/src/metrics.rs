@@ -68,6 +68,9 @@ struct HistogramCells {
     /// by every histogram of a kind: with a copy per worker, each
     /// observation's bucket search read that worker's cold copy.
     bounds: Arc<[f64]>,
+    /// `Some(first)` when the bounds are `first · 2^i`, as every one of the
+    /// router's are: a value's bucket is then read off its exponent.
+    doubling_from: Option<f64>,
     /// Words `0..=bounds.len()` count the buckets (the last counts what is
     /// above every bound); the next one holds the sum, as `f64` bits.
     words: ShardedWords,
@@ -77,6 +80,47 @@ impl HistogramCells {
     fn sum_word(&self) -> usize {
         self.bounds.len() + 1
     }
+
+    /// The first bucket whose bound is at least `value`: `bounds.len()`
+    /// (`+Inf`) when none is, or when `value` is NaN.
+    fn bucket(&self, value: f64) -> usize {
+        let bounds = &*self.bounds;
+        if value.is_nan() {
+            return bounds.len();
+        }
+        let Some(first) = self.doubling_from.filter(|_| value > 0.0) else {
+            return bounds.partition_point(|bound| *bound < value);
+        };
+        // value / first in (2^(i-1), 2^i] means bucket i, so the exponent
+        // of the quotient (its floor log2) is i or i - 1, unless the
+        // division rounded across a power of two: a step or two against the
+        // bounds themselves makes it exact.
+        let exponent = ((value / first).to_bits() >> 52) as i64 - 1023;
+        let mut bucket = usize::try_from(exponent.saturating_add(1))
+            .unwrap_or(0)
+            .min(bounds.len());
+        while bucket > 0 && bounds.get(bucket - 1).is_some_and(|bound| *bound >= value) {
+            bucket -= 1;
+        }
+        while bounds.get(bucket).is_some_and(|bound| *bound < value) {
+            bucket += 1;
+        }
+        bucket
+    }
+}
+
+/// `Some(first)` when `bounds` are `first · 2^i` exactly (doubling a
+/// finite float is exact, so bounds built by doubling pass).
+fn doubling_from(bounds: &[f64]) -> Option<f64> {
+    let first = *bounds.first()?;
+    let mut expected = first;
+    for bound in bounds {
+        if *bound != expected {
+            return None;
+        }
+        expected *= 2.0;
+    }
+    (first.is_normal() && first > 0.0 && expected.is_finite()).then_some(first)
 }
 
 impl Histogram {
@@ -85,14 +129,17 @@ impl Histogram {
     pub fn new(bounds: Arc<[f64]>) -> Histogram {
         let words = ShardedWords::new(bounds.len() + 2);
         Histogram {
-            cells: Arc::new(HistogramCells { bounds, words }),
+            cells: Arc::new(HistogramCells {
+                doubling_from: doubling_from(&bounds),
+                bounds,
+                words,
+            }),
         }
     }
 
     pub fn observe(&self, value: f64) {
         let cells = &*self.cells;
-        // The first bucket whose bound is at least the value; NaN lands in +Inf.
-        let bucket = cells.bounds.partition_point(|bound| *bound < value);
+        let bucket = cells.bucket(value);
         let shard = cells.words.writer();
         shard.add(bucket, 1);
         shard.add_f64(cells.sum_word(), value);
@@ -644,6 +691,31 @@ mod tests {
         assert_eq!(counts, [2, 1, 1, 1]);
         assert!((sum - 21.65).abs() < 1e-9);
         assert_eq!(histogram.count(), 5);
+    }
+
+    #[test]
+    fn a_bucket_read_off_the_exponent_is_the_one_a_search_finds() {
+        for bounds in [LATENCY_BOUNDS.clone(), SCORE_BOUNDS.clone()] {
+            let histogram = Histogram::new(bounds.clone());
+            assert!(histogram.cells.doubling_from.is_some());
+            let mut values = vec![0.0, -1.0, f64::MIN_POSITIVE, 5e-324, 1e-300, 1e300];
+            values.extend([f64::INFINITY, f64::NEG_INFINITY, f64::MAX]);
+            for bound in bounds.iter() {
+                // Each bound, and the floats either side of it.
+                values.extend([*bound, bound.next_down(), bound.next_up()]);
+            }
+            values.extend((0..20_000).map(|i| 1e-5 * 1.0013_f64.powi(i)));
+            for value in values {
+                let searched = bounds.partition_point(|bound| *bound < value);
+                assert_eq!(histogram.cells.bucket(value), searched, "{value:e}");
+            }
+            assert_eq!(histogram.cells.bucket(f64::NAN), bounds.len());
+        }
+        // Bounds that do not double are searched.
+        let uneven = Histogram::new(Arc::from([0.1, 1.0, 10.0]));
+        assert_eq!(uneven.cells.doubling_from, None);
+        assert_eq!(uneven.cells.bucket(0.5), 1);
+        assert_eq!(uneven.cells.bucket(f64::NAN), 3);
     }
 
     #[test]
