@@ -36,19 +36,19 @@ pub struct OutcomeLabel {
 type HistogramFamily = Family<WorkerLabel, Histogram, fn() -> Histogram>;
 
 /// Latency buckets from 1 ms to about 65 s, doubling.
-static LATENCY_BOUNDS: LazyLock<Arc<[f64]>> =
-    LazyLock::new(|| exponential_buckets(0.001, 2.0, 17).collect());
+static LATENCY_BUCKETS: LazyLock<Arc<Buckets>> =
+    LazyLock::new(|| Buckets::new(exponential_buckets(0.001, 2.0, 17).collect()));
 
 /// Score buckets from 0.1 ms to about 840 s, doubling.
-static SCORE_BOUNDS: LazyLock<Arc<[f64]>> =
-    LazyLock::new(|| exponential_buckets(0.0001, 2.0, 24).collect());
+static SCORE_BUCKETS: LazyLock<Arc<Buckets>> =
+    LazyLock::new(|| Buckets::new(exponential_buckets(0.0001, 2.0, 24).collect()));
 
 fn latency_histogram() -> Histogram {
-    Histogram::new(Arc::clone(&LATENCY_BOUNDS))
+    Histogram::of_kind(Arc::clone(&LATENCY_BUCKETS))
 }
 
 fn score_histogram() -> Histogram {
-    Histogram::new(Arc::clone(&SCORE_BOUNDS))
+    Histogram::of_kind(Arc::clone(&SCORE_BUCKETS))
 }
 
 /// A Prometheus histogram recorded without locks. prometheus-client's own
@@ -59,54 +59,41 @@ fn score_histogram() -> Histogram {
 /// never touch the same histogram.
 #[derive(Debug, Clone)]
 pub struct Histogram {
-    cells: Arc<HistogramCells>,
+    /// The bounds, shared by every histogram of a kind: with a copy per
+    /// worker, each observation's bucket search read that worker's cold
+    /// copy.
+    kind: Arc<Buckets>,
+    /// Word 0 holds the sum, as `f64` bits; word `1 + i` counts bucket `i`
+    /// (the last counts what is above every bound). The sum beside the low
+    /// buckets: most observations write one line.
+    words: ShardedWords,
 }
 
+/// A histogram kind's bucket bounds.
 #[derive(Debug)]
-struct HistogramCells {
-    /// Upper bounds, ascending; the last bucket (`+Inf`) has none. Shared
-    /// by every histogram of a kind: with a copy per worker, each
-    /// observation's bucket search read that worker's cold copy.
+struct Buckets {
+    /// Upper bounds, ascending; the last bucket (`+Inf`) has none.
     bounds: Arc<[f64]>,
     /// `Some(first)` when the bounds are `first · 2^i`, as every one of the
     /// router's are: a value's bucket is then read off its exponent.
     doubling_from: Option<f64>,
-    /// Words `0..=bounds.len()` count the buckets (the last counts what is
-    /// above every bound); the next one holds the sum, as `f64` bits.
-    words: ShardedWords,
 }
 
-impl HistogramCells {
-    fn sum_word(&self) -> usize {
-        self.bounds.len() + 1
+impl Buckets {
+    fn new(bounds: Arc<[f64]>) -> Arc<Buckets> {
+        Arc::new(Buckets {
+            doubling_from: doubling_from(&bounds),
+            bounds,
+        })
     }
+}
 
-    /// The first bucket whose bound is at least `value`: `bounds.len()`
-    /// (`+Inf`) when none is, or when `value` is NaN.
-    fn bucket(&self, value: f64) -> usize {
-        let bounds = &*self.bounds;
-        if value.is_nan() {
-            return bounds.len();
-        }
-        let Some(first) = self.doubling_from.filter(|_| value > 0.0) else {
-            return bounds.partition_point(|bound| *bound < value);
-        };
-        // value / first in (2^(i-1), 2^i] means bucket i, so the exponent
-        // of the quotient (its floor log2) is i or i - 1, unless the
-        // division rounded across a power of two: a step or two against the
-        // bounds themselves makes it exact.
-        let exponent = ((value / first).to_bits() >> 52) as i64 - 1023;
-        let mut bucket = usize::try_from(exponent.saturating_add(1))
-            .unwrap_or(0)
-            .min(bounds.len());
-        while bucket > 0 && bounds.get(bucket - 1).is_some_and(|bound| *bound >= value) {
-            bucket -= 1;
-        }
-        while bounds.get(bucket).is_some_and(|bound| *bound < value) {
-            bucket += 1;
-        }
-        bucket
-    }
+/// The word of a histogram's sum.
+const SUM_WORD: usize = 0;
+
+/// The word of bucket `bucket`.
+fn bucket_word(bucket: usize) -> usize {
+    bucket + 1
 }
 
 /// `Some(first)` when `bounds` are `first · 2^i` exactly (doubling a
@@ -127,37 +114,62 @@ impl Histogram {
     /// A histogram over `bounds` (ascending), which it may share with
     /// others.
     pub fn new(bounds: Arc<[f64]>) -> Histogram {
-        let words = ShardedWords::new(bounds.len() + 2);
+        Histogram::of_kind(Buckets::new(bounds))
+    }
+
+    /// A histogram sharing `kind`'s bounds.
+    fn of_kind(kind: Arc<Buckets>) -> Histogram {
         Histogram {
-            cells: Arc::new(HistogramCells {
-                doubling_from: doubling_from(&bounds),
-                bounds,
-                words,
-            }),
+            words: ShardedWords::new(bucket_word(kind.bounds.len()) + 1),
+            kind,
         }
     }
 
     pub fn observe(&self, value: f64) {
-        let cells = &*self.cells;
-        let bucket = cells.bucket(value);
-        let shard = cells.words.writer();
-        shard.add(bucket, 1);
-        shard.add_f64(cells.sum_word(), value);
+        let shard = self.words.writer();
+        shard.add(bucket_word(self.bucket(value)), 1);
+        shard.add_f64(SUM_WORD, value);
+    }
+
+    /// The first bucket whose bound is at least `value`: `bounds.len()`
+    /// (`+Inf`) when none is, or when `value` is NaN.
+    fn bucket(&self, value: f64) -> usize {
+        let bounds = &*self.kind.bounds;
+        if value.is_nan() {
+            return bounds.len();
+        }
+        let Some(first) = self.kind.doubling_from.filter(|_| value > 0.0) else {
+            return bounds.partition_point(|bound| *bound < value);
+        };
+        // value / first in (2^(i-1), 2^i] means bucket i, so the exponent
+        // of the quotient (its floor log2) is i or i - 1, unless the
+        // division rounded across a power of two: a step or two against the
+        // bounds themselves makes it exact.
+        let exponent = ((value / first).to_bits() >> 52) as i64 - 1023;
+        let mut bucket = usize::try_from(exponent.saturating_add(1))
+            .unwrap_or(0)
+            .min(bounds.len());
+        while bucket > 0 && bounds.get(bucket - 1).is_some_and(|bound| *bound >= value) {
+            bucket -= 1;
+        }
+        while bounds.get(bucket).is_some_and(|bound| *bound < value) {
+            bucket += 1;
+        }
+        bucket
     }
 
     /// Adds this histogram's sum, count and per-bucket counts to the totals.
     fn add_to(&self, sum: &mut f64, buckets: &mut [(f64, u64)]) {
-        let cells = &*self.cells;
-        *sum += cells.words.sum_f64(cells.sum_word());
+        *sum += self.words.sum_f64(SUM_WORD);
         for (bucket, (_, total)) in buckets.iter_mut().enumerate() {
-            *total += cells.words.sum(bucket);
+            *total += self.words.sum(bucket_word(bucket));
         }
     }
 
     /// Empty per-bucket totals with this histogram's bounds (`+Inf` last, as
     /// `f64::MAX`, which the encoder writes as `+Inf`).
     fn empty_buckets(&self) -> Vec<(f64, u64)> {
-        self.cells
+        self.kind
             .bounds
             .iter()
             .copied()
@@ -168,8 +180,8 @@ impl Histogram {
 
     /// The number of observations.
     pub fn count(&self) -> u64 {
-        (0..self.cells.sum_word())
-            .map(|bucket| self.cells.words.sum(bucket))
+        (0..=self.kind.bounds.len())
+            .map(|bucket| self.words.sum(bucket_word(bucket)))
             .sum()
     }
 }
@@ -222,7 +234,7 @@ impl ShardedHistogram {
 
     /// A new shard (for one worker), counted in the sum from now on.
     pub fn shard(&self) -> Histogram {
-        let shard = Histogram::new(Arc::clone(&self.like.cells.bounds));
+        let shard = Histogram::of_kind(Arc::clone(&self.like.kind));
         self.shards.write().push(shard.clone());
         shard
     }
@@ -251,13 +263,13 @@ impl EncodeMetric for ShardedHistogram {
 /// ([`ShardedWords`]): what every request to a worker counts.
 #[derive(Debug, Clone)]
 pub struct PerThreadCounter {
-    words: Arc<ShardedWords>,
+    words: ShardedWords,
 }
 
 impl Default for PerThreadCounter {
     fn default() -> PerThreadCounter {
         PerThreadCounter {
-            words: Arc::new(ShardedWords::new(1)),
+            words: ShardedWords::new(1),
         }
     }
 }
@@ -295,13 +307,13 @@ impl EncodeMetric for PerThreadCounter {
 /// thread than it started on: one shard can go below zero, their sum cannot.
 #[derive(Debug, Clone)]
 pub struct PerThreadGauge {
-    words: Arc<ShardedWords>,
+    words: ShardedWords,
 }
 
 impl Default for PerThreadGauge {
     fn default() -> PerThreadGauge {
         PerThreadGauge {
-            words: Arc::new(ShardedWords::new(1)),
+            words: ShardedWords::new(1),
         }
     }
 }
@@ -695,9 +707,9 @@ mod tests {
 
     #[test]
     fn a_bucket_read_off_the_exponent_is_the_one_a_search_finds() {
-        for bounds in [LATENCY_BOUNDS.clone(), SCORE_BOUNDS.clone()] {
-            let histogram = Histogram::new(bounds.clone());
-            assert!(histogram.cells.doubling_from.is_some());
+        for histogram in [latency_histogram(), score_histogram()] {
+            let bounds = Arc::clone(&histogram.kind.bounds);
+            assert!(histogram.kind.doubling_from.is_some());
             let mut values = vec![0.0, -1.0, f64::MIN_POSITIVE, 5e-324, 1e-300, 1e300];
             values.extend([f64::INFINITY, f64::NEG_INFINITY, f64::MAX]);
             for bound in bounds.iter() {
@@ -707,25 +719,25 @@ mod tests {
             values.extend((0..20_000).map(|i| 1e-5 * 1.0013_f64.powi(i)));
             for value in values {
                 let searched = bounds.partition_point(|bound| *bound < value);
-                assert_eq!(histogram.cells.bucket(value), searched, "{value:e}");
+                assert_eq!(histogram.bucket(value), searched, "{value:e}");
             }
-            assert_eq!(histogram.cells.bucket(f64::NAN), bounds.len());
+            assert_eq!(histogram.bucket(f64::NAN), bounds.len());
         }
         // Bounds that do not double are searched.
         let uneven = Histogram::new(Arc::from([0.1, 1.0, 10.0]));
-        assert_eq!(uneven.cells.doubling_from, None);
-        assert_eq!(uneven.cells.bucket(0.5), 1);
-        assert_eq!(uneven.cells.bucket(f64::NAN), 3);
+        assert_eq!(uneven.kind.doubling_from, None);
+        assert_eq!(uneven.bucket(0.5), 1);
+        assert_eq!(uneven.bucket(f64::NAN), 3);
     }
 
     #[test]
     fn every_shard_shares_one_copy_of_the_bounds_and_counts_in_the_sum() {
         let sharded = ShardedHistogram::new(score_histogram);
         let (first, second) = (sharded.shard(), sharded.shard());
-        assert!(Arc::ptr_eq(&first.cells.bounds, &second.cells.bounds));
+        assert!(Arc::ptr_eq(&first.kind, &second.kind));
         assert!(Arc::ptr_eq(
-            &latency_histogram().cells.bounds,
-            &latency_histogram().cells.bounds
+            &latency_histogram().kind,
+            &latency_histogram().kind
         ));
         first.observe(0.002);
         second.observe(f64::NAN);
