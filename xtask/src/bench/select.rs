@@ -136,10 +136,12 @@ fn split(full_id: &str) -> Option<(&str, &str)> {
 }
 
 fn rows(results: &[Estimate]) -> Vec<Row> {
+    // A baseline whose own samples disagree has no median to divide by.
     let baseline = |suffix: &str| {
         results
             .iter()
             .find(|e| split(&e.full_id) == Some((BASELINE, suffix)))
+            .filter(|e| e.spread_p10_p90 <= MAX_RUN_SPREAD)
             .map(|e| e.median_ns)
     };
     let mut ordered: Vec<&Estimate> = results.iter().collect();
@@ -217,5 +219,18 @@ mod tests {
         assert_eq!(vs("select/least_load/64"), Some(4.0));
         assert_eq!(vs("select/least_load/64/2-thread"), Some(10.0));
         assert_eq!(vs("select/original/64"), Some(1.0));
+    }
+
+    #[test]
+    fn no_speedup_against_an_original_whose_samples_disagree() {
+        let mut noisy = estimate("select/original/64/2-thread", 500.0);
+        noisy.spread_p10_p90 = 2.0;
+        let rows = rows(&[estimate("select/least_load/64/2-thread", 50.0), noisy]);
+        let row = super::super::report::find(&rows, "select/least_load/64/2-thread");
+        assert_eq!(row.and_then(|r| r.get("vs_baseline")), None);
+        assert!(
+            row.is_some_and(|r| r.failures().is_empty()),
+            "its own median stands"
+        );
     }
 }
