@@ -396,8 +396,7 @@ async fn attempt_on(
     request: &ClientRequest,
     now: tokio::time::Instant,
 ) -> Attempt {
-    let route = tracker.route.clone();
-    let worker = &route.worker;
+    let worker = tracker.worker();
     let server = &app.config.server;
     let streaming = request.info.streaming;
     let first_byte_by = now
