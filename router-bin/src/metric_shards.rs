@@ -89,6 +89,13 @@ impl std::fmt::Debug for Line {
     }
 }
 
+/// One counter at zero: what a counter or a gauge keeps.
+impl Default for ShardedWords {
+    fn default() -> ShardedWords {
+        ShardedWords::new(1)
+    }
+}
+
 impl ShardedWords {
     /// `words` counters at zero. More words than fit a `u32` of lines are
     /// cut to what does: no metric comes near.

@@ -261,17 +261,9 @@ impl EncodeMetric for ShardedHistogram {
 
 /// A Prometheus counter kept as a shard per recording thread
 /// ([`ShardedWords`]): what every request to a worker counts.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PerThreadCounter {
     words: ShardedWords,
-}
-
-impl Default for PerThreadCounter {
-    fn default() -> PerThreadCounter {
-        PerThreadCounter {
-            words: ShardedWords::new(1),
-        }
-    }
 }
 
 impl PerThreadCounter {
@@ -305,17 +297,9 @@ impl EncodeMetric for PerThreadCounter {
 /// A Prometheus gauge moved by increments and decrements, kept as a shard
 /// per recording thread ([`ShardedWords`]). A request may end on another
 /// thread than it started on: one shard can go below zero, their sum cannot.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PerThreadGauge {
     words: ShardedWords,
-}
-
-impl Default for PerThreadGauge {
-    fn default() -> PerThreadGauge {
-        PerThreadGauge {
-            words: ShardedWords::new(1),
-        }
-    }
 }
 
 impl PerThreadGauge {
