@@ -10,23 +10,44 @@ use serde::{Deserialize, Serialize};
 /// `Dispatch` or `PollMark` that names a removed worker can never touch the
 /// slot's next occupant. Policies keep per-worker state in dense vectors
 /// indexed by [`WorkerId::slot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Both halves live in one word, slot high, so that ids order by slot, then
+/// generation, and a policy scanning candidates compares an id in one
+/// instruction ([`WorkerId::to_bits`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId {
-    slot: u32,
-    generation: u32,
+    /// `slot << 32 | generation`.
+    bits: u64,
 }
 
 impl WorkerId {
     pub const fn new(slot: u32, generation: u32) -> WorkerId {
-        WorkerId { slot, generation }
+        WorkerId {
+            bits: (slot as u64) << 32 | generation as u64,
+        }
     }
 
     pub const fn slot(self) -> usize {
-        self.slot as usize
+        (self.bits >> 32) as usize
     }
 
     pub const fn generation(self) -> u32 {
-        self.generation
+        self.bits as u32
+    }
+
+    /// The slot and generation as one word, `slot << 32 | generation`: equal
+    /// for equal ids, and never `u64::MAX` for a slot a dense table covers.
+    pub const fn to_bits(self) -> u64 {
+        self.bits
+    }
+}
+
+impl fmt::Debug for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerId")
+            .field("slot", &self.slot())
+            .field("generation", &self.generation())
+            .finish()
     }
 }
 
@@ -40,7 +61,7 @@ impl Serialize for WorkerId {
 /// admin API uses.
 impl fmt::Display for WorkerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.slot, self.generation)
+        write!(f, "{}.{}", self.slot(), self.generation())
     }
 }
 
@@ -55,10 +76,10 @@ impl FromStr for WorkerId {
     fn from_str(text: &str) -> Result<WorkerId, ParseWorkerIdError> {
         let invalid = || ParseWorkerIdError(text.to_owned());
         let (slot, generation) = text.split_once('.').ok_or_else(invalid)?;
-        Ok(WorkerId {
-            slot: slot.parse().map_err(|_| invalid())?,
-            generation: generation.parse().map_err(|_| invalid())?,
-        })
+        Ok(WorkerId::new(
+            slot.parse().map_err(|_| invalid())?,
+            generation.parse().map_err(|_| invalid())?,
+        ))
     }
 }
 
@@ -119,7 +140,7 @@ impl WorkerIdAllocator {
         let index = id.slot();
         if self.live.get(index) == Some(&true) && self.generations[index] == id.generation() {
             self.live[index] = false;
-            self.free.push(id.slot);
+            self.free.push(index as u32);
         }
     }
 }
@@ -150,5 +171,26 @@ mod tests {
         assert!("3".parse::<WorkerId>().is_err());
         assert!("a.b".parse::<WorkerId>().is_err());
         assert!("-1.0".parse::<WorkerId>().is_err());
+    }
+
+    #[test]
+    fn ids_order_by_slot_then_generation_and_debug_as_both() {
+        let mut ids = [
+            WorkerId::new(2, 0),
+            WorkerId::new(1, u32::MAX),
+            WorkerId::new(1, 3),
+            WorkerId::new(u32::MAX, 0),
+        ];
+        ids.sort();
+        let pairs: Vec<(usize, u32)> = ids.iter().map(|id| (id.slot(), id.generation())).collect();
+        assert_eq!(
+            pairs,
+            [(1, 3), (1, u32::MAX), (2, 0), (u32::MAX as usize, 0)]
+        );
+        assert_eq!(WorkerId::new(1, 3).to_bits(), 1 << 32 | 3);
+        assert_eq!(
+            format!("{:?}", WorkerId::new(4, 2)),
+            "WorkerId { slot: 4, generation: 2 }"
+        );
     }
 }

@@ -244,23 +244,22 @@ fn filter_pass(
     let mut lowest_estimate = f64::INFINITY;
     let mut bar = f64::INFINITY;
     for (index, id) in candidates.iter().enumerate() {
-        let estimate = match keys.key(*id) {
-            Some(key)
-                if key.tag == key_tag(*id)
-                    && key.received_nanos >= fresh_from_nanos
-                    && !exact(id.slot()) =>
-            {
-                let estimate = key.base_secs + own_tokens * key.inv_rate;
-                if estimate > bar {
-                    continue;
-                }
-                if estimate < lowest_estimate {
-                    lowest_estimate = estimate;
-                    bar = filter_bar(lowest_estimate, tolerance_secs);
-                }
-                estimate
+        let (key, _) = keys.key(*id);
+        let estimate = if key.tag == key_tag(*id)
+            && key.received_nanos >= fresh_from_nanos
+            && !exact(id.slot())
+        {
+            let estimate = key.base_secs + own_tokens * key.inv_rate;
+            if estimate > bar {
+                continue;
             }
-            _ => f64::NEG_INFINITY,
+            if estimate < lowest_estimate {
+                lowest_estimate = estimate;
+                bar = filter_bar(lowest_estimate, tolerance_secs);
+            }
+            estimate
+        } else {
+            f64::NEG_INFINITY
         };
         if kept.len() == kept.capacity() && kept.len() >= KEPT_COMPACT_LEN {
             kept.retain(|(_, estimate)| *estimate <= bar);
@@ -324,7 +323,9 @@ impl Scan {
             self.lowest_secs = value_secs;
             self.bar_secs = filter_bar(value_secs, tolerance_secs);
             self.lowest_oldest_nanos = last_dispatch_nanos;
-        } else if value_secs == self.lowest_secs {
+        } else if value_secs <= self.lowest_secs {
+            // Equal, in one comparison (an equality test of floats takes
+            // two branches, for NaN, which never gets here).
             if last_dispatch_nanos > self.lowest_oldest_nanos {
                 return;
             }
@@ -376,19 +377,14 @@ fn scan_estimates(
         };
         let index = state.next;
         state.next += 1;
-        match cursor.key(*id) {
-            Some(key)
-                if key.tag == key_tag(*id)
-                    && key.received_nanos >= fresh_from_nanos
-                    && !exact(id.slot()) =>
-            {
-                let estimate = key.base_secs + own_tokens * key.inv_rate;
-                if estimate <= state.bar_secs {
-                    let last_dispatch_nanos = cursor.last_dispatch_in_chunk(*id);
-                    state.keep(kept, index, estimate, last_dispatch_nanos, tolerance_secs);
-                }
-            }
-            _ => break Some(index),
+        let (key, last_dispatch) = cursor.key(*id);
+        if key.tag != key_tag(*id) || key.received_nanos < fresh_from_nanos || exact(id.slot()) {
+            break Some(index);
+        }
+        let estimate = key.base_secs + own_tokens * key.inv_rate;
+        if estimate <= state.bar_secs {
+            let last_dispatch_nanos = last_dispatch.load(Ordering::Relaxed);
+            state.keep(kept, index, estimate, last_dispatch_nanos, tolerance_secs);
         }
     };
     *keys = cursor;

@@ -234,14 +234,27 @@ pub(crate) struct HotValues {
 /// when its snapshot was received, so that a selection can rule out most
 /// candidates reading 32 bytes each, and score exactly only the few that
 /// may be within the tie tolerance of the best.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 #[repr(C, align(32))]
 struct HotKey {
-    /// The record's tag, with [`HOT_KEY`] when the terms below are usable.
+    /// [`key_tag`] of the slot's worker when the terms below are usable
+    /// (it is alive and has a snapshot), else 0.
     tag: AtomicU64,
     received_nanos: AtomicI64,
     base_bits: AtomicU64,
     inv_rate_bits: AtomicU64,
+}
+
+impl HotKey {
+    /// A key no candidate can use (tag 0).
+    const fn unusable() -> HotKey {
+        HotKey {
+            tag: AtomicU64::new(0),
+            received_nanos: AtomicI64::new(i64::MIN),
+            base_bits: AtomicU64::new(0),
+            inv_rate_bits: AtomicU64::new(0),
+        }
+    }
 }
 
 /// A worker's [`HotKey`] as read.
@@ -270,13 +283,16 @@ pub(crate) struct HotRead {
 
 const HOT_ALIVE: u64 = 1;
 const HOT_SNAPSHOT: u64 = 1 << 1;
-const HOT_KEY: u64 = 1 << 2;
 const HOT_GENERATION_SHIFT: u32 = 32;
 
-/// The [`HotKey`] tag of worker `id` when its key is usable.
+/// The [`HotKey`] tag of worker `id` when its key is usable: the id's slot
+/// and generation in one word, inverted so that no id's tag is 0, the tag of
+/// an unusable key (and of a zeroed one). A scan compares it with the
+/// candidate's id as loaded, in one comparison and no arithmetic beyond
+/// the inversion.
 #[inline]
 pub(crate) fn key_tag(id: WorkerId) -> u64 {
-    (u64::from(id.generation()) << HOT_GENERATION_SHIFT) | HOT_ALIVE | HOT_SNAPSHOT | HOT_KEY
+    !id.to_bits()
 }
 
 /// Everything a selection reads of one worker, in one cache line, derived
@@ -307,36 +323,36 @@ struct HotRecord {
 /// Records per chunk of the [`HotTable`] (a 4 KiB page of them).
 const HOT_CHUNK: usize = 64;
 
+/// Keys (and last dispatch times) per chunk of the [`HotTable`]: 40 KiB of
+/// them, so that a scan of a large fleet reads long runs of consecutive
+/// memory, which the hardware prefetches, and checks its chunk with one
+/// comparison per candidate.
+const KEY_CHUNK: usize = 1024;
+
 /// Worker slots the [`HotTable`] covers; a worker in a higher slot is scored
 /// through the slower path that reads its state directly.
 pub(crate) const HOT_SLOTS: usize = 1 << 16;
 
-/// The records, keys and last dispatch times of [`HOT_CHUNK`] consecutive
-/// slots.
+/// The records of [`HOT_CHUNK`] consecutive slots.
 #[derive(Debug)]
 struct HotChunk {
     records: [HotRecord; HOT_CHUNK],
-    keys: [HotKey; HOT_CHUNK],
-    last_dispatch_nanos: [AtomicI64; HOT_CHUNK],
 }
 
-/// One slot's parts of a [`HotChunk`].
+/// The keys and last dispatch times of [`KEY_CHUNK`] consecutive slots,
+/// apart from the records: a scan reads a key for every candidate, a record
+/// only for the few it scores exactly.
+#[derive(Debug)]
+struct KeyChunk {
+    keys: [HotKey; KEY_CHUNK],
+    last_dispatch_nanos: [AtomicI64; KEY_CHUNK],
+}
+
+/// One slot's parts of the [`HotTable`].
 struct HotEntry<'t> {
     record: &'t HotRecord,
     key: &'t HotKey,
     last_dispatch_nanos: &'t AtomicI64,
-}
-
-impl HotChunk {
-    #[inline]
-    fn entry(&self, slot: usize) -> HotEntry<'_> {
-        let index = slot % HOT_CHUNK;
-        HotEntry {
-            record: &self.records[index],
-            key: &self.keys[index],
-            last_dispatch_nanos: &self.last_dispatch_nanos[index],
-        }
-    }
 }
 
 /// The [`HotRecord`]s and [`HotKey`]s of every worker, indexed by slot, in
@@ -344,6 +360,7 @@ impl HotChunk {
 #[derive(Debug)]
 pub(crate) struct HotTable {
     chunks: Box<[OnceLock<Box<HotChunk>>]>,
+    key_chunks: Box<[OnceLock<Box<KeyChunk>>]>,
     /// Whether `rate_bits` holds the learned rate (else the snapshot's).
     learned_rate: bool,
 }
@@ -354,32 +371,46 @@ impl HotTable {
             chunks: (0..HOT_SLOTS / HOT_CHUNK)
                 .map(|_| OnceLock::new())
                 .collect(),
+            key_chunks: (0..HOT_SLOTS / KEY_CHUNK)
+                .map(|_| OnceLock::new())
+                .collect(),
             learned_rate,
         }
     }
 
     #[inline]
-    fn chunk(&self, slot: usize) -> Option<&HotChunk> {
-        self.chunks
-            .get(slot / HOT_CHUNK)?
+    fn key_chunk(&self, slot: usize) -> Option<&KeyChunk> {
+        self.key_chunks
+            .get(slot / KEY_CHUNK)?
             .get()
             .map(|chunk| &**chunk)
     }
 
     #[inline]
     fn entry(&self, slot: usize) -> Option<HotEntry<'_>> {
-        Some(self.chunk(slot)?.entry(slot))
+        let chunk = self.chunks.get(slot / HOT_CHUNK)?.get()?;
+        let key_chunk = self.key_chunk(slot)?;
+        Some(HotEntry {
+            record: &chunk.records[slot % HOT_CHUNK],
+            key: &key_chunk.keys[slot % KEY_CHUNK],
+            last_dispatch_nanos: &key_chunk.last_dispatch_nanos[slot % KEY_CHUNK],
+        })
     }
 
     fn entry_or_new(&self, slot: usize) -> Option<HotEntry<'_>> {
-        let chunk = self.chunks.get(slot / HOT_CHUNK)?.get_or_init(|| {
-            Box::new(HotChunk {
-                records: std::array::from_fn(|_| HotRecord::default()),
-                keys: std::array::from_fn(|_| HotKey::default()),
+        // Keys first: a record is only written once its key can be.
+        self.key_chunks.get(slot / KEY_CHUNK)?.get_or_init(|| {
+            Box::new(KeyChunk {
+                keys: std::array::from_fn(|_| HotKey::unusable()),
                 last_dispatch_nanos: std::array::from_fn(|_| AtomicI64::new(i64::MIN)),
             })
         });
-        Some(chunk.entry(slot))
+        self.chunks.get(slot / HOT_CHUNK)?.get_or_init(|| {
+            Box::new(HotChunk {
+                records: std::array::from_fn(|_| HotRecord::default()),
+            })
+        });
+        self.entry(slot)
     }
 
     /// A reader of keys that remembers the last chunk it looked up
@@ -387,8 +418,9 @@ impl HotTable {
     pub fn keys(&self) -> KeyCursor<'_> {
         KeyCursor {
             table: self,
-            chunk_index: usize::MAX,
-            chunk: None,
+            // No slot is in this chunk: the first key read looks one up.
+            chunk_first_slot: usize::MAX - KEY_CHUNK,
+            chunk: &NO_KEYS,
         }
     }
 
@@ -528,11 +560,11 @@ impl HotTable {
                     .saturating_add(values.pending_requests),
                 Ordering::Relaxed,
             );
-            let (key_flags, (base_secs, inv_rate)) = match values.key {
-                Some(terms) if flags & HOT_SNAPSHOT != 0 => (flags | HOT_KEY, terms),
+            let (tag, (base_secs, inv_rate)) = match values.key {
+                Some(terms) if flags & HOT_SNAPSHOT != 0 && alive != 0 => (key_tag(id), terms),
                 _ => (0, (f64::INFINITY, 0.0)),
             };
-            key.tag.store(key_flags, Ordering::Relaxed);
+            key.tag.store(tag, Ordering::Relaxed);
             key.received_nanos
                 .store(snapshot.received_nanos, Ordering::Relaxed);
             key.base_bits.store(base_secs.to_bits(), Ordering::Relaxed);
@@ -550,46 +582,52 @@ impl HotTable {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KeyCursor<'t> {
     table: &'t HotTable,
-    chunk_index: usize,
-    chunk: Option<&'t HotChunk>,
+    /// The first slot of the chunk at hand, which is [`NO_KEYS`] when the
+    /// table has not allocated it (or none was looked up yet): one
+    /// comparison per candidate tells whether its slot is in the chunk.
+    chunk_first_slot: usize,
+    chunk: &'t KeyChunk,
 }
+
+/// The keys of slots the table has no chunk for: all unusable (tag 0), so a
+/// [`KeyCursor`] needs no second check for a missing chunk.
+static NO_KEYS: KeyChunk = KeyChunk {
+    keys: [const { HotKey::unusable() }; KEY_CHUNK],
+    last_dispatch_nanos: [const { AtomicI64::new(i64::MIN) }; KEY_CHUNK],
+};
 
 impl<'t> KeyCursor<'t> {
     /// Worker `id`'s key, unguarded: a read racing a writer may mix two
     /// versions, which is harmless because a key only decides which
-    /// candidates are scored exactly. `None` without a chunk for the slot.
+    /// candidates are scored exactly; unusable (tag 0) without a chunk for
+    /// the slot. With it, the slot's last dispatch time, kept beside the
+    /// keys and unguarded likewise (`i64::MIN`, "never", without a chunk),
+    /// for the caller to read only if the key leaves it in the running.
     #[inline]
-    pub fn key(&mut self, id: WorkerId) -> Option<KeyRead> {
-        let slot = id.slot();
-        let key = &self.chunk_of(slot)?.keys[slot % HOT_CHUNK];
-        Some(KeyRead {
+    pub fn key(&mut self, id: WorkerId) -> (KeyRead, &'t AtomicI64) {
+        let mut index = id.slot().wrapping_sub(self.chunk_first_slot);
+        if index >= KEY_CHUNK {
+            self.look_up(id.slot());
+            index = id.slot() % KEY_CHUNK;
+        }
+        let chunk = self.chunk;
+        let key = &chunk.keys[index];
+        let read = KeyRead {
             tag: key.tag.load(Ordering::Relaxed),
             received_nanos: key.received_nanos.load(Ordering::Relaxed),
             base_secs: f64::from_bits(key.base_bits.load(Ordering::Relaxed)),
             inv_rate: f64::from_bits(key.inv_rate_bits.load(Ordering::Relaxed)),
-        })
+        };
+        (read, &chunk.last_dispatch_nanos[index])
     }
 
-    /// When the worker in `id`'s slot was last dispatched to, from the
-    /// packed copy beside the keys, unguarded like a key and without the
-    /// generation check of [`HotTable::last_dispatch_nanos`]: for a caller
-    /// that has just read `id`'s key with its tag, so that the cursor is
-    /// on `id`'s chunk (`i64::MIN`, "never", if it is on none).
-    #[inline]
-    pub fn last_dispatch_in_chunk(&self, id: WorkerId) -> i64 {
-        self.chunk.map_or(i64::MIN, |chunk| {
-            chunk.last_dispatch_nanos[id.slot() % HOT_CHUNK].load(Ordering::Relaxed)
-        })
-    }
-
-    /// The chunk of `slot`, looked up only when it is not the last one's.
-    #[inline]
-    fn chunk_of(&mut self, slot: usize) -> Option<&'t HotChunk> {
-        if slot / HOT_CHUNK != self.chunk_index {
-            self.chunk_index = slot / HOT_CHUNK;
-            self.chunk = self.table.chunk(slot);
-        }
-        self.chunk
+    /// Moves the cursor to the chunk of `slot`: out of line, since
+    /// candidates in slot order change chunk once per [`KEY_CHUNK`].
+    #[cold]
+    #[inline(never)]
+    fn look_up(&mut self, slot: usize) {
+        self.chunk_first_slot = slot - slot % KEY_CHUNK;
+        self.chunk = self.table.key_chunk(slot).unwrap_or(&NO_KEYS);
     }
 }
 
@@ -1054,5 +1092,88 @@ mod tests {
             table.last_dispatch_nanos(WorkerId::new(HOT_SLOTS as u32, 0)),
             None
         );
+    }
+
+    #[test]
+    fn a_key_is_usable_only_by_its_live_worker_with_a_snapshot() {
+        let table = HotTable::new(false);
+        let snapshot = HotSnapshot {
+            received_nanos: 7,
+            queued_tokens: 10,
+            throughput_tps: 100.0,
+            kv_barrier_secs: 0.0,
+            others_waiting_requests: 0,
+        };
+        let values = |key, last_dispatch_nanos| HotValues {
+            snapshot: Some(snapshot),
+            key: Some(key),
+            last_dispatch_nanos,
+            ..HotValues::default()
+        };
+        let read = |cursor: &mut KeyCursor<'_>, id: WorkerId| {
+            let (key, last_dispatch) = cursor.key(id);
+            (key, last_dispatch.load(Ordering::Relaxed))
+        };
+        let mut cursor = table.keys();
+        let near = WorkerId::new(3, 0);
+        // Another chunk of keys, so the cursor moves between chunks.
+        let far = WorkerId::new(KEY_CHUNK as u32 + 5, 2);
+        // Nothing allocated yet: unusable, never dispatched to.
+        let (key, last_dispatch_nanos) = read(&mut cursor, near);
+        assert_eq!((key.tag, last_dispatch_nanos), (0, i64::MIN));
+
+        table.insert(near, || values((1.5, 0.25), 40));
+        table.insert(far, || values((2.0, 0.5), 41));
+        let mut cursor = table.keys();
+        for _ in 0..2 {
+            let (key, last_dispatch_nanos) = read(&mut cursor, near);
+            assert_eq!(
+                (key, last_dispatch_nanos),
+                (
+                    KeyRead {
+                        tag: key_tag(near),
+                        received_nanos: 7,
+                        base_secs: 1.5,
+                        inv_rate: 0.25
+                    },
+                    40
+                )
+            );
+            let (key, last_dispatch_nanos) = read(&mut cursor, far);
+            assert_eq!(
+                (key.tag, key.base_secs, last_dispatch_nanos),
+                (key_tag(far), 2.0, 41)
+            );
+        }
+        // Another generation of the slot, a slot of a chunk never
+        // allocated, and slots past the table never match.
+        assert_ne!(
+            read(&mut cursor, WorkerId::new(3, 1)).0.tag,
+            key_tag(WorkerId::new(3, 1))
+        );
+        for slot in [5 * KEY_CHUNK as u32, HOT_SLOTS as u32, u32::MAX] {
+            let id = WorkerId::new(slot, 0);
+            let (key, last_dispatch_nanos) = read(&mut cursor, id);
+            assert_ne!(key.tag, key_tag(id), "slot {slot}");
+            assert_eq!(last_dispatch_nanos, i64::MIN);
+        }
+        // No terms, no snapshot, or removed: unusable.
+        table.update(near, || HotValues {
+            key: None,
+            ..values((1.5, 0.25), 40)
+        });
+        assert_eq!(read(&mut cursor, near).0.tag, 0);
+        table.update(near, || HotValues {
+            snapshot: None,
+            ..values((1.5, 0.25), 40)
+        });
+        assert_eq!(read(&mut cursor, near).0.tag, 0);
+        table.update(far, || values((2.0, 0.5), 41));
+        assert_eq!(read(&mut cursor, far).0.tag, key_tag(far));
+        table.remove(far);
+        assert_eq!(read(&mut cursor, far).0.tag, 0);
+        // A late update for the removed worker does not revive its key.
+        table.update(far, || values((2.0, 0.5), 41));
+        assert_eq!(read(&mut cursor, far).0.tag, 0);
     }
 }
