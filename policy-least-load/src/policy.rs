@@ -1414,8 +1414,7 @@ impl LeastLoad {
         exact: impl Fn(usize) -> bool,
     ) -> Scan {
         let tolerance_secs = self.params.tie_tolerance_secs;
-        // A key received at or after this is fresh (and so is the record).
-        let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
+        let fresh_from_nanos = self.fresh_from_nanos(now_nanos);
         let own_tokens = own_elsewhere as f64;
         let mut fleet = None;
         let mut keys = hot.keys();
@@ -1449,6 +1448,17 @@ impl LeastLoad {
             }
         }
         scan
+    }
+
+    /// A key received at or after this is fresh (and so is its record).
+    /// Never `i64::MIN`, the received time of a key no worker owns, so
+    /// that an unusable key is never taken for fresh, even by an id whose
+    /// tag is the unusable tag (`slot` and `generation` both `u32::MAX`).
+    #[inline]
+    fn fresh_from_nanos(&self, now_nanos: i64) -> i64 {
+        now_nanos
+            .saturating_sub(self.stale_after_nanos)
+            .max(i64::MIN + 1)
     }
 
     /// Whether the values of [`LeastLoad::argmin_filtered`]'s pass decide
@@ -1487,7 +1497,7 @@ impl LeastLoad {
         own_elsewhere: u64,
     ) -> TieRule {
         let tolerance_secs = self.params.tie_tolerance_secs;
-        let fresh_from_nanos = now_nanos.saturating_sub(self.stale_after_nanos);
+        let fresh_from_nanos = self.fresh_from_nanos(now_nanos);
         let mut kept = KEPT.with(Cell::take);
         kept.clear();
         let bar = if own.matches.is_empty() {

@@ -1157,6 +1157,11 @@ mod tests {
             assert_ne!(key.tag, key_tag(id), "slot {slot}");
             assert_eq!(last_dispatch_nanos, i64::MIN);
         }
+        // The one id whose tag is the unusable one reads a key received
+        // at `i64::MIN`, which no selection takes for fresh.
+        let last = WorkerId::new(u32::MAX, u32::MAX);
+        let (key, _) = read(&mut cursor, last);
+        assert_eq!((key.tag, key.received_nanos), (key_tag(last), i64::MIN));
         // No terms, no snapshot, or removed: unusable.
         table.update(near, || HotValues {
             key: None,
