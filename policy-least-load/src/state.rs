@@ -348,6 +348,17 @@ struct KeyChunk {
     last_dispatch_nanos: [AtomicI64; KEY_CHUNK],
 }
 
+impl KeyChunk {
+    /// Every key unusable, no slot ever dispatched to: how a chunk starts,
+    /// and what [`NO_KEYS`] stays.
+    const fn new() -> KeyChunk {
+        KeyChunk {
+            keys: [const { HotKey::unusable() }; KEY_CHUNK],
+            last_dispatch_nanos: [const { AtomicI64::new(i64::MIN) }; KEY_CHUNK],
+        }
+    }
+}
+
 /// One slot's parts of the [`HotTable`].
 struct HotEntry<'t> {
     record: &'t HotRecord,
@@ -399,12 +410,9 @@ impl HotTable {
 
     fn entry_or_new(&self, slot: usize) -> Option<HotEntry<'_>> {
         // Keys first: a record is only written once its key can be.
-        self.key_chunks.get(slot / KEY_CHUNK)?.get_or_init(|| {
-            Box::new(KeyChunk {
-                keys: std::array::from_fn(|_| HotKey::unusable()),
-                last_dispatch_nanos: std::array::from_fn(|_| AtomicI64::new(i64::MIN)),
-            })
-        });
+        self.key_chunks
+            .get(slot / KEY_CHUNK)?
+            .get_or_init(|| Box::new(KeyChunk::new()));
         self.chunks.get(slot / HOT_CHUNK)?.get_or_init(|| {
             Box::new(HotChunk {
                 records: std::array::from_fn(|_| HotRecord::default()),
@@ -582,19 +590,17 @@ impl HotTable {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KeyCursor<'t> {
     table: &'t HotTable,
-    /// The first slot of the chunk at hand, which is [`NO_KEYS`] when the
-    /// table has not allocated it (or none was looked up yet): one
-    /// comparison per candidate tells whether its slot is in the chunk.
+    /// The first slot of the chunk at hand: one comparison per candidate
+    /// tells whether its slot is in it.
     chunk_first_slot: usize,
+    /// The chunk at hand; [`NO_KEYS`] when the table has not allocated it
+    /// (or none was looked up yet).
     chunk: &'t KeyChunk,
 }
 
 /// The keys of slots the table has no chunk for: all unusable (tag 0), so a
 /// [`KeyCursor`] needs no second check for a missing chunk.
-static NO_KEYS: KeyChunk = KeyChunk {
-    keys: [const { HotKey::unusable() }; KEY_CHUNK],
-    last_dispatch_nanos: [const { AtomicI64::new(i64::MIN) }; KEY_CHUNK],
-};
+static NO_KEYS: KeyChunk = KeyChunk::new();
 
 impl<'t> KeyCursor<'t> {
     /// Worker `id`'s key, unguarded: a read racing a writer may mix two
