@@ -305,11 +305,13 @@ impl Scan {
     }
 
     /// Keeps the candidate at `index`, whose value is within the bar,
-    /// unless it equals the lowest and was dispatched to after an earlier
-    /// candidate of that value: such a one can neither win nor take part
-    /// in a draw, since the earlier one is within the final tolerance
-    /// whenever it is, no higher and strictly older. (In an idle fleet
-    /// every candidate ties, and most are such.)
+    /// unless it is no lower than the lowest and was dispatched to after an
+    /// earlier candidate of the lowest value: such a one can neither win
+    /// nor take part in a draw, since the earlier one is strictly older and
+    /// within the final tolerance whenever it is. (Its value is lower; and
+    /// when the values decide, [`LeastLoad::estimates_decide`], the earlier
+    /// one, kept, is surely within whenever this one may be.) In an idle
+    /// fleet every candidate ties, and most are such.
     #[inline]
     fn keep(
         &mut self,
@@ -323,12 +325,11 @@ impl Scan {
             self.lowest_secs = value_secs;
             self.bar_secs = filter_bar(value_secs, tolerance_secs);
             self.lowest_oldest_nanos = last_dispatch_nanos;
+        } else if last_dispatch_nanos > self.lowest_oldest_nanos {
+            return;
         } else if value_secs <= self.lowest_secs {
             // Equal, in one comparison (an equality test of floats takes
             // two branches, for NaN, which never gets here).
-            if last_dispatch_nanos > self.lowest_oldest_nanos {
-                return;
-            }
             self.lowest_oldest_nanos = last_dispatch_nanos;
         }
         // Values above the bar now stay above it: the bar only falls.
@@ -371,22 +372,32 @@ fn scan_estimates(
 ) -> Option<usize> {
     let mut cursor = *keys;
     let mut state = *scan;
+    // The candidates left, as an iterator (two pointers, no index kept
+    // beside them); a candidate's place in the list is worked out only for
+    // the few kept.
+    let mut rest = candidates.get(state.next..).unwrap_or_default().iter();
+    let place = |rest: &std::slice::Iter<'_, WorkerId>| candidates.len() - rest.len() - 1;
     let unestimated = loop {
-        let Some(id) = candidates.get(state.next) else {
+        let Some(id) = rest.next() else {
             break None;
         };
-        let index = state.next;
-        state.next += 1;
         let (key, last_dispatch) = cursor.key(*id);
         if key.tag != key_tag(*id) || key.received_nanos < fresh_from_nanos || exact(id.slot()) {
-            break Some(index);
+            break Some(place(&rest));
         }
         let estimate = key.base_secs + own_tokens * key.inv_rate;
         if estimate <= state.bar_secs {
             let last_dispatch_nanos = last_dispatch.load(Ordering::Relaxed);
-            state.keep(kept, index, estimate, last_dispatch_nanos, tolerance_secs);
+            state.keep(
+                kept,
+                place(&rest),
+                estimate,
+                last_dispatch_nanos,
+                tolerance_secs,
+            );
         }
     };
+    state.next = candidates.len() - rest.len();
     *keys = cursor;
     *scan = state;
     unestimated
@@ -2034,5 +2045,50 @@ impl Policy for LeastLoad {
                 dropped
             })
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod scan_tests {
+    use super::*;
+
+    /// The places `Scan::keep` keeps, offering `(value_secs, last_dispatch_nanos)`
+    /// in order with a tolerance of 1 s.
+    fn kept_places(offers: &[(f64, i64)]) -> Vec<usize> {
+        let mut scan = Scan::new();
+        let mut kept = Vec::new();
+        for (index, (value_secs, last_dispatch_nanos)) in offers.iter().enumerate() {
+            if *value_secs <= scan.bar_secs {
+                scan.keep(&mut kept, index, *value_secs, *last_dispatch_nanos, 1.0);
+            }
+        }
+        kept.iter().map(|within| within.index).collect()
+    }
+
+    #[test]
+    fn a_candidate_behind_an_older_one_of_the_lowest_value_is_not_kept() {
+        // 1: equal to the lowest and newer; 2: higher (within the bar) and
+        // newer; both behind 0. 3: higher but older than 0: kept. 4: above
+        // the bar: not kept. 5: equal and as old: kept (a draw).
+        let offers = [
+            (2.0, 10),
+            (2.0, 11),
+            (2.5, 20),
+            (2.5, 5),
+            (3.5, 1),
+            (2.0, 10),
+        ];
+        assert_eq!(kept_places(&offers), [0, 3, 5]);
+        // A lower value starts over: later candidates are judged against
+        // the new lowest's age (30), not the old one's (10).
+        let offers = [
+            (2.0, 10),
+            (1.0, 30),
+            (1.5, 35),
+            (1.5, 20),
+            (1.0, 40),
+            (1.0, 30),
+        ];
+        assert_eq!(kept_places(&offers), [0, 1, 3, 5]);
     }
 }

@@ -238,7 +238,7 @@ pub(crate) struct HotValues {
 #[repr(C, align(32))]
 struct HotKey {
     /// [`key_tag`] of the slot's worker when the terms below are usable
-    /// (it is alive and has a snapshot), else 0.
+    /// (it is alive and has a snapshot), else [`UNUSABLE_TAG`].
     tag: AtomicU64,
     received_nanos: AtomicI64,
     base_bits: AtomicU64,
@@ -246,10 +246,10 @@ struct HotKey {
 }
 
 impl HotKey {
-    /// A key no candidate can use (tag 0).
+    /// A key no candidate can use.
     const fn unusable() -> HotKey {
         HotKey {
-            tag: AtomicU64::new(0),
+            tag: AtomicU64::new(UNUSABLE_TAG),
             received_nanos: AtomicI64::new(i64::MIN),
             base_bits: AtomicU64::new(0),
             inv_rate_bits: AtomicU64::new(0),
@@ -286,14 +286,17 @@ const HOT_SNAPSHOT: u64 = 1 << 1;
 const HOT_GENERATION_SHIFT: u32 = 32;
 
 /// The [`HotKey`] tag of worker `id` when its key is usable: the id's slot
-/// and generation in one word, inverted so that no id's tag is 0, the tag of
-/// an unusable key (and of a zeroed one). A scan compares it with the
-/// candidate's id as loaded, in one comparison and no arithmetic beyond
-/// the inversion.
+/// and generation in one word, which a scan compares with the candidate's
+/// id as loaded, in one instruction.
 #[inline]
 pub(crate) fn key_tag(id: WorkerId) -> u64 {
-    !id.to_bits()
+    id.to_bits()
 }
+
+/// The tag of an unusable [`HotKey`]: that of slot and generation
+/// `u32::MAX`, a slot past the table ([`HOT_SLOTS`]), whose candidates read
+/// [`NO_KEYS`], received at `i64::MIN`, which no selection takes for fresh.
+const UNUSABLE_TAG: u64 = u64::MAX;
 
 /// Everything a selection reads of one worker, in one cache line, derived
 /// from the worker's ledger, snapshot, learned rate and remote pending work.
@@ -387,6 +390,20 @@ impl HotTable {
                 .collect(),
             learned_rate,
         }
+    }
+
+    /// The first slot of `slot`'s chunk of keys, and the chunk
+    /// ([`NO_KEYS`] if not allocated), for a [`KeyCursor`] to move to.
+    /// Out of line, since candidates in slot order change chunk once per
+    /// [`KEY_CHUNK`]; and returned rather than written through the cursor,
+    /// so that a scan's cursor can live in registers.
+    #[cold]
+    #[inline(never)]
+    fn key_chunk_at(&self, slot: usize) -> (usize, &KeyChunk) {
+        (
+            slot - slot % KEY_CHUNK,
+            self.key_chunk(slot).unwrap_or(&NO_KEYS),
+        )
     }
 
     #[inline]
@@ -500,7 +517,7 @@ impl HotTable {
             let tag = record.tag.load(Ordering::Relaxed);
             if tag >> HOT_GENERATION_SHIFT == generation {
                 record.tag.store(tag & !HOT_ALIVE, Ordering::Relaxed);
-                key.tag.store(0, Ordering::Relaxed);
+                key.tag.store(UNUSABLE_TAG, Ordering::Relaxed);
             }
             record
                 .version
@@ -570,7 +587,7 @@ impl HotTable {
             );
             let (tag, (base_secs, inv_rate)) = match values.key {
                 Some(terms) if flags & HOT_SNAPSHOT != 0 && alive != 0 => (key_tag(id), terms),
-                _ => (0, (f64::INFINITY, 0.0)),
+                _ => (UNUSABLE_TAG, (f64::INFINITY, 0.0)),
             };
             key.tag.store(tag, Ordering::Relaxed);
             key.received_nanos
@@ -598,14 +615,14 @@ pub(crate) struct KeyCursor<'t> {
     chunk: &'t KeyChunk,
 }
 
-/// The keys of slots the table has no chunk for: all unusable (tag 0), so a
+/// The keys of slots the table has no chunk for: all unusable, so a
 /// [`KeyCursor`] needs no second check for a missing chunk.
 static NO_KEYS: KeyChunk = KeyChunk::new();
 
 impl<'t> KeyCursor<'t> {
     /// Worker `id`'s key, unguarded: a read racing a writer may mix two
     /// versions, which is harmless because a key only decides which
-    /// candidates are scored exactly; unusable (tag 0) without a chunk for
+    /// candidates are scored exactly; unusable without a chunk for
     /// the slot. With it, the slot's last dispatch time, kept beside the
     /// keys and unguarded likewise (`i64::MIN`, "never", without a chunk),
     /// for the caller to read only if the key leaves it in the running.
@@ -613,7 +630,7 @@ impl<'t> KeyCursor<'t> {
     pub fn key(&mut self, id: WorkerId) -> (KeyRead, &'t AtomicI64) {
         let mut index = id.slot().wrapping_sub(self.chunk_first_slot);
         if index >= KEY_CHUNK {
-            self.look_up(id.slot());
+            (self.chunk_first_slot, self.chunk) = self.table.key_chunk_at(id.slot());
             index = id.slot() % KEY_CHUNK;
         }
         let chunk = self.chunk;
@@ -625,15 +642,6 @@ impl<'t> KeyCursor<'t> {
             inv_rate: f64::from_bits(key.inv_rate_bits.load(Ordering::Relaxed)),
         };
         (read, &chunk.last_dispatch_nanos[index])
-    }
-
-    /// Moves the cursor to the chunk of `slot`: out of line, since
-    /// candidates in slot order change chunk once per [`KEY_CHUNK`].
-    #[cold]
-    #[inline(never)]
-    fn look_up(&mut self, slot: usize) {
-        self.chunk_first_slot = slot - slot % KEY_CHUNK;
-        self.chunk = self.table.key_chunk(slot).unwrap_or(&NO_KEYS);
     }
 }
 
@@ -1126,7 +1134,7 @@ mod tests {
         let far = WorkerId::new(KEY_CHUNK as u32 + 5, 2);
         // Nothing allocated yet: unusable, never dispatched to.
         let (key, last_dispatch_nanos) = read(&mut cursor, near);
-        assert_eq!((key.tag, last_dispatch_nanos), (0, i64::MIN));
+        assert_eq!((key.tag, last_dispatch_nanos), (UNUSABLE_TAG, i64::MIN));
 
         table.insert(near, || values((1.5, 0.25), 40));
         table.insert(far, || values((2.0, 0.5), 41));
@@ -1173,18 +1181,18 @@ mod tests {
             key: None,
             ..values((1.5, 0.25), 40)
         });
-        assert_eq!(read(&mut cursor, near).0.tag, 0);
+        assert_eq!(read(&mut cursor, near).0.tag, UNUSABLE_TAG);
         table.update(near, || HotValues {
             snapshot: None,
             ..values((1.5, 0.25), 40)
         });
-        assert_eq!(read(&mut cursor, near).0.tag, 0);
+        assert_eq!(read(&mut cursor, near).0.tag, UNUSABLE_TAG);
         table.update(far, || values((2.0, 0.5), 41));
         assert_eq!(read(&mut cursor, far).0.tag, key_tag(far));
         table.remove(far);
-        assert_eq!(read(&mut cursor, far).0.tag, 0);
+        assert_eq!(read(&mut cursor, far).0.tag, UNUSABLE_TAG);
         // A late update for the removed worker does not revive its key.
         table.update(far, || values((2.0, 0.5), 41));
-        assert_eq!(read(&mut cursor, far).0.tag, 0);
+        assert_eq!(read(&mut cursor, far).0.tag, UNUSABLE_TAG);
     }
 }
