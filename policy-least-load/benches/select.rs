@@ -29,6 +29,10 @@
 //! reports the same empty queue): all but the workers with open dispatches
 //! tie, so every selection applies the tie rule across the whole fleet, as
 //! in a lightly loaded production fleet.
+//! `least_load_one_stale/1024` is `least_load/1024` after one worker's
+//! poll failed: that worker has no fresh snapshot and is scored against
+//! the fleet's mean rate, so the two rows' difference is what one worker
+//! whose load cannot be read costs every selection.
 //!
 //! Names: `select/<policy>/<workers>` and `select/<policy>/<workers>/2-thread`.
 //! The 2-thread figure is wall time per selection with both threads working
@@ -522,6 +526,22 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
                 let from = clock.fetch_add(iters as usize, Ordering::Relaxed);
                 let start = Instant::now();
                 run_from(policy, &ids, from, iters, now, Duration::from_nanos(1));
+                start.elapsed()
+            });
+        });
+    }
+    {
+        let (policy, ids) = build("least_load", 1024, now)?;
+        // The last worker's next poll fails: it keeps no fresh snapshot.
+        if let Some(stale) = ids.last() {
+            let mark = policy.poll_started(*stale, now);
+            policy.poll_failed(mark, now);
+        }
+        let policy = policy.as_ref();
+        group.bench_function("least_load_one_stale/1024", |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                run(policy, &ids, iters, now);
                 start.elapsed()
             });
         });

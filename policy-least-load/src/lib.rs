@@ -96,6 +96,7 @@
 //! since the worker's last report, reset when the next report arrives) so the
 //! simulator can compare the two on the same traffic.
 
+mod fleet_memo;
 mod params;
 mod policy;
 pub mod prefix;

@@ -11,6 +11,7 @@ use policy_core::{
     WorkerId, WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
+use crate::fleet_memo::FleetMemo;
 use crate::prefix::{Matches, PrefixIndex};
 use crate::rate::{FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, RateProbe};
 use crate::score::{
@@ -129,6 +130,9 @@ pub struct LeastLoad {
     next_poll: AtomicU64,
     /// What a worker without a learned rate is scored at.
     fleet_rate: FleetRate,
+    /// The mean reported rate a worker without a fresh snapshot is scored
+    /// at, as last computed ([`LeastLoad::lazy_fleet`]).
+    fleet_memo: FleetMemo,
     /// Where prompt prefixes were sent (`prefix_affinity`), else `None`.
     /// Lock-free to read; records take its writer lock.
     prefix: Option<PrefixIndex>,
@@ -651,6 +655,7 @@ impl LeastLoad {
         Ok(LeastLoad {
             strategy,
             fleet_rate: FleetRate::new(params.default_throughput, params.rate_deadband_ratio),
+            fleet_memo: FleetMemo::default(),
             params,
             stale_after_nanos: i64::try_from(context.stale_after.as_nanos()).unwrap_or(i64::MAX),
             workers: WorkerSlots::new(),
@@ -851,22 +856,41 @@ impl LeastLoad {
         candidates: impl Iterator<Item = &'v Slot<WorkerState>>,
         now_nanos: i64,
     ) -> Fleet {
+        self.fleet_fresh_until(candidates, now_nanos).0
+    }
+
+    /// [`LeastLoad::fleet`], and the last instant every snapshot it found
+    /// fresh stays fresh (`i64::MAX` when none is).
+    fn fleet_fresh_until<'v>(
+        &self,
+        candidates: impl Iterator<Item = &'v Slot<WorkerState>>,
+        now_nanos: i64,
+    ) -> (Fleet, i64) {
         let mut any_fresh = false;
         let mut mean = MeanThroughput::default();
+        let mut fresh_until_nanos = i64::MAX;
         for slot in candidates {
             if let Some(snapshot) = self.fresh_snapshot(&slot.state, now_nanos) {
                 any_fresh = true;
+                fresh_until_nanos = fresh_until_nanos.min(
+                    snapshot
+                        .received_nanos
+                        .saturating_add(self.stale_after_nanos),
+                );
                 if snapshot.terms.throughput == ThroughputSource::Reported {
                     mean.add(snapshot.terms.throughput_tps);
                 }
             }
         }
-        mean.fleet(any_fresh, &self.params)
+        (mean.fleet(any_fresh, &self.params), fresh_until_nanos)
     }
 
     /// The fleet a selection needs, computed only when a candidate lacks a
     /// fresh snapshot (the fleet's rate then matters), so the common case
-    /// stays one pass with no allocation.
+    /// stays one pass with no allocation; and then reused from the last
+    /// selection's when nothing it reads has changed ([`FleetMemo`]), so a
+    /// worker whose load cannot be read does not make every selection read
+    /// every candidate's snapshot.
     fn lazy_fleet(
         &self,
         cache: &mut Option<Fleet>,
@@ -875,7 +899,9 @@ impl LeastLoad {
         now_nanos: i64,
     ) -> Fleet {
         *cache.get_or_insert_with(|| {
-            self.fleet(candidates.iter().filter_map(|id| view.get(*id)), now_nanos)
+            self.fleet_memo.fleet(candidates, now_nanos, || {
+                self.fleet_fresh_until(candidates.iter().filter_map(|id| view.get(*id)), now_nanos)
+            })
         })
     }
 
@@ -1684,6 +1710,7 @@ impl Policy for LeastLoad {
         let prior_tps = self.fleet_rate.tps();
         self.workers
             .insert(id, info, WorkerState::new(&self.params, prior_tps));
+        self.fleet_memo.changed();
         if let Some(hot) = &self.hot
             && let Some(slot) = self.workers.read().get(id)
         {
@@ -1692,9 +1719,9 @@ impl Policy for LeastLoad {
     }
 
     fn remove_worker(&self, id: WorkerId) {
-        if self.workers.remove(id).is_some()
-            && let Some(hot) = &self.hot
-        {
+        let removed = self.workers.remove(id).is_some();
+        self.fleet_memo.changed();
+        if removed && let Some(hot) = &self.hot {
             hot.remove(id);
         }
         self.refresh_fleet_rate(&self.workers.read());
@@ -1869,6 +1896,7 @@ impl Policy for LeastLoad {
             }
         });
         if applied {
+            self.fleet_memo.changed();
             self.refresh_hot(slot);
         }
     }
@@ -1877,6 +1905,7 @@ impl Policy for LeastLoad {
         if let Some(slot) = self.workers.read().get(mark.worker)
             && slot.state.snapshot.apply(mark.seq, None, || {})
         {
+            self.fleet_memo.changed();
             self.refresh_hot(slot);
         }
     }

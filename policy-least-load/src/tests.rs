@@ -417,6 +417,28 @@ fn a_worker_without_a_snapshot_among_reporting_ones() {
     assert_eq!(policy.select(&ids, &exact(1), t0).unwrap().worker, ids[2]);
 }
 
+/// The fleet's mean rate, which a worker without a snapshot is scored at,
+/// is remembered between selections over the same candidates, and a report
+/// or a removal changes it at once.
+#[test]
+fn the_remembered_fleet_rate_follows_reports_and_removals() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(2000), 2, Some(1000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(2000), 2, Some(1000.0), 0.0), t0);
+    policy.select(&[ids[2]], &exact(3000), t0).unwrap();
+    // Nominal 1000 tok/s: the dark worker waits 3 s, the others 2 s.
+    let first = policy.select(&ids, &exact(1), t0).unwrap();
+    assert_ne!(first.worker, ids[2]);
+    // ids[1] now reports 1.2 s at 5000 tok/s: nominal (1000 + 5000) / 2 =
+    // 3000, and the dark worker's 3000 tokens wait 1 s.
+    report(&policy, ids[1], &load(Some(6000), 6, Some(5000.0), 0.0), t0);
+    assert_eq!(policy.select(&ids, &exact(1), t0).unwrap().worker, ids[2]);
+    // Without ids[1], nominal is 1000 again: 3 s against ids[0]'s 2 s.
+    policy.remove_worker(ids[1]);
+    assert_eq!(policy.select(&ids, &exact(1), t0).unwrap().worker, ids[0]);
+}
+
 #[test]
 fn a_dark_fleet_joins_the_shortest_queue_of_pending_tokens() {
     let (policy, ids) = fleet(3);
