@@ -75,19 +75,17 @@ impl FleetMemo {
         }
         let (fleet, fresh_until_nanos) = compute();
         if let Some(mut last) = self.last.try_lock() {
-            let memo = last.get_or_insert_with(|| Memo {
+            // The candidate list's room passes from one memo to the next.
+            let mut kept = last.take().map(|memo| memo.candidates).unwrap_or_default();
+            kept.clear();
+            kept.extend_from_slice(candidates);
+            *last = Some(Memo {
                 epoch,
-                candidates: Vec::new(),
+                candidates: kept,
                 computed_at_nanos: now_nanos,
                 fresh_until_nanos,
                 fleet,
             });
-            memo.epoch = epoch;
-            memo.candidates.clear();
-            memo.candidates.extend_from_slice(candidates);
-            memo.computed_at_nanos = now_nanos;
-            memo.fresh_until_nanos = fresh_until_nanos;
-            memo.fleet = fleet;
         }
         fleet
     }
