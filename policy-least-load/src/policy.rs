@@ -815,6 +815,13 @@ impl LeastLoad {
         }
     }
 
+    /// After a poll's outcome was applied to the worker's snapshot: the
+    /// fleet's remembered mean and the worker's hot record are out of date.
+    fn snapshot_applied(&self, slot: &Slot<WorkerState>) {
+        self.fleet_memo.changed();
+        self.refresh_hot(slot);
+    }
+
     /// Rewrites the worker's hot record after a change to its state.
     fn refresh_hot(&self, slot: &Slot<WorkerState>) {
         if let Some(hot) = &self.hot {
@@ -1896,8 +1903,7 @@ impl Policy for LeastLoad {
             }
         });
         if applied {
-            self.fleet_memo.changed();
-            self.refresh_hot(slot);
+            self.snapshot_applied(slot);
         }
     }
 
@@ -1905,8 +1911,7 @@ impl Policy for LeastLoad {
         if let Some(slot) = self.workers.read().get(mark.worker)
             && slot.state.snapshot.apply(mark.seq, None, || {})
         {
-            self.fleet_memo.changed();
-            self.refresh_hot(slot);
+            self.snapshot_applied(slot);
         }
     }
 
