@@ -46,9 +46,11 @@ const BENCH_USAGE: &str =
   --runs N                 repetitions of every wrk measurement (default 5; with 3 a
                            noisy neighbour in one run can still move the median).
                            A row whose runs disagree by more than 1.5x (max/min;
-                           criterion rows: p90/p10 of the samples) is FAILED: no
-                           median is reported for it and the bench exits non-zero
-                           after writing the report
+                           criterion rows: p90/p10 of the samples) is measured
+                           again (a criterion benchmark alone, up to twice; the
+                           half-load pair, both proxies, once); if it still
+                           disagrees it is FAILED: no median is reported for it
+                           and the bench exits non-zero after writing the report
   --duration-s S           length of one wrk run, seconds (default 10)
   --half-load-duration-s S length of one paced run at half load, seconds (default
                            30): a p99 is the tail of 1 % of the requests, and a

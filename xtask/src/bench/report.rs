@@ -404,7 +404,13 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("errors", "errors", 0),
             ("runs", "runs", 0),
             ("spread", "spread", 3),
+            ("attempts", "attempts", 0),
         ],
+    );
+    let _ = writeln!(
+        out,
+        "When either row's runs disagree, the pair is measured again, both proxies, up to {} more time(s); `attempts` counts the pair's measurements, only the last one's figures are shown, and the notes say why an attempt was repeated.\n",
+        super::proxy::HALF_LOAD_RETRIES
     );
     out.push_str("## Selection cost (criterion, select + finish)\n\n");
     table(
@@ -418,7 +424,13 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("runs", "samples", 0),
             ("spread", "spread (max/min)", 2),
             ("spread_p10_p90", "spread (p90/p10)", 2),
+            ("attempts", "attempts", 0),
         ],
+    );
+    let _ = writeln!(
+        out,
+        "A benchmark whose samples disagree is measured again, alone, up to {} more times; `attempts` counts its measurements, and only the last one's figures are shown.\n",
+        super::select::RETRIES
     );
     out.push_str("Calibration (a fixed spin loop, the machine's own speed during the selection benchmarks: compare it between reports before comparing their selection costs):\n\n");
     table(
@@ -430,6 +442,7 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("runs", "samples", 0),
             ("spread", "spread (max/min)", 2),
             ("spread_p10_p90", "spread (p90/p10)", 2),
+            ("attempts", "attempts", 0),
         ],
     );
     out.push_str("## Router under many workers\n\n");
