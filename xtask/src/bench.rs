@@ -261,9 +261,28 @@ fn machine_note() -> String {
 
 /// `GET path` on a loopback port; the status code, if anything answered.
 fn http_status(port: u16, path: &str) -> Option<u16> {
+    http_send(port, "GET", path, None)
+}
+
+/// `POST path` with a JSON `body` on a loopback port; the status code, if
+/// anything answered.
+fn http_post_json(port: u16, path: &str, body: &serde_json::Value) -> Option<u16> {
+    http_send(port, "POST", path, Some(&body.to_string()))
+}
+
+/// One request on a new connection; the answer's status code.
+fn http_send(port: u16, method: &str, path: &str, json_body: Option<&str>) -> Option<u16> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    let body = match json_body {
+        Some(body) => format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+        None => "\r\n".to_owned(),
+    };
+    let request =
+        format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{body}");
     stream.write_all(request.as_bytes()).ok()?;
     let mut head = [0u8; 64];
     let read = stream.read(&mut head).ok()?;
@@ -339,15 +358,8 @@ fn http_get_body(port: u16, path: &str) -> Option<String> {
 /// Whether the router on `port` has all `workers` healthy, each with a load
 /// report at most `max_age_s` old: it routes on fresh loads from now on.
 fn router_has_fresh_loads(port: u16, workers: usize, max_age_s: f64) -> Result<bool, String> {
-    let Some(body) = http_get_body(port, "/admin/workers") else {
-        return Ok(false);
-    };
-    let listing: serde_json::Value = serde_json::from_str(&body)
-        .map_err(|error| format!("/admin/workers on port {port}: {error}"))?;
-    let Some(listed) = listing.get("workers").and_then(serde_json::Value::as_array) else {
-        return Ok(false);
-    };
-    let fresh = listed
+    let fresh = router_workers(port)?
+        .unwrap_or_default()
         .iter()
         .filter(|worker| {
             worker.get("healthy").and_then(serde_json::Value::as_bool) == Some(true)
@@ -358,6 +370,22 @@ fn router_has_fresh_loads(port: u16, workers: usize, max_age_s: f64) -> Result<b
         })
         .count();
     Ok(fresh >= workers)
+}
+
+/// The router's `/admin/workers` listing, one object per worker; `None`
+/// while it does not answer.
+fn router_workers(port: u16) -> Result<Option<Vec<serde_json::Value>>, String> {
+    let Some(body) = http_get_body(port, "/admin/workers") else {
+        return Ok(None);
+    };
+    let mut listing: serde_json::Value = serde_json::from_str(&body)
+        .map_err(|error| format!("/admin/workers on port {port}: {error}"))?;
+    Ok(
+        match listing.get_mut("workers").map(serde_json::Value::take) {
+            Some(serde_json::Value::Array(workers)) => Some(workers),
+            _ => None,
+        },
+    )
 }
 
 /// `program` pinned to `core` (`taskset`), with the open-file limit raised

@@ -20,6 +20,8 @@ use super::wrk::{self, Mode, Target, WrkRun};
 use super::{Options, median, spread};
 
 const FLEET_SIZES: [u16; 4] = [16, 256, 1024, 4096];
+/// The fleet of the turn with one sick worker.
+const SICK_FLEET_SIZE: u16 = 1024;
 const POLL_INTERVAL_MS: u64 = 1000;
 /// How long a router may take to see every worker healthy with a fresh
 /// load report (4096 workers are added one health check at a time).
@@ -59,11 +61,18 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
     )
     .map_err(|error| format!("cannot write {}: {error}", config.display()))?;
     let mut sizes: Vec<Size> = FLEET_SIZES.iter().map(|_| Size::default()).collect();
+    let mut one_sick = Size::default();
     for run in 0..options.runs {
         for (size, into) in FLEET_SIZES.iter().zip(sizes.iter_mut()) {
             eprintln!("xtask:  run {}/{}: {size} workers", run + 1, options.runs);
             measure_size(options, out_dir, &ports, *size, &config, into)?;
         }
+        eprintln!(
+            "xtask:  run {}/{}: {SICK_FLEET_SIZE} workers, one without load reports",
+            run + 1,
+            options.runs
+        );
+        measure_one_sick(options, out_dir, &ports, &config, &mut one_sick)?;
     }
 
     let mut rows = Vec::new();
@@ -107,6 +116,34 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 .num("spread", spread(&throughput)),
         );
     }
+    let healthy_cpu = FLEET_SIZES
+        .iter()
+        .zip(&sizes)
+        .find(|(size, _)| **size == SICK_FLEET_SIZE)
+        .map_or(f64::NAN, |(_, measured)| {
+            median(&measured.cpu_us_per_request)
+        });
+    let throughput: Vec<f64> = one_sick.runs.iter().map(WrkRun::throughput_rps).collect();
+    rows.push(
+        Row::new(format!("router-cpu/least_load_one_sick/{SICK_FLEET_SIZE}"))
+            .settled("throughput_rps", &throughput)
+            .num(
+                "p99_ms",
+                median(&one_sick.runs.iter().map(|r| r.p99_ms).collect::<Vec<_>>()),
+            )
+            .settled("cpu_us_per_request", &one_sick.cpu_us_per_request)
+            .num(
+                "cpu_user_us_per_request",
+                median(&one_sick.cpu_user_us_per_request),
+            )
+            .num(
+                "cpu_vs_healthy",
+                median(&one_sick.cpu_us_per_request) / healthy_cpu,
+            )
+            .int("errors", one_sick.runs.iter().map(|r| r.errors).sum())
+            .int("runs", one_sick.runs.len() as u64)
+            .num("spread", spread(&throughput)),
+    );
     for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
         let throughput: Vec<f64> = measured
             .nginx_runs
@@ -129,7 +166,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         );
     }
     let notes = vec![format!(
-        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first. Then `nginx-cpu/least_conn/<workers>`: nginx (one worker process on core 1, `least_conn`, an idle-connection cache of one connection per worker, at least 128) over the same workers, the same wrk run, nginx's CPU (master + worker) / requests; `cpu_vs_nginx` in the router's row is the ratio of the two medians. `of which user` (both proxies' rows): the user-space part (utime) of the CPU per request; the rest is the kernel's.",
+        "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first. Then `nginx-cpu/least_conn/<workers>`: nginx (one worker process on core 1, `least_conn`, an idle-connection cache of one connection per worker, at least 128) over the same workers, the same wrk run, nginx's CPU (master + worker) / requests; `cpu_vs_nginx` in the router's row is the ratio of the two medians. `of which user` (both proxies' rows): the user-space part (utime) of the CPU per request; the rest is the kernel's. `router-cpu/least_load_one_sick/{SICK_FLEET_SIZE}`: a turn of its own in every run, a router over the first {SICK_FLEET_SIZE} engines measured as above once the last one's load reports turn malformed (engine-sim's `malformed-loads` fault, set when every worker has a fresh load, lifted after the turn): it stays healthy and in rotation, scored without a load of its own, as a worker whose metrics endpoint broke would be; `vs healthy` is its median over the {SICK_FLEET_SIZE}-worker row's.",
         options.duration_s, options.duration_s
     )];
     Ok((rows, notes))
@@ -197,6 +234,91 @@ fn measure_size(
     into.runs.push(loaded.run);
     into.nginx_runs.push(nginx_loaded.run);
     Ok(())
+}
+
+/// One turn of [`SICK_FLEET_SIZE`] workers, the last of which answers its
+/// load polls with malformed reports from when the router has seen every
+/// worker's load until the turn ends: the router's CPU per request under
+/// wrk, with that worker in rotation.
+fn measure_one_sick(
+    options: &Options,
+    out_dir: &Path,
+    ports: &[u16],
+    config: &Path,
+    into: &mut Size,
+) -> Result<(), String> {
+    let size = usize::from(SICK_FLEET_SIZE);
+    let workers = ports.get(..size).ok_or("too few engines")?;
+    let sick_port = *workers.last().ok_or("no engines")?;
+    let (router, port) = start_router("least_load", workers, Some(config))?;
+    super::wait_for(
+        &format!("the router to see all {size} workers healthy with fresh loads"),
+        READY_WITHIN,
+        || super::router_has_fresh_loads(port, size, 2.0),
+    )?;
+    set_fault(sick_port, "malformed-loads")?;
+    let loaded = super::wait_for(
+        "the router to keep the worker with malformed load reports in rotation, its load no longer fresh",
+        READY_WITHIN,
+        || sick_in_rotation(port, sick_port),
+    )
+    .and_then(|()| loaded_run(options, out_dir, port, router.child.id()));
+    // Lifted whatever happened: the engines serve every later turn.
+    let lifted = set_fault(sick_port, "none");
+    drop(router);
+    let loaded = loaded?;
+    lifted?;
+    if loaded.run.requests > 0 {
+        let requests = loaded.run.requests as f64;
+        into.cpu_us_per_request
+            .push(loaded.cpu.total_s() * 1e6 / requests);
+        into.cpu_user_us_per_request
+            .push(loaded.cpu.user_s * 1e6 / requests);
+    }
+    eprintln!(
+        "xtask:    {size:>5} workers, one sick: {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req",
+        loaded.run.throughput_rps(),
+        loaded.run.p99_ms,
+        into.cpu_us_per_request.last().copied().unwrap_or(f64::NAN),
+    );
+    into.runs.push(loaded.run);
+    Ok(())
+}
+
+/// engine-sim's fault `mode` on the engine at `engine_port`.
+fn set_fault(engine_port: u16, mode: &str) -> Result<(), String> {
+    match super::http_post_json(
+        engine_port,
+        "/control/fault",
+        &serde_json::json!({ "mode": mode }),
+    ) {
+        Some(200..=299) => Ok(()),
+        answer => Err(format!(
+            "POST /control/fault {mode:?} on port {engine_port}: {}",
+            answer.map_or("no answer".to_owned(), |status| status.to_string())
+        )),
+    }
+}
+
+/// Whether the router on `port` has the worker at `sick_port` in rotation
+/// after at least three failed load polls (its last load older than the
+/// fleet's 3 s staleness bound).
+fn sick_in_rotation(port: u16, sick_port: u16) -> Result<bool, String> {
+    let suffix = format!(":{sick_port}");
+    let workers = super::router_workers(port)?.unwrap_or_default();
+    let Some(sick) = workers.iter().find(|worker| {
+        worker
+            .get("url")
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|url| url.trim_end_matches('/').ends_with(&suffix))
+    }) else {
+        return Ok(false);
+    };
+    let field = |name: &str| sick.get(name).cloned().unwrap_or_default();
+    Ok(field("in_rotation") == serde_json::Value::Bool(true)
+        && field("poll_failures")
+            .as_u64()
+            .is_some_and(|failures| failures >= 3))
 }
 
 /// One saturating wrk run through a proxy, and the proxy's CPU over it.

@@ -135,10 +135,7 @@ pub(crate) fn write(
 }
 
 fn cell(row: &Row, key: &str, decimals: usize) -> String {
-    match row.get(key) {
-        Some(value) => format!("{value:.decimals$}"),
-        None => "–".to_owned(),
-    }
+    figure(row.get(key), decimals)
 }
 
 /// A table of the rows whose name starts with `prefix`.
@@ -191,6 +188,11 @@ fn verdict(met: Option<bool>) -> &'static str {
     }
 }
 
+/// `value` with `decimals` decimals, or `–` when it was not measured.
+fn figure(value: Option<f64>, decimals: usize) -> String {
+    value.map_or("–".to_owned(), |value| format!("{value:.decimals$}"))
+}
+
 fn ratio_text(ratio: Option<f64>) -> String {
     ratio.map_or("–".to_owned(), |r| format!("{r:.3}×"))
 }
@@ -220,8 +222,8 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
             "- router (least_load, {mode}) CPU per request ≤ 1.0× nginx's: {} ({}: router {} µs, nginx {} µs{})",
             verdict(ratio.map(|r| r <= 1.0)),
             ratio_text(ratio),
-            router.map_or("–".to_owned(), |v| format!("{v:.1}")),
-            nginx.map_or("–".to_owned(), |v| format!("{v:.1}")),
+            figure(router, 1),
+            figure(nginx, 1),
             paired_text(find(rows, &format!("proxy/least_load/{mode}")), "cpu_vs_nginx_paired"),
         ));
     }
@@ -250,8 +252,8 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
         lines.push(format!(
             "- router (least_load, {mode}) p99 ≤ nginx p99 at 50% of the router's saturation: {} (medians: router {} ms, nginx {} ms; runs' range: router {}, nginx {})",
             verdict(met),
-            router.map_or("–".to_owned(), |v| format!("{v:.3}")),
-            nginx.map_or("–".to_owned(), |v| format!("{v:.3}")),
+            figure(router, 3),
+            figure(nginx, 3),
             range(router_row),
             range(nginx_row),
         ));
@@ -276,16 +278,14 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
                 (at_1024 - select_1024) / (at_16 - select_16)
             },
         );
-        let us =
-            |v: Option<f64>, digits: usize| v.map_or("–".to_owned(), |v| format!("{v:.digits$}"));
         lines.push(format!(
             "- {what} at 1024 workers less its selection (criterion, `select/least_load_idle`: the canned fleet is idle), ≤ 1.1× that at 16: {} ({}: ({} − {}) / ({} − {}) µs)",
             verdict(ratio.map(|r| r <= 1.1)),
             ratio_text(ratio),
-            us(at_1024, 1),
-            us(idle_1024_us, 2),
-            us(at_16, 1),
-            us(idle_16_us, 2),
+            figure(at_1024, 1),
+            figure(idle_1024_us, 2),
+            figure(at_16, 1),
+            figure(idle_16_us, 2),
         ));
     }
     let nginx_16 = value("nginx-cpu/least_conn/16", "cpu_us_per_request");
@@ -296,8 +296,16 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
     lines.push(format!(
         "- for reference, not a target: nginx (`least_conn`, which scans its upstreams too) CPU per request at 1024 workers / at 16: {} ({} / {} µs)",
         ratio_text(nginx_growth),
-        nginx_1024.map_or("–".to_owned(), |v| format!("{v:.1}")),
-        nginx_16.map_or("–".to_owned(), |v| format!("{v:.1}")),
+        figure(nginx_1024, 1),
+        figure(nginx_16, 1),
+    ));
+    let sick = value("router-cpu/least_load_one_sick/1024", "cpu_us_per_request");
+    let healthy = value("router-cpu/least_load/1024", "cpu_us_per_request");
+    lines.push(format!(
+        "- for reference, not a target: the router's CPU per request at 1024 workers, one of them without load reports, over the healthy fleet's: {} ({} / {} µs)",
+        ratio_text(sick.zip(healthy).map(|(sick, healthy)| sick / healthy)),
+        figure(sick, 1),
+        figure(healthy, 1),
     ));
     for (row, what) in [
         ("select/least_load/1024", "a busy fleet"),
@@ -462,6 +470,7 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
                 1,
             ),
             ("cpu_vs_nginx", "CPU vs nginx", 2),
+            ("cpu_vs_healthy", "CPU vs healthy", 2),
             ("errors", "errors", 0),
             ("runs", "runs", 0),
             ("throughput_rps_spread", "req/s spread", 3),
