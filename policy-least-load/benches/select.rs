@@ -37,7 +37,9 @@
 //! Names: `select/<policy>/<workers>` and `select/<policy>/<workers>/2-thread`.
 //! The 2-thread figure is wall time per selection with both threads working
 //! (total time / total selections), so two threads that scale perfectly halve
-//! it.
+//! it. The time runs from the first thread's start, once both threads are
+//! running (a barrier), to the last one's end; spawning and joining them is
+//! not counted.
 //!
 //! `calibration/spin` and `calibration/spin/2-thread` run a loop that shares
 //! nothing: their ratio is the parallelism the machine actually gave this run
@@ -315,13 +317,34 @@ fn prefix_fleet(
 
 /// Wall time per operation with `THREADS` threads each doing `iters`.
 fn contended(iters: u64, op: impl Fn(u64) + Sync) -> Duration {
-    let start = Instant::now();
-    std::thread::scope(|scope| {
-        for _ in 0..THREADS {
-            scope.spawn(|| op(iters));
-        }
+    // Timed from the first thread's start, once every thread is running, to
+    // the last one's end: spawning and joining are not the operation's, and
+    // a thread timed from its spawn would run alone, uncontended, while the
+    // next one starts. The threads read the clock themselves: on a 2-core
+    // machine the spawning thread may not run again until they are done.
+    let ready = std::sync::Barrier::new(THREADS);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..THREADS)
+            .map(|_| {
+                scope.spawn(|| {
+                    ready.wait();
+                    let start = Instant::now();
+                    op(iters);
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .filter_map(|thread| thread.join().ok())
+            .collect()
     });
-    start.elapsed() / THREADS as u32
+    let first_start = spans.iter().map(|(start, _)| *start).min();
+    let last_end = spans.iter().map(|(_, end)| *end).max();
+    match (first_start, last_end) {
+        (Some(start), Some(end)) => end.saturating_duration_since(start) / THREADS as u32,
+        _ => Duration::ZERO,
+    }
 }
 
 /// The original design, as its pull request built it: loads and the
