@@ -175,13 +175,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&report_dir)
         .map_err(|error| format!("cannot create {}: {error}", report_dir.display()))?;
     report::write(&report_dir, &rows, &notes, &options)?;
-    let failed: Vec<String> = rows
-        .iter()
-        .flat_map(|row| {
-            row.failures()
-                .iter()
-                .map(move |why| format!("  {}: {why}", row.name))
-        })
+    let failed: Vec<String> = report::failures(&rows)
+        .map(|(name, why)| format!("  {name}: {why}"))
         .collect();
     if !failed.is_empty() {
         return Err(format!(

@@ -93,27 +93,20 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         );
     }
     for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
-        let throughput: Vec<f64> = measured.runs.iter().map(WrkRun::throughput_rps).collect();
-        let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
         let cpu_vs_nginx =
             median(&measured.cpu_us_per_request) / median(&measured.nginx_cpu_us_per_request);
         rows.push(
-            Row::new(format!("router-cpu/least_load/{size}"))
-                .settled("throughput_rps", &throughput)
-                .num("p99_ms", median(&p99))
-                .settled("cpu_us_per_request", &measured.cpu_us_per_request)
-                .num(
-                    "cpu_user_us_per_request",
-                    median(&measured.cpu_user_us_per_request),
-                )
-                .settled(
-                    "cpu_us_per_request_less_polling",
-                    &measured.cpu_us_per_request_less_polling,
-                )
-                .num("cpu_vs_nginx", cpu_vs_nginx)
-                .int("errors", measured.runs.iter().map(|r| r.errors).sum())
-                .int("runs", measured.runs.len() as u64)
-                .num("spread", spread(&throughput)),
+            loaded_row(
+                format!("router-cpu/least_load/{size}"),
+                &measured.runs,
+                &measured.cpu_us_per_request,
+                &measured.cpu_user_us_per_request,
+            )
+            .settled(
+                "cpu_us_per_request_less_polling",
+                &measured.cpu_us_per_request_less_polling,
+            )
+            .num("cpu_vs_nginx", cpu_vs_nginx),
         );
     }
     let healthy_cpu = FLEET_SIZES
@@ -123,53 +116,47 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         .map_or(f64::NAN, |(_, measured)| {
             median(&measured.cpu_us_per_request)
         });
-    let throughput: Vec<f64> = one_sick.runs.iter().map(WrkRun::throughput_rps).collect();
     rows.push(
-        Row::new(format!("router-cpu/least_load_one_sick/{SICK_FLEET_SIZE}"))
-            .settled("throughput_rps", &throughput)
-            .num(
-                "p99_ms",
-                median(&one_sick.runs.iter().map(|r| r.p99_ms).collect::<Vec<_>>()),
-            )
-            .settled("cpu_us_per_request", &one_sick.cpu_us_per_request)
-            .num(
-                "cpu_user_us_per_request",
-                median(&one_sick.cpu_user_us_per_request),
-            )
-            .num(
-                "cpu_vs_healthy",
-                median(&one_sick.cpu_us_per_request) / healthy_cpu,
-            )
-            .int("errors", one_sick.runs.iter().map(|r| r.errors).sum())
-            .int("runs", one_sick.runs.len() as u64)
-            .num("spread", spread(&throughput)),
+        loaded_row(
+            format!("router-cpu/least_load_one_sick/{SICK_FLEET_SIZE}"),
+            &one_sick.runs,
+            &one_sick.cpu_us_per_request,
+            &one_sick.cpu_user_us_per_request,
+        )
+        .num(
+            "cpu_vs_healthy",
+            median(&one_sick.cpu_us_per_request) / healthy_cpu,
+        ),
     );
     for (size, measured) in FLEET_SIZES.iter().zip(&sizes) {
-        let throughput: Vec<f64> = measured
-            .nginx_runs
-            .iter()
-            .map(WrkRun::throughput_rps)
-            .collect();
-        let p99: Vec<f64> = measured.nginx_runs.iter().map(|r| r.p99_ms).collect();
-        rows.push(
-            Row::new(format!("nginx-cpu/least_conn/{size}"))
-                .settled("throughput_rps", &throughput)
-                .num("p99_ms", median(&p99))
-                .settled("cpu_us_per_request", &measured.nginx_cpu_us_per_request)
-                .num(
-                    "cpu_user_us_per_request",
-                    median(&measured.nginx_cpu_user_us_per_request),
-                )
-                .int("errors", measured.nginx_runs.iter().map(|r| r.errors).sum())
-                .int("runs", measured.nginx_runs.len() as u64)
-                .num("spread", spread(&throughput)),
-        );
+        rows.push(loaded_row(
+            format!("nginx-cpu/least_conn/{size}"),
+            &measured.nginx_runs,
+            &measured.nginx_cpu_us_per_request,
+            &measured.nginx_cpu_user_us_per_request,
+        ));
     }
     let notes = vec![format!(
         "Many workers: one engine-sim (`--count {largest} --mode canned`, open-file limit raised with `ulimit -n` in a bash wrapper) on core 0; the router (least_load, open-file limit raised the same way) on core 1 with the first 16, 256, 1024 or all {largest} engines as workers. The sizes take turns within each run, each turn with a router started for it and stopped after, so only the measured router runs. Each turn waits until the router sees every worker healthy with a load report under 2 s old, then: `poll/<workers>`: the idle router's CPU (utime+stime from /proc/<pid>/stat) over a {} s window with loads polled every {POLL_INTERVAL_MS} ms and health checks only at start (health.interval_ms = 1 h), so it is the load monitor's cost; `cpu_ms_per_round` = CPU per window / polling rounds in it. Then `router-cpu/least_load/<workers>`: wrk non-streaming at saturation for {} s after a 1 s warm-up, router CPU / requests, which includes the polling running beside it; `less idle polling` subtracts that turn's idle polling rate × the run's length first. Then `nginx-cpu/least_conn/<workers>`: nginx (one worker process on core 1, `least_conn`, an idle-connection cache of one connection per worker, at least 128) over the same workers, the same wrk run, nginx's CPU (master + worker) / requests; `cpu_vs_nginx` in the router's row is the ratio of the two medians. `of which user` (both proxies' rows): the user-space part (utime) of the CPU per request; the rest is the kernel's. `router-cpu/least_load_one_sick/{SICK_FLEET_SIZE}`: a turn of its own in every run, a router over the first {SICK_FLEET_SIZE} engines measured as above once the last one's load reports turn malformed (engine-sim's `malformed-loads` fault, set when every worker has a fresh load, lifted after the turn): it stays healthy and in rotation, scored without a load of its own, as a worker whose metrics endpoint broke would be; `vs healthy` is its median over the {SICK_FLEET_SIZE}-worker row's.",
         options.duration_s, options.duration_s
     )];
     Ok((rows, notes))
+}
+
+/// A proxy's row over its saturating `runs`: throughput and CPU per
+/// request (`cpu_us`, its user-space part `cpu_user_us`, one per run),
+/// whose runs must agree, and the median p99.
+fn loaded_row(name: String, runs: &[WrkRun], cpu_us: &[f64], cpu_user_us: &[f64]) -> Row {
+    let throughput: Vec<f64> = runs.iter().map(WrkRun::throughput_rps).collect();
+    let p99: Vec<f64> = runs.iter().map(|run| run.p99_ms).collect();
+    Row::new(name)
+        .settled("throughput_rps", &throughput)
+        .num("p99_ms", median(&p99))
+        .settled("cpu_us_per_request", cpu_us)
+        .num("cpu_user_us_per_request", median(cpu_user_us))
+        .int("errors", runs.iter().map(|run| run.errors).sum())
+        .int("runs", runs.len() as u64)
+        .num("spread", spread(&throughput))
 }
 
 /// One turn of one fleet size: a router over the first `size` engines, its
@@ -199,25 +186,20 @@ fn measure_size(
 
     let loaded = loaded_run(options, out_dir, port, pid)?;
     drop(router);
-    if loaded.run.requests > 0 {
-        let requests = loaded.run.requests as f64;
-        let cpu_s = loaded.cpu.total_s();
-        into.cpu_us_per_request.push(cpu_s * 1e6 / requests);
-        into.cpu_user_us_per_request
-            .push(loaded.cpu.user_s * 1e6 / requests);
+    if let Some((cpu_us, user_us)) = loaded.per_request_us() {
+        into.cpu_us_per_request.push(cpu_us);
+        into.cpu_user_us_per_request.push(user_us);
+        let polling_s = fraction * loaded.wall_s;
         into.cpu_us_per_request_less_polling
-            .push((cpu_s - fraction * loaded.wall_s).max(0.0) * 1e6 / requests);
+            .push((loaded.cpu.total_s() - polling_s).max(0.0) * 1e6 / loaded.run.requests as f64);
     }
 
     let (nginx, nginx_port) = start_nginx(&out_dir.join("fleet"), workers)?;
     let nginx_loaded = loaded_run(options, out_dir, nginx_port, nginx.child.id())?;
     drop(nginx);
-    if nginx_loaded.run.requests > 0 {
-        let requests = nginx_loaded.run.requests as f64;
-        into.nginx_cpu_us_per_request
-            .push(nginx_loaded.cpu.total_s() * 1e6 / requests);
-        into.nginx_cpu_user_us_per_request
-            .push(nginx_loaded.cpu.user_s * 1e6 / requests);
+    if let Some((cpu_us, user_us)) = nginx_loaded.per_request_us() {
+        into.nginx_cpu_us_per_request.push(cpu_us);
+        into.nginx_cpu_user_us_per_request.push(user_us);
     }
     eprintln!(
         "xtask:    {size:>5} workers: idle {:.2}% of a core; {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req; nginx {:>9.0} req/s  CPU {:.1} µs/req",
@@ -268,12 +250,9 @@ fn measure_one_sick(
     drop(router);
     let loaded = loaded?;
     lifted?;
-    if loaded.run.requests > 0 {
-        let requests = loaded.run.requests as f64;
-        into.cpu_us_per_request
-            .push(loaded.cpu.total_s() * 1e6 / requests);
-        into.cpu_user_us_per_request
-            .push(loaded.cpu.user_s * 1e6 / requests);
+    if let Some((cpu_us, user_us)) = loaded.per_request_us() {
+        into.cpu_us_per_request.push(cpu_us);
+        into.cpu_user_us_per_request.push(user_us);
     }
     eprintln!(
         "xtask:    {size:>5} workers, one sick: {:>9.0} req/s  p99 {:>7.3} ms  router CPU {:.1} µs/req",
@@ -326,6 +305,20 @@ struct LoadedRun {
     run: WrkRun,
     cpu: CpuTimes,
     wall_s: f64,
+}
+
+impl LoadedRun {
+    /// The proxy's CPU per request and its user-space part, µs; `None`
+    /// when no request completed.
+    fn per_request_us(&self) -> Option<(f64, f64)> {
+        let requests = self.run.requests as f64;
+        (self.run.requests > 0).then(|| {
+            (
+                self.cpu.total_s() * 1e6 / requests,
+                self.cpu.user_s * 1e6 / requests,
+            )
+        })
+    }
 }
 
 /// A 1 s warm-up, then one non-streaming wrk run of the configured length

@@ -235,6 +235,7 @@ fn count_sse_events(port: u16) -> Result<usize, String> {
     Ok(text.matches("data: ").count())
 }
 
+#[derive(Default)]
 struct Measured {
     runs: Vec<WrkRun>,
     cpu_us_per_request: Vec<f64>,
@@ -425,14 +426,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             // Warm-up: connections, pools, caches.
             wrk::run(&script, &target, 1)?;
             scripts.push((path, target, script));
-            measured.push((
-                path,
-                Measured {
-                    runs: Vec::new(),
-                    cpu_us_per_request: Vec::new(),
-                    cpu_user_us_per_request: Vec::new(),
-                },
-            ));
+            measured.push((path, Measured::default()));
         }
         for run in 0..options.runs {
             eprintln!("xtask:  run {}/{}", run + 1, options.runs);
@@ -493,13 +487,8 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             if agree || attempt > HALF_LOAD_RETRIES {
                 break half_rows;
             }
-            let why: Vec<String> = half_rows
-                .iter()
-                .flat_map(|row| {
-                    row.failures()
-                        .iter()
-                        .map(move |why| format!("`{}`: {why}", row.name))
-                })
+            let why: Vec<String> = super::report::failures(&half_rows)
+                .map(|(name, why)| format!("`{name}`: {why}"))
                 .collect();
             eprintln!("xtask:  runs disagree; measuring the pair again");
             notes.push(format!(
@@ -552,16 +541,7 @@ fn measure_half_load(
     for path in paths {
         let target = target_of(path);
         let script = wrk::script(out_dir, mode, &target, Some(rate_rps))?;
-        measured.push((
-            path,
-            target,
-            script,
-            Measured {
-                runs: Vec::new(),
-                cpu_us_per_request: Vec::new(),
-                cpu_user_us_per_request: Vec::new(),
-            },
-        ));
+        measured.push((path, target, script, Measured::default()));
     }
     for run in 0..options.runs {
         eprintln!("xtask:  run {}/{}", run + 1, options.runs);

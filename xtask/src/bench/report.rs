@@ -103,6 +103,15 @@ impl Row {
     }
 }
 
+/// Every failure of `rows`, as (row name, why).
+pub(crate) fn failures(rows: &[Row]) -> impl Iterator<Item = (&str, &str)> {
+    rows.iter().flat_map(|row| {
+        row.failures
+            .iter()
+            .map(move |why| (row.name.as_str(), why.as_str()))
+    })
+}
+
 /// The row named `name`, if measured.
 pub(crate) fn find<'a>(rows: &'a [Row], name: &str) -> Option<&'a Row> {
     rows.iter().find(|row| row.name == name)
