@@ -18,6 +18,7 @@ use super::proxy::{start_engines, start_nginx, start_router};
 use super::report::Row;
 use super::wrk::{self, Mode, Target, WrkRun};
 use super::{Options, median, spread};
+use crate::Process;
 
 const FLEET_SIZES: [u16; 4] = [16, 256, 1024, 4096];
 /// The fleet of the turn with one sick worker.
@@ -159,6 +160,21 @@ fn loaded_row(name: String, runs: &[WrkRun], cpu_us: &[f64], cpu_user_us: &[f64]
         .num("spread", spread(&throughput))
 }
 
+/// A least_load router over `workers`, once it sees every one healthy with
+/// a load report under 2 s old: it routes on fresh loads from then on.
+fn ready_router(workers: &[u16], config: &Path) -> Result<(Process, u16), String> {
+    let (router, port) = start_router("least_load", workers, Some(config))?;
+    super::wait_for(
+        &format!(
+            "the router to see all {} workers healthy with fresh loads",
+            workers.len()
+        ),
+        READY_WITHIN,
+        || super::router_has_fresh_loads(port, workers.len(), 2.0),
+    )?;
+    Ok((router, port))
+}
+
 /// One turn of one fleet size: a router over the first `size` engines, its
 /// idle CPU, then one wrk run through it.
 fn measure_size(
@@ -170,13 +186,8 @@ fn measure_size(
     into: &mut Size,
 ) -> Result<(), String> {
     let workers = ports.get(..usize::from(size)).ok_or("too few engines")?;
-    let (router, port) = start_router("least_load", workers, Some(config))?;
+    let (router, port) = ready_router(workers, config)?;
     let pid = router.child.id();
-    super::wait_for(
-        &format!("the router to see all {size} workers healthy with fresh loads"),
-        READY_WITHIN,
-        || super::router_has_fresh_loads(port, usize::from(size), 2.0),
-    )?;
 
     let before = cpu(pid)?;
     let start = Instant::now();
@@ -232,12 +243,7 @@ fn measure_one_sick(
     let size = usize::from(SICK_FLEET_SIZE);
     let workers = ports.get(..size).ok_or("too few engines")?;
     let sick_port = *workers.last().ok_or("no engines")?;
-    let (router, port) = start_router("least_load", workers, Some(config))?;
-    super::wait_for(
-        &format!("the router to see all {size} workers healthy with fresh loads"),
-        READY_WITHIN,
-        || super::router_has_fresh_loads(port, size, 2.0),
-    )?;
+    let (router, port) = ready_router(workers, config)?;
     set_fault(sick_port, "malformed-loads")?;
     let loaded = super::wait_for(
         "the router to keep the worker with malformed load reports in rotation, its load no longer fresh",
