@@ -18,7 +18,10 @@
 //! Pinning (2 cores): wrk and engine-sim share core 0, the proxy under test
 //! (router or nginx, one worker each) has core 1 to itself. The direct runs
 //! use core 0 only; they show what core 0 can do, so a proxy whose throughput
-//! equals direct is not the bottleneck.
+//! equals direct is not the bottleneck. Each saturation row also reports
+//! the share of its core the proxy used (`proxy core busy`): the throughput
+//! target compares the router with nginx only when both used 0.9 of it or
+//! more, as otherwise core 0 limited both runs and the ratio measures that.
 
 mod fleet;
 mod proc_stat;

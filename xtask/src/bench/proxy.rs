@@ -267,12 +267,21 @@ fn summarize(name: String, measured: &Measured, half_load: bool) -> Row {
     // A p99 is noisier than a throughput; the runs' range shows how much.
     row = row.num("p99_min_ms", p99_min).num("p99_max_ms", p99_max);
     if !measured.cpu_us_per_request.is_empty() {
+        // The share of its core the proxy used: below saturation it was
+        // not what limited the run's throughput.
+        let core_busy: Vec<f64> = measured
+            .cpu_us_per_request
+            .iter()
+            .zip(&throughput)
+            .map(|(cpu_us, rps)| cpu_us * rps / 1e6)
+            .collect();
         row = row
             .settled("cpu_us_per_request", &measured.cpu_us_per_request)
             .num(
                 "cpu_user_us_per_request",
                 median(&measured.cpu_user_us_per_request),
-            );
+            )
+            .num("proxy_core_busy", median(&core_busy));
     }
     row.int("errors", errors)
         .int("runs", measured.runs.len() as u64)
@@ -607,5 +616,48 @@ mod tests {
                 && line.contains("run by run, each beside nginx's run next to it: median 1.000×, range 1.000–1.100×")),
             "{lines:#?}"
         );
+    }
+
+    #[test]
+    fn throughput_is_judged_only_when_both_proxies_filled_their_core() {
+        // 40 µs a request at 20,000 req/s is 0.8 of a core.
+        let rows = |router_cpu_us: f64, nginx_cpu_us: f64| {
+            let row = |path: Path4, rps: f64, cpu_us: f64| {
+                let measured = measured(&[rps, rps, rps], &[cpu_us, cpu_us, cpu_us]);
+                summarize(
+                    format!("proxy/{}/non-stream", path.name()),
+                    &measured,
+                    false,
+                )
+                .num("vs_nginx", rps / 20_000.0)
+            };
+            vec![
+                row(Path4::Direct, 25_000.0, 0.0),
+                row(Path4::LeastLoad, 24_000.0, router_cpu_us),
+                row(Path4::Nginx, 20_000.0, nginx_cpu_us),
+            ]
+        };
+        let throughput_line = |rows: &[Row]| {
+            super::super::report::targets(rows)
+                .into_iter()
+                .find(|line| line.contains("(least_load, non-stream) throughput"))
+                .unwrap()
+        };
+
+        let unsaturated = rows(40.0, 40.0);
+        assert_eq!(
+            find(&unsaturated, "proxy/nginx/non-stream").and_then(|row| row.get("proxy_core_busy")),
+            Some(0.8)
+        );
+        let line = throughput_line(&unsaturated);
+        assert!(
+            line.contains("**not judged**") && line.contains("nginx 0.80"),
+            "{line}"
+        );
+        assert!(line.contains("1.200×; direct path 1.250×"), "{line}");
+
+        let saturated = rows(40.0, 48.0);
+        let line = throughput_line(&saturated);
+        assert!(line.contains("**met**"), "{line}");
     }
 }
