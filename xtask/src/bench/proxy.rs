@@ -288,33 +288,51 @@ fn summarize(name: String, measured: &Measured, half_load: bool) -> Row {
         .num("spread", spread(&throughput))
 }
 
-/// Run `i` of a path over run `i` of nginx, for throughput and CPU per
-/// request: the runs are interleaved, so the two runs of a pair are
-/// minutes apart at most and drift on a shared machine hits both. Their
-/// median and range are reported beside the ratio of the medians (the
-/// figure the targets judge), so a reader sees how much the comparison
-/// itself moved from run to run.
-fn with_paired_ratios(row: Row, own: &Measured, nginx: &Measured) -> Row {
-    let paired = |own: &[f64], nginx: &[f64]| -> Vec<f64> {
-        own.iter()
-            .zip(nginx)
+/// A quantity of each run of a [`Measured`].
+type PerRun = fn(&Measured) -> Vec<f64>;
+
+fn throughputs(measured: &Measured) -> Vec<f64> {
+    measured.runs.iter().map(WrkRun::throughput_rps).collect()
+}
+
+fn cpu_per_request(measured: &Measured) -> Vec<f64> {
+    measured.cpu_us_per_request.clone()
+}
+
+fn p99s(measured: &Measured) -> Vec<f64> {
+    measured.runs.iter().map(|run| run.p99_ms).collect()
+}
+
+/// The saturation rows' run-by-run comparisons with nginx.
+const SATURATION_PAIRED: [(&str, PerRun); 2] = [
+    ("vs_nginx_paired", throughputs),
+    ("cpu_vs_nginx_paired", cpu_per_request),
+];
+
+/// The half-load router row's run-by-run comparison with nginx: the p99
+/// target is judged on it.
+const HALF_LOAD_PAIRED: [(&str, PerRun); 1] = [("p99_vs_nginx_paired", p99s)];
+
+/// Run `i` of a path over run `i` of nginx, for each of `quantities`: the
+/// runs are interleaved, so the two runs of a pair are minutes apart at
+/// most and drift on a shared machine hits both. Their median, range and
+/// spread (max / min) are reported as `<key>`, `<key>_min`, `<key>_max`
+/// and `<key>_spread`, so a reader sees how much the comparison itself
+/// moved from run to run.
+fn with_paired_ratios(
+    row: Row,
+    own: &Measured,
+    nginx: &Measured,
+    quantities: &[(&str, PerRun)],
+) -> Row {
+    let mut row = row;
+    for (key, per_run) in quantities {
+        let ratios: Vec<f64> = per_run(own)
+            .iter()
+            .zip(per_run(nginx))
             .map(|(own, nginx)| own / nginx)
             .filter(|ratio| ratio.is_finite())
-            .collect()
-    };
-    let throughput =
-        |m: &Measured| -> Vec<f64> { m.runs.iter().map(WrkRun::throughput_rps).collect() };
-    let mut row = row;
-    for (key, ratios) in [
-        (
-            "vs_nginx_paired",
-            paired(&throughput(own), &throughput(nginx)),
-        ),
-        (
-            "cpu_vs_nginx_paired",
-            paired(&own.cpu_us_per_request, &nginx.cpu_us_per_request),
-        ),
-    ] {
+            .collect();
         if ratios.is_empty() {
             continue;
         }
@@ -323,7 +341,8 @@ fn with_paired_ratios(row: Row, own: &Measured, nginx: &Measured) -> Row {
         row = row
             .num(key, median(&ratios))
             .num(&format!("{key}_min"), low)
-            .num(&format!("{key}_max"), high);
+            .num(&format!("{key}_max"), high)
+            .num(&format!("{key}_spread"), spread(&ratios));
     }
     row
 }
@@ -467,7 +486,9 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
                 .num("vs_direct", own / direct)
                 .num("vs_nginx", own / nginx_rps);
             rows.push(match nginx_runs {
-                Some(nginx_runs) => with_paired_ratios(row, own_runs, nginx_runs),
+                Some(nginx_runs) => {
+                    with_paired_ratios(row, own_runs, nginx_runs, &SATURATION_PAIRED)
+                }
                 None => row,
             });
         }
@@ -565,17 +586,32 @@ fn measure_half_load(
             )?;
         }
     }
-    Ok(measured
-        .iter()
-        .map(|(path, _, _, m)| {
-            summarize(
-                format!("half-load/{}/{}", path.name(), mode.name()),
-                m,
-                true,
-            )
-            .num("offered_rps", rate_rps)
-        })
-        .collect())
+    match &measured[..] {
+        [(_, _, _, router), (_, _, _, nginx)] => Ok(half_load_rows(mode, rate_rps, router, nginx)),
+        _ => Err("half load: the router's and nginx's runs were not both measured".to_owned()),
+    }
+}
+
+/// The router's and nginx's half-load rows; the router's carries its runs'
+/// p99s against nginx's run by run, which the p99 target judges.
+fn half_load_rows(mode: Mode, rate_rps: f64, router: &Measured, nginx: &Measured) -> Vec<Row> {
+    let row = |path: Path4, measured: &Measured| {
+        summarize(
+            format!("half-load/{}/{}", path.name(), mode.name()),
+            measured,
+            true,
+        )
+        .num("offered_rps", rate_rps)
+    };
+    vec![
+        with_paired_ratios(
+            row(Path4::LeastLoad, router),
+            router,
+            nginx,
+            &HALF_LOAD_PAIRED,
+        ),
+        row(Path4::Nginx, nginx),
+    ]
 }
 
 #[cfg(test)]
@@ -605,7 +641,12 @@ mod tests {
         // CPU every time, though the medians' ratio says 1.0×.
         let router = measured(&[100.0, 50.0, 110.0], &[18.0, 36.0, 9.0]);
         let nginx = measured(&[100.0, 50.0, 100.0], &[20.0, 40.0, 10.0]);
-        let row = with_paired_ratios(Row::new("proxy/least_load/non-stream"), &router, &nginx);
+        let row = with_paired_ratios(
+            Row::new("proxy/least_load/non-stream"),
+            &router,
+            &nginx,
+            &SATURATION_PAIRED,
+        );
         assert_eq!(row.get("cpu_vs_nginx_paired"), Some(0.9));
         assert_eq!(row.get("cpu_vs_nginx_paired_min"), Some(0.9));
         assert_eq!(row.get("vs_nginx_paired"), Some(1.0));
@@ -616,6 +657,59 @@ mod tests {
                 && line.contains("run by run, each beside nginx's run next to it: median 1.000×, range 1.000–1.100×")),
             "{lines:#?}"
         );
+    }
+
+    #[test]
+    fn p99_at_half_load_is_judged_run_by_run_when_those_ratios_agree() {
+        let measured_p99s = |p99s: &[f64]| Measured {
+            runs: p99s
+                .iter()
+                .map(|p99_ms| WrkRun {
+                    requests: 15_000,
+                    duration_s: 10.0,
+                    p50_ms: 0.5,
+                    p99_ms: *p99_ms,
+                    errors: 0,
+                })
+                .collect(),
+            ..Measured::default()
+        };
+        let p99_line = |router: &[f64], nginx: &[f64]| {
+            let rows = half_load_rows(
+                Mode::Stream,
+                1500.0,
+                &measured_p99s(router),
+                &measured_p99s(nginx),
+            );
+            super::super::report::targets(&rows)
+                .into_iter()
+                .find(|line| line.contains("(least_load, stream) p99"))
+                .unwrap()
+        };
+
+        // nginx's own runs disagree (1.77×), so its median is not
+        // reported, but each router run beside it is 0.74–0.98× of it.
+        let line = p99_line(
+            &[4.163, 4.041, 5.120, 3.821, 4.478],
+            &[5.106, 4.493, 6.878, 3.888, 5.749],
+        );
+        assert!(
+            line.contains("**met** (median 0.815×, range 0.744–0.983×"),
+            "{line}"
+        );
+        assert!(line.contains("nginx – ms"), "{line}");
+
+        // Run by run the router is ahead in one pair and far behind in
+        // another: no verdict.
+        let line = p99_line(&[2.0, 2.0, 2.0], &[1.0, 2.0, 4.0]);
+        assert!(
+            line.contains("not measured: the run-by-run ratios disagree by 4.00×"),
+            "{line}"
+        );
+
+        // Steady and behind: missed.
+        let line = p99_line(&[2.2, 2.4, 2.2], &[2.0, 2.0, 2.0]);
+        assert!(line.contains("**missed** (median 1.100×"), "{line}");
     }
 
     #[test]
