@@ -225,7 +225,10 @@ fn paired_text(row: Option<&Row>, key: &str) -> String {
 const PROXY_SATURATED_CORE_BUSY: f64 = 0.9;
 
 /// The performance targets, checked against the rows. A target whose row
-/// FAILED (or was not measured) is "not measured", never met.
+/// FAILED (or was not measured) is "not measured", never met; the p99 at
+/// half load is judged on the router's run-by-run ratios to nginx, which
+/// must agree in their turn, so it stands even when one proxy's own p99s
+/// disagree.
 pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
     let mut lines = Vec::new();
     let value = |name: &str, key: &str| find(rows, name).and_then(|row| row.get(key));
