@@ -247,9 +247,9 @@ struct Measured {
 /// across runs (see [`Row::settled`]); at half load, where the rate is held,
 /// so must the p99.
 fn summarize(name: String, measured: &Measured, half_load: bool) -> Row {
-    let throughput: Vec<f64> = measured.runs.iter().map(WrkRun::throughput_rps).collect();
+    let throughput = throughputs(measured);
     let p50: Vec<f64> = measured.runs.iter().map(|r| r.p50_ms).collect();
-    let p99: Vec<f64> = measured.runs.iter().map(|r| r.p99_ms).collect();
+    let p99 = p99s(measured);
     let errors: u64 = measured.runs.iter().map(|r| r.errors).sum();
     let (p99_min, p99_max) = p99
         .iter()
