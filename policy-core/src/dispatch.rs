@@ -16,6 +16,10 @@ pub struct Dispatch {
     /// expected wait for `least_load`; in-flight requests for
     /// `least_requests`; 0 for policies that do not score).
     pub score: f64,
+    /// Prompt tokens the policy expected the worker to hold in its prefix
+    /// cache already (0 for policies without a prefix model): what the
+    /// engine's reported `cached_tokens` is compared with.
+    pub cached_tokens: u64,
 }
 
 /// Handed out by `poll_started` and given back on completion: which worker,

@@ -11,7 +11,9 @@
 //! finishes it on drop. Policies and backends are built by name from config
 //! through a [`PolicyRegistry`] and a [`BackendRegistry`]. Other router
 //! replicas' pending work reaches a policy as [`ReplicaPending`] entries,
-//! keyed by worker URL ([`Policy::replica_pending`]).
+//! keyed by worker URL ([`Policy::replica_pending`]); where they placed
+//! prompt prefixes and what engines reported of their caches, as
+//! [`ReplicaPrefix`] updates ([`Policy::replica_prefix`]).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -78,7 +80,10 @@ pub use poll::{PollOutcome, poll_worker, prime_worker};
 pub use registry::{
     BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,
 };
-pub use replica::{ReplicaPending, ReplicaPendingOutcome, worker_url_key};
+pub use replica::{
+    PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaPrefix, ReplicaPrefixOutcome,
+    SnapshotBlock, SnapshotWorker, worker_url_key,
+};
 pub use request::{PrefixBlocks, RequestInfo, TokenCount};
 pub use rng::{ArgMin, RankKey, TieBreaker};
 pub use score_table::{ScoreRow, ScoreTable, format_value};

@@ -3,8 +3,8 @@ use std::time::{Duration, Instant};
 use load_protocols::WorkerLoad;
 
 use crate::{
-    Dispatch, PollMark, ReplicaPending, ReplicaPendingOutcome, RequestInfo, ScoreTable, WorkerId,
-    WorkerInfo,
+    Dispatch, PollMark, PrefixBlocks, PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome,
+    ReplicaPrefix, ReplicaPrefixOutcome, RequestInfo, ScoreTable, WorkerId, WorkerInfo,
 };
 
 /// What the router hands every policy at construction.
@@ -136,6 +136,54 @@ pub trait Policy: Send + Sync {
     /// router, at every publish tick): a policy has no clock of its own.
     fn expire_replica_pending(&self, now: Instant, ttl: Duration) -> usize {
         let _ = (now, ttl);
+        0
+    }
+
+    /// What other replicas should learn of `dispatch` (made for `request`):
+    /// the prompt's leading blocks at the granularity this policy indexes
+    /// them, to be handed to their [`replica_prefix`](Policy::replica_prefix)
+    /// as [`ReplicaPrefix::Placed`]. `None` when the policy keeps no prefix
+    /// index or the request has no known prefix.
+    fn placement(&self, request: &RequestInfo) -> Option<PrefixBlocks> {
+        let _ = request;
+        None
+    }
+
+    /// Applies what another replica learned of a worker's prefix cache. See
+    /// [`ReplicaPrefix`]. Policies without a prefix index keep this default.
+    #[allow(clippy::needless_lifetimes)]
+    fn replica_prefix<'a>(&self, update: &ReplicaPrefix<'a>, now: Instant) -> ReplicaPrefixOutcome {
+        let _ = (update, now);
+        ReplicaPrefixOutcome::Unsupported
+    }
+
+    /// The engine reported that its prefix cache served
+    /// `reported_cached_tokens` of `dispatch`'s prompt (the response's
+    /// `usage.prompt_tokens_details.cached_tokens`); `dispatch.cached_tokens`
+    /// is what the policy expected. Returns the worker's new cache bound in
+    /// tokens when the report changed it, for the other replicas
+    /// ([`ReplicaPrefix::CacheBound`]); `None` otherwise.
+    fn cache_report(
+        &self,
+        dispatch: &Dispatch,
+        reported_cached_tokens: u64,
+        now: Instant,
+    ) -> Option<u64> {
+        let _ = (dispatch, reported_cached_tokens, now);
+        None
+    }
+
+    /// The prefix index, for a replica that starts now to warm its own
+    /// from (`None`: the policy keeps none).
+    fn prefix_snapshot(&self, now: Instant) -> Option<PrefixSnapshot> {
+        let _ = now;
+        None
+    }
+
+    /// Loads a snapshot of another replica's prefix index (workers matched
+    /// by URL; unknown ones skipped); returns the blocks stored.
+    fn load_prefix_snapshot(&self, snapshot: &PrefixSnapshot, now: Instant) -> usize {
+        let _ = (snapshot, now);
         0
     }
 }

@@ -1,4 +1,6 @@
-//! Other router replicas' pending work, as the policy contract carries it.
+//! What router replicas share through the policy contract: their pending
+//! work, where they placed prompt prefixes, and what engines' reports taught
+//! them of a worker's prefix cache.
 //!
 //! Replicas of one router fleet share, per worker, the prompt tokens and
 //! requests each has dispatched whose first token it has not seen. A policy
@@ -12,6 +14,8 @@
 //! A worker is named by its URL here, never by [`WorkerId`](crate::WorkerId):
 //! ids are handed out by each replica on its own, while every replica is
 //! configured with the same worker URLs.
+
+use crate::PrefixBlocks;
 
 /// One other replica's pending work on one worker, as that replica last
 /// published it. State, not a delta: the entry replaces whatever the policy
@@ -46,6 +50,85 @@ pub enum ReplicaPendingOutcome {
     UnknownWorker,
     /// This policy does not count other replicas' work (the baselines).
     Unsupported,
+}
+
+/// What another replica learned of a worker's prefix cache, as the policy
+/// contract carries it ([`Policy::replica_prefix`](crate::Policy::replica_prefix)).
+/// Like [`ReplicaPending`], it names the worker by URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaPrefix<'a> {
+    /// The replica dispatched a prompt with these leading blocks to the
+    /// worker: the worker is expected to hold them from now on, as if this
+    /// replica had dispatched it.
+    Placed {
+        worker_url: &'a str,
+        prefix: &'a PrefixBlocks,
+    },
+    /// The replica learned from the worker's reported cache hits that its
+    /// prefix cache keeps about `cache_tokens` tokens before it evicts
+    /// (least recently used): prefixes dispatched longer ago than that are
+    /// no longer expected there.
+    CacheBound {
+        worker_url: &'a str,
+        cache_tokens: u64,
+    },
+}
+
+impl ReplicaPrefix<'_> {
+    /// The worker the update is about.
+    pub fn worker_url(&self) -> &str {
+        match self {
+            ReplicaPrefix::Placed { worker_url, .. }
+            | ReplicaPrefix::CacheBound { worker_url, .. } => worker_url,
+        }
+    }
+}
+
+/// What a policy did with a [`ReplicaPrefix`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaPrefixOutcome {
+    Applied,
+    /// No registered worker has this URL: ignored.
+    UnknownWorker,
+    /// This policy keeps no prefix index (or has prefix affinity off).
+    Unsupported,
+}
+
+/// A policy's prefix index as a starting replica takes it over from a
+/// running one ([`Policy::prefix_snapshot`](crate::Policy::prefix_snapshot),
+/// [`Policy::load_prefix_snapshot`](crate::Policy::load_prefix_snapshot)).
+/// Self-contained: a snapshot may be cut into several, each with the whole
+/// worker list and some of the blocks, and each is loaded on its own.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct PrefixSnapshot {
+    /// Tokens per block of the hashes below (the index's block size).
+    pub block_tokens: u32,
+    pub workers: Vec<SnapshotWorker>,
+    pub blocks: Vec<SnapshotBlock>,
+}
+
+/// One worker of a [`PrefixSnapshot`].
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotWorker {
+    /// As configured ([`worker_url_key`] applies).
+    pub url: String,
+    /// Uncached prompt tokens dispatched to the worker so far: the clock a
+    /// block's age is counted on.
+    pub clock_tokens: u64,
+    /// The worker's learned cache bound, tokens (0: none learned).
+    pub cache_tokens: u64,
+}
+
+/// One block of a [`PrefixSnapshot`]: a chained hash and the workers
+/// expected to hold it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotBlock {
+    pub hash: u64,
+    /// Milliseconds since the block was last dispatched.
+    pub age_ms: u32,
+    /// `(index into workers, tokens dispatched to that worker since it got
+    /// the block)`.
+    pub holders: Vec<(u32, u64)>,
 }
 
 /// The canonical form of a worker URL for matching across replicas: without

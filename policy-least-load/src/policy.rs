@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, ReplicaPending,
-    ReplicaPendingOutcome, RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker,
-    WorkerId, WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
+    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefixBlocks, PrefixSnapshot,
+    ReplicaPending, ReplicaPendingOutcome, ReplicaPrefix, ReplicaPrefixOutcome, RequestInfo,
+    ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo, WorkerLedger,
+    WorkerSlots, WorkerStats, describe_request,
 };
 
 use crate::fleet_memo::FleetMemo;
@@ -1776,12 +1777,11 @@ impl Policy for LeastLoad {
             });
             if credited {
                 if let Some(index) = &self.prefix {
-                    index.record(
-                        chosen.slot.id.slot(),
-                        &request.prefix,
-                        cached_tokens,
-                        index_ms(now_nanos),
-                    );
+                    let slot = chosen.slot.id.slot();
+                    if cached_tokens > 0 {
+                        index.note_prediction(slot, seq, own.matches.age_tokens(slot));
+                    }
+                    index.record(slot, &request.prefix, cached_tokens, index_ms(now_nanos));
                 }
                 if self.params.inflight == InflightMode::SincePoll {
                     state.since_poll.add(tokens);
@@ -1792,6 +1792,7 @@ impl Policy for LeastLoad {
                     tokens,
                     seq,
                     score: chosen.score_secs,
+                    cached_tokens,
                 });
             }
         }
@@ -2063,6 +2064,73 @@ impl Policy for LeastLoad {
             self.refresh_hot(slot);
         }
         outcome
+    }
+
+    fn placement(&self, request: &RequestInfo) -> Option<PrefixBlocks> {
+        let index = self.prefix.as_ref()?;
+        let blocks = index.coarsen(&request.prefix);
+        (!blocks.is_empty()).then_some(blocks)
+    }
+
+    fn replica_prefix(&self, update: &ReplicaPrefix<'_>, now: Instant) -> ReplicaPrefixOutcome {
+        let Some(index) = &self.prefix else {
+            return ReplicaPrefixOutcome::Unsupported;
+        };
+        let view = self.workers.read();
+        let Some(slot) = view.find_url(update.worker_url()) else {
+            return ReplicaPrefixOutcome::UnknownWorker;
+        };
+        let slot = slot.id.slot();
+        match update {
+            ReplicaPrefix::Placed { prefix, .. } => {
+                index.record_placed(slot, prefix, index_ms(self.timeline.nanos(now)));
+            }
+            ReplicaPrefix::CacheBound { cache_tokens, .. } => {
+                index.set_learned_bound(slot, *cache_tokens);
+            }
+        }
+        ReplicaPrefixOutcome::Applied
+    }
+
+    fn cache_report(
+        &self,
+        dispatch: &Dispatch,
+        reported_cached_tokens: u64,
+        _now: Instant,
+    ) -> Option<u64> {
+        let index = self.prefix.as_ref()?;
+        // A removed worker's slot may hold another worker by now.
+        self.workers.read().get(dispatch.worker)?;
+        index.report(
+            dispatch.worker.slot(),
+            dispatch.seq,
+            dispatch.cached_tokens,
+            reported_cached_tokens,
+        )
+    }
+
+    fn prefix_snapshot(&self, now: Instant) -> Option<PrefixSnapshot> {
+        let index = self.prefix.as_ref()?;
+        let workers: Vec<(usize, String)> = self
+            .workers
+            .read()
+            .iter()
+            .map(|slot| (slot.id.slot(), slot.info.url.clone()))
+            .collect();
+        Some(index.export(index_ms(self.timeline.nanos(now)), &workers))
+    }
+
+    fn load_prefix_snapshot(&self, snapshot: &PrefixSnapshot, now: Instant) -> usize {
+        let Some(index) = &self.prefix else {
+            return 0;
+        };
+        let view = self.workers.read();
+        let slot_of: Vec<Option<usize>> = snapshot
+            .workers
+            .iter()
+            .map(|worker| view.find_url(&worker.url).map(|slot| slot.id.slot()))
+            .collect();
+        index.import(snapshot, &slot_of, index_ms(self.timeline.nanos(now)))
     }
 
     fn expire_replica_pending(&self, now: Instant, ttl: Duration) -> usize {

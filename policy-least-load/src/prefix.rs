@@ -37,7 +37,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use parking_lot::Mutex;
-use policy_core::PrefixBlocks;
+use policy_core::{PrefixBlocks, PrefixSnapshot, SnapshotBlock, SnapshotWorker};
 
 /// Workers a block is tracked on at most (the most recent ones).
 pub const HOLDERS: usize = 4;
@@ -84,28 +84,71 @@ struct EntryRead {
     touched_ms: u32,
 }
 
-/// Per worker: its token clock and its reported KV capacity.
+/// Per worker: its token clock, its reported KV capacity, the cache bound
+/// learned from its reported hits, and its latest predicted hits.
 #[derive(Debug, Default)]
 struct WorkerClock {
     inserted_tokens: AtomicU64,
     /// KV capacity in tokens from the worker's last load report; 0 when it
     /// reported none.
     capacity_tokens: AtomicU64,
+    /// The cache bound learned from the worker's reported hits (or shared
+    /// by another replica); 0 when none was learned.
+    learned_tokens: AtomicU64,
+    /// The latest dispatches that expected a hit there: what a report is
+    /// compared with.
+    predictions: Mutex<Predictions>,
 }
+
+/// Dispatches remembered per worker for their cache reports: the latest
+/// [`PREDICTIONS`]; an older one's report teaches nothing.
+const PREDICTIONS: usize = 16;
+
+/// `(dispatch seq, age in the worker's tokens of the holding the hit was
+/// expected from)`, written round-robin.
+#[derive(Debug, Default)]
+struct Predictions {
+    entries: [(u64, u64); PREDICTIONS],
+    next: usize,
+}
+
+impl Predictions {
+    fn note(&mut self, seq: u64, age_tokens: u64) {
+        self.entries[self.next] = (seq, age_tokens);
+        self.next = (self.next + 1) % PREDICTIONS;
+    }
+
+    fn take(&mut self, seq: u64) -> Option<u64> {
+        let entry = self.entries.iter_mut().find(|(s, _)| *s == seq)?;
+        let age = entry.1;
+        *entry = (u64::MAX, 0);
+        Some(age)
+    }
+}
+
+/// A miss on a holding younger than this share of the worker's bound is no
+/// evidence of eviction: the prefix was most likely dispatched there so
+/// recently that the engine had not computed it yet.
+const MISS_EVIDENCE_SHARE: u64 = 8;
+
+/// A hit on a holding within this share of the bound from it raises the
+/// bound by the same share: the cache kept more than was assumed.
+const HIT_RAISE_SHARE: u64 = 4;
 
 /// What the index expects the workers to hold of one request: up to
 /// [`HOLDERS`] workers with a non-zero cached prefix (every other worker
 /// holds none of it).
 #[derive(Debug, Clone, Copy)]
 pub struct Matches {
-    entries: [(u32, u64); HOLDERS],
+    /// `(slot, cached tokens, age in the worker's tokens of that holding)`.
+    entries: [(u32, u64, u64); HOLDERS],
     len: usize,
 }
 
 impl Default for Matches {
     fn default() -> Matches {
         Matches {
-            entries: [(u32::MAX, 0); HOLDERS],
+            entries: [(u32::MAX, 0, 0); HOLDERS],
             len: 0,
         }
     }
@@ -116,7 +159,7 @@ impl Matches {
     pub fn max_cached_tokens(&self) -> u64 {
         self.entries[..self.len]
             .iter()
-            .map(|&(_, tokens)| tokens)
+            .map(|&(_, tokens, _)| tokens)
             .max()
             .unwrap_or(0)
     }
@@ -126,18 +169,28 @@ impl Matches {
     pub fn cached_tokens(&self, slot: usize) -> u64 {
         self.entries[..self.len]
             .iter()
-            .find(|(s, _)| *s as usize == slot)
-            .map_or(0, |(_, tokens)| *tokens)
+            .find(|(s, _, _)| *s as usize == slot)
+            .map_or(0, |(_, tokens, _)| *tokens)
     }
 
-    fn set(&mut self, slot: u32, tokens: u64) {
+    /// Tokens dispatched to the worker in `slot` since it got the prefix it
+    /// is expected to hold (0 when it holds none).
+    pub fn age_tokens(&self, slot: usize) -> u64 {
+        self.entries[..self.len]
+            .iter()
+            .find(|(s, _, _)| *s as usize == slot)
+            .map_or(0, |(_, _, age)| *age)
+    }
+
+    fn set(&mut self, slot: u32, tokens: u64, age_tokens: u64) {
         if let Some(entry) = self.entries[..self.len]
             .iter_mut()
-            .find(|(s, _)| *s == slot)
+            .find(|(s, _, _)| *s == slot)
         {
             entry.1 = tokens;
+            entry.2 = age_tokens;
         } else if self.len < HOLDERS {
-            self.entries[self.len] = (slot, tokens);
+            self.entries[self.len] = (slot, tokens, age_tokens);
             self.len += 1;
         }
     }
@@ -151,7 +204,7 @@ impl Matches {
     pub fn holds(&self, slot: usize) -> bool {
         self.entries[..self.len]
             .iter()
-            .any(|(s, _)| *s as usize == slot)
+            .any(|(s, _, _)| *s as usize == slot)
     }
 }
 
@@ -172,6 +225,12 @@ impl Blocks<'_> {
         let key = self.hashes[(i + 1) * self.stride - 1];
         if key == NO_KEY { 1 } else { key }
     }
+}
+
+/// The worker slot of a non-empty holder word.
+#[inline]
+fn holder_slot(holder: u64) -> u32 {
+    ((holder >> STAMP_BITS) - 1) as u32
 }
 
 /// The index (see the module docs).
@@ -266,9 +325,22 @@ impl PrefixIndex {
     }
 
     /// Tokens the worker's cache is assumed to hold: the configured bound,
-    /// or the worker's reported KV capacity when smaller.
+    /// or the worker's reported KV capacity or its learned bound when
+    /// smaller.
     #[inline]
     fn bound_tokens(&self, clock: &WorkerClock) -> u64 {
+        let mut bound = self.assumed_tokens(clock);
+        let learned = clock.learned_tokens.load(Ordering::Relaxed);
+        if learned > 0 {
+            bound = bound.min(learned);
+        }
+        bound
+    }
+
+    /// The bound before learning: the configured one, or the reported KV
+    /// capacity when smaller.
+    #[inline]
+    fn assumed_tokens(&self, clock: &WorkerClock) -> u64 {
         match clock.capacity_tokens.load(Ordering::Relaxed) {
             0 => self.cache_tokens,
             reported => reported.min(self.cache_tokens),
@@ -298,14 +370,6 @@ impl PrefixIndex {
             .map_or(self.cache_tokens, |clock| self.bound_tokens(clock))
     }
 
-    /// The worker slot of a holder word, if the worker is still expected to
-    /// hold the block.
-    #[inline]
-    fn valid_slot(&self, holder: u64) -> Option<u32> {
-        self.age_tokens(holder)
-            .map(|_| ((holder >> STAMP_BITS) - 1) as u32)
-    }
-
     /// Tokens dispatched to the holder's worker since it was stamped, if
     /// fewer than its cache bound (else it is expected to be evicted).
     #[inline]
@@ -313,7 +377,7 @@ impl PrefixIndex {
         if holder == 0 {
             return None;
         }
-        let clock = self.clock(((holder >> STAMP_BITS) - 1) as usize)?;
+        let clock = self.clock(holder_slot(holder) as usize)?;
         let age = clock
             .inserted_tokens
             .load(Ordering::Relaxed)
@@ -367,16 +431,17 @@ impl PrefixIndex {
         }
     }
 
-    /// The workers still expected to hold the block `key` at `now_ms`.
-    fn holders_at(&self, key: u64, now_ms: u32) -> ([u32; HOLDERS], usize) {
-        let mut slots = [u32::MAX; HOLDERS];
+    /// The workers still expected to hold the block `key` at `now_ms`,
+    /// with the tokens dispatched to each since it got the block.
+    fn holders_at(&self, key: u64, now_ms: u32) -> ([(u32, u64); HOLDERS], usize) {
+        let mut slots = [(u32::MAX, 0); HOLDERS];
         let mut count = 0;
         if let Some(entry) = self.read(key)
             && self.fresh(entry.touched_ms, now_ms)
         {
             for holder in entry.holders {
-                if let Some(slot) = self.valid_slot(holder) {
-                    slots[count] = slot;
+                if let Some(age) = self.age_tokens(holder) {
+                    slots[count] = (holder_slot(holder), age);
                     count += 1;
                 }
             }
@@ -425,8 +490,8 @@ impl PrefixIndex {
                 }
             }
             let (slots, held) = self.holders_at(blocks.key(good), now_ms);
-            for slot in &slots[..held] {
-                matches.set(*slot, (good as u64 + 1) * blocks.tokens_per_block);
+            for &(slot, age) in &slots[..held] {
+                matches.set(slot, (good as u64 + 1) * blocks.tokens_per_block, age);
             }
             lo = good + 1;
         }
@@ -461,6 +526,218 @@ impl PrefixIndex {
         for i in 0..blocks.count {
             self.stamp(blocks.key(i), slot as u64 + 1, word, now_ms);
         }
+    }
+
+    /// Records that another replica dispatched `prefix` to the worker in
+    /// `slot` at `now_ms`: as [`PrefixIndex::record`] with the hit this
+    /// index expects there, so the worker's token clock advances by what
+    /// it did not already hold, as it would for a dispatch of its own.
+    pub fn record_placed(&self, slot: usize, prefix: &PrefixBlocks, now_ms: u32) {
+        let cached_tokens = self.lookup(prefix, now_ms).cached_tokens(slot);
+        self.record(slot, prefix, cached_tokens, now_ms);
+    }
+
+    /// `prefix` at the index's own granularity: the hash ending each index
+    /// block, so another index of the same block size reads the same keys
+    /// from fewer hashes. Empty when the prompt fills no index block.
+    pub fn coarsen(&self, prefix: &PrefixBlocks) -> PrefixBlocks {
+        let blocks = self.blocks(prefix);
+        let hashes: Vec<u64> = (0..blocks.count)
+            .map(|i| blocks.hashes[(i + 1) * blocks.stride - 1])
+            .collect();
+        PrefixBlocks::new(
+            u32::try_from(blocks.tokens_per_block).unwrap_or(u32::MAX),
+            hashes,
+        )
+    }
+
+    /// The dispatch `seq` to the worker in `slot` expected a hit from a
+    /// holding `age_tokens` old: kept for its cache report.
+    pub fn note_prediction(&self, slot: usize, seq: u64, age_tokens: u64) {
+        if let Some(clock) = self.clock_or_new(slot) {
+            clock.predictions.lock().note(seq, age_tokens);
+        }
+    }
+
+    /// The engine in `slot` served `reported_tokens` of dispatch `seq`'s
+    /// prompt from its cache where `predicted_tokens` were expected. A
+    /// whole index block missed on a holding old enough to have been
+    /// computed means the cache keeps fewer tokens than the bound: the
+    /// bound drops to that holding's age. A hit near the bound raises it.
+    /// Whatever was missed counts on the worker's clock.
+    /// Returns the new bound when it changed.
+    pub fn report(
+        &self,
+        slot: usize,
+        seq: u64,
+        predicted_tokens: u64,
+        reported_tokens: u64,
+    ) -> Option<u64> {
+        let clock = self.clock(slot)?;
+        let age = clock.predictions.lock().take(seq)?;
+        // The engine computed what it missed: the worker's clock counts it,
+        // as it would have had the miss been predicted.
+        let missed = predicted_tokens.saturating_sub(reported_tokens);
+        clock.inserted_tokens.fetch_add(missed, Ordering::Relaxed);
+        let bound = self.bound_tokens(clock);
+        let assumed = self.assumed_tokens(clock);
+        let learned = if reported_tokens.saturating_add(self.index_block_tokens) <= predicted_tokens
+        {
+            if age < bound / MISS_EVIDENCE_SHARE {
+                return None;
+            }
+            age.max(self.index_block_tokens)
+        } else if reported_tokens >= predicted_tokens
+            && age >= bound - bound / HIT_RAISE_SHARE
+            && bound < assumed
+        {
+            bound.saturating_add(bound / HIT_RAISE_SHARE)
+        } else {
+            return None;
+        };
+        self.set_learned_bound(slot, learned)
+    }
+
+    /// Sets the worker's learned cache bound (from its own reports or
+    /// another replica's); a bound at or above the assumed one clears it.
+    /// Returns the bound in force when it changed.
+    pub fn set_learned_bound(&self, slot: usize, cache_tokens: u64) -> Option<u64> {
+        let clock = self.clock_or_new(slot)?;
+        let before = self.bound_tokens(clock);
+        let value = if cache_tokens >= self.assumed_tokens(clock) {
+            0
+        } else {
+            cache_tokens.max(self.index_block_tokens)
+        };
+        clock.learned_tokens.store(value, Ordering::Relaxed);
+        let after = self.bound_tokens(clock);
+        (after != before).then_some(after)
+    }
+
+    /// The index as another replica loads it: every block still expected
+    /// on one of `workers` (`(slot, url)`, the registered ones) at
+    /// `now_ms`, with each holder's age, and each worker's clock and
+    /// learned bound.
+    pub fn export(&self, now_ms: u32, workers: &[(usize, String)]) -> PrefixSnapshot {
+        let mut position_of =
+            vec![None; workers.iter().map(|(slot, _)| slot + 1).max().unwrap_or(0)];
+        for (position, (slot, _)) in workers.iter().enumerate() {
+            position_of[*slot] = u32::try_from(position).ok();
+        }
+        let workers = workers
+            .iter()
+            .map(|(slot, url)| {
+                let clock = self.clock(*slot);
+                SnapshotWorker {
+                    url: url.clone(),
+                    clock_tokens: clock
+                        .map_or(0, |clock| clock.inserted_tokens.load(Ordering::Relaxed)),
+                    cache_tokens: clock
+                        .map_or(0, |clock| clock.learned_tokens.load(Ordering::Relaxed)),
+                }
+            })
+            .collect();
+        let _writer = self.writer.lock();
+        let mut blocks = Vec::new();
+        for group in self.groups.iter() {
+            for way in 0..WAYS {
+                let hash = group.keys[way].load(Ordering::Relaxed);
+                let touched_ms = group.touched_ms[way].load(Ordering::Relaxed);
+                if hash == NO_KEY || !self.fresh(touched_ms, now_ms) {
+                    continue;
+                }
+                let holders: Vec<(u32, u64)> = group.holders[way]
+                    .iter()
+                    .filter_map(|holder| {
+                        let holder = holder.load(Ordering::Relaxed);
+                        let age = self.age_tokens(holder)?;
+                        let position = position_of.get(holder_slot(holder) as usize)?;
+                        position.map(|position| (position, age))
+                    })
+                    .collect();
+                if !holders.is_empty() {
+                    blocks.push(SnapshotBlock {
+                        hash,
+                        age_ms: now_ms.saturating_sub(touched_ms),
+                        holders,
+                    });
+                }
+            }
+        }
+        PrefixSnapshot {
+            block_tokens: u32::try_from(self.index_block_tokens).unwrap_or(u32::MAX),
+            workers,
+            blocks,
+        }
+    }
+
+    /// Loads another replica's snapshot, its workers already mapped to this
+    /// index's slots (`None`: a worker this index does not have). Each
+    /// worker's clock first moves up to the exporter's, so every imported
+    /// age is counted back from it; a holder this index has newer is kept.
+    /// Returns the blocks stored; none when the block sizes differ.
+    pub fn import(
+        &self,
+        snapshot: &PrefixSnapshot,
+        slot_of: &[Option<usize>],
+        now_ms: u32,
+    ) -> usize {
+        if u64::from(snapshot.block_tokens) != self.index_block_tokens {
+            return 0;
+        }
+        for (worker, local) in snapshot.workers.iter().zip(slot_of) {
+            let Some(clock) = local.and_then(|slot| self.clock_or_new(slot)) else {
+                continue;
+            };
+            clock
+                .inserted_tokens
+                .fetch_max(worker.clock_tokens.min(STAMP_MASK), Ordering::Relaxed);
+            if worker.cache_tokens > 0 && clock.learned_tokens.load(Ordering::Relaxed) == 0 {
+                clock
+                    .learned_tokens
+                    .store(worker.cache_tokens, Ordering::Relaxed);
+            }
+        }
+        let _writer = self.writer.lock();
+        let mut stored = 0;
+        for block in &snapshot.blocks {
+            let mut any = false;
+            for &(position, age_tokens) in &block.holders {
+                let Some(slot) = slot_of.get(position as usize).copied().flatten() else {
+                    continue;
+                };
+                let Some(clock) = self.clock(slot) else {
+                    continue;
+                };
+                let stamp = clock
+                    .inserted_tokens
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(age_tokens)
+                    .min(STAMP_MASK);
+                let word = ((slot as u64 + 1) << STAMP_BITS) | stamp;
+                let touched_ms = now_ms.saturating_sub(block.age_ms);
+                self.stamp_if_newer(block.hash, slot as u64 + 1, word, touched_ms);
+                any = true;
+            }
+            stored += usize::from(any);
+        }
+        stored
+    }
+
+    /// [`PrefixIndex::stamp`], unless the block already has this worker as
+    /// a holder with a newer stamp. The caller holds the writer lock.
+    fn stamp_if_newer(&self, key: u64, tag: u64, word: u64, touched_ms: u32) {
+        let key = if key == NO_KEY { 1 } else { key };
+        if let Some(entry) = self.read(key) {
+            let newer = entry
+                .holders
+                .iter()
+                .any(|&holder| holder >> STAMP_BITS == tag && holder >= word);
+            if newer {
+                return;
+            }
+        }
+        self.stamp(key, tag, word, touched_ms);
     }
 
     /// Stamps block `key` with the holder `word` (whose worker's slot + 1 is

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use load_protocols::{SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto3};
 use policy_core::{
     Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, ReplicaPending,
-    ReplicaPendingOutcome, RequestInfo, ScoreTable, TokenCount, WorkerId, WorkerInfo, WorkerStats,
+    ReplicaPendingOutcome, ReplicaPrefix, ReplicaPrefixOutcome, RequestInfo, ScoreTable,
+    TokenCount, WorkerId, WorkerInfo, WorkerStats,
 };
 use proptest::prelude::*;
 
@@ -1938,4 +1939,226 @@ fn a_busy_holder_keeps_its_prefix_only_while_every_worker_is_busy() {
             "other queued {other_queued}, congestion weight {congestion_weight}"
         );
     }
+}
+
+/// A second replica's policy over the same two workers (the same URLs),
+/// with their loads reported at `at`.
+fn peer_of(ids: &[WorkerId], at: Instant) -> LeastLoad {
+    let (peer, peer_ids) = fleet_with(Pick::LeastLoad, LeastLoadParams::default(), 2);
+    assert_eq!(peer_ids, ids);
+    for id in ids {
+        report(&peer, *id, &load(Some(0), 0, None, 0.0), at);
+    }
+    peer
+}
+
+#[test]
+fn a_placement_from_another_replica_is_found_as_if_dispatched_here() {
+    let t0 = Instant::now();
+    let (policy, holder, other) = one_prefix_served(LeastLoadParams::default(), t0);
+    let ids = [holder, other];
+    let peer = peer_of(&policy_ids(holder, other), t0);
+    // Before: the peer expects the prefix nowhere.
+    let before = peer.explain(&ids, &prefixed(7), t0);
+    assert_eq!(before.value(holder, "cached_tok"), Some(0.0));
+    // The placement is the prompt at the index's 256-token blocks: 25 of them.
+    let placed = policy.placement(&prefixed(7)).unwrap();
+    assert_eq!(placed.block_tokens(), 256);
+    assert_eq!(placed.hashes().len(), 25);
+    let outcome = peer.replica_prefix(
+        &ReplicaPrefix::Placed {
+            worker_url: &format!("http://w{}/", holder.slot()),
+            prefix: &placed,
+        },
+        t0,
+    );
+    assert_eq!(outcome, ReplicaPrefixOutcome::Applied);
+    let after = peer.explain(&ids, &prefixed(7), t0);
+    assert_eq!(after.value(holder, "cached_tok"), Some(6399.0));
+    assert_eq!(after.value(other, "cached_tok"), Some(0.0));
+    let chosen = peer.select(&ids, &prefixed(7), t0).unwrap();
+    assert_eq!(chosen.worker, holder);
+    assert_eq!(chosen.cached_tokens, 6399);
+    // Unknown workers and unprefixed requests.
+    let outcome = peer.replica_prefix(
+        &ReplicaPrefix::Placed {
+            worker_url: "http://elsewhere",
+            prefix: &placed,
+        },
+        t0,
+    );
+    assert_eq!(outcome, ReplicaPrefixOutcome::UnknownWorker);
+    assert!(policy.placement(&exact(6400)).is_none());
+}
+
+/// `[holder, other]` in slot order, as `fleet_with` registers them.
+fn policy_ids(a: WorkerId, b: WorkerId) -> Vec<WorkerId> {
+    let mut ids = vec![a, b];
+    ids.sort_by_key(|id| id.slot());
+    ids
+}
+
+#[test]
+fn policies_without_a_prefix_index_share_nothing() {
+    let params = LeastLoadParams {
+        prefix_affinity: false,
+        ..LeastLoadParams::default()
+    };
+    let (policy, ids) = fleet_with(Pick::LeastLoad, params, 2);
+    assert!(policy.placement(&prefixed(7)).is_none());
+    let placed = policy_core::PrefixBlocks::new(256, vec![1, 2, 3]);
+    let outcome = policy.replica_prefix(
+        &ReplicaPrefix::Placed {
+            worker_url: "http://w0",
+            prefix: &placed,
+        },
+        Instant::now(),
+    );
+    assert_eq!(outcome, ReplicaPrefixOutcome::Unsupported);
+    assert!(policy.prefix_snapshot(Instant::now()).is_none());
+    let _ = ids;
+    let registry = {
+        let mut registry = PolicyRegistry::with_baselines();
+        register(&mut registry);
+        registry
+    };
+    let baseline = registry
+        .build(
+            "round_robin",
+            &serde_json::Value::Null,
+            &PolicyContext::default(),
+        )
+        .unwrap();
+    assert!(baseline.placement(&prefixed(7)).is_none());
+}
+
+/// Serves one distinct 6400-token prompt per salt on `worker`.
+fn serve_distinct(policy: &LeastLoad, worker: WorkerId, salts: std::ops::Range<u64>, at: Instant) {
+    for salt in salts {
+        let dispatch = policy.select(&[worker], &prefixed(salt), at).unwrap();
+        policy.finish(&dispatch, at);
+    }
+}
+
+#[test]
+fn a_reported_miss_on_an_old_holding_lowers_the_workers_cache_bound() {
+    let t0 = Instant::now();
+    let params = LeastLoadParams {
+        prefix_cache_tokens: 100_000,
+        ..LeastLoadParams::default()
+    };
+    let (policy, ids) = fleet_with(Pick::LeastLoad, params, 1);
+    let worker = ids[0];
+    report(&policy, worker, &load(Some(0), 0, None, 0.0), t0);
+    serve_distinct(&policy, worker, 1..2, t0);
+    // 8 more prompts: the first is 8 × 6400 = 51 200 tokens old, within the
+    // 100 000-token bound, so a hit is expected.
+    serve_distinct(&policy, worker, 2..10, t0);
+    let again = policy.select(&[worker], &prefixed(1), t0).unwrap();
+    assert_eq!(again.cached_tokens, 6399);
+    // The engine served none of it from cache: it keeps at most 51 200.
+    assert_eq!(policy.cache_report(&again, 0, t0), Some(51_200));
+    policy.finish(&again, t0);
+    // A report is taken once.
+    assert_eq!(policy.cache_report(&again, 0, t0), None);
+    // Prompt 2 is now 8 × 6400 = 51 200 tokens old: no longer expected.
+    let table = policy.explain(&[worker], &prefixed(2), t0);
+    assert_eq!(table.value(worker, "cached_tok"), Some(0.0));
+    // Prompt 9 (2 prompts old) still is; its hit as predicted, far from the
+    // bound, changes nothing.
+    let hit = policy.select(&[worker], &prefixed(9), t0).unwrap();
+    assert_eq!(hit.cached_tokens, 6399);
+    assert_eq!(policy.cache_report(&hit, 6399, t0), None);
+    policy.finish(&hit, t0);
+}
+
+#[test]
+fn a_miss_on_a_prefix_dispatched_moments_ago_is_not_evidence_of_eviction() {
+    let t0 = Instant::now();
+    let (policy, ids) = fleet_with(Pick::LeastLoad, LeastLoadParams::default(), 1);
+    let worker = ids[0];
+    report(&policy, worker, &load(Some(0), 0, None, 0.0), t0);
+    let first = policy.select(&[worker], &prefixed(1), t0).unwrap();
+    // The same prompt right behind it: the engine had not computed it yet.
+    let second = policy.select(&[worker], &prefixed(1), t0).unwrap();
+    assert_eq!(second.cached_tokens, 6399);
+    assert_eq!(policy.cache_report(&second, 0, t0), None);
+    policy.finish(&first, t0);
+    policy.finish(&second, t0);
+    let table = policy.explain(&[worker], &prefixed(1), t0);
+    assert_eq!(table.value(worker, "cached_tok"), Some(6399.0));
+}
+
+#[test]
+fn a_shared_cache_bound_applies_to_the_worker_it_names() {
+    let t0 = Instant::now();
+    let (policy, holder, other) = one_prefix_served(LeastLoadParams::default(), t0);
+    serve_distinct(&policy, holder, 100..104, t0); // 25 600 newer tokens
+    let ids = [holder, other];
+    let table = policy.explain(&ids, &prefixed(7), t0);
+    assert_eq!(table.value(holder, "cached_tok"), Some(6399.0));
+    let outcome = policy.replica_prefix(
+        &ReplicaPrefix::CacheBound {
+            worker_url: &format!("http://w{}", holder.slot()),
+            cache_tokens: 20_000,
+        },
+        t0,
+    );
+    assert_eq!(outcome, ReplicaPrefixOutcome::Applied);
+    let table = policy.explain(&ids, &prefixed(7), t0);
+    assert_eq!(table.value(holder, "cached_tok"), Some(0.0));
+    // A bound at or above the configured one clears what was learned.
+    policy.replica_prefix(
+        &ReplicaPrefix::CacheBound {
+            worker_url: &format!("http://w{}", holder.slot()),
+            cache_tokens: u64::MAX,
+        },
+        t0,
+    );
+    let table = policy.explain(&ids, &prefixed(7), t0);
+    assert_eq!(table.value(holder, "cached_tok"), Some(6399.0));
+}
+
+#[test]
+fn a_starting_replica_loads_a_running_ones_prefix_index() {
+    let t0 = Instant::now();
+    let (policy, holder, other) = one_prefix_served(LeastLoadParams::default(), t0);
+    serve_distinct(&policy, other, 20..23, t0);
+    let snapshot = policy.prefix_snapshot(t0).unwrap();
+    assert_eq!(snapshot.block_tokens, 256);
+    assert_eq!(snapshot.workers.len(), 2);
+    // 25 index blocks of prefix 7, 3 × 25 of the others.
+    assert_eq!(snapshot.blocks.len(), 100);
+    // The snapshot survives its wire form.
+    let json = serde_json::to_string(&snapshot).unwrap();
+    let snapshot: policy_core::PrefixSnapshot = serde_json::from_str(&json).unwrap();
+
+    let later = t0 + Duration::from_secs(1);
+    let peer = peer_of(&policy_ids(holder, other), later);
+    // Cut in two parts, each loaded on its own.
+    let (first, second) = snapshot.blocks.split_at(40);
+    let part = |blocks: &[policy_core::SnapshotBlock]| policy_core::PrefixSnapshot {
+        blocks: blocks.to_vec(),
+        ..snapshot.clone()
+    };
+    assert_eq!(peer.load_prefix_snapshot(&part(first), later), 40);
+    assert_eq!(peer.load_prefix_snapshot(&part(second), later), 60);
+    let ids = [holder, other];
+    for salt in [7, 20, 22] {
+        let mine = policy.explain(&ids, &prefixed(salt), t0);
+        let theirs = peer.explain(&ids, &prefixed(salt), later);
+        for id in ids {
+            assert_eq!(
+                theirs.value(id, "cached_tok"),
+                mine.value(id, "cached_tok"),
+                "prefix {salt} on {id:?}"
+            );
+        }
+    }
+    // An index of another block size reads other keys: nothing is loaded.
+    let block_size_differs = policy_core::PrefixSnapshot {
+        block_tokens: 64,
+        ..snapshot.clone()
+    };
+    assert_eq!(peer.load_prefix_snapshot(&block_size_differs, later), 0);
 }

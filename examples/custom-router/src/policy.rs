@@ -301,6 +301,7 @@ impl Policy for LeastKvPolicy {
             tokens: request.tokens.or(0),
             seq: self.next_dispatch.fetch_add(1, Ordering::Relaxed),
             score,
+            cached_tokens: 0,
         };
         slot.state.ledger.credit(dispatch.seq, dispatch.tokens);
         Some(dispatch)
