@@ -1,9 +1,9 @@
 //! `engine-sim drive`: streaming traffic through one running router or
-//! several replicas of one (`--router` repeated: requests take turns), then a
-//! per-worker summary read from the routers' own `/metrics` (summed over the
-//! replicas), a per-engine prefix-cache table read from each `--engine`'s
-//! `/metrics`, and a live score table taken mid-run. The demo's traffic
-//! source.
+//! several replicas of one (`--router` repeated: requests take turns), then
+//! the TTFT the client saw, a per-worker summary read from the routers' own
+//! `/metrics` (summed over the replicas), a per-engine prefix-cache table
+//! read from each `--engine`'s `/metrics`, and a live score table taken
+//! mid-run. The demo's traffic source, and the bench's multi-turn one.
 //!
 //! Two kinds of traffic (`--traffic`): `size-skew`, single-turn prompts of
 //! two sizes with unique heads (nothing to cache), and `multi-turn`, chat
@@ -11,8 +11,8 @@
 //! ([`crate::sessions`]), whose prompts a prefix cache can serve.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -146,17 +146,35 @@ impl DriveArgs {
 struct Tally {
     ok: AtomicU64,
     failed: AtomicU64,
+    /// TTFT of every completed request, seconds.
+    ttfts: Mutex<Vec<f64>>,
 }
 
 impl Tally {
-    fn count(&self, ok: bool) {
-        let counter = if ok { &self.ok } else { &self.failed };
+    fn count(&self, answer: Option<&Streamed>) {
+        let counter = if answer.is_some() {
+            &self.ok
+        } else {
+            &self.failed
+        };
         counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(answer) = answer
+            && let Ok(mut ttfts) = self.ttfts.lock()
+        {
+            ttfts.push(answer.ttft_s);
+        }
+    }
+
+    fn ttft_quantile(&self, quantile: f64) -> Option<f64> {
+        self.ttfts
+            .lock()
+            .ok()
+            .and_then(|ttfts| percentile(&ttfts, quantile))
     }
 }
 
 /// What one run sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Sent {
     /// Multi-turn sessions opened (0 for size-skew traffic).
     pub sessions: u64,
@@ -165,6 +183,22 @@ pub struct Sent {
     /// Requests that streamed to `[DONE]`.
     pub completed: u64,
     pub failed: u64,
+    /// Median and p99 TTFT of the completed requests, as the client saw it
+    /// (request sent to first SSE event), seconds; `None` when none completed.
+    pub ttft_p50_s: Option<f64>,
+    pub ttft_p99_s: Option<f64>,
+}
+
+/// The nearest-rank `quantile` of `values` (the smallest value with at least
+/// that share of them at or below it); `None` when there is none.
+pub fn percentile(values: &[f64], quantile: f64) -> Option<f64> {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    if sorted.is_empty() {
+        return None;
+    }
+    sorted.sort_by(f64::total_cmp);
+    let rank = (quantile * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
 /// Sends the traffic, then prints the summary.
@@ -206,6 +240,13 @@ pub async fn drive(args: DriveArgs) -> Result<(), DriveError> {
         sent.completed,
         sent.failed
     );
+    if let (Some(p50), Some(p99)) = (sent.ttft_p50_s, sent.ttft_p99_s) {
+        // One line, kept stable: `cargo xtask bench` reads it.
+        println!(
+            "client TTFT (request sent to first SSE event): p50 {p50:.4} s, p99 {p99:.4} s over {} completed requests",
+            sent.completed
+        );
+    }
     print_summary(&client, &routers).await?;
     if !engines.is_empty() {
         print_cache_table(&client, &engines).await;
@@ -258,6 +299,8 @@ pub async fn send(
         requests,
         completed: tally.ok.load(Ordering::Relaxed),
         failed: tally.failed.load(Ordering::Relaxed),
+        ttft_p50_s: tally.ttft_quantile(0.5),
+        ttft_p99_s: tally.ttft_quantile(0.99),
     })
 }
 
@@ -303,7 +346,7 @@ async fn send_size_skew(
         let url = format!("{router}/v1/chat/completions");
         let tally = tally.clone();
         tasks.push(tokio::spawn(async move {
-            tally.count(stream_one(&client, &url, &body).await.is_some());
+            tally.count(stream_one(&client, &url, &body).await.as_ref());
         }));
         sent += 1;
         progress.set_position((next_s * 1000.0) as u64);
@@ -362,10 +405,10 @@ async fn send_multi_turn(
                 let router = &routers[(turn % routers.len() as u64) as usize];
                 let url = format!("{router}/v1/chat/completions");
                 let answer = stream_one(&client, &url, &session.request_body(max_tokens)).await;
-                tally.count(answer.is_some());
+                tally.count(answer.as_ref());
                 // A failed turn ends its session: there is no answer to resend.
-                let Some(answer_tokens) = answer else { break };
-                if !session.finish_turn(answer_tokens) {
+                let Some(answer) = answer else { break };
+                if !session.finish_turn(answer.tokens) {
                     break;
                 }
                 if let Some(think) = &think {
@@ -412,26 +455,50 @@ async fn wait_ready(client: &reqwest::Client, router: &str) -> Result<(), DriveE
     }
 }
 
-/// Streams one chat completion to its end; the number of content chunks
-/// (tokens) when it finished with `[DONE]`, `None` when it failed.
-async fn stream_one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> Option<u32> {
+/// One answer streamed to its end.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Streamed {
+    /// Content chunks (tokens).
+    tokens: u32,
+    /// From sending the request to its first SSE event, seconds.
+    ttft_s: f64,
+}
+
+/// Streams one chat completion to its end; `None` when it failed or did not
+/// finish with `[DONE]`.
+async fn stream_one(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> Option<Streamed> {
+    let sent = Instant::now();
     let response = client.post(url).json(body).send().await.ok()?;
     if !response.status().is_success() {
         return None;
     }
     let mut stream = response.bytes_stream();
     let mut events = SseTokens::default();
+    let mut ttft_s = None;
     while let Some(chunk) = stream.next().await {
         events.push(&chunk.ok()?);
+        if events.events > 0 && ttft_s.is_none() {
+            ttft_s = Some(sent.elapsed().as_secs_f64());
+        }
     }
-    events.done.then_some(events.tokens)
+    Some(Streamed {
+        tokens: events.tokens,
+        ttft_s: ttft_s.filter(|_| events.done)?,
+    })
 }
 
-/// Counts the content chunks of an OpenAI chat SSE stream fed in pieces.
+/// Counts the events and content chunks of an OpenAI chat SSE stream fed in
+/// pieces.
 #[derive(Debug, Default)]
 struct SseTokens {
     /// The unfinished event at the end of what was fed.
     pending: Vec<u8>,
+    /// Complete `data:` events so far, `[DONE]` included.
+    events: u32,
     tokens: u32,
     done: bool,
 }
@@ -449,6 +516,7 @@ impl SseTokens {
         let Some(data) = event.strip_prefix(b"data: ") else {
             return;
         };
+        self.events += 1;
         if data == b"[DONE]" {
             self.done = true;
             return;
@@ -719,7 +787,11 @@ mod tests {
             let mut events = SseTokens::default();
             events.push(&stream[..split]);
             events.push(&stream[split..]);
-            assert_eq!((events.tokens, events.done), (2, true), "{split}");
+            assert_eq!(
+                (events.events, events.tokens, events.done),
+                (4, 2, true),
+                "{split}"
+            );
         }
         // Cut before [DONE]: not finished.
         let mut cut = SseTokens::default();
@@ -853,6 +925,8 @@ tokenspeed:cached_tokens_total{model_name=\"m\"} 0.0
         assert_eq!(sent.completed, sent.requests, "{sent:?}");
         // Every session plays its first turn.
         assert!(sent.requests >= sent.sessions, "{sent:?}");
+        let (p50, p99) = (sent.ttft_p50_s.unwrap(), sent.ttft_p99_s.unwrap());
+        assert!(0.0 < p50 && p50 <= p99, "{sent:?}");
 
         let deadline = Instant::now() + Duration::from_secs(30);
         let counters = loop {
@@ -875,6 +949,16 @@ tokenspeed:cached_tokens_total{model_name=\"m\"} 0.0
             "{counters:?}"
         );
         fleet.shutdown().await;
+    }
+
+    #[test]
+    fn percentiles_take_the_nearest_rank() {
+        let values: Vec<f64> = (1..=200).map(f64::from).collect();
+        assert_eq!(percentile(&values, 0.5), Some(100.0));
+        assert_eq!(percentile(&values, 0.99), Some(198.0));
+        assert_eq!(percentile(&[3.0, f64::NAN, 1.0], 0.99), Some(3.0));
+        assert_eq!(percentile(&[2.0], 0.0), Some(2.0));
+        assert_eq!(percentile(&[], 0.5), None);
     }
 
     #[test]

@@ -13,7 +13,9 @@
 //!   nginx's CPU per request over the same engines;
 //! - [`replicas`]: one router, three replicas without sync and three with
 //!   sync in front of one engine-sim fleet under the same open-loop load (p99
-//!   TTFT), and sync's CPU per replica at 1024 workers.
+//!   TTFT), the same three under multi-turn chat sessions (the fleet's
+//!   prefix-cache hit rate and p99 TTFT), and sync's CPU per replica at 1024
+//!   workers.
 //!
 //! Pinning (2 cores): wrk and engine-sim share core 0, the proxy under test
 //! (router or nginx, one worker each) has core 1 to itself. The direct runs
@@ -45,7 +47,11 @@ const BENCH_USAGE: &str =
                          [--measurement-time-s S]
 
   --only PART              run only this part (repeatable); default: all four.
-                           A partial run writes target/bench/partial/report.{md,json}
+                           A partial run writes target/bench/partial/report.{md,json}.
+                           replicas: one router, 3 replicas without and with sync
+                           under size-skewed traffic (p99 TTFT) and under
+                           multi-turn chat sessions (fleet prefix-cache hit rate,
+                           p99 TTFT), and sync's CPU at 1024 workers
   --runs N                 repetitions of every wrk measurement (default 5; with 3 a
                            noisy neighbour in one run can still move the median).
                            A row whose runs disagree by more than 1.5x (max/min;

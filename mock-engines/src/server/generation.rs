@@ -66,6 +66,9 @@ const REQUEST_ID_HEADER: &str = "x-request-id";
 #[derive(Debug, Clone, PartialEq)]
 struct GenerationRequest {
     stream: bool,
+    /// `stream_options.include_usage`: a streamed answer ends with a usage
+    /// chunk, as the OpenAI API does.
+    include_usage: bool,
     prompt_tokens: u32,
     output_tokens: u32,
     /// Whether `max_tokens` (or its equivalent) bounded the output.
@@ -81,6 +84,10 @@ fn parse_generation(
     default_output: u32,
 ) -> GenerationRequest {
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let max_tokens = body
         .get("max_tokens")
         .or_else(|| body.get("max_completion_tokens"))
@@ -121,6 +128,7 @@ fn parse_generation(
     };
     GenerationRequest {
         stream,
+        include_usage,
         prompt_tokens,
         output_tokens,
         bounded: max_tokens.is_some(),
@@ -205,6 +213,7 @@ pub(super) async fn health_generate(State(shared): State<Shared>) -> Response<Bo
         .fetch_add(1, Ordering::Relaxed);
     let probe = GenerationRequest {
         stream: false,
+        include_usage: false,
         prompt_tokens: 1,
         output_tokens: 1,
         bounded: true,
@@ -258,6 +267,7 @@ async fn answer(
             .map_or(0, |d| d.as_secs()),
         prompt_tokens: request.prompt_tokens,
         finish_reason: if request.bounded { "length" } else { "stop" },
+        include_usage: request.include_usage,
     };
     // Recorded only once generation really starts: a request dropped during
     // a pre-model hang or delay, or refused, was never generated.
@@ -388,6 +398,7 @@ struct ResponseMeta {
     created_s: u64,
     prompt_tokens: u32,
     finish_reason: &'static str,
+    include_usage: bool,
 }
 
 impl ResponseMeta {
@@ -399,17 +410,43 @@ impl ResponseMeta {
         }
     }
 
-    fn usage(&self, completion_tokens: u32) -> Value {
+    /// OpenAI's usage object, with the prefix-cache hits as SGLang (and vLLM
+    /// with `--enable-prompt-tokens-details`) report them.
+    fn usage(&self, completion_tokens: u32, cached_tokens: u32) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": u64::from(self.prompt_tokens) + u64::from(completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         })
     }
 
+    /// The chunk that ends a stream asked for usage: no choices, only usage;
+    /// `None` for `/generate`, whose chunks carry `meta_info` instead.
+    fn usage_chunk(&self, completion_tokens: u32, cached_tokens: u32) -> Option<Value> {
+        let object = match self.api {
+            Api::Chat => "chat.completion.chunk",
+            Api::Completions => "text_completion",
+            Api::Generate => return None,
+        };
+        Some(json!({
+            "id": self.response_id(), "object": object,
+            "created": self.created_s, "model": self.model,
+            "choices": [],
+            "usage": self.usage(completion_tokens, cached_tokens),
+        }))
+    }
+
     /// One SSE chunk carrying `token` (the `generated_tokens`-th); `finish`
-    /// marks the final chunk.
-    fn chunk(&self, generated_tokens: u32, text_so_far: &str, finish: bool) -> Value {
+    /// marks the final chunk. `cached_tokens` goes into `/generate`'s
+    /// `meta_info`.
+    fn chunk(
+        &self,
+        generated_tokens: u32,
+        text_so_far: &str,
+        finish: bool,
+        cached_tokens: u32,
+    ) -> Value {
         let token = word(generated_tokens);
         let finish_reason = if finish {
             json!(self.finish_reason)
@@ -439,17 +476,17 @@ impl ResponseMeta {
             }),
             Api::Generate => json!({
                 "text": text_so_far,
-                "meta_info": self.generate_meta(generated_tokens, finish),
+                "meta_info": self.generate_meta(generated_tokens, finish, cached_tokens),
             }),
         }
     }
 
-    fn generate_meta(&self, completion_tokens: u32, finish: bool) -> Value {
+    fn generate_meta(&self, completion_tokens: u32, finish: bool, cached_tokens: u32) -> Value {
         json!({
             "id": self.response_id(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": cached_tokens,
             "finish_reason": if finish {
                 json!({"type": self.finish_reason, "length": completion_tokens})
             } else {
@@ -458,25 +495,25 @@ impl ResponseMeta {
         })
     }
 
-    fn whole(&self, completion_tokens: u32, text: &str) -> Value {
+    fn whole(&self, completion_tokens: u32, text: &str, cached_tokens: u32) -> Value {
         match self.api {
             Api::Chat => json!({
                 "id": self.response_id(), "object": "chat.completion",
                 "created": self.created_s, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": self.finish_reason}],
-                "usage": self.usage(completion_tokens),
+                "usage": self.usage(completion_tokens, cached_tokens),
             }),
             Api::Completions => json!({
                 "id": self.response_id(), "object": "text_completion",
                 "created": self.created_s, "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": null,
                              "finish_reason": self.finish_reason}],
-                "usage": self.usage(completion_tokens),
+                "usage": self.usage(completion_tokens, cached_tokens),
             }),
             Api::Generate => json!({
                 "text": text,
-                "meta_info": self.generate_meta(completion_tokens, true),
+                "meta_info": self.generate_meta(completion_tokens, true, cached_tokens),
             }),
         }
     }
@@ -501,6 +538,7 @@ async fn whole_response(
 ) -> Response<Body> {
     let mut text = String::new();
     let mut generated = 0;
+    let cached_tokens;
     loop {
         let next = tokio::select! {
             next = progress.next() => next,
@@ -513,6 +551,7 @@ async fn whole_response(
             }
             Some(Progress::Finished(record)) => {
                 generated = generated.max(record.output_tokens);
+                cached_tokens = record.cached_tokens;
                 break;
             }
             None => return error_response(StatusCode::SERVICE_UNAVAILABLE, "engine stopped"),
@@ -531,7 +570,7 @@ async fn whole_response(
         let body = Body::from_stream(head.chain(tail));
         return with_content_type(Response::new(body), "application/json");
     }
-    json_response(StatusCode::OK, &meta.whole(generated, &text))
+    json_response(StatusCode::OK, &meta.whole(generated, &text, cached_tokens))
 }
 
 fn stream_response(
@@ -582,12 +621,26 @@ fn stream_response(
         let bytes = match next {
             Some(Progress::Token { generated_tokens }) => {
                 state.text.push_str(word(generated_tokens));
-                sse(&state.meta.chunk(generated_tokens, &state.text, false))
+                // The model reports the prefix-cache hits only in the
+                // finished record, so the chunks before it carry 0.
+                sse(&state.meta.chunk(generated_tokens, &state.text, false, 0))
             }
             Some(Progress::Finished(record)) => {
                 state.done = true;
-                let last = state.meta.chunk(record.output_tokens, &state.text, true);
+                let last = state.meta.chunk(
+                    record.output_tokens,
+                    &state.text,
+                    true,
+                    record.cached_tokens,
+                );
                 let mut bytes = sse(&last);
+                if state.meta.include_usage
+                    && let Some(usage) = state
+                        .meta
+                        .usage_chunk(record.output_tokens, record.cached_tokens)
+                {
+                    bytes.extend_from_slice(&sse(&usage));
+                }
                 bytes.extend_from_slice(b"data: [DONE]\n\n");
                 bytes
             }

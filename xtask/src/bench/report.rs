@@ -393,6 +393,30 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<String> {
         verdict(vs_no_sync.map(|r| r <= 0.75)),
         vs_no_sync.map_or("–".to_owned(), |r| format!("{r:.3}×"))
     ));
+    let multi_turn =
+        |key: &str| find(rows, "replicas-multi-turn/sync-vs").and_then(|row| row.get(key));
+    let points = multi_turn("hit_rate_points_vs_one");
+    let hit_rate = |setup: &str| {
+        figure(
+            value(&format!("replicas-multi-turn/{setup}"), "hit_rate_pct"),
+            1,
+        )
+    };
+    lines.push(format!(
+        "- multi-turn, 3 replicas with sync keep the fleet's prefix-cache hit rate within {} points of one router's: {} ({} points: {}% against {}%)",
+        super::replicas::MULTI_TURN_HIT_RATE_POINTS,
+        verdict(points.map(super::replicas::hit_rate_kept)),
+        points.map_or("–".to_owned(), |p| format!("{p:+.1}")),
+        hit_rate("3-replicas-sync"),
+        hit_rate("one-router"),
+    ));
+    let vs_one = multi_turn("vs_one_router");
+    lines.push(format!(
+        "- multi-turn, 3 replicas with sync: p99 TTFT within {}× one router's: {} ({})",
+        super::replicas::MULTI_TURN_P99_RATIO,
+        verdict(vs_one.map(super::replicas::multi_turn_p99_kept)),
+        ratio_text(vs_one)
+    ));
     let sync_cpu = find(rows, "replicas/sync-cpu/1024").and_then(|r| r.get("sync_cpu_fraction"));
     lines.push(format!(
         "- sync at 1024 workers < 5% of one core per replica: {} ({})",
@@ -569,6 +593,29 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("cpu_fraction_no_sync", "CPU no sync", 4),
             ("cpu_fraction_sync", "CPU sync", 4),
             ("sync_cpu_fraction", "sync CPU", 4),
+        ],
+    );
+    out.push_str("## Router replicas under multi-turn chat sessions\n\n");
+    table(
+        &mut out,
+        rows,
+        "replicas-multi-turn/",
+        &[
+            ("routers", "routers", 0),
+            ("hit_rate_pct", "fleet hit rate %", 1),
+            ("hit_rate_min_pct", "min %", 1),
+            ("hit_rate_max_pct", "max %", 1),
+            ("p50_ttft_s", "p50 TTFT s", 3),
+            ("p99_ttft_s", "p99 TTFT s", 3),
+            ("p99_min_s", "p99 min s", 3),
+            ("p99_max_s", "p99 max s", 3),
+            ("load", "load", 2),
+            ("completed", "completed", 0),
+            ("runs", "runs", 0),
+            ("hit_rate_points_vs_one", "sync − one router, points", 1),
+            ("hit_rate_points_vs_no_sync", "sync − no sync, points", 1),
+            ("vs_one_router", "p99 sync vs one router", 3),
+            ("vs_no_sync", "p99 sync vs no sync", 3),
         ],
     );
     out.push_str("## How it was measured\n\n");
