@@ -167,7 +167,9 @@ impl ChatSession {
         &self.messages
     }
 
-    /// The OpenAI chat body of this turn, streaming, `max_tokens` bounded.
+    /// The OpenAI chat body of this turn, streaming with the usage chunk
+    /// asked for (as the OpenAI client does to count tokens: the router reads
+    /// the engine's cached tokens from it), `max_tokens` bounded.
     pub fn request_body(&self, max_tokens: u32) -> serde_json::Value {
         let messages: Vec<serde_json::Value> = self
             .messages
@@ -178,6 +180,7 @@ impl ChatSession {
             .collect();
         serde_json::json!({
             "model": "engine-sim", "stream": true, "max_tokens": max_tokens,
+            "stream_options": {"include_usage": true},
             "messages": messages,
         })
     }
@@ -347,6 +350,7 @@ mod tests {
         assert_eq!(sent[2]["role"], "assistant");
         assert_eq!(sent[3]["content"], session.messages()[3].content.as_str());
         assert_eq!(body["stream"], true);
+        assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["max_tokens"], 64);
     }
 

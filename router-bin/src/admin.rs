@@ -22,7 +22,7 @@ pub fn routes(app: Arc<App>) -> Router<Arc<App>> {
         .route("/admin/workers", get(list_workers).post(add_worker))
         .route("/admin/workers/{id}", axum::routing::delete(remove_worker))
         .route("/admin/policy", get(get_policy).put(put_policy))
-        .route("/admin/policy/explain", get(explain))
+        .route("/admin/policy/explain", get(explain).post(explain_request))
         .layer(axum::middleware::from_fn_with_state(app, authorize))
 }
 
@@ -44,7 +44,10 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
         }
         return next.run(request).await;
     }
-    let mutating = request.method() != Method::GET && request.method() != Method::HEAD;
+    // Explaining a request's body changes nothing, whatever its method.
+    let mutating = request.method() != Method::GET
+        && request.method() != Method::HEAD
+        && request.uri().path() != "/admin/policy/explain";
     let loopback = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -200,12 +203,34 @@ async fn explain(
     headers: axum::http::HeaderMap,
 ) -> Response {
     let tokens = query.tokens.map_or(TokenCount::Unknown, TokenCount::Exact);
+    explained(&app, &RequestInfo::new(tokens), &headers)
+}
+
+/// `POST /admin/policy/explain` with a generation request's body (as sent
+/// to `/v1/chat/completions`, `/v1/completions` or `/generate`): the score
+/// table for that request, its prompt's size and prefix blocks read as the
+/// proxy reads them, so `cached_tok` shows where the prefix is expected.
+/// Nothing is dispatched.
+async fn explain_request(
+    State(app): State<Arc<App>>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    match crate::estimate::read_request(&body, &app.config.request) {
+        Ok(read) => explained(&app, &read.info, &headers),
+        Err(error) => error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            error.to_string(),
+        ),
+    }
+}
+
+fn explained(app: &App, request: &RequestInfo, headers: &axum::http::HeaderMap) -> Response {
     let snapshot = app.topology.snapshot();
-    let table = snapshot.policy.explain(
-        snapshot.candidates(),
-        &RequestInfo::new(tokens),
-        tokio_now(),
-    );
+    let table = snapshot
+        .policy
+        .explain(snapshot.candidates(), request, tokio_now());
     let wants_json = headers
         .get(header::ACCEPT)
         .and_then(|value| value.to_str().ok())

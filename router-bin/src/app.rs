@@ -55,7 +55,7 @@ impl App {
         let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
             topology: Topology::new(policy, config.policy.clone()),
-            sync_signal: crate::replica_sync::DispatchSignal::new(config.sync.enabled),
+            sync_signal: crate::replica_sync::DispatchSignal::new(&config.sync),
             config,
             config_file,
             policies,

@@ -60,6 +60,12 @@ pub struct Cli {
     pub sync_publish_interval_ms: Option<u64>,
     #[arg(long)]
     pub sync_entry_ttl_ms: Option<u64>,
+    /// Share prefix placements and cache bounds, and warm from a peer's
+    /// prefix snapshot at start (`true` or `false`).
+    #[arg(long, value_name = "BOOL")]
+    pub sync_share_prefixes: Option<bool>,
+    #[arg(long)]
+    pub sync_snapshot_timeout_ms: Option<u64>,
 
     #[arg(long)]
     pub least_load_kv_pressure_weight: Option<f64>,
@@ -149,6 +155,14 @@ impl Cli {
             self.sync_publish_interval_ms.map(u64_value),
         );
         set("sync.entry_ttl_ms", self.sync_entry_ttl_ms.map(u64_value));
+        set(
+            "sync.share_prefixes",
+            self.sync_share_prefixes.map(Into::into),
+        );
+        set(
+            "sync.snapshot_timeout_ms",
+            self.sync_snapshot_timeout_ms.map(u64_value),
+        );
         for (policy, knobs) in [
             (
                 "least_load",
@@ -282,6 +296,10 @@ mod tests {
             "10",
             "--sync-entry-ttl-ms",
             "500",
+            "--sync-share-prefixes",
+            "false",
+            "--sync-snapshot-timeout-ms",
+            "750",
         ]);
         let config = RouterConfig::load(cli.layers().unwrap()).unwrap();
         assert!(config.sync.enabled);
@@ -289,6 +307,8 @@ mod tests {
         assert_eq!(config.sync.replica_id, "r1");
         assert_eq!(config.sync.publish_interval_ms, 10);
         assert_eq!(config.sync.entry_ttl_ms, 500);
+        assert!(!config.sync.share_prefixes);
+        assert_eq!(config.sync.snapshot_timeout_ms, 750);
         assert_eq!(config.sync.subject_prefix, "llm-router", "untouched");
     }
 

@@ -396,8 +396,9 @@ pub struct SyncConfig {
     pub enabled: bool,
     /// The broker, `nats://host[:port]` (port 4222 when left out).
     pub nats_url: String,
-    /// Messages go to `<subject_prefix>.pending`; replicas that should share
-    /// use the same prefix, and separate fleets on one broker different ones.
+    /// Messages go to `<subject_prefix>.pending`, `.prefix` and `.snapshot`;
+    /// replicas that should share use the same prefix, and separate fleets
+    /// on one broker different ones.
     pub subject_prefix: String,
     /// This replica's id in its messages; empty: `<hostname>-<pid>`. Letters,
     /// digits, `.`, `_` and `-`, at most 128.
@@ -409,6 +410,16 @@ pub struct SyncConfig {
     /// republishes its whole state every `entry_ttl_ms / 4`. At least four
     /// publish intervals.
     pub entry_ttl_ms: u64,
+    /// Also share where prompt prefixes were placed and the prefix-cache
+    /// bounds learned from engines' reports (`<subject_prefix>.prefix`), and
+    /// warm a starting replica's prefix index from a running one's
+    /// (`<subject_prefix>.snapshot`). Only policies with a prefix index
+    /// (`least_load`, `power_of_two`) use them.
+    pub share_prefixes: bool,
+    /// How long a starting replica waits for another's prefix snapshot
+    /// (from its request to the last part) before it gives up; it routes
+    /// meanwhile.
+    pub snapshot_timeout_ms: u64,
 }
 
 impl Default for SyncConfig {
@@ -420,6 +431,8 @@ impl Default for SyncConfig {
             replica_id: String::new(),
             publish_interval_ms: 25,
             entry_ttl_ms: 1000,
+            share_prefixes: true,
+            snapshot_timeout_ms: 2000,
         }
     }
 }
@@ -446,6 +459,20 @@ impl SyncConfig {
     /// The subject every replica publishes to and subscribes to.
     pub fn subject(&self) -> String {
         format!("{}.pending", self.subject_prefix)
+    }
+
+    /// The subject of prefix placements and learned cache bounds.
+    pub fn prefix_subject(&self) -> String {
+        format!("{}.prefix", self.subject_prefix)
+    }
+
+    /// The subject a starting replica asks for a prefix snapshot on.
+    pub fn snapshot_subject(&self) -> String {
+        format!("{}.snapshot", self.subject_prefix)
+    }
+
+    pub fn snapshot_timeout(&self) -> Duration {
+        Duration::from_millis(self.snapshot_timeout_ms)
     }
 
     /// `replica_id`, or `<hostname>-<pid>` when it is empty.
@@ -816,6 +843,13 @@ impl RouterConfig {
                 format!("from 4 x sync.publish_interval_ms ({min_ttl_ms}) to 600000"),
             );
         }
+        if !(100..=60_000).contains(&sync.snapshot_timeout_ms) {
+            return invalid(
+                "snapshot_timeout_ms",
+                sync.snapshot_timeout_ms.to_string(),
+                "from 100 to 60000".into(),
+            );
+        }
         Ok(())
     }
 
@@ -1021,6 +1055,10 @@ mod tests {
             config.sync.full_state_interval(),
             Duration::from_millis(250)
         );
+        assert!(config.sync.share_prefixes);
+        assert_eq!(config.sync.prefix_subject(), "llm-router.prefix");
+        assert_eq!(config.sync.snapshot_subject(), "llm-router.snapshot");
+        assert_eq!(config.sync.snapshot_timeout_ms, 2000);
     }
 
     #[test]
@@ -1357,6 +1395,14 @@ mod tests {
             (
                 "[sync]\npublish_interval_ms = 100\nentry_ttl_ms = 300",
                 "invalid sync.entry_ttl_ms = 300: must be from 4 x sync.publish_interval_ms (400) to 600000",
+            ),
+            (
+                "[sync]\nsnapshot_timeout_ms = 50",
+                "invalid sync.snapshot_timeout_ms = 50: must be from 100 to 60000",
+            ),
+            (
+                "[sync]\nsnapshot_timeout_ms = 60001",
+                "invalid sync.snapshot_timeout_ms = 60001: must be from 100 to 60000",
             ),
         ];
         for (text, message) in cases {

@@ -32,6 +32,7 @@
 pub mod admin;
 pub mod app;
 pub mod builder;
+pub mod cached_tokens;
 pub mod cli;
 pub mod client_body;
 pub mod config;

@@ -33,6 +33,71 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Why replica sync dropped placements it would have sent.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+/// A replica-sync subject: `pending`, `prefix` or `snapshot`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SubjectLabel {
+    pub subject: String,
+}
+
+/// An engine's prefix-cache report against the router's prediction.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReportLabels {
+    pub worker: String,
+    /// `as_predicted`, `fewer` or `more` (see [`CacheReportOutcome`]).
+    pub outcome: String,
+}
+
+/// How an engine's reported cached tokens compare with the prediction
+/// (`Dispatch::cached_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheReportOutcome {
+    /// Within [`PREDICTION_SLACK_TOKENS`] of it.
+    AsPredicted,
+    /// At least that much fewer: the engine had evicted (or not yet
+    /// computed) part of what was expected there.
+    Fewer,
+    /// At least that much more: the engine held a prefix the router did not
+    /// expect there.
+    More,
+}
+
+/// How far a report may be from the prediction and still count as it:
+/// `least_load` predicts whole index blocks (256 tokens by default), and an
+/// engine counts its own pages of its own tokens.
+pub const PREDICTION_SLACK_TOKENS: u64 = 256;
+
+impl CacheReportOutcome {
+    pub fn of(predicted: u64, reported: u64) -> CacheReportOutcome {
+        if reported.saturating_add(PREDICTION_SLACK_TOKENS) <= predicted {
+            CacheReportOutcome::Fewer
+        } else if reported >= predicted.saturating_add(PREDICTION_SLACK_TOKENS) {
+            CacheReportOutcome::More
+        } else {
+            CacheReportOutcome::AsPredicted
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            CacheReportOutcome::AsPredicted => "as_predicted",
+            CacheReportOutcome::Fewer => "fewer",
+            CacheReportOutcome::More => "more",
+        }
+    }
+
+    const ALL: [CacheReportOutcome; 3] = [
+        CacheReportOutcome::AsPredicted,
+        CacheReportOutcome::Fewer,
+        CacheReportOutcome::More,
+    ];
+}
+
 type HistogramFamily = Family<WorkerLabel, Histogram, fn() -> Histogram>;
 
 /// Latency buckets from 1 ms to about 65 s, doubling.
@@ -362,6 +427,22 @@ pub struct Metrics {
     pub sync_entries: Family<OutcomeLabel, Counter>,
     pub sync_entries_expired: Counter,
     pub sync_peers: Gauge,
+    pub sync_bytes_sent: Family<SubjectLabel, Counter>,
+    pub sync_placements_sent: Counter,
+    pub sync_placements_received: Family<OutcomeLabel, Counter>,
+    pub sync_placements_dropped: Family<ReasonLabel, Counter>,
+    pub sync_bounds_sent: Counter,
+    pub sync_bounds_received: Family<OutcomeLabel, Counter>,
+    pub sync_prefix_messages_received: Family<OutcomeLabel, Counter>,
+    pub sync_snapshots_served: Counter,
+    pub sync_warmups: Family<OutcomeLabel, Counter>,
+    pub sync_warmup_blocks: Counter,
+    pub sync_warmup_bytes: Counter,
+    pub sync_warmup_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    pub prefix_predicted_cached_tokens: Family<WorkerLabel, PerThreadCounter>,
+    pub prefix_reported_cached_tokens: Family<WorkerLabel, PerThreadCounter>,
+    pub prefix_cache_reports: Family<ReportLabels, PerThreadCounter>,
+    pub prefix_cache_bound_tokens: Family<WorkerLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -512,7 +593,7 @@ impl Metrics {
         let sync_publish_failures = Counter::default();
         registry.register(
             "sync_publish_failures",
-            "Pending-work messages that could not be published (error or timeout); the next one carries the whole state",
+            "Messages that could not be published (error or timeout): after a pending-work one the next carries the whole state; a prefix one's placements are lost (sync_placements_dropped_total{reason=\"unsent\"})",
             sync_publish_failures.clone(),
         );
         let sync_messages_received = Family::<OutcomeLabel, Counter>::default();
@@ -538,6 +619,102 @@ impl Metrics {
             "sync_peers",
             "Other replicas heard within sync.entry_ttl_ms",
             sync_peers.clone(),
+        );
+        let sync_bytes_sent = Family::<SubjectLabel, Counter>::default();
+        registry.register(
+            "sync_bytes_sent",
+            "Payload bytes this replica published, by subject: pending, prefix, snapshot",
+            sync_bytes_sent.clone(),
+        );
+        let sync_placements_sent = Counter::default();
+        registry.register(
+            "sync_placements_sent",
+            "Prefix placements this replica published",
+            sync_placements_sent.clone(),
+        );
+        let sync_placements_received = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_placements_received",
+            "Other replicas' prefix placements, by outcome: applied, unknown_worker, unsupported, invalid",
+            sync_placements_received.clone(),
+        );
+        let sync_placements_dropped = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "sync_placements_dropped",
+            "Placements not published, by reason: queue_full (the publisher fell behind), coalesced (a longer one to the same worker went in the same message), unsent (broker away or publish failed); each costs affinity on the other replicas, never correctness",
+            sync_placements_dropped.clone(),
+        );
+        let sync_bounds_sent = Counter::default();
+        registry.register(
+            "sync_bounds_sent",
+            "Learned prefix-cache bounds this replica published",
+            sync_bounds_sent.clone(),
+        );
+        let sync_bounds_received = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_bounds_received",
+            "Other replicas' learned prefix-cache bounds, by outcome: applied, unknown_worker, unsupported, invalid",
+            sync_bounds_received.clone(),
+        );
+        let sync_prefix_messages_received = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_prefix_messages_received",
+            "Messages received on the prefix subject, by outcome: applied, own, malformed, foreign_version, invalid_replica, oversize",
+            sync_prefix_messages_received.clone(),
+        );
+        let sync_snapshots_served = Counter::default();
+        registry.register(
+            "sync_snapshots_served",
+            "Prefix snapshots this replica sent to a starting one",
+            sync_snapshots_served.clone(),
+        );
+        let sync_warmups = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_warmups",
+            "Prefix-index warm-ups from another replica's snapshot, by outcome: complete, partial (gave up after sync.snapshot_timeout_ms with parts missing), no_answer",
+            sync_warmups.clone(),
+        );
+        let sync_warmup_blocks = Counter::default();
+        registry.register(
+            "sync_warmup_blocks",
+            "Prefix blocks loaded from other replicas' snapshots",
+            sync_warmup_blocks.clone(),
+        );
+        let sync_warmup_bytes = Counter::default();
+        registry.register(
+            "sync_warmup_bytes",
+            "Snapshot bytes received and loaded",
+            sync_warmup_bytes.clone(),
+        );
+        let sync_warmup_seconds = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "sync_warmup_seconds",
+            "How long the last warm-up took, from its request to its last part (or to giving up)",
+            sync_warmup_seconds.clone(),
+        );
+        let prefix_predicted_cached_tokens = Family::<WorkerLabel, PerThreadCounter>::default();
+        registry.register(
+            "prefix_predicted_cached_tokens",
+            "Prompt tokens the policy expected each worker to hold in its prefix cache, over every dispatch",
+            prefix_predicted_cached_tokens.clone(),
+        );
+        let prefix_reported_cached_tokens = Family::<WorkerLabel, PerThreadCounter>::default();
+        registry.register(
+            "prefix_reported_cached_tokens",
+            "Prompt tokens each worker reported served from its prefix cache (usage.prompt_tokens_details.cached_tokens, meta_info.cached_tokens), over the responses that carried a report",
+            prefix_reported_cached_tokens.clone(),
+        );
+        let prefix_cache_reports = Family::<ReportLabels, PerThreadCounter>::default();
+        registry.register(
+            "prefix_cache_reports",
+            "Responses that carried a cached_tokens report, by worker and outcome against the prediction: as_predicted (within 256 tokens), fewer, more",
+            prefix_cache_reports.clone(),
+        );
+        let prefix_cache_bound_tokens = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "prefix_cache_bound_tokens",
+            "The prefix-cache bound last learned for each worker, from its reports here or another replica's (0: none learned)",
+            prefix_cache_bound_tokens.clone(),
         );
         Metrics {
             registry,
@@ -568,6 +745,22 @@ impl Metrics {
             sync_entries,
             sync_entries_expired,
             sync_peers,
+            sync_bytes_sent,
+            sync_placements_sent,
+            sync_placements_received,
+            sync_placements_dropped,
+            sync_bounds_sent,
+            sync_bounds_received,
+            sync_prefix_messages_received,
+            sync_snapshots_served,
+            sync_warmups,
+            sync_warmup_blocks,
+            sync_warmup_bytes,
+            sync_warmup_seconds,
+            prefix_predicted_cached_tokens,
+            prefix_reported_cached_tokens,
+            prefix_cache_reports,
+            prefix_cache_bound_tokens,
         }
     }
 
@@ -585,6 +778,33 @@ impl Metrics {
         self.sync_entries
             .get_or_create(&OutcomeLabel {
                 outcome: outcome.to_owned(),
+            })
+            .clone()
+    }
+
+    /// The counter of `family`'s series with this outcome.
+    pub fn outcome(family: &Family<OutcomeLabel, Counter>, outcome: &str) -> Counter {
+        family
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.to_owned(),
+            })
+            .clone()
+    }
+
+    /// The counter of placements dropped for this reason.
+    pub fn placements_dropped(&self, reason: &str) -> Counter {
+        self.sync_placements_dropped
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .clone()
+    }
+
+    /// The counter of bytes published on this subject.
+    pub fn bytes_sent(&self, subject: &str) -> Counter {
+        self.sync_bytes_sent
+            .get_or_create(&SubjectLabel {
+                subject: subject.to_owned(),
             })
             .clone()
     }
@@ -619,6 +839,11 @@ pub struct WorkerMetrics {
     pub silent_streams: Gauge,
     /// `requests_total{status="200"}`, the common case, resolved up front.
     pub requests_ok: PerThreadCounter,
+    pub predicted_cached_tokens: PerThreadCounter,
+    pub reported_cached_tokens: PerThreadCounter,
+    /// By [`CacheReportOutcome`], in its declaration order.
+    cache_reports: [PerThreadCounter; 3],
+    pub cache_bound_tokens: Gauge,
 }
 
 impl WorkerMetrics {
@@ -648,7 +873,36 @@ impl WorkerMetrics {
                     status: "200".to_owned(),
                 })
                 .clone(),
+            predicted_cached_tokens: metrics
+                .prefix_predicted_cached_tokens
+                .get_or_create(&label)
+                .clone(),
+            reported_cached_tokens: metrics
+                .prefix_reported_cached_tokens
+                .get_or_create(&label)
+                .clone(),
+            cache_reports: CacheReportOutcome::ALL.map(|outcome| {
+                metrics
+                    .prefix_cache_reports
+                    .get_or_create(&ReportLabels {
+                        worker: url.to_owned(),
+                        outcome: outcome.label().to_owned(),
+                    })
+                    .clone()
+            }),
+            cache_bound_tokens: metrics
+                .prefix_cache_bound_tokens
+                .get_or_create(&label)
+                .clone(),
         }
+    }
+
+    /// Counts one engine report of `reported` cached tokens where
+    /// `predicted` were expected.
+    pub fn cache_reported(&self, predicted: u64, reported: u64) {
+        self.reported_cached_tokens.inc_by(reported);
+        let outcome = CacheReportOutcome::of(predicted, reported);
+        self.cache_reports[outcome as usize].inc();
     }
 
     pub fn request_status(&self, metrics: &Metrics, status: &str) {

@@ -24,6 +24,7 @@ use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 
 use crate::app::{App, SilentStream};
+use crate::cached_tokens::CachedTokensScanner;
 use crate::client_body::read_client_body;
 use crate::estimate::read_request;
 use crate::outlier::Failure;
@@ -303,12 +304,16 @@ fn choose(
     let Some(dispatch) = snapshot.policy.select(candidates, &request.info, now) else {
         return Chosen::Capped;
     };
-    app.sync_signal.dispatched(dispatch.worker);
+    app.sync_signal
+        .dispatched(dispatch.worker, snapshot.policy.as_ref(), &request.info);
     match snapshot.route(dispatch.worker) {
         Some(route) => Chosen::Worker(RequestTracker::new(
             route.clone(),
             dispatch,
             request.received_at,
+            // Only a prompt with hashed blocks can have been predicted a
+            // hit, or be placed; for others the engine's report is not read.
+            !request.info.prefix.is_empty(),
         )),
         None => {
             snapshot.policy.finish(&dispatch, now);
@@ -344,6 +349,12 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         let dispatch = tracker.dispatch;
         worker.metrics.selections.inc();
         worker.metrics.dispatched_tokens.inc_by(dispatch.tokens);
+        if dispatch.cached_tokens > 0 {
+            worker
+                .metrics
+                .predicted_cached_tokens
+                .inc_by(dispatch.cached_tokens);
+        }
         worker.metrics.selected_score.observe(dispatch.score);
         if attempt > 0 {
             app.metrics.retries.inc();
@@ -606,7 +617,7 @@ async fn read_whole(mut body: WorkerBody, limit_bytes: usize) -> Result<Bytes, R
 /// 502 instead of a cut the client cannot tell from a short answer.
 async fn whole_answer(
     app: &Arc<App>,
-    tracker: RequestTracker,
+    mut tracker: RequestTracker,
     status: StatusCode,
     headers: h1::HeaderLines,
     inner: WorkerBody,
@@ -621,6 +632,8 @@ async fn whole_answer(
         match tokio::time::timeout_at(read_by, read_whole(inner, WHOLE_ANSWER_LIMIT_BYTES)).await {
             Ok(Ok(answer)) => {
                 app.request_succeeded(worker);
+                tracker.scan(&answer);
+                tracker.report_cache(app);
                 return Answer::worker(status, headers, ProxyBody::whole(answer));
             }
             Ok(Err(ReadWholeError::TooLarge { limit_bytes })) => {
@@ -727,21 +740,62 @@ struct RequestTracker {
     dispatch: Dispatch,
     first_token_seen: bool,
     received_at: Instant,
+    /// Reads the engine's `cached_tokens` report from the response, when
+    /// the prompt had hashed blocks.
+    cache_scan: Option<CachedTokensScanner>,
 }
 
 impl RequestTracker {
-    fn new(route: Arc<Route>, dispatch: Dispatch, received_at: Instant) -> RequestTracker {
+    fn new(
+        route: Arc<Route>,
+        dispatch: Dispatch,
+        received_at: Instant,
+        read_cache_report: bool,
+    ) -> RequestTracker {
         route.worker.request_started();
         RequestTracker {
             route,
             dispatch,
             first_token_seen: false,
             received_at,
+            cache_scan: read_cache_report.then(CachedTokensScanner::default),
         }
     }
 
     fn worker(&self) -> &Arc<Worker> {
         &self.route.worker
+    }
+
+    /// Reads response bytes for the engine's cache report.
+    #[inline]
+    fn scan(&mut self, bytes: &[u8]) {
+        if let Some(scan) = self.cache_scan.as_mut() {
+            scan.feed(bytes);
+        }
+    }
+
+    /// The response completed: hands the engine's report of its prefix
+    /// cache (if it made one) to the policy that predicted it, counts it,
+    /// and queues a bound the report changed for the other replicas.
+    fn report_cache(&mut self, app: &App) {
+        let Some(reported) = self.cache_scan.take().and_then(|scan| scan.value()) else {
+            return;
+        };
+        let worker = &self.route.worker;
+        worker
+            .metrics
+            .cache_reported(self.dispatch.cached_tokens, reported);
+        if let Some(bound) = self
+            .route
+            .policy
+            .cache_report(&self.dispatch, reported, tokio_now())
+        {
+            worker
+                .metrics
+                .cache_bound_tokens
+                .set(i64::try_from(bound).unwrap_or(i64::MAX));
+            app.sync_signal.bound_learned(worker.id, bound);
+        }
     }
 
     /// Tells the policy the first token passed; later calls do nothing.
@@ -842,12 +896,26 @@ enum IdleCheck {
 }
 
 impl TrackedBody {
-    /// A whole response: the worker's run of failures is over, and the
-    /// dispatch is released now, not when the client's connection lets go
-    /// of this body.
+    /// A whole response: the worker's run of failures is over, the
+    /// engine's cache report is read, and the dispatch is released now, not
+    /// when the client's connection lets go of this body.
     fn succeeded(&mut self) {
-        if let Some(tracker) = self.tracker.take() {
+        if let Some(mut tracker) = self.tracker.take() {
             self.app.request_succeeded(tracker.worker());
+            tracker.report_cache(&self.app);
+        }
+    }
+
+    /// Reads a piece for the engine's cache report, before it may end the
+    /// stream.
+    #[inline]
+    fn scan(&mut self, piece: &Piece) {
+        if let Some(tracker) = self.tracker.as_mut()
+            && tracker.cache_scan.is_some()
+        {
+            for part in piece.data_parts() {
+                tracker.scan(part);
+            }
         }
     }
 
@@ -937,6 +1005,7 @@ impl TrackedBody {
             return Poll::Ready(None);
         }
         if let Some(held) = self.held.pop_front() {
+            self.scan(&held);
             if self.held.is_empty() && self.inner.is_end_stream() {
                 self.succeeded();
             }
@@ -944,6 +1013,7 @@ impl TrackedBody {
         }
         match self.inner.poll_piece(cx, relay) {
             Poll::Ready(Some(Ok(piece))) => {
+                self.scan(&piece);
                 if self.inner.is_end_stream() {
                     self.succeeded();
                 }

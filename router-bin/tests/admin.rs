@@ -225,3 +225,62 @@ async fn admin_auth_is_enforced() {
     // The proxy itself is not behind the admin key.
     assert_eq!(router.chat("hello", false).await.status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_is_explained_with_its_prompt_and_prefix() {
+    let upstream = Upstream::start().await;
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    let url = format!("{}/admin/policy/explain", router.base);
+    let explain = |body: serde_json::Value| {
+        let (client, url) = (router.client.clone(), url.clone());
+        async move {
+            client
+                .post(&url)
+                .header("accept", "application/json")
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    // About 2000 tokens of prompt, 4 characters each.
+    let prompt = "the same long system prompt, every turn. ".repeat(200);
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": prompt}]});
+    let value = |table: &serde_json::Value, column: &str| {
+        let index = table["columns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|name| name == column)
+            .unwrap();
+        table["rows"][0]["values"][index].as_f64().unwrap()
+    };
+    let before: serde_json::Value = explain(body.clone()).await.json().await.unwrap();
+    assert!(value(&before, "request_tok") >= 2000.0, "{before}");
+    assert_eq!(value(&before, "cached_tok"), 0.0, "nothing was dispatched");
+    // Explaining dispatches nothing; sending does.
+    assert_eq!(upstream.requests(), 0);
+    let sent = router
+        .client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(sent.status(), 200);
+    let after: serde_json::Value = explain(body.clone()).await.json().await.unwrap();
+    assert!(value(&after, "cached_tok") > 0.0, "{after}");
+    // A body the proxy would refuse is refused here too.
+    let refused = router
+        .client
+        .post(&url)
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 400);
+}

@@ -18,6 +18,16 @@
 //!   ([`policy_core::Policy::replica_pending`]), where selections read them
 //!   through atomics.
 //!
+//! With `sync.share_prefixes` (the default) replicas also share where they
+//! placed prompt prefixes, so that each replica's prefix index knows every
+//! replica's dispatches, not only its own ([`prefix`]): the request path
+//! queues the policy's [`placement`](policy_core::Policy::placement) of
+//! each dispatch beside the dispatch itself, and the prefix-cache bounds
+//! learned from engines' reports; the publisher sends them at the same
+//! wake, coalesced, on `<prefix>.prefix`; a third task applies the
+//! others' ([`policy_core::Policy::replica_prefix`]). A starting replica
+//! warms its index from a running one's snapshot ([`warm`]).
+//!
 //! The broker is never on the request path: while it is down, slow or
 //! unreachable, the replica routes on its own knowledge (the others' entries
 //! expire after the TTL), logs the change once, exports it as
@@ -42,7 +52,9 @@
 //! # Ok::<(), policy_core::PolicyError>(())
 //! ```
 
+pub mod prefix;
 mod publisher;
+pub mod warm;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -51,7 +63,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
 use parking_lot::Mutex;
-use policy_core::{Policy, ReplicaPending, ReplicaPendingOutcome, tokio_now};
+use policy_core::{
+    Policy, ReplicaPending, ReplicaPendingOutcome, RequestInfo, WorkerId, tokio_now, worker_url_key,
+};
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::{Instant, MissedTickBehavior};
 
@@ -61,46 +75,76 @@ use crate::metrics::Metrics;
 
 pub use publisher::{Publisher, WorkerPending};
 
-/// How the request path tells the publisher which workers it dispatched to:
-/// a short list behind a lock taken only with `[sync]` on, and a wake-up.
-/// Dispatches that come while the publisher is busy pile up and go out in
-/// its next message.
+/// How the request path tells the publisher what it did: the workers it
+/// dispatched to, the prefixes it placed there and the cache bounds engines'
+/// reports taught it, in short lists behind one lock taken only with
+/// `[sync]` on, and a wake-up. What comes while the publisher is busy piles
+/// up (placements and bounds up to a cap, past which they are counted and
+/// dropped) and goes out at its next wake.
 #[derive(Debug, Default)]
 pub struct DispatchSignal {
     enabled: bool,
-    dispatched: Mutex<Vec<policy_core::WorkerId>>,
+    share_prefixes: bool,
+    queued: Mutex<prefix::Queued>,
     wake: tokio::sync::Notify,
 }
 
 impl DispatchSignal {
-    /// A signal that records dispatches only when `enabled` (`[sync]` on).
-    pub fn new(enabled: bool) -> DispatchSignal {
+    /// A signal that records dispatches only with `[sync]` enabled, and
+    /// placements and bounds only with `sync.share_prefixes` too.
+    pub fn new(config: &SyncConfig) -> DispatchSignal {
         DispatchSignal {
-            enabled,
+            enabled: config.enabled,
+            share_prefixes: config.enabled && config.share_prefixes,
             ..DispatchSignal::default()
         }
     }
 
-    /// A request was dispatched to `worker`.
+    /// A request was dispatched to `worker` by `policy`: queues the worker
+    /// and, when prefixes are shared and the prompt has hashed blocks, the
+    /// policy's placement of them (its one allocation).
     #[inline]
-    pub fn dispatched(&self, worker: policy_core::WorkerId) {
-        if self.enabled {
-            self.dispatched.lock().push(worker);
+    pub fn dispatched(&self, worker: WorkerId, policy: &dyn Policy, request: &RequestInfo) {
+        if !self.enabled {
+            return;
+        }
+        let placement = if self.share_prefixes && !request.prefix.is_empty() {
+            policy.placement(request)
+        } else {
+            None
+        };
+        {
+            let mut queued = self.queued.lock();
+            queued.dispatched.push(worker);
+            if let Some(blocks) = placement {
+                queued.place(worker, blocks);
+            }
+        }
+        self.wake.notify_one();
+    }
+
+    /// An engine's report changed `worker`'s learned cache bound: queued
+    /// for the other replicas when prefixes are shared.
+    pub fn bound_learned(&self, worker: WorkerId, cache_tokens: u64) {
+        if self.share_prefixes {
+            self.queued.lock().bound(worker, cache_tokens);
             self.wake.notify_one();
         }
     }
 
-    /// Waits for a dispatch (at once if one came since the last call).
+    /// Waits for a dispatch or a bound (at once if one came since the last
+    /// call).
     async fn wait(&self) {
         self.wake.notified().await;
     }
 
-    /// The workers dispatched to since the last call, into `into`.
-    fn take(&self, into: &mut Vec<policy_core::WorkerId>) {
+    /// What was queued since the last call, into `into` (whose lists are
+    /// reused); dispatched workers sorted and deduplicated.
+    fn take(&self, into: &mut prefix::Queued) {
         into.clear();
-        std::mem::swap(&mut *self.dispatched.lock(), into);
-        into.sort_unstable_by_key(|id| id.slot());
-        into.dedup();
+        std::mem::swap(&mut *self.queued.lock(), into);
+        into.dispatched.sort_unstable_by_key(|id| id.slot());
+        into.dispatched.dedup();
     }
 }
 
@@ -108,7 +152,7 @@ impl DispatchSignal {
 /// (and the state change is logged).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest wait between reconnection attempts.
-const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(1);
+pub(crate) const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(1);
 /// How often the client pings the broker: a broker that stops answering
 /// (hung, or the network dropped it silently) is dropped once three pings go
 /// unanswered (the client's rule), about 6 s. Nothing arrives meanwhile, so
@@ -180,7 +224,9 @@ pub fn receive(
         Ok(message) => message,
         Err(error) => {
             let counter = match error {
-                wire::WireError::Malformed(_) => &counters.malformed,
+                wire::WireError::Malformed(_)
+                | wire::WireError::Invalid(_)
+                | wire::WireError::Oversize(_) => &counters.malformed,
                 wire::WireError::Version(_) => &counters.foreign_version,
                 wire::WireError::Replica(_) => &counters.invalid_replica,
             };
@@ -319,6 +365,26 @@ pub async fn start(app: Arc<App>) {
         replica.clone(),
         peers.clone(),
     ));
+    if config.share_prefixes {
+        tokio::spawn(run_prefix_receiver(
+            app.clone(),
+            client.clone(),
+            config.clone(),
+            replica.clone(),
+        ));
+        tokio::spawn(warm::run_snapshot_server(
+            app.clone(),
+            client.clone(),
+            config.clone(),
+            replica.clone(),
+        ));
+        tokio::spawn(warm::run_warm_up(
+            app.clone(),
+            client.clone(),
+            config.clone(),
+            replica.clone(),
+        ));
+    }
     tokio::spawn(run_publisher(app, client, config, replica, peers));
 }
 
@@ -341,8 +407,11 @@ async fn run_publisher(
     peers: Arc<Mutex<Peers>>,
 ) {
     let subject = async_nats::Subject::from(config.subject());
+    let prefix_subject = async_nats::Subject::from(config.prefix_subject());
     let ttl = config.entry_ttl();
-    let mut publisher = Publisher::new(replica, first_seq(), config.full_state_interval());
+    let first = first_seq();
+    let mut publisher = Publisher::new(replica.clone(), first, config.full_state_interval());
+    let mut prefix_seq = first;
     let mut ticker = tokio::time::interval(config.publish_interval());
     ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
     // A slow broker holds a publish at most this long; the next tick retries
@@ -351,34 +420,55 @@ async fn run_publisher(
     let started = Instant::now();
     let mut link = Link::Starting;
     let metrics = &app.metrics;
+    let counters = SendCounters::new(metrics);
     // Expiry touches every worker's state, so it runs every eighth of the
     // TTL rather than every tick: an entry goes at most that much late.
     let expiry_interval = (ttl / 8).max(config.publish_interval());
     let mut last_expiry: Option<Instant> = None;
-    let mut dispatched = Vec::new();
+    let mut queued = prefix::Queued::default();
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
             () = app.sync_signal.wait() => {
-                app.sync_signal.take(&mut dispatched);
+                app.sync_signal.take(&mut queued);
+                counters.dropped_queue_full.inc_by(queued.dropped_placements);
                 let connected =
                     client.connection_state() == async_nats::connection::State::Connected;
-                if connected {
-                    let policy = app.policy();
-                    let snapshot = app.topology.snapshot();
-                    let workers = dispatched.iter().filter_map(|id| {
-                        let worker = snapshot.worker(*id)?;
-                        let stats = policy.worker_stats(*id).unwrap_or_default();
-                        Some(WorkerPending {
-                            id: *id,
-                            url: &worker.url,
-                            tokens: stats.pending_tokens,
-                            requests: stats.pending_requests,
-                        })
-                    });
-                    if let Some(payload) = publisher.dispatched(workers) {
-                        send(&client, &subject, payload, publish_deadline, metrics, &mut publisher).await;
-                    }
+                if !connected {
+                    // Nothing sent now is certain to arrive; the pending
+                    // work goes out whole once the broker is back, but
+                    // placements are events and are lost.
+                    counters.dropped_unsent.inc_by(queued.placed.len() as u64);
+                    continue;
+                }
+                let policy = app.policy();
+                let snapshot = app.topology.snapshot();
+                // Placements first, so they reach the broker no later than
+                // the pending work of the dispatches that made them.
+                publish_prefixes(
+                    &client,
+                    &prefix_subject,
+                    &replica,
+                    &mut prefix_seq,
+                    &mut queued,
+                    &snapshot,
+                    publish_deadline,
+                    metrics,
+                    &counters,
+                )
+                .await;
+                let workers = queued.dispatched.iter().filter_map(|id| {
+                    let worker = snapshot.worker(*id)?;
+                    let stats = policy.worker_stats(*id).unwrap_or_default();
+                    Some(WorkerPending {
+                        id: *id,
+                        url: &worker.url,
+                        tokens: stats.pending_tokens,
+                        requests: stats.pending_requests,
+                    })
+                });
+                if let Some(payload) = publisher.dispatched(workers) {
+                    send(&client, &subject, payload, publish_deadline, metrics, &counters, &mut publisher).await;
                 }
                 continue;
             }
@@ -423,38 +513,139 @@ async fn run_publisher(
             payload,
             publish_deadline,
             metrics,
+            &counters,
             &mut publisher,
         )
         .await;
     }
 }
 
-/// Publishes one message; a failure or a timeout makes the next tick's a
-/// full state.
+/// The publisher's counters, resolved once.
+#[derive(Debug)]
+struct SendCounters {
+    pending_bytes: Counter,
+    prefix_bytes: Counter,
+    placements_sent: Counter,
+    bounds_sent: Counter,
+    dropped_queue_full: Counter,
+    dropped_coalesced: Counter,
+    dropped_unsent: Counter,
+}
+
+impl SendCounters {
+    fn new(metrics: &Metrics) -> SendCounters {
+        SendCounters {
+            pending_bytes: metrics.bytes_sent("pending"),
+            prefix_bytes: metrics.bytes_sent("prefix"),
+            placements_sent: metrics.sync_placements_sent.clone(),
+            bounds_sent: metrics.sync_bounds_sent.clone(),
+            dropped_queue_full: metrics.placements_dropped("queue_full"),
+            dropped_coalesced: metrics.placements_dropped("coalesced"),
+            dropped_unsent: metrics.placements_dropped("unsent"),
+        }
+    }
+}
+
+/// Coalesces the queued placements and bounds and publishes them, in as
+/// many messages as they need; a worker removed meanwhile is skipped.
+#[allow(clippy::too_many_arguments)]
+async fn publish_prefixes(
+    client: &async_nats::Client,
+    subject: &async_nats::Subject,
+    replica: &str,
+    seq: &mut u64,
+    queued: &mut prefix::Queued,
+    snapshot: &crate::topology::Snapshot,
+    deadline: Duration,
+    metrics: &Metrics,
+    counters: &SendCounters,
+) {
+    if queued.placed.is_empty() && queued.bounds.is_empty() {
+        return;
+    }
+    let coalesced = prefix::coalesce(&mut queued.placed, &mut queued.bounds);
+    counters.dropped_coalesced.inc_by(coalesced as u64);
+    let url = |id: &WorkerId| Some(worker_url_key(&snapshot.worker(*id)?.url));
+    let placements: Vec<wire::Placement<'_>> = queued
+        .placed
+        .iter()
+        .filter_map(|(id, prefix)| {
+            Some(wire::Placement {
+                worker_url: url(id)?,
+                prefix,
+            })
+        })
+        .collect();
+    let bounds: Vec<wire::Bound<'_>> = queued
+        .bounds
+        .iter()
+        .filter_map(|(id, cache_tokens)| {
+            Some(wire::Bound {
+                worker_url: url(id)?,
+                cache_tokens: *cache_tokens,
+            })
+        })
+        .collect();
+    let encoded = wire::encode_prefix(replica, seq, &placements, &bounds, wire::MAX_MESSAGE_BYTES);
+    let mut delivered = true;
+    for message in encoded.messages {
+        let len = message.len() as u64;
+        if publish(client, subject, message, deadline).await {
+            counters.prefix_bytes.inc_by(len);
+        } else {
+            delivered = false;
+        }
+    }
+    if delivered {
+        counters.placements_sent.inc_by(encoded.placements as u64);
+        counters.bounds_sent.inc_by(encoded.bounds as u64);
+    } else {
+        metrics.sync_publish_failures.inc();
+        counters.dropped_unsent.inc_by(encoded.placements as u64);
+    }
+}
+
+/// Publishes one payload within `deadline`; false when it failed or timed
+/// out.
+async fn publish(
+    client: &async_nats::Client,
+    subject: &async_nats::Subject,
+    payload: Vec<u8>,
+    deadline: Duration,
+) -> bool {
+    let sent =
+        tokio::time::timeout(deadline, client.publish(subject.clone(), payload.into())).await;
+    match sent {
+        Ok(Ok(())) => true,
+        Ok(Err(error)) => {
+            tracing::debug!(error = %policy_core::error_chain(&error), "sync: publish failed");
+            false
+        }
+        Err(_elapsed) => {
+            tracing::debug!("sync: publish timed out");
+            false
+        }
+    }
+}
+
+/// Publishes one pending-work message; a failure or a timeout makes the
+/// next tick's a full state.
 async fn send(
     client: &async_nats::Client,
     subject: &async_nats::Subject,
     payload: Vec<u8>,
     deadline: Duration,
     metrics: &Metrics,
+    counters: &SendCounters,
     publisher: &mut Publisher,
 ) {
-    let sent =
-        tokio::time::timeout(deadline, client.publish(subject.clone(), payload.into())).await;
-    match sent {
-        Ok(Ok(())) => {
-            metrics.sync_published.inc();
-        }
-        Ok(Err(error)) => {
-            metrics.sync_publish_failures.inc();
-            publisher.force_full_state();
-            tracing::debug!(error = %policy_core::error_chain(&error), "sync: publish failed");
-        }
-        Err(_elapsed) => {
-            metrics.sync_publish_failures.inc();
-            publisher.force_full_state();
-            tracing::debug!("sync: publish timed out");
-        }
+    let len = payload.len() as u64;
+    if publish(client, subject, payload, deadline).await {
+        metrics.sync_published.inc();
+        counters.pending_bytes.inc_by(len);
+    } else {
+        metrics.sync_publish_failures.inc();
+        publisher.force_full_state();
     }
 }
 
@@ -525,6 +716,54 @@ async fn run_receiver(
             }
         }
         tracing::warn!("sync: subscription ended; subscribing again");
+        tokio::time::sleep(MAX_RECONNECT_DELAY).await;
+    }
+}
+
+/// Applies other replicas' placements and learned bounds.
+async fn run_prefix_receiver(
+    app: Arc<App>,
+    client: async_nats::Client,
+    config: SyncConfig,
+    replica: String,
+) {
+    let counters = prefix::PrefixCounters::new(&app.metrics);
+    loop {
+        let mut subscriber = match client.subscribe(config.prefix_subject()).await {
+            Ok(subscriber) => subscriber,
+            Err(error) => {
+                tracing::warn!(error = %policy_core::error_chain(&error), "sync: cannot subscribe to placements; retrying");
+                tokio::time::sleep(MAX_RECONNECT_DELAY).await;
+                continue;
+            }
+        };
+        while let Some(message) = subscriber.next().await {
+            let policy = app.policy();
+            let received = prefix::receive_prefix(
+                policy.as_ref(),
+                &replica,
+                &message.payload,
+                tokio_now(),
+                &counters,
+            );
+            if let prefix::ReceivedPrefix::Applied { bounds, .. } = received
+                && !bounds.is_empty()
+            {
+                let snapshot = app.topology.snapshot();
+                for (url, cache_tokens) in bounds {
+                    if let Some(worker) = snapshot
+                        .workers()
+                        .find(|worker| worker_url_key(&worker.url) == url)
+                    {
+                        worker
+                            .metrics
+                            .cache_bound_tokens
+                            .set(i64::try_from(cache_tokens).unwrap_or(i64::MAX));
+                    }
+                }
+            }
+        }
+        tracing::warn!("sync: placement subscription ended; subscribing again");
         tokio::time::sleep(MAX_RECONNECT_DELAY).await;
     }
 }
@@ -626,6 +865,49 @@ mod tests {
             now,
         );
         assert_eq!(table.value(WorkerId::new(0, 0), "remote_tok"), Some(300.0));
+    }
+
+    #[test]
+    fn the_signal_queues_only_what_the_config_shares() {
+        let policy = policy();
+        let worker = WorkerId::new(0, 0);
+        let hashes: Vec<u64> = (1..=40u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        // 40 blocks of 64 tokens: ten 256-token index blocks.
+        let request = RequestInfo::new(policy_core::TokenCount::Exact(2600))
+            .prefix_blocks(policy_core::PrefixBlocks::new(64, hashes));
+        let short = RequestInfo::new(policy_core::TokenCount::Exact(20));
+        let mut queued = prefix::Queued::default();
+        for (enabled, share_prefixes, dispatched, placed) in
+            [(false, true, 0, 0), (true, false, 1, 0), (true, true, 1, 1)]
+        {
+            let signal = DispatchSignal::new(&SyncConfig {
+                enabled,
+                share_prefixes,
+                ..SyncConfig::default()
+            });
+            signal.dispatched(worker, policy.as_ref(), &request);
+            signal.dispatched(worker, policy.as_ref(), &short);
+            signal.bound_learned(worker, 5000);
+            signal.take(&mut queued);
+            // Two dispatches to one worker are one entry once taken.
+            assert_eq!(
+                queued.dispatched.len(),
+                dispatched,
+                "{enabled} {share_prefixes}"
+            );
+            assert_eq!(queued.placed.len(), placed, "{enabled} {share_prefixes}");
+            assert_eq!(queued.bounds.len(), placed, "{enabled} {share_prefixes}");
+            if placed > 0 {
+                let blocks = &queued.placed[0].1;
+                assert_eq!(
+                    (blocks.block_tokens(), blocks.hashes().len()),
+                    (256, 10),
+                    "coarsened to the index's blocks"
+                );
+            }
+        }
     }
 
     #[tokio::test(start_paused = true)]

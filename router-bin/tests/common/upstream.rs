@@ -35,6 +35,11 @@ pub struct Switches {
     pub probes: AtomicU64,
     pub prompt_chars: AtomicU64,
     pub waiting_reqs: AtomicU64,
+    /// Report `cached_tokens` as the prompt tokens the prefix cache
+    /// served: in `usage.prompt_tokens_details` (a whole answer, and a
+    /// stream's closing usage chunk), as OpenAI-compatible engines do.
+    pub report_cached: AtomicBool,
+    pub cached_tokens: AtomicU64,
     pub model: &'static str,
 }
 
@@ -147,12 +152,21 @@ async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Respons
         switches.release.notified().await;
     }
     let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let usage = switches.report_cached.load(Ordering::SeqCst).then(|| {
+        serde_json::json!({
+            "prompt_tokens": body.len() / 4, "completion_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": switches.cached_tokens.load(Ordering::SeqCst)},
+        })
+    });
     if request["stream"] != true {
-        return axum::Json(serde_json::json!({
+        let mut answer = serde_json::json!({
             "id": "cmpl-1", "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]
-        }))
-        .into_response();
+        });
+        if let Some(usage) = usage {
+            answer["usage"] = usage;
+        }
+        return axum::Json(answer).into_response();
     }
     let gate = switches.gate_after_first_chunk.load(Ordering::SeqCst);
     let bytewise = switches.first_chunk_bytewise.load(Ordering::SeqCst);
@@ -180,6 +194,18 @@ async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Respons
         }
         for index in 1..4 {
             if tx.send(Ok(chunk(index))).await.is_err() {
+                return;
+            }
+        }
+        if let Some(usage) = usage {
+            let last = serde_json::json!({
+                "id": "c", "object": "chat.completion.chunk", "choices": [], "usage": usage,
+            });
+            if tx
+                .send(Ok(Bytes::from(format!("data: {last}\n\n"))))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
