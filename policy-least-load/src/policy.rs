@@ -832,6 +832,12 @@ impl LeastLoad {
 
     /// Recomputes the fleet's rate from every worker's learned rate.
     fn refresh_fleet_rate(&self, view: &SlotsView<'_, WorkerState>) {
+        let other_replicas = view
+            .iter()
+            .map(|slot| slot.state.remote.replicas())
+            .max()
+            .unwrap_or(0);
+        self.fleet_rate.set_replicas(1 + other_replicas);
         self.fleet_rate.set_from(
             view.iter().filter_map(|slot| slot.state.rate.learned_tps()),
             self.params.default_throughput,

@@ -563,7 +563,9 @@ impl PrefixIndex {
     /// prompt from its cache where `predicted_tokens` were expected. A
     /// whole index block missed on a holding old enough to have been
     /// computed means the cache keeps fewer tokens than the bound: the
-    /// bound drops to that holding's age. A hit near the bound raises it.
+    /// bound steps down toward that holding's age, by a quarter at most (a
+    /// cache squeezed for a moment by running requests does not make the
+    /// index forget most of it). A hit near the bound raises it.
     /// Whatever was missed counts on the worker's clock.
     /// Returns the new bound when it changed.
     pub fn report(
@@ -586,7 +588,7 @@ impl PrefixIndex {
             if age < bound / MISS_EVIDENCE_SHARE {
                 return None;
             }
-            age.max(self.index_block_tokens)
+            age.max(bound - bound / HIT_RAISE_SHARE)
         } else if reported_tokens >= predicted_tokens
             && age >= bound - bound / HIT_RAISE_SHARE
             && bound < assumed

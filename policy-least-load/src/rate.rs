@@ -472,7 +472,10 @@ pub const FLEET_RATE_REFRESH_NANOS: i64 = 100_000_000;
 ///   learned ones, so a fleet would flood them, or never send them the
 ///   request that teaches them.
 /// - A learned rate within the deadband of it is scored at it too (see
-///   `rate_deadband_ratio`): alike workers are scored alike.
+///   `rate_deadband_ratio`): alike workers are scored alike. Behind R
+///   router replicas heard through sync, each learns from a 1/R share of
+///   the first tokens, so its rates are √R times noisier: the deadband
+///   widens by √R.
 ///
 /// Read with one atomic load; recomputed by whoever claims a refresh, at most
 /// every [`FLEET_RATE_REFRESH_NANOS`], so no request pays a scan.
@@ -480,17 +483,28 @@ pub const FLEET_RATE_REFRESH_NANOS: i64 = 100_000_000;
 pub struct FleetRate {
     tps_bits: AtomicU64,
     refreshed_nanos: AtomicI64,
-    /// `1 + rate_deadband_ratio`.
-    deadband_factor: f64,
+    deadband_ratio: f64,
+    /// `1 + rate_deadband_ratio × √replicas`, as bits.
+    deadband_factor_bits: AtomicU64,
 }
 
 impl FleetRate {
     pub fn new(default_tps: f64, deadband_ratio: f64) -> FleetRate {
+        let deadband_ratio = deadband_ratio.max(0.0);
         FleetRate {
             tps_bits: AtomicU64::new(default_tps.to_bits()),
             refreshed_nanos: AtomicI64::new(i64::MIN),
-            deadband_factor: 1.0 + deadband_ratio.max(0.0),
+            deadband_ratio,
+            deadband_factor_bits: AtomicU64::new((1.0 + deadband_ratio).to_bits()),
         }
+    }
+
+    /// The router fleet has `replicas` replicas (this one included) that
+    /// split the first tokens: the deadband widens by √replicas.
+    pub fn set_replicas(&self, replicas: u64) {
+        let factor = 1.0 + self.deadband_ratio * (replicas.max(1) as f64).sqrt();
+        self.deadband_factor_bits
+            .store(factor.to_bits(), Ordering::Relaxed);
     }
 
     #[inline]
@@ -503,11 +517,9 @@ impl FleetRate {
     #[inline]
     pub fn scoring_tps(&self, learned_tps: Option<f64>) -> f64 {
         let fleet_tps = self.tps();
+        let deadband_factor = f64::from_bits(self.deadband_factor_bits.load(Ordering::Relaxed));
         match learned_tps {
-            Some(tps)
-                if tps > fleet_tps * self.deadband_factor
-                    || tps * self.deadband_factor < fleet_tps =>
-            {
+            Some(tps) if tps > fleet_tps * deadband_factor || tps * deadband_factor < fleet_tps => {
                 tps
             }
             _ => fleet_tps,
@@ -752,6 +764,13 @@ mod tests {
         assert_eq!(fleet.scoring_tps(Some(8900.0)), 8900.0);
         assert_eq!(fleet.scoring_tps(Some(7200.0)), 7200.0);
         assert_eq!(fleet.scoring_tps(Some(16000.0)), 16000.0);
+        // Behind 4 replicas the deadband is twice as wide: 20 %.
+        fleet.set_replicas(4);
+        assert_eq!(fleet.scoring_tps(Some(9500.0)), 8000.0);
+        assert_eq!(fleet.scoring_tps(Some(6700.0)), 8000.0);
+        assert_eq!(fleet.scoring_tps(Some(9700.0)), 9700.0);
+        fleet.set_replicas(1);
+        assert_eq!(fleet.scoring_tps(Some(8900.0)), 8900.0);
         // No deadband: every learned rate counts.
         let exact = FleetRate::new(8000.0, 0.0);
         assert_eq!(exact.scoring_tps(Some(8001.0)), 8001.0);

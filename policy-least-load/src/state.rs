@@ -765,6 +765,8 @@ pub(crate) struct RemotePending {
     /// The stalest entry's refresh time (`i64::MAX` with none), so an expiry
     /// sweep passes a worker with nothing to expire without locking it.
     stalest_refresh_nanos: AtomicI64,
+    /// Replicas with an entry held, lock-free.
+    replicas: AtomicU64,
     entries: Mutex<Vec<RemoteEntry>>,
 }
 
@@ -774,6 +776,7 @@ impl Default for RemotePending {
             tokens: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             stalest_refresh_nanos: AtomicI64::new(i64::MAX),
+            replicas: AtomicU64::new(0),
             entries: Mutex::new(Vec::new()),
         }
     }
@@ -818,6 +821,11 @@ impl RemotePending {
         ReplicaPendingOutcome::Applied
     }
 
+    /// Other replicas with an entry held for the worker.
+    pub fn replicas(&self) -> u64 {
+        self.replicas.load(Ordering::Relaxed)
+    }
+
     /// Drops the entries last confirmed before `cutoff_nanos`; returns how
     /// many.
     pub fn expire(&self, cutoff_nanos: i64) -> usize {
@@ -855,6 +863,7 @@ impl RemotePending {
             .min()
             .unwrap_or(i64::MAX);
         self.stalest_refresh_nanos.store(stalest, Ordering::Release);
+        self.replicas.store(entries.len() as u64, Ordering::Relaxed);
     }
 }
 

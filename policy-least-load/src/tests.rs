@@ -2056,17 +2056,21 @@ fn a_reported_miss_on_an_old_holding_lowers_the_workers_cache_bound() {
     serve_distinct(&policy, worker, 2..10, t0);
     let again = policy.select(&[worker], &prefixed(1), t0).unwrap();
     assert_eq!(again.cached_tokens, 6399);
-    // The engine served none of it from cache: it keeps at most 51 200.
-    assert_eq!(policy.cache_report(&again, 0, t0), Some(51_200));
+    // The engine served none of it from cache: it keeps at most 51 200;
+    // the bound steps down by a quarter, to 75 000.
+    assert_eq!(policy.cache_report(&again, 0, t0), Some(75_000));
     policy.finish(&again, t0);
     // A report is taken once.
     assert_eq!(policy.cache_report(&again, 0, t0), None);
-    // Prompt 2 is now 8 × 6400 = 51 200 tokens old: no longer expected.
+    // The miss counted its 6399 recomputed tokens: prompt 2 is 51 200
+    // tokens old. 4 more prompts make it 76 800: past the learned bound,
+    // within the configured one.
+    serve_distinct(&policy, worker, 10..14, t0);
     let table = policy.explain(&[worker], &prefixed(2), t0);
     assert_eq!(table.value(worker, "cached_tok"), Some(0.0));
-    // Prompt 9 (2 prompts old) still is; its hit as predicted, far from the
-    // bound, changes nothing.
-    let hit = policy.select(&[worker], &prefixed(9), t0).unwrap();
+    // Prompt 12 (2 prompts old) still is; its hit as predicted, far from
+    // the bound, changes nothing.
+    let hit = policy.select(&[worker], &prefixed(12), t0).unwrap();
     assert_eq!(hit.cached_tokens, 6399);
     assert_eq!(policy.cache_report(&hit, 6399, t0), None);
     policy.finish(&hit, t0);
