@@ -13,8 +13,10 @@
 //! - **step end**: an engine's step is computed when it starts (its
 //!   admissions and prefill chunk leave the queue then, as a real scheduler's
 //!   do when it plans the batch); its events are delivered at its end, where
-//!   the dispatching replica's policy sees `first_token` and `finish`, and
-//!   the next step starts. The decode-only steps after a step that emitted
+//!   the dispatching replica's policy sees `first_token`, and at a finish
+//!   the engine's report of the prompt tokens its prefix cache served
+//!   (`cache_report`, as a response's usage arrives at its end) before
+//!   `finish`; the next step starts. The decode-only steps after a step that emitted
 //!   nothing are planned with it ([`Engine::step_ahead`](engine_model::Engine::step_ahead)):
 //!   one step end for the whole run, the engine brought up to the instant
 //!   before each read of it, the run cut (and its end moved earlier) by a
@@ -35,7 +37,9 @@
 //!   changed pending work; the message reaches the other replicas' policies
 //!   `latency_s` later ([`SyncChannel`](crate::SyncChannel)). With the ideal sync, a
 //!   replica's change is handed to the others at the dispatch or first
-//!   token that made it.
+//!   token that made it. The same channel carries each dispatch's prefix
+//!   placement (`Policy::placement`) and each cache bound a `cache_report`
+//!   changed, to the other replicas' `replica_prefix`.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -733,6 +737,9 @@ struct CellRun<'a> {
     probe: RequestInfo,
     /// The replicas' sync channel (several replicas with sync on).
     sync: Option<SyncChannel>,
+    /// The prompt tokens the dispatching policies expected the engines'
+    /// prefix caches to serve, over the finished requests.
+    predicted_cached_tokens: u64,
 }
 
 impl<'a> CellRun<'a> {
@@ -811,6 +818,7 @@ impl<'a> CellRun<'a> {
             rate_trace,
             probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
             sync,
+            predicted_cached_tokens: 0,
         })
     }
 
@@ -913,6 +921,14 @@ impl<'a> CellRun<'a> {
             .router
             .route(id, &info, request, &self.fleet.engines, now_s, now)?;
         if let Some((replica, _)) = self.router.dispatches[id] {
+            // Where the prompt went, for the other replicas' prefix indexes:
+            // before the dispatch's own sync message, which carries it.
+            if let Some(sync) = &mut self.sync
+                && sync.is_active()
+                && let Some(prefix) = self.router.policies[replica as usize].placement(&info)
+            {
+                sync.placed(replica as usize, worker, prefix, &self.router.policies, now);
+            }
             sync_changed(
                 &mut self.sync,
                 &self.router,
@@ -958,6 +974,23 @@ impl<'a> CellRun<'a> {
                 }
                 EngineEvent::Finished(record) => {
                     if let Some((replica, policy, dispatch)) = self.router.dispatch(record.id) {
+                        self.predicted_cached_tokens += dispatch.cached_tokens;
+                        // The engine's usage (prompt tokens its prefix cache
+                        // served) comes with the response's end, before the
+                        // router releases the request.
+                        if let Some(cache_tokens) =
+                            policy.cache_report(dispatch, u64::from(record.cached_tokens), now)
+                            && let Some(sync) = &mut self.sync
+                            && sync.is_active()
+                        {
+                            sync.cache_bound(
+                                replica,
+                                worker,
+                                cache_tokens,
+                                &self.router.policies,
+                                now,
+                            );
+                        }
                         policy.finish(dispatch, now);
                         sync_changed(
                             &mut self.sync,
@@ -1131,6 +1164,7 @@ impl<'a> CellRun<'a> {
             self.poll_failures,
         );
         stats.sync = self.sync.as_ref().map(SyncChannel::stats);
+        stats.predicted_cached_tokens = self.predicted_cached_tokens;
         stats.rate_trace = self.rate_trace.filter(|trace| {
             trace
                 .samples
@@ -1514,6 +1548,93 @@ mod tests {
         assert!(stats.messages <= 4, "{stats:?}");
         let off = replica_cell_stats(PolicyName::RoundRobin, SyncConfig::Off {}, 2);
         assert_eq!(synced.ttft_cdf_s, off.ttft_cdf_s);
+    }
+
+    /// 4 replicas of `least_load` over 8 workers, 2000-token prompts of
+    /// which 90 % open with one of 64 shared 1500-token prefixes, at about
+    /// 0.7 of the warm-cache capacity; and how many requests open with a
+    /// shared prefix (the others have no known prefix).
+    fn prefix_cell_stats(sync: SyncConfig) -> (CellStats, u64) {
+        let workers = vec![(LoadReport::Sglang, EngineParams::default()); 8];
+        let shared_prefix = Some(SharedPrefixConfig {
+            fraction: 0.9,
+            tokens: 1500,
+            groups: 64,
+        });
+        let traffic = poisson_traffic(
+            crate::workload::LengthDist::Constant { tokens: 2000 },
+            16,
+            shared_prefix,
+        );
+        let requests = crate::workload::generate(&traffic, None, 40.0, 3000, 6);
+        let cell = Cell {
+            workers: &workers,
+            requests: &requests,
+            chains: &[],
+            shared_prefix,
+            router: RouterPoint {
+                replicas: 4,
+                replica_phase: PhaseMode::Random,
+                sync,
+                sweeps_sync: true,
+                ..router()
+            },
+            policy: PolicyName::LeastLoad,
+            seed: 3,
+            slowdown: None,
+        };
+        let prefixed = requests
+            .iter()
+            .filter(|spec| spec.prefix_group.is_some())
+            .count() as u64;
+        (run_cell(&cell, &policy_registry()).unwrap(), prefixed)
+    }
+
+    #[test]
+    fn replicas_share_placements_and_the_engines_report_their_hits() {
+        let sync = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: 0.001,
+            loss_ratio: 0.0,
+            entry_ttl_s: 1.0,
+            publish_dispatches: true,
+        };
+        let (shared, prefixed) = prefix_cell_stats(sync);
+        assert_eq!(shared, prefix_cell_stats(sync).0);
+        assert!((2500..3000).contains(&prefixed), "{prefixed}");
+        let stats = shared.sync.unwrap();
+        // One placement per dispatch of a known prefix, each applied by the
+        // 3 other replicas.
+        assert_eq!(stats.placements, prefixed);
+        assert_eq!(stats.placements_applied, 3 * prefixed);
+        assert_eq!(stats.placements_lost, 0);
+        // 40 bytes and 5 hashes each: the shared 1500 tokens (the rest of
+        // a prompt is its own) fill 5 of the index's 256-token blocks.
+        assert_eq!(
+            stats.prefix_bytes,
+            prefixed * (40 + 5 * 20) + stats.cache_bounds * 60
+        );
+        assert_eq!(shared.prompt_tokens, 3000 * 2000);
+        assert!(shared.reported_cached_tokens > 0);
+        assert!(shared.predicted_cached_tokens > 0);
+        // Without sync each replica knows only its own quarter of the
+        // placements: fewer of its predicted hits, fewer real ones.
+        let alone = prefix_cell_stats(SyncConfig::Off {}).0;
+        assert_eq!(alone.sync, None);
+        assert!(
+            alone.reported_cached_tokens < shared.reported_cached_tokens,
+            "served from cache: alone {} shared {}",
+            alone.reported_cached_tokens,
+            shared.reported_cached_tokens
+        );
+        // The predictions stay honest: at most what the engines served,
+        // give or take the index's coarser blocks.
+        let predicted = shared.predicted_cached_tokens as f64;
+        let served = shared.reported_cached_tokens as f64;
+        assert!(
+            predicted <= 1.02 * served && predicted >= 0.8 * served,
+            "{predicted} {served}"
+        );
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub use fleet::{
     least_true_queue_pick, oracle_pick, policy_registry, router_block_tokens, run_cell,
 };
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
-pub use report::{markdown, summary_table, sync_table, write_outputs};
+pub use report::{markdown, prefix_table, summary_table, sync_table, write_outputs};
 pub use run::{
     LoadRate, RATE_TOLERANCE, RateTracking, Report, ResultRow, RunOptions, ScenarioOutcome,
     TrafficCapacity, capacities, capacity_rps, run_scenarios,

@@ -37,6 +37,15 @@ pub struct CellStats {
     pub rate_trace: Option<RateTrace>,
     /// What the replicas' sync channel did (cells with sync on).
     pub sync: Option<SyncStats>,
+    /// Prompt tokens of the finished requests.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens the engines' prefix caches served, as the
+    /// engines report them (at each request's first admission).
+    pub reported_cached_tokens: u64,
+    /// The tokens the dispatching policies expected the caches to serve
+    /// (`Dispatch::cached_tokens`; 0 for policies without a prefix model
+    /// and for the references).
+    pub predicted_cached_tokens: u64,
 }
 
 /// Nearest-rank percentile of sorted values: the smallest value with at
@@ -109,6 +118,9 @@ pub fn summarize(
         ttft_sorted_s: if cfg!(test) { ttft } else { Vec::new() },
         rate_trace: None,
         sync: None,
+        prompt_tokens: records.iter().map(|r| u64::from(r.prompt_tokens)).sum(),
+        reported_cached_tokens: records.iter().map(|r| u64::from(r.cached_tokens)).sum(),
+        predicted_cached_tokens: 0,
     }
 }
 
@@ -152,8 +164,15 @@ mod tests {
             finish_s,
             preemptions: 0,
         };
-        let records = [record(0, 0.0, 0.0, 0.5, 1.0), record(1, 1.0, 1.5, 2.0, 4.0)];
+        let mut records = [record(0, 0.0, 0.0, 0.5, 1.0), record(1, 1.0, 1.5, 2.0, 4.0)];
+        records[1].cached_tokens = 64;
         let stats = summarize(&records, &[1.0, 1.0], 3, 0);
+        assert_eq!(
+            (stats.prompt_tokens, stats.reported_cached_tokens),
+            (200, 64)
+        );
+        // Only the cell knows what its policies predicted.
+        assert_eq!(stats.predicted_cached_tokens, 0);
         assert_eq!(stats.ttft_p50_s, 0.5);
         assert_eq!(stats.ttft_p99_s, 1.0);
         assert_eq!(stats.e2e_p99_s, 3.0);

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 use super::error::SimError;
 use super::metrics::CDF_POINTS;
 use super::run::{RATE_TOLERANCE, Report, ResultRow, ScenarioOutcome};
-use super::scenario::SyncConfig;
+use super::scenario::{PolicyName, SyncConfig};
 
 const COLOURS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
@@ -181,11 +181,12 @@ pub fn markdown(report: &Report) -> String {
                     out,
                     "| policy | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | TTFT mean (s) | \
                      p99 ÷ best ref | mean ÷ best ref | E2E p50 (s) | E2E p99 (s) | \
-                     queue delay mean (s) | throughput (tok/s) | preemptions | imbalance CV |"
+                     queue delay mean (s) | throughput (tok/s) | preemptions | imbalance CV | \
+                     prefix hit rate |"
                 );
                 let _ = writeln!(
                     out,
-                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
                 );
                 for row in of_traffic
                     .iter()
@@ -193,7 +194,7 @@ pub fn markdown(report: &Report) -> String {
                 {
                     let _ = writeln!(
                         out,
-                        "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {:.3} | {:.3} | {:.3} | {:.0} | {} | {:.3} |",
+                        "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {:.3} | {:.3} | {:.3} | {:.0} | {} | {:.3} | {:.1}% |",
                         row.policy,
                         row.ttft_p50_s,
                         row.ttft_p90_s,
@@ -206,7 +207,8 @@ pub fn markdown(report: &Report) -> String {
                         row.queue_delay_mean_s,
                         row.throughput_tps,
                         row.preemptions,
-                        row.imbalance_cv
+                        row.imbalance_cv,
+                        row.prefix_hit_rate * 100.0
                     );
                 }
             }
@@ -216,11 +218,24 @@ pub fn markdown(report: &Report) -> String {
         let _ = writeln!(
             out,
             "\n## Router replicas and sync\n\n\
-             p99 TTFT (s) of each policy that counts other replicas' pending work, with one \
-             router and at each replica count and sync setting, and its ratio to one router's \
-             (`off`: no sync; `ideal`: every change seen by every replica at once; `20ms`: \
-             published every 20 ms). Policies that ignore other replicas run only without \
-             sync.\n"
+             p99 TTFT (s) of each policy with one router and at each replica count (rows) and \
+             sync setting (columns), and its ratio to one router's (`off`: no sync; `ideal`: \
+             every change seen by every replica at once; `20ms`: published every 20 ms; \
+             `+dispatches`: and each dispatch at once). Policies that ignore other replicas \
+             run only without sync.\n"
+        );
+        out.push_str(&table);
+    }
+    if let Some(table) = prefix_table(report) {
+        let _ = writeln!(
+            out,
+            "\n## Prefix caches\n\n\
+             The fleet's hit rate (prompt tokens the engines' prefix caches served, as they \
+             report them, over all prompt tokens), the hits the policy expected over those \
+             served, and with sync what the replicas shared of their prefix indexes: \
+             placements applied and lost (copies to other replicas), cache bounds shared, and \
+             the estimated kilobytes per second each replica published (40 bytes per update \
+             and 20 per block hash, while requests arrive).\n"
         );
         out.push_str(&table);
     }
@@ -292,14 +307,20 @@ pub fn summary_table(report: &Report) -> String {
     if let Some(table) = sync_table(report) {
         out.push_str("\np99 TTFT (s) by replicas and sync, and its ratio to one router's:\n\n");
         out.push_str(&table);
+        if let Some(table) = prefix_table(report) {
+            out.push_str("\nprefix caches and what the replicas shared of them:\n\n");
+            out.push_str(&table);
+        }
     }
     out
 }
 
-/// For a replica sweep with sync: each policy that counts other replicas'
-/// work (the ones with rows under sync), per traffic and load, its p99 TTFT
-/// with one router and at every (replicas, sync) setting, each with its
-/// ratio to one router's (`1.478 (1.93×)`). `None` without such rows.
+/// For a replica sweep with sync: per traffic, load, policy and replica
+/// count (rows), p99 TTFT with one router and at every sync setting
+/// (columns), each with its ratio to one router's (`1.478 (1.93×)`). Every
+/// policy but the references has rows, so a policy that ignores other
+/// replicas (it runs only without sync) is compared at the same replica
+/// counts. `None` without rows under sync.
 pub fn sync_table(report: &Report) -> Option<String> {
     let rows = &report.results;
     let synced = |row: &ResultRow| row.sync.is_some_and(|sync| !sync.is_off());
@@ -309,29 +330,32 @@ pub fn sync_table(report: &Report) -> Option<String> {
     {
         return None;
     }
-    let policies = distinct(
-        &rows
-            .iter()
-            .filter(|row| synced(row))
-            .cloned()
-            .collect::<Vec<_>>(),
-        |r| r.policy,
-    );
-    let mut columns: Vec<(u32, SyncConfig)> = Vec::new();
+    let references: Vec<&str> = PolicyName::REFERENCES.iter().map(|p| p.as_str()).collect();
+    let policies: Vec<&str> = distinct(rows, |r| r.policy)
+        .into_iter()
+        .filter(|policy| !references.contains(policy))
+        .collect();
+    let mut replica_counts: Vec<u32> = Vec::new();
+    let mut syncs: Vec<SyncConfig> = Vec::new();
     for row in rows {
         let (Some(replicas), Some(sync)) = (row.router_replicas, row.sync) else {
             continue;
         };
-        if replicas > 1 && !columns.contains(&(replicas, sync)) {
-            columns.push((replicas, sync));
+        if replicas > 1 {
+            if !replica_counts.contains(&replicas) {
+                replica_counts.push(replicas);
+            }
+            if !syncs.contains(&sync) {
+                syncs.push(sync);
+            }
         }
     }
-    let mut out = String::from("| traffic | load | policy | 1 router |");
-    for (replicas, sync) in &columns {
-        let _ = write!(out, " {replicas} replicas, sync={} |", sync.label());
+    let mut out = String::from("| traffic | load | policy | 1 router | replicas |");
+    for sync in &syncs {
+        let _ = write!(out, " sync={} |", sync.label());
     }
-    out.push_str("\n|---|---:|---|---:|");
-    for _ in &columns {
+    out.push_str("\n|---|---:|---|---:|---:|");
+    for _ in &syncs {
         out.push_str("---:|");
     }
     out.push('\n');
@@ -342,28 +366,94 @@ pub fn sync_table(report: &Report) -> Option<String> {
                     report.sync_row(&traffic, utilization, policy, replicas, sync)
                 };
                 let one = find(1, SyncConfig::default()).map(|row| row.ttft_p99_s);
-                let _ = write!(
-                    out,
-                    "| {traffic} | {utilization} | {policy} | {} |",
-                    optional(one, 3)
-                );
-                for &(replicas, sync) in &columns {
-                    match find(replicas, sync) {
-                        Some(row) => {
-                            let _ = write!(out, " {:.3}", row.ttft_p99_s);
-                            match one {
-                                Some(one) if one > 0.0 => {
-                                    let _ = write!(out, " ({:.2}×) |", row.ttft_p99_s / one);
-                                }
-                                _ => out.push_str(" |"),
-                            }
-                        }
-                        None => out.push_str(" - |"),
+                for &replicas in &replica_counts {
+                    if syncs.iter().all(|&sync| find(replicas, sync).is_none()) {
+                        continue;
                     }
+                    let _ = write!(
+                        out,
+                        "| {traffic} | {utilization} | {policy} | {} | {replicas} |",
+                        optional(one, 3)
+                    );
+                    for &sync in &syncs {
+                        match find(replicas, sync) {
+                            Some(row) => {
+                                let _ = write!(out, " {:.3}", row.ttft_p99_s);
+                                match one {
+                                    Some(one) if one > 0.0 => {
+                                        let _ = write!(out, " ({:.2}×) |", row.ttft_p99_s / one);
+                                    }
+                                    _ => out.push_str(" |"),
+                                }
+                            }
+                            None => out.push_str(" - |"),
+                        }
+                    }
+                    out.push('\n');
                 }
-                out.push('\n');
             }
         }
+    }
+    Some(out)
+}
+
+/// For scenarios whose engines served prompt tokens from their prefix
+/// caches: per row, the fleet's hit rate (served prompt tokens, as the
+/// engines report them, over all prompt tokens), what the policy expected
+/// over what was served, and with sync what the replicas shared of their
+/// prefix indexes: placements applied and lost (copies to other replicas),
+/// cache bounds shared, and the estimated bytes per second each replica
+/// published. `None` when no engine served a cached token.
+pub fn prefix_table(report: &Report) -> Option<String> {
+    let rows = &report.results;
+    if !rows.iter().any(|row| row.cached_tokens_reported > 0) {
+        return None;
+    }
+    let with_sync = rows.iter().any(|row| row.sync_stats.is_some());
+    let mut out =
+        String::from("| traffic | setting | load | policy | hit rate | predicted ÷ served |");
+    if with_sync {
+        out.push_str(" placements applied | placements lost | bounds shared | KB/s per replica |");
+    }
+    out.push_str("\n|---|---|---:|---|---:|---:|");
+    if with_sync {
+        out.push_str("---:|---:|---:|---:|");
+    }
+    out.push('\n');
+    for row in rows {
+        let predicted = if row.cached_tokens_predicted > 0 && row.cached_tokens_reported > 0 {
+            format!(
+                "{:.2}",
+                row.cached_tokens_predicted as f64 / row.cached_tokens_reported as f64
+            )
+        } else {
+            "-".to_owned()
+        };
+        let _ = write!(
+            out,
+            "| {} | {} | {} | {} | {:.1}% | {predicted} |",
+            row.traffic,
+            sweep_of(row).setting(),
+            row.utilization,
+            row.policy,
+            row.prefix_hit_rate * 100.0
+        );
+        if with_sync {
+            match (row.sync_stats, row.prefix_bytes_per_replica_s) {
+                (Some(stats), Some(bytes_s)) if stats.placements + stats.cache_bounds > 0 => {
+                    let _ = write!(
+                        out,
+                        " {} | {} | {} | {:.1} |",
+                        stats.placements_applied,
+                        stats.placements_lost,
+                        stats.cache_bounds,
+                        bytes_s / 1000.0
+                    );
+                }
+                _ => out.push_str(" - | - | - | - |"),
+            }
+        }
+        out.push('\n');
     }
     Some(out)
 }
@@ -887,21 +977,35 @@ output = { dist = "constant", tokens = 8 }
         );
         let table = sync_table(report).unwrap();
         assert!(
-            table.contains("| 1 router | 2 replicas, sync=off | 2 replicas, sync=ideal |"),
+            table.contains("| 1 router | replicas | sync=off | sync=ideal |"),
             "{table}"
         );
         let one = report
             .sync_row("size-skew", 0.8, "least_load", 1, SyncConfig::Off {})
             .unwrap()
             .ttft_p99_s;
+        let off = report
+            .sync_row("size-skew", 0.8, "least_load", 2, SyncConfig::Off {})
+            .unwrap()
+            .ttft_p99_s;
+        // One row per policy and replica count, a column per sync setting.
         assert!(
             table.contains(&format!(
-                "{:.3} ({:.2}×)",
+                "| size-skew | 0.8 | least_load | {one:.3} | 2 | {off:.3} ({:.2}×) | {:.3} ({:.2}×) |",
+                off / one,
                 ideal.ttft_p99_s,
                 ideal.ttft_p99_s / one
             )),
             "{table}"
         );
+        // A policy that ignores sync has its replica row without sync only.
+        assert!(
+            table.contains("| size-skew | 0.8 | round_robin |") && table.contains(" - |\n"),
+            "{table}"
+        );
+        assert!(!table.contains("| oracle |"), "{table}");
+        // Without prefixes nothing is cached: no prefix table.
+        assert!(prefix_table(report).is_none());
         assert!(
             markdown(report)
                 .contains("## size-skew, utilization 0.8, 2 router replicas, sync=ideal")
@@ -924,5 +1028,67 @@ output = { dist = "constant", tokens = 8 }
             Scenario::from_toml_str(SCENARIO, Path::new("tiny.toml"), PathBuf::new()).unwrap();
         let outcomes = run_scenarios(&[plain], &options).unwrap();
         assert!(sync_table(&outcomes[0].report).is_none());
+    }
+
+    #[test]
+    fn a_prefix_sweep_reports_hit_rates_and_what_the_replicas_shared() {
+        let text = SCENARIO
+            .replace("name = \"tiny\"", "name = \"tiny-prefix\"")
+            .replace("count = 2", "count = 4")
+            .replace("utilizations = [0.5, 0.8]", "utilizations = [0.8]")
+            .replace(
+                "sweep_poll_interval_s = [0.5, 2.0]",
+                "sweep_replicas = [1, 2]\nsweep_sync = [{ mode = \"off\" }, \
+                 { mode = \"periodic\", publish_interval_s = 0.02, publish_dispatches = true }]",
+            )
+            .replace(
+                "output = { dist = \"constant\", tokens = 8 }",
+                "output = { dist = \"constant\", tokens = 8 }\n\
+                 shared_prefix = { fraction = 0.9, tokens = 1024, groups = 4 }",
+            );
+        let scenario =
+            Scenario::from_toml_str(&text, Path::new("tiny-prefix.toml"), PathBuf::new()).unwrap();
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        let outcomes = run_scenarios(&[scenario], &options).unwrap();
+        let report = &outcomes[0].report;
+        let sync = SyncConfig::Periodic {
+            publish_interval_s: 0.02,
+            latency_s: crate::DEFAULT_SYNC_LATENCY_S,
+            loss_ratio: 0.0,
+            entry_ttl_s: crate::DEFAULT_SYNC_ENTRY_TTL_S,
+            publish_dispatches: true,
+        };
+        let shared = report
+            .sync_row("size-skew", 0.8, "least_load", 2, sync)
+            .unwrap();
+        let stats = shared.sync_stats.unwrap();
+        assert!(stats.placements > 0 && stats.placements_applied == stats.placements);
+        assert!(shared.prefix_hit_rate > 0.0 && shared.cached_tokens_predicted > 0);
+        assert!(shared.prefix_bytes_per_replica_s.is_some_and(|b| b > 0.0));
+        let table = prefix_table(report).unwrap();
+        assert!(table.contains("| KB/s per replica |"), "{table}");
+        assert!(
+            table.contains(&format!(
+                "| size-skew | 2 replicas, sync=20ms+dispatches | 0.8 | least_load | {:.1}% |",
+                shared.prefix_hit_rate * 100.0
+            )),
+            "{table}"
+        );
+        let md = markdown(report);
+        assert!(md.contains("## Prefix caches"), "{md}");
+        assert!(summary_table(report).contains("| KB/s per replica |"));
+        let json = serde_json::to_string(report).unwrap();
+        for key in [
+            "\"prefix_hit_rate\"",
+            "\"cached_tokens_reported\"",
+            "\"cached_tokens_predicted\"",
+            "\"prefix_bytes_per_replica_s\"",
+            "\"placements_applied\"",
+        ] {
+            assert!(json.contains(key), "{key} missing");
+        }
     }
 }

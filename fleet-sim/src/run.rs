@@ -202,6 +202,18 @@ pub struct ResultRow {
     /// What the sync channel did (cells with sync on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_stats: Option<SyncStats>,
+    /// Prompt tokens the engines' prefix caches served, as they report
+    /// them, over all prompt tokens: the fleet's hit rate.
+    pub prefix_hit_rate: f64,
+    /// The served (reported) prompt tokens, and those the policy expected
+    /// (`Dispatch::cached_tokens`; 0 without a prefix model).
+    pub cached_tokens_reported: u64,
+    pub cached_tokens_predicted: u64,
+    /// Estimated bytes per second of prefix updates (placements and cache
+    /// bounds) each replica publishes while requests arrive (cells with
+    /// sync on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_bytes_per_replica_s: Option<f64>,
 }
 
 impl ResultRow {
@@ -575,6 +587,25 @@ pub fn run_scenarios(
             ttft_p99_vs_best_reference: None,
             ttft_mean_vs_best_reference: None,
             sync_stats: cell.sync,
+            prefix_hit_rate: if cell.prompt_tokens > 0 {
+                cell.reported_cached_tokens as f64 / cell.prompt_tokens as f64
+            } else {
+                0.0
+            },
+            cached_tokens_reported: cell.reported_cached_tokens,
+            cached_tokens_predicted: cell.predicted_cached_tokens,
+            prefix_bytes_per_replica_s: cell.sync.map(|stats| {
+                let requests = &plan.workloads[job.traffic][job.utilization];
+                let span_s = match (requests.first(), requests.last()) {
+                    (Some(first), Some(last)) => last.arrival_s - first.arrival_s,
+                    _ => 0.0,
+                };
+                if span_s > 0.0 {
+                    stats.prefix_bytes as f64 / f64::from(point.replicas.max(1)) / span_s
+                } else {
+                    0.0
+                }
+            }),
         };
         let outcome = &mut outcomes[job.plan];
         if let Some(trace) = &cell.rate_trace {

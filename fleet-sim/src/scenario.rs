@@ -13,7 +13,7 @@ use super::workload::{LengthDist, Trace};
 use engine_model::EngineParams;
 
 /// The standard scenario names, in the order they are run and reported.
-pub const STANDARD_SCENARIOS: [&str; 14] = [
+pub const STANDARD_SCENARIOS: [&str; 16] = [
     "uniform",
     "size-skew",
     "heavy-tail",
@@ -28,6 +28,8 @@ pub const STANDARD_SCENARIOS: [&str; 14] = [
     "bursty-long",
     "slowdown",
     "replicas-hetero",
+    "replicas-multi-turn",
+    "replicas-rag",
 ];
 
 /// The most workers a scenario may have.
@@ -274,8 +276,9 @@ pub enum SyncConfig {
     /// No sync: each replica counts only its own pending work.
     Off {},
     /// The limit: every change of a replica's pending work on a worker
-    /// (a dispatch, a first token) reaches every other replica at that
-    /// instant, and nothing is lost or expires.
+    /// (a dispatch, a first token), every prefix placement and every
+    /// learned cache bound reaches every other replica at that instant,
+    /// and nothing is lost or expires.
     Ideal {},
     /// The router's channel: every `publish_interval_s` (at a seeded phase
     /// per replica) each replica reads its own pending work per worker
@@ -291,7 +294,13 @@ pub enum SyncConfig {
     /// worker's state the moment its pending work there grows (a
     /// dispatch), through the same channel (latency, loss, sequence); the
     /// ticks then carry the decreases (first tokens) and the full states.
-    /// The router does not do this: it measures what doing it would gain.
+    /// The router's publisher does this (it wakes on every dispatch).
+    ///
+    /// Each message also carries the prefix placements and learned cache
+    /// bounds the replica made since its last one (`Policy::placement`,
+    /// `Policy::cache_report`): with `publish_dispatches` a dispatch's
+    /// placement goes in the dispatch's own message. A lost copy loses
+    /// them for that replica.
     Periodic {
         publish_interval_s: f64,
         #[serde(default = "default_sync_latency_s")]

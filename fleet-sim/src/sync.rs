@@ -22,6 +22,16 @@
 //!   every other replica at that instant: exact, and one
 //!   `worker_stats` read per change.
 //!
+//! The same channel carries what replicas learn of the workers' prefix
+//! caches ([`ReplicaPrefix`]): where a replica placed a prompt
+//! ([`Policy::placement`] after its dispatch) and a worker's cache bound
+//! learned from the engine's reported hits ([`Policy::cache_report`]).
+//! Periodic: they wait in the replica's outbox for its next message (the
+//! dispatch's own with `publish_dispatches`, else the next tick), share its
+//! latency and its losses, and are applied with
+//! [`Policy::replica_prefix`] when it arrives. Ideal: applied by every
+//! other replica at once.
+//!
 //! Every message from one replica has the same latency, so messages arrive
 //! in the order they were sent: the channel keeps them in one queue and
 //! the cell schedules one delivery event per message.
@@ -29,7 +39,10 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use policy_core::{Policy, ReplicaPending, ReplicaPendingOutcome, WorkerId};
+use policy_core::{
+    Policy, PrefixBlocks, ReplicaPending, ReplicaPendingOutcome, ReplicaPrefix,
+    ReplicaPrefixOutcome, WorkerId,
+};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -51,6 +64,13 @@ pub fn replica_id(index: usize) -> String {
     format!("sim-replica-{index}")
 }
 
+/// Estimated wire size of one prefix update beside its hashes: the worker's
+/// URL, the keys and the punctuation of a compact JSON entry.
+pub const PREFIX_UPDATE_BYTES: u64 = 40;
+/// Estimated wire size of one block hash: a 64-bit integer in JSON decimal
+/// (up to 20 digits) and its comma.
+pub const PREFIX_HASH_BYTES: u64 = 20;
+
 /// What the channel did over one cell.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct SyncStats {
@@ -66,6 +86,41 @@ pub struct SyncStats {
     pub entries_unsupported: u64,
     /// Entries dropped by the TTL.
     pub entries_expired: u64,
+    /// Placements published (one per dispatch whose policy had one).
+    pub placements: u64,
+    /// Their copies to other replicas: lost on the way, and applied by the
+    /// receiving policies.
+    pub placements_lost: u64,
+    pub placements_applied: u64,
+    /// Cache bounds published (a worker's bound changed by an engine's
+    /// reported hits), and their copies applied.
+    pub cache_bounds: u64,
+    pub cache_bounds_applied: u64,
+    /// Prefix updates the receiving policies ignored (no prefix index).
+    pub prefix_unsupported: u64,
+    /// Estimated bytes of the prefix updates published (each once, as a
+    /// replica publishes it to the broker; see [`PREFIX_UPDATE_BYTES`]).
+    pub prefix_bytes: u64,
+}
+
+/// What a replica learned of one worker's prefix cache, on its way to the
+/// others ([`ReplicaPrefix`], by worker index).
+#[derive(Debug, Clone, PartialEq)]
+enum PrefixUpdate {
+    Placed { worker: usize, prefix: PrefixBlocks },
+    CacheBound { worker: usize, cache_tokens: u64 },
+}
+
+impl PrefixUpdate {
+    /// Its estimated wire size.
+    fn bytes(&self) -> u64 {
+        match self {
+            PrefixUpdate::Placed { prefix, .. } => {
+                PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES * prefix.hashes().len() as u64
+            }
+            PrefixUpdate::CacheBound { .. } => PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES,
+        }
+    }
 }
 
 /// One published message on its way.
@@ -75,6 +130,8 @@ struct Message {
     seq: u64,
     /// `(worker, pending_tokens, pending_requests)`.
     entries: Vec<(usize, u64, u64)>,
+    /// The prefix updates it carries.
+    prefix: Vec<PrefixUpdate>,
     /// Bit `r`: replica `r` receives it (replicas ≤ 64).
     receivers: u64,
 }
@@ -105,6 +162,8 @@ pub struct SyncChannel {
     last_full_s: Vec<Option<f64>>,
     last_expiry_s: Vec<Option<f64>>,
     in_flight: VecDeque<Message>,
+    /// `[replica]`: prefix updates waiting for the replica's next message.
+    outbox: Vec<Vec<PrefixUpdate>>,
     loss_rng: SmallRng,
     phases_s: Vec<f64>,
     /// Cleared when a policy answers `Unsupported`: it ignores other
@@ -162,6 +221,7 @@ impl SyncChannel {
             last_full_s: vec![None; replicas],
             last_expiry_s: vec![None; replicas],
             in_flight: VecDeque::new(),
+            outbox: vec![Vec::new(); replicas],
             loss_rng,
             phases_s,
             supported: true,
@@ -246,7 +306,7 @@ impl SyncChannel {
             }
             *last = Some(pending);
         }
-        if entries.is_empty() {
+        if entries.is_empty() && self.outbox[replica].is_empty() {
             return None;
         }
         if full {
@@ -255,9 +315,10 @@ impl SyncChannel {
         self.send(replica, entries, now_s)
     }
 
-    /// Sends one message from `replica` under its next sequence number:
-    /// each other replica receives it `latency_s` later unless it is lost
-    /// on the way. Returns when it arrives, if anyone is to receive it.
+    /// Sends one message from `replica` under its next sequence number,
+    /// with the prefix updates in its outbox: each other replica receives
+    /// it `latency_s` later unless it is lost on the way. Returns when it
+    /// arrives, if anyone is to receive it.
     fn send(&mut self, replica: usize, entries: Vec<(usize, u64, u64)>, now_s: f64) -> Option<f64> {
         let Mode::Periodic {
             latency_s,
@@ -268,12 +329,18 @@ impl SyncChannel {
             return None;
         };
         let seq = self.take_seq(replica);
+        let prefix = std::mem::take(&mut self.outbox[replica]);
+        let placements = prefix
+            .iter()
+            .filter(|update| matches!(update, PrefixUpdate::Placed { .. }))
+            .count() as u64;
         self.stats.messages += 1;
         let mut receivers = 0u64;
         for other in (0..self.replicas).filter(|&other| other != replica) {
             self.stats.deliveries += 1;
             if loss_ratio > 0.0 && self.loss_rng.random::<f64>() < loss_ratio {
                 self.stats.deliveries_lost += 1;
+                self.stats.placements_lost += placements;
             } else {
                 receivers |= 1 << other;
             }
@@ -285,9 +352,113 @@ impl SyncChannel {
             sender: replica,
             seq,
             entries,
+            prefix,
             receivers,
         });
         Some(now_s + latency_s)
+    }
+
+    /// Replica `replica` dispatched a prompt to `worker` and its policy says
+    /// the others should learn `prefix` ([`Policy::placement`]), at `now`
+    /// on the policies' clock. Ideal: every other replica applies it now.
+    /// Periodic: it goes with the replica's next message; call it before
+    /// [`changed`](SyncChannel::changed) for the dispatch, so that with
+    /// `publish_dispatches` the dispatch's own message carries it.
+    pub fn placed(
+        &mut self,
+        replica: usize,
+        worker: usize,
+        prefix: PrefixBlocks,
+        policies: &[Box<dyn Policy>],
+        now: Instant,
+    ) {
+        self.stats.placements += 1;
+        self.share_prefix(
+            replica,
+            PrefixUpdate::Placed { worker, prefix },
+            policies,
+            now,
+        );
+    }
+
+    /// Replica `replica`'s policy learned a new cache bound for `worker`
+    /// from an engine's reported hits ([`Policy::cache_report`]): shared as
+    /// a placement is.
+    pub fn cache_bound(
+        &mut self,
+        replica: usize,
+        worker: usize,
+        cache_tokens: u64,
+        policies: &[Box<dyn Policy>],
+        now: Instant,
+    ) {
+        self.stats.cache_bounds += 1;
+        self.share_prefix(
+            replica,
+            PrefixUpdate::CacheBound {
+                worker,
+                cache_tokens,
+            },
+            policies,
+            now,
+        );
+    }
+
+    fn share_prefix(
+        &mut self,
+        replica: usize,
+        update: PrefixUpdate,
+        policies: &[Box<dyn Policy>],
+        now: Instant,
+    ) {
+        if !self.supported || replica >= self.replicas {
+            return;
+        }
+        self.stats.prefix_bytes += update.bytes();
+        match self.mode {
+            Mode::Ideal => {
+                for (other, receiver) in policies.iter().enumerate() {
+                    if other != replica {
+                        self.apply_prefix(receiver.as_ref(), &update, now);
+                    }
+                }
+            }
+            Mode::Periodic { .. } => self.outbox[replica].push(update),
+        }
+    }
+
+    /// One receiving policy applies one prefix update.
+    fn apply_prefix(&mut self, receiver: &dyn Policy, update: &PrefixUpdate, now: Instant) {
+        let outcome = match update {
+            PrefixUpdate::Placed { worker, prefix } => receiver.replica_prefix(
+                &ReplicaPrefix::Placed {
+                    worker_url: &self.urls[*worker],
+                    prefix,
+                },
+                now,
+            ),
+            PrefixUpdate::CacheBound {
+                worker,
+                cache_tokens,
+            } => receiver.replica_prefix(
+                &ReplicaPrefix::CacheBound {
+                    worker_url: &self.urls[*worker],
+                    cache_tokens: *cache_tokens,
+                },
+                now,
+            ),
+        };
+        match (outcome, update) {
+            (ReplicaPrefixOutcome::Applied, PrefixUpdate::Placed { .. }) => {
+                self.stats.placements_applied += 1;
+            }
+            (ReplicaPrefixOutcome::Applied, PrefixUpdate::CacheBound { .. }) => {
+                self.stats.cache_bounds_applied += 1;
+            }
+            (ReplicaPrefixOutcome::Unsupported, _) => self.stats.prefix_unsupported += 1,
+            // Every replica registers every worker under the same URL.
+            (ReplicaPrefixOutcome::UnknownWorker, _) => {}
+        }
     }
 
     /// The oldest message in flight arrives (`now` on the policies' clock):
@@ -299,6 +470,9 @@ impl SyncChannel {
         for (receiver, policy) in policies.iter().enumerate() {
             if message.receivers & (1 << receiver) == 0 {
                 continue;
+            }
+            for update in &message.prefix {
+                self.apply_prefix(policy.as_ref(), update, now);
             }
             for &(worker, pending_tokens, pending_requests) in &message.entries {
                 let outcome = policy.replica_pending(
@@ -456,7 +630,7 @@ mod tests {
     use super::*;
     use crate::fleet::policy_registry;
     use crate::scenario::PolicyName;
-    use policy_core::{Dispatch, PolicyContext, RequestInfo, TokenCount, WorkerInfo};
+    use policy_core::{Dispatch, PolicyContext, PrefixBlocks, RequestInfo, TokenCount, WorkerInfo};
 
     /// `replicas` `least_load` policies over two workers, as a cell builds them.
     fn policies(replicas: usize) -> (Vec<Box<dyn Policy>>, Vec<WorkerId>) {
@@ -713,6 +887,194 @@ mod tests {
         let arrives_s = channel.tick(0, &policies, &ids, 0.05, at(0.05)).unwrap();
         channel.deliver(&policies, at(arrives_s));
         assert_eq!(remote_tokens(&policies, &ids, 1), 0.0);
+    }
+
+    /// A streamed request of `blocks` full 16-token blocks and 8 more
+    /// tokens (an engine always computes a prompt's last token), opening
+    /// with prompt `group`'s chained hashes (so two groups share no block).
+    fn prefixed(group: u64, blocks: usize) -> RequestInfo {
+        let hashes: Vec<u64> = (0..blocks as u64)
+            .map(|i| engine_model::mix(group.wrapping_mul(1_000_003) ^ (i + 1)))
+            .collect();
+        RequestInfo::new(TokenCount::Exact(16 * blocks as u64 + 8))
+            .streaming(true)
+            .prefix_blocks(PrefixBlocks::new(16, hashes))
+    }
+
+    /// Replica `replica` dispatches `request` to worker 0 and hands its
+    /// placement to the channel, then the dispatch's change: returns when
+    /// the dispatch's message arrives, if it went at once.
+    fn dispatch_placed(
+        channel: &mut SyncChannel,
+        policies: &[Box<dyn Policy>],
+        ids: &[WorkerId],
+        replica: usize,
+        request: &RequestInfo,
+        now_s: f64,
+        now: Instant,
+    ) -> Option<f64> {
+        policies[replica].select(&ids[..1], request, now).unwrap();
+        let prefix = policies[replica].placement(request).unwrap();
+        channel.placed(replica, 0, prefix, policies, now);
+        channel.changed(replica, 0, policies, ids, now_s, now)
+    }
+
+    /// The prompt tokens of `request` that `replica` expects worker 0 to hold.
+    fn expected_cached(
+        policies: &[Box<dyn Policy>],
+        ids: &[WorkerId],
+        replica: usize,
+        request: &RequestInfo,
+    ) -> f64 {
+        policies[replica]
+            .explain(ids, request, Instant::now())
+            .value(ids[0], "cached_tok")
+            .unwrap()
+    }
+
+    fn with_dispatches(interval_s: f64, latency_s: f64, loss_ratio: f64) -> SyncConfig {
+        SyncConfig::Periodic {
+            publish_interval_s: interval_s,
+            latency_s,
+            loss_ratio,
+            entry_ttl_s: 1.0,
+            publish_dispatches: true,
+        }
+    }
+
+    #[test]
+    fn a_placement_rides_the_dispatch_message_and_is_applied_when_it_arrives() {
+        let (policies, ids) = policies(3);
+        let mut channel = SyncChannel::new(with_dispatches(0.1, 0.005, 0.0), 3, 2, 1).unwrap();
+        let base = Instant::now();
+        let at = |s: f64| base + Duration::from_secs_f64(s);
+        // 64 blocks of 16 tokens: 4 of the index's 256-token blocks.
+        let request = prefixed(1, 64);
+        let arrives_s =
+            dispatch_placed(&mut channel, &policies, &ids, 0, &request, 0.01, at(0.01)).unwrap();
+        assert_eq!(arrives_s, 0.01 + 0.005);
+        // On the way: the others do not expect it yet; the sender does.
+        assert_eq!(expected_cached(&policies, &ids, 1, &request), 0.0);
+        assert_eq!(expected_cached(&policies, &ids, 0, &request), 1024.0);
+        channel.deliver(&policies, at(arrives_s));
+        assert_eq!(expected_cached(&policies, &ids, 1, &request), 1024.0);
+        assert_eq!(expected_cached(&policies, &ids, 2, &request), 1024.0);
+        let stats = channel.stats();
+        assert_eq!(
+            stats.messages, 1,
+            "one message: the dispatch and its placement"
+        );
+        assert_eq!((stats.placements, stats.placements_applied), (1, 2));
+        assert_eq!(
+            stats.prefix_bytes,
+            PREFIX_UPDATE_BYTES + 4 * PREFIX_HASH_BYTES,
+            "four hashes at the index's granularity"
+        );
+        // The next turn, from replica 1, is expected where the first went.
+        let longer = prefixed(1, 80);
+        assert_eq!(expected_cached(&policies, &ids, 1, &longer), 1024.0);
+    }
+
+    #[test]
+    fn on_ticks_alone_a_placement_waits_for_the_next_tick() {
+        let (policies, ids) = policies(2);
+        let mut channel = SyncChannel::new(periodic(0.02, 0.001, 0.0, 1.0), 2, 2, 1).unwrap();
+        let base = Instant::now();
+        let at = |s: f64| base + Duration::from_secs_f64(s);
+        let request = prefixed(2, 32);
+        assert_eq!(
+            dispatch_placed(&mut channel, &policies, &ids, 0, &request, 0.0, at(0.0)),
+            None
+        );
+        assert_eq!(channel.in_flight(), 0);
+        let arrives_s = channel.tick(0, &policies, &ids, 0.01, at(0.01)).unwrap();
+        channel.deliver(&policies, at(arrives_s));
+        assert_eq!(expected_cached(&policies, &ids, 1, &request), 512.0);
+        // A placement alone (no pending work changed) still makes a tick send.
+        let other = prefixed(3, 32);
+        let prefix = policies[0].placement(&other).unwrap();
+        channel.placed(0, 1, prefix, &policies, at(0.02));
+        let arrives_s = channel.tick(0, &policies, &ids, 0.03, at(0.03)).unwrap();
+        channel.deliver(&policies, at(arrives_s));
+        let request_tokens = policies[1]
+            .explain(&ids, &other, Instant::now())
+            .value(ids[1], "cached_tok")
+            .unwrap();
+        assert_eq!(request_tokens, 512.0);
+        assert_eq!(channel.stats().placements_applied, 2);
+    }
+
+    #[test]
+    fn a_lost_message_loses_its_placements() {
+        let (policies, ids) = policies(3);
+        let mut channel = SyncChannel::new(with_dispatches(0.1, 0.0, 1.0), 3, 2, 1).unwrap();
+        let now = Instant::now();
+        let request = prefixed(4, 32);
+        assert_eq!(
+            dispatch_placed(&mut channel, &policies, &ids, 0, &request, 0.0, now),
+            None
+        );
+        let stats = channel.stats();
+        assert_eq!(stats.placements, 1);
+        assert_eq!((stats.placements_lost, stats.placements_applied), (2, 0));
+        assert_eq!(expected_cached(&policies, &ids, 1, &request), 0.0);
+        // Sent once, lost on both copies: its bytes were still published.
+        assert!(stats.prefix_bytes > 0);
+    }
+
+    #[test]
+    fn ideal_sync_applies_placements_and_cache_bounds_at_once() {
+        let (policies, ids) = policies(3);
+        let mut channel = SyncChannel::new(SyncConfig::Ideal {}, 3, 2, 1).unwrap();
+        let now = Instant::now();
+        let first = prefixed(5, 64);
+        let second = prefixed(6, 64);
+        assert_eq!(
+            dispatch_placed(&mut channel, &policies, &ids, 0, &first, 0.0, now),
+            None
+        );
+        assert_eq!(expected_cached(&policies, &ids, 2, &first), 1024.0);
+        // 1024 newer tokens on worker 0: the first prompt is 1024 tokens old.
+        dispatch_placed(&mut channel, &policies, &ids, 1, &second, 0.0, now);
+        assert_eq!(expected_cached(&policies, &ids, 2, &first), 1024.0);
+        // Replica 0 learned that worker 0's cache keeps 512 tokens: every
+        // other replica then expects the older prompt gone, the newer kept.
+        channel.cache_bound(0, 0, 512, &policies, now);
+        for replica in [1, 2] {
+            assert_eq!(expected_cached(&policies, &ids, replica, &first), 0.0);
+        }
+        let stats = channel.stats();
+        assert_eq!((stats.placements, stats.placements_applied), (2, 4));
+        assert_eq!((stats.cache_bounds, stats.cache_bounds_applied), (1, 2));
+        assert_eq!(channel.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_policy_without_a_prefix_index_answers_unsupported() {
+        let registry = policy_registry();
+        let ids: Vec<WorkerId> = (0..2).map(|i| WorkerId::new(i, 0)).collect();
+        let policies: Vec<Box<dyn Policy>> = (0..2)
+            .map(|_| {
+                let policy = registry
+                    .build(
+                        "least_load",
+                        &serde_json::json!({"prefix_affinity": false}),
+                        &PolicyContext::default(),
+                    )
+                    .unwrap();
+                for (index, id) in ids.iter().enumerate() {
+                    policy.add_worker(*id, WorkerInfo::new(worker_url(index), "sglang"));
+                }
+                policy
+            })
+            .collect();
+        let request = prefixed(7, 32);
+        assert_eq!(policies[0].placement(&request), None);
+        let mut channel = SyncChannel::new(SyncConfig::Ideal {}, 2, 2, 1).unwrap();
+        let prefix = PrefixBlocks::new(16, vec![1, 2, 3]);
+        channel.placed(0, 0, prefix, &policies, Instant::now());
+        let stats = channel.stats();
+        assert_eq!((stats.placements_applied, stats.prefix_unsupported), (0, 1));
     }
 
     #[test]
