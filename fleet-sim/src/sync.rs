@@ -99,7 +99,7 @@ pub struct SyncStats {
     /// Prefix updates the receiving policies ignored (no prefix index).
     pub prefix_unsupported: u64,
     /// Estimated bytes of the prefix updates published (each once, as a
-    /// replica publishes it to the broker; see [`PREFIX_UPDATE_BYTES`]).
+    /// replica publishes it to the broker): 40 per update and 20 per hash.
     pub prefix_bytes: u64,
 }
 
