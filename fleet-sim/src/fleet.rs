@@ -55,7 +55,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::error::SimError;
-use super::metrics::{CellStats, summarize};
+use super::metrics::{CellStats, percentile, summarize};
 use super::scenario::{
     LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
 };
@@ -83,6 +83,37 @@ pub struct Cell<'a> {
     /// One worker's speed change, if any; the cell then samples the
     /// policies' rate for that worker.
     pub slowdown: Option<Slowdown>,
+    /// One replica's restart, if any (cells with that replica).
+    pub restart: Option<Restart>,
+}
+
+/// One router replica's restart in a cell (the scenario's `restart`,
+/// resolved to a time).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Restart {
+    pub replica: usize,
+    /// Virtual seconds.
+    pub at_s: f64,
+    /// Whether the fresh policy first loads another replica's prefix
+    /// snapshot.
+    pub warm: bool,
+    /// The span measured before and after it, seconds.
+    pub window_s: f64,
+}
+
+/// The restarted replica's requests before and after its restart.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct RestartStats {
+    pub replica: usize,
+    pub at_s: f64,
+    pub warm: bool,
+    /// Blocks the fresh policy loaded from the other replica's snapshot.
+    pub snapshot_blocks: usize,
+    /// p99 TTFT of its requests arriving in the window before, and after.
+    pub before_p99_s: f64,
+    pub after_p99_s: f64,
+    pub before_requests: usize,
+    pub after_requests: usize,
 }
 
 /// One worker's speed change in a cell (the scenario's `slowdown`, resolved
@@ -396,6 +427,8 @@ enum Kind {
     },
     /// The oldest sync message in flight arrives.
     SyncDeliver,
+    /// A replica restarts (cells with a restart).
+    Restart,
 }
 
 #[derive(Debug)]
@@ -577,6 +610,8 @@ struct Router {
     converters: Vec<backends_vllm::VllmMetricsConverter>,
     /// The replica and dispatch of each request a policy routed, by id.
     dispatches: Vec<Option<(u32, Dispatch)>>,
+    /// The policy a restarting replica takes (cells with a restart).
+    spare: Option<Box<dyn Policy>>,
 }
 
 impl Router {
@@ -584,23 +619,33 @@ impl Router {
         let workers = cell.workers.len();
         let replicas = cell.router.replicas as usize;
         let ids: Vec<WorkerId> = (0..workers).map(|i| WorkerId::new(i as u32, 0)).collect();
-        let mut policies: Vec<Box<dyn Policy>> = Vec::with_capacity(replicas);
-        for replica in 0..replicas {
+        let build = |seed: u64| -> Result<Option<Box<dyn Policy>>, SimError> {
             let context = PolicyContext {
                 poll_interval: Duration::from_secs_f64(cell.router.poll_interval_s),
                 stale_after: Duration::from_secs_f64(cell.router.stale_after_s),
-                rng_seed: mix(cell.seed ^ 0x90_11c7 ^ replica as u64),
+                rng_seed: mix(seed),
             };
-            if let Some(policy) = build_policy(registry, cell.policy, &context)? {
+            let policy = build_policy(registry, cell.policy, &context)?;
+            if let Some(policy) = &policy {
                 for (index, id) in ids.iter().enumerate() {
                     policy.add_worker(
                         *id,
                         WorkerInfo::new(worker_url(index), cell.workers[index].0.backend_name()),
                     );
                 }
-                policies.push(policy);
             }
+            Ok(policy)
+        };
+        let mut policies: Vec<Box<dyn Policy>> = Vec::with_capacity(replicas);
+        for replica in 0..replicas {
+            policies.extend(build(cell.seed ^ 0x90_11c7 ^ replica as u64)?);
         }
+        let spare = match cell.restart {
+            Some(restart) if restart.replica < policies.len() => {
+                build(cell.seed ^ 0x5_7a27 ^ restart.replica as u64)?
+            }
+            _ => None,
+        };
         Ok(Router {
             policy: cell.policy,
             ids,
@@ -611,6 +656,7 @@ impl Router {
                 .map(|_| Default::default())
                 .collect(),
             dispatches: vec![None; cell.requests.len()],
+            spare,
         })
     }
 
@@ -740,6 +786,8 @@ struct CellRun<'a> {
     /// The prompt tokens the dispatching policies expected the engines'
     /// prefix caches to serve, over the finished requests.
     predicted_cached_tokens: u64,
+    /// Blocks a restarted replica loaded from another's snapshot.
+    restart_snapshot_blocks: usize,
 }
 
 impl<'a> CellRun<'a> {
@@ -771,6 +819,11 @@ impl<'a> CellRun<'a> {
                     );
                 }
             }
+        }
+        if let Some(restart) = cell.restart
+            && router.spare.is_some()
+        {
+            queue.push(restart.at_s, Kind::Restart);
         }
         if let Some(first) = cell.requests.first() {
             queue.push(first.arrival_s, Kind::Arrival);
@@ -819,6 +872,7 @@ impl<'a> CellRun<'a> {
             probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
             sync,
             predicted_cached_tokens: 0,
+            restart_snapshot_blocks: 0,
         })
     }
 
@@ -851,6 +905,7 @@ impl<'a> CellRun<'a> {
                 ),
                 Kind::Slowdown => self.slow_down(now_s)?,
                 Kind::RateSample => self.sample_rates(now_s),
+                Kind::Restart => self.restart(now_s),
                 Kind::SyncTick { replica } => self.sync_tick(replica, now_s),
                 Kind::SyncDeliver => {
                     if let Some(sync) = &mut self.sync {
@@ -1116,6 +1171,63 @@ impl<'a> CellRun<'a> {
     /// Reads every replica's rate for the slowed worker from its explain
     /// table, next to the engine's true prefill rate; the next sample comes
     /// one poll interval later, while requests are still to arrive.
+    /// The restarting replica takes its fresh policy; with `warm`, that
+    /// policy first loads the next replica's prefix snapshot. Dispatches
+    /// the old policy made finish into the new one, which ignores them, as
+    /// a restarted router never hears of its previous life's requests.
+    fn restart(&mut self, now_s: f64) {
+        let (Some(restart), Some(fresh)) = (self.cell.restart, self.router.spare.take()) else {
+            return;
+        };
+        let now = self.clock.at(now_s);
+        let replicas = self.router.policies.len();
+        if restart.warm && replicas > 1 {
+            let peer = (restart.replica + 1) % replicas;
+            if let Some(snapshot) = self.router.policies[peer].prefix_snapshot(now) {
+                self.restart_snapshot_blocks = fresh.load_prefix_snapshot(&snapshot, now);
+            }
+        }
+        self.router.policies[restart.replica] = fresh;
+    }
+
+    /// The restarted replica's requests in the windows before and after
+    /// its restart.
+    fn restart_stats(&self) -> Option<RestartStats> {
+        let restart = self.cell.restart?;
+        if restart.replica >= self.router.policies.len() {
+            return None;
+        }
+        let mut before = Vec::new();
+        let mut after = Vec::new();
+        for record in &self.records {
+            let Some((replica, _)) = self.router.dispatches.get(record.id as usize)?.as_ref()
+            else {
+                continue;
+            };
+            if *replica as usize != restart.replica {
+                continue;
+            }
+            let ttft_s = record.first_token_s - record.arrival_s;
+            if (restart.at_s - restart.window_s..restart.at_s).contains(&record.arrival_s) {
+                before.push(ttft_s);
+            } else if (restart.at_s..restart.at_s + restart.window_s).contains(&record.arrival_s) {
+                after.push(ttft_s);
+            }
+        }
+        before.sort_by(f64::total_cmp);
+        after.sort_by(f64::total_cmp);
+        Some(RestartStats {
+            replica: restart.replica,
+            at_s: restart.at_s,
+            warm: restart.warm,
+            snapshot_blocks: self.restart_snapshot_blocks,
+            before_p99_s: percentile(&before, 99.0),
+            after_p99_s: percentile(&after, 99.0),
+            before_requests: before.len(),
+            after_requests: after.len(),
+        })
+    }
+
     fn sample_rates(&mut self, now_s: f64) {
         let Some(trace) = self.rate_trace.as_mut() else {
             return;
@@ -1165,6 +1277,7 @@ impl<'a> CellRun<'a> {
         );
         stats.sync = self.sync.as_ref().map(SyncChannel::stats);
         stats.predicted_cached_tokens = self.predicted_cached_tokens;
+        stats.restart = self.restart_stats();
         stats.rate_trace = self.rate_trace.filter(|trace| {
             trace
                 .samples
@@ -1348,6 +1461,7 @@ mod tests {
                     policy,
                     seed,
                     slowdown: None,
+                    restart: None,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 let ttft = &stats.ttft_sorted_s;
@@ -1416,6 +1530,7 @@ mod tests {
                 policy,
                 seed: 5,
                 slowdown: None,
+                restart: None,
             };
             let a = run_cell(&cell, &registry).unwrap();
             let b = run_cell(&cell, &registry).unwrap();
@@ -1466,6 +1581,7 @@ mod tests {
                     policy,
                     seed: 11,
                     slowdown: None,
+                    restart: None,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 assert_eq!(stats.requests, 1500, "{policy:?} {report_at:?}");
@@ -1494,6 +1610,7 @@ mod tests {
             policy,
             seed,
             slowdown: None,
+            restart: None,
         };
         run_cell(&cell, &policy_registry()).unwrap()
     }
@@ -1582,6 +1699,7 @@ mod tests {
             policy: PolicyName::LeastLoad,
             seed: 3,
             slowdown: None,
+            restart: None,
         };
         let prefixed = requests
             .iter()
@@ -1666,6 +1784,7 @@ mod tests {
                 policy,
                 seed: 4,
                 slowdown,
+                restart: None,
             };
             run_cell(&cell, &registry).unwrap()
         };

@@ -36,8 +36,9 @@ use std::time::Instant;
 
 pub use error::SimError;
 pub use fleet::{
-    Cell, RATE_COLUMN, RateSample, RateTrace, Slowdown, build_policy, convert_report,
-    least_true_queue_pick, oracle_pick, policy_registry, router_block_tokens, run_cell,
+    Cell, RATE_COLUMN, RateSample, RateTrace, Restart, RestartStats, Slowdown, build_policy,
+    convert_report, least_true_queue_pick, oracle_pick, policy_registry, router_block_tokens,
+    run_cell,
 };
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
 pub use report::{markdown, prefix_table, summary_table, sync_table, write_outputs};
@@ -47,7 +48,7 @@ pub use run::{
 };
 pub use scenario::{
     ArrivalConfig, DEFAULT_SYNC_ENTRY_TTL_S, DEFAULT_SYNC_LATENCY_S, LoadReport, PhaseMode,
-    PolicyName, ReportAt, RouterConfig, RouterPoint, STANDARD_SCENARIOS, Scenario,
+    PolicyName, ReportAt, RestartConfig, RouterConfig, RouterPoint, STANDARD_SCENARIOS, Scenario,
     SharedPrefixConfig, SlowdownConfig, SyncConfig, TrafficConfig, WorkerGroup,
 };
 pub use sync::{SyncChannel, SyncStats, counts_replica_pending, replica_id, worker_url};

@@ -46,6 +46,9 @@ pub struct CellStats {
     /// (`Dispatch::cached_tokens`; 0 for policies without a prefix model
     /// and for the references).
     pub predicted_cached_tokens: u64,
+    /// The restarted replica's requests around its restart (cells with a
+    /// restart).
+    pub restart: Option<crate::fleet::RestartStats>,
 }
 
 /// Nearest-rank percentile of sorted values: the smallest value with at
@@ -120,6 +123,7 @@ pub fn summarize(
         sync: None,
         prompt_tokens: records.iter().map(|r| u64::from(r.prompt_tokens)).sum(),
         reported_cached_tokens: records.iter().map(|r| u64::from(r.cached_tokens)).sum(),
+        restart: None,
         predicted_cached_tokens: 0,
     }
 }

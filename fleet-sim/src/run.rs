@@ -13,7 +13,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::error::SimError;
-use super::fleet::{Cell, RateTrace, Slowdown, policy_registry, router_block_tokens, run_cell};
+use super::fleet::{
+    Cell, RateTrace, Restart, RestartStats, Slowdown, policy_registry, router_block_tokens,
+    run_cell,
+};
 use super::metrics::CellStats;
 use super::scenario::{LoadReport, PolicyName, RouterPoint, Scenario, SyncConfig};
 use super::sync::{SyncStats, counts_replica_pending};
@@ -214,6 +217,10 @@ pub struct ResultRow {
     /// sync on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix_bytes_per_replica_s: Option<f64>,
+    /// The restarted replica's p99 TTFT around its restart (cells with a
+    /// restart).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restart: Option<RestartStats>,
 }
 
 impl ResultRow {
@@ -502,6 +509,12 @@ pub fn run_scenarios(
                 at_s: slowdown.at_s(last_arrival_s),
                 factor: slowdown.factor,
             }),
+            restart: scenario.restart.map(|restart| Restart {
+                replica: restart.replica as usize,
+                at_s: restart.at_fraction * last_arrival_s,
+                warm: restart.warm,
+                window_s: restart.window_s,
+            }),
         };
         run_cell(&cell, registry)
     };
@@ -606,6 +619,7 @@ pub fn run_scenarios(
                     0.0
                 }
             }),
+            restart: cell.restart,
         };
         let outcome = &mut outcomes[job.plan];
         if let Some(trace) = &cell.rate_trace {

@@ -63,6 +63,9 @@ pub struct Scenario {
     /// One worker changes speed during the run.
     #[serde(default)]
     pub slowdown: Option<SlowdownConfig>,
+    /// One router replica restarts during the run.
+    #[serde(default)]
+    pub restart: Option<RestartConfig>,
     /// The directory relative paths (traces) are resolved against: the
     /// scenario file's directory.
     #[serde(skip)]
@@ -547,6 +550,28 @@ fn context_default() -> u32 {
     32_768
 }
 
+/// One router replica restarts at `at_fraction` of the last arrival's time:
+/// its policy is replaced by a fresh one (no load, no learned rate, an
+/// empty prefix index), which with `warm` first loads another replica's
+/// prefix snapshot, as a starting router does. Its requests arriving in
+/// the `window_s` after the restart are measured against those in the
+/// `window_s` before. Cells with fewer replicas than `replica + 1` run
+/// without it.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestartConfig {
+    pub replica: u32,
+    pub at_fraction: f64,
+    #[serde(default)]
+    pub warm: bool,
+    #[serde(default = "restart_window_default")]
+    pub window_s: f64,
+}
+
+fn restart_window_default() -> f64 {
+    30.0
+}
+
 /// One worker's speed change: from `at_s` (or `at_fraction` of the last
 /// arrival's time) on, worker `worker` (0-based, in fleet order) runs at
 /// `factor` × its nominal speed (`Engine::set_speed`).
@@ -760,7 +785,27 @@ impl Scenario {
         self.validate_fleet()?;
         self.validate_router()?;
         self.validate_traffic()?;
-        self.validate_slowdown()
+        self.validate_slowdown()?;
+        self.validate_restart()
+    }
+
+    fn validate_restart(&self) -> Result<(), SimError> {
+        let Some(restart) = &self.restart else {
+            return Ok(());
+        };
+        if !(restart.at_fraction > 0.0 && restart.at_fraction < 1.0) {
+            return Err(self.invalid(
+                "restart.at_fraction",
+                format!("must be in (0, 1), got {}", restart.at_fraction),
+            ));
+        }
+        if !(restart.window_s.is_finite() && restart.window_s > 0.0) {
+            return Err(self.invalid(
+                "restart.window_s",
+                format!("must be finite and positive, got {}", restart.window_s),
+            ));
+        }
+        Ok(())
     }
 
     fn validate_slowdown(&self) -> Result<(), SimError> {
@@ -1260,6 +1305,30 @@ output = { dist = "constant", tokens = 10 }
         let mut text = MINIMAL.to_owned();
         text.push_str("[router]\nsweep_replicas = [1]\nsweep_poll_interval_s = [1.0]\n");
         assert!(error_text(&parse(&text).unwrap_err()).contains("not both"));
+    }
+
+    #[test]
+    fn a_restart_parses_and_its_values_are_checked() {
+        let text =
+            format!("restart = {{ replica = 1, at_fraction = 0.6, warm = true }}\n{MINIMAL}");
+        let restart = parse(&text).unwrap().restart.unwrap();
+        assert_eq!(restart.replica, 1);
+        assert!(restart.warm);
+        assert_eq!(restart.window_s, 30.0);
+        for (restart, expected) in [
+            (
+                "{ replica = 0, at_fraction = 1.0 }",
+                "restart.at_fraction must be in (0, 1), got 1",
+            ),
+            (
+                "{ replica = 0, at_fraction = 0.5, window_s = nan }",
+                "restart.window_s must be finite and positive, got NaN",
+            ),
+        ] {
+            let text = format!("restart = {restart}\n{MINIMAL}");
+            let error = parse(&text).unwrap_err().to_string();
+            assert!(error.contains(expected), "{error}");
+        }
     }
 
     #[test]

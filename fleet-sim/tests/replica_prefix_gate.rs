@@ -213,3 +213,82 @@ fn multi_turn_through_replicas_stays_close_to_one_router() {
 fn rag_through_replicas_stays_close_to_one_router() {
     check("replicas-rag");
 }
+
+/// One replica of four (20 ms sync, multi-turn at 0.8) restarts at 60 % of
+/// the run; `warm`: its fresh policy first loads the next replica's prefix
+/// snapshot. Returns each seed's restart figures.
+fn restarted(warm: bool) -> Vec<fleet_sim::RestartStats> {
+    let scenarios: Vec<Scenario> = std::iter::once(0)
+        .chain(EXTRA_SEEDS)
+        .map(|extra| {
+            let mut scenario = shipped("replicas-multi-turn", extra);
+            scenario.policies = vec![PolicyName::LeastLoad];
+            scenario.utilizations = vec![0.8];
+            scenario.router.sweep_replicas = Some(vec![4]);
+            scenario.router.sweep_sync = Some(vec![periodic(0.02, 0.0)]);
+            scenario.restart = Some(fleet_sim::RestartConfig {
+                replica: 0,
+                at_fraction: 0.6,
+                warm,
+                window_s: 30.0,
+            });
+            scenario
+        })
+        .collect();
+    let options = RunOptions {
+        threads: 2,
+        progress: false,
+    };
+    run_scenarios(&scenarios, &options)
+        .unwrap()
+        .into_iter()
+        .map(|outcome| {
+            let row = outcome
+                .report
+                .results
+                .iter()
+                .find(|row| row.router_replicas == Some(4))
+                .unwrap();
+            row.restart.unwrap()
+        })
+        .collect()
+}
+
+/// The goal: a restarted replica's p99 TTFT over its first 30 s within
+/// 1.5 × its p99 over the 30 s before (averaged over the three seeds),
+/// when it warms from a peer's snapshot. A cold restart is printed beside
+/// it: without the snapshot the replica sends each session's next turn
+/// wherever the load says until its own traffic and the others'
+/// placements teach it again.
+#[test]
+fn a_restarted_replica_warmed_from_a_peer_keeps_its_p99() {
+    let warm = restarted(true);
+    let cold = restarted(false);
+    let mean = |stats: &[fleet_sim::RestartStats], pick: fn(&fleet_sim::RestartStats) -> f64| {
+        stats.iter().map(pick).sum::<f64>() / stats.len() as f64
+    };
+    for (label, stats) in [("warm", &warm), ("cold", &cold)] {
+        for s in stats.iter() {
+            println!(
+                "{label}: restart at {:.0} s, {} snapshot blocks; p99 before {:.3} s ({} requests), after {:.3} s ({} requests)",
+                s.at_s,
+                s.snapshot_blocks,
+                s.before_p99_s,
+                s.before_requests,
+                s.after_p99_s,
+                s.after_requests
+            );
+        }
+    }
+    assert!(
+        warm.iter()
+            .all(|s| s.snapshot_blocks > 0 && s.after_requests > 100)
+    );
+    assert!(cold.iter().all(|s| s.snapshot_blocks == 0));
+    let before = mean(&warm, |s| s.before_p99_s);
+    let after = mean(&warm, |s| s.after_p99_s);
+    assert!(
+        after <= 1.5 * before,
+        "warm restart: p99 {after:.3} s over the first 30 s against {before:.3} s before (goal 1.5 ×)"
+    );
+}
