@@ -16,7 +16,10 @@ use std::sync::atomic::Ordering;
 
 use common::nats::NatsServer;
 use common::upstream::Upstream;
-use common::{TestRouter, fast_config, start_router, wait_until, worker};
+use common::{
+    TestRouter, explain_column, fast_config, metric, start_router, sync_connected, wait_until,
+    worker,
+};
 
 fn sync_section(nats_url: &str, replica: &str, share_prefixes: bool) -> String {
     format!(
@@ -114,49 +117,12 @@ async fn explain(router: &TestRouter, body: &serde_json::Value) -> serde_json::V
     response.json().await.unwrap()
 }
 
-/// One column of the worker at `url` in an explain table.
-fn column(table: &serde_json::Value, url: &str, name: &str) -> f64 {
-    let index = table["columns"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .position(|column| column == name)
-        .unwrap();
-    let row = table["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|row| row["url"] == url)
-        .unwrap_or_else(|| panic!("no row for {url} in {table}"));
-    row["values"][index].as_f64().unwrap()
-}
-
-/// The value of the metric line that starts with `series` (0 if absent).
-async fn metric(router: &TestRouter, series: &str) -> f64 {
-    let text = router
-        .client
-        .get(format!("{}/metrics", router.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .map_or(0.0, |value| value.parse().unwrap())
-}
-
-async fn connected(router: &TestRouter) -> bool {
-    metric(router, "router_sync_connected").await == 1.0
-}
-
 async fn ready(routers: &[&TestRouter], workers: usize) {
     wait_until(
         "every replica is connected and its workers healthy",
         || async {
             for router in routers {
-                if !connected(router).await || router.healthy_count().await != workers {
+                if !sync_connected(router).await || router.healthy_count().await != workers {
                     return false;
                 }
             }
@@ -188,17 +154,18 @@ async fn a_placement_on_one_replica_steers_the_same_prompt_on_another() {
         "B expects the prompt on A's worker, and A's request is done",
         || async {
             let table = explain(&b, &next).await;
-            column(&table, home_url, "cached_tok") > 0.0
-                && column(&table, home_url, "remote_tok") == 0.0
+            explain_column(&table, home_url, "cached_tok") > 0.0
+                && explain_column(&table, home_url, "remote_tok") == 0.0
         },
     )
     .await;
     let table = explain(&b, &next).await;
-    assert_eq!(column(&table, other_url, "cached_tok"), 0.0);
+    assert_eq!(explain_column(&table, other_url, "cached_tok"), 0.0);
     // The cached prefix is worth about two seconds of prefill at the
     // default rate, far past the tie tolerance (10 ms): no tie decides it.
     assert!(
-        column(&table, home_url, "score_s") + 0.5 < column(&table, other_url, "score_s"),
+        explain_column(&table, home_url, "score_s") + 0.5
+            < explain_column(&table, other_url, "score_s"),
         "{table}"
     );
     assert_eq!(
@@ -280,14 +247,18 @@ async fn with_sharing_off_the_other_replica_does_not_know() {
         let table = explain(&b, &next).await;
         upstreams
             .iter()
-            .map(|upstream| column(&table, &upstream.url, "remote_req"))
+            .map(|upstream| explain_column(&table, &upstream.url, "remote_req"))
             .sum::<f64>()
             == 1.0
     })
     .await;
     let table = explain(&b, &next).await;
     for upstream in &upstreams {
-        assert_eq!(column(&table, &upstream.url, "cached_tok"), 0.0, "{table}");
+        assert_eq!(
+            explain_column(&table, &upstream.url, "cached_tok"),
+            0.0,
+            "{table}"
+        );
     }
     assert_eq!(metric(&a, "router_sync_placements_sent_total").await, 0.0);
     assert_eq!(
@@ -313,7 +284,7 @@ async fn with_sharing_off_the_other_replica_does_not_know() {
     let table = explain(&a, &next).await;
     let cached: f64 = upstreams
         .iter()
-        .map(|upstream| column(&table, &upstream.url, "cached_tok"))
+        .map(|upstream| explain_column(&table, &upstream.url, "cached_tok"))
         .sum();
     assert!(cached > 0.0, "{table}");
 }
@@ -341,11 +312,11 @@ async fn a_starting_replica_warms_from_a_running_ones_snapshot() {
     for (system, home) in systems.iter().zip(&homes) {
         let table = explain(&c, &chat_body(system, "and again", false)).await;
         assert!(
-            column(&table, &upstreams[*home].url, "cached_tok") > 0.0,
+            explain_column(&table, &upstreams[*home].url, "cached_tok") > 0.0,
             "C expects the prompt where A sent it: {table}"
         );
         assert_eq!(
-            column(&table, &upstreams[1 - home].url, "cached_tok"),
+            explain_column(&table, &upstreams[1 - home].url, "cached_tok"),
             0.0,
             "{table}"
         );
@@ -398,7 +369,7 @@ async fn a_report_of_fewer_cached_tokens_is_counted_and_its_bound_shared() {
     // Second turn, streamed: the router expects the system prompt cached,
     // the engine says it served none of it (its closing usage chunk).
     let table = explain(&a, &chat_body(&system, "turn 2", true)).await;
-    let expected = column(&table, url, "cached_tok");
+    let expected = explain_column(&table, url, "cached_tok");
     assert!(expected >= 3000.0, "{table}");
     let streamed = send(&a, &chat_body(&system, "turn 2", true)).await;
     assert!(streamed.contains("cached_tokens"), "{streamed}");

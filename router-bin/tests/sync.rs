@@ -12,7 +12,10 @@ use std::sync::atomic::Ordering;
 
 use common::nats::NatsServer;
 use common::upstream::Upstream;
-use common::{TestRouter, fast_config, start_router, wait_until, worker};
+use common::{
+    TestRouter, explain_column, fast_config, metric, start_router, sync_connected, wait_until,
+    worker,
+};
 
 fn sync_section(nats: &NatsServer, replica: &str) -> String {
     format!(
@@ -45,40 +48,7 @@ async fn explain(router: &TestRouter) -> serde_json::Value {
 
 /// One column of the worker at `url` in the explain table.
 async fn explained(router: &TestRouter, url: &str, column: &str) -> f64 {
-    let table = explain(router).await;
-    let index = table["columns"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .position(|name| name == column)
-        .unwrap();
-    let row = table["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|row| row["url"] == url)
-        .unwrap_or_else(|| panic!("no row for {url} in {table}"));
-    row["values"][index].as_f64().unwrap()
-}
-
-/// The value of the metric line that starts with `series` (0 if absent).
-async fn metric(router: &TestRouter, series: &str) -> f64 {
-    let text = router
-        .client
-        .get(format!("{}/metrics", router.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .map_or(0.0, |value| value.parse().unwrap())
-}
-
-async fn connected(router: &TestRouter) -> bool {
-    metric(router, "router_sync_connected").await == 1.0
+    explain_column(&explain(router).await, url, column)
 }
 
 /// A streaming request through `router`, to its end; true when it completed.
@@ -95,7 +65,9 @@ async fn a_dispatch_on_one_replica_appears_in_the_others_explain_table() {
     let b = replica(&nats, "b", &[&upstream]).await;
     wait_until(
         "both replicas are connected and the worker healthy",
-        || async { connected(&a).await && connected(&b).await && b.healthy_count().await == 1 },
+        || async {
+            sync_connected(&a).await && sync_connected(&b).await && b.healthy_count().await == 1
+        },
     )
     .await;
     assert_eq!(explained(&b, &upstream.url, "remote_tok").await, 0.0);
@@ -153,8 +125,8 @@ async fn killing_the_broker_loses_no_request_and_sharing_resumes() {
     wait_until(
         "both replicas are connected and their workers healthy",
         || async {
-            connected(&a).await
-                && connected(&b).await
+            sync_connected(&a).await
+                && sync_connected(&b).await
                 && a.healthy_count().await == 2
                 && b.healthy_count().await == 2
         },
@@ -185,7 +157,7 @@ async fn killing_the_broker_loses_no_request_and_sharing_resumes() {
     let during = tokio::spawn(sent("while the broker dies", 60));
     nats.stop();
     wait_until("both replicas notice the broker is gone", || async {
-        !connected(&a).await && !connected(&b).await
+        !sync_connected(&a).await && !sync_connected(&b).await
     })
     .await;
     during.await.unwrap();
@@ -196,7 +168,7 @@ async fn killing_the_broker_loses_no_request_and_sharing_resumes() {
 
     nats.restart();
     wait_until("both replicas reconnect", || async {
-        connected(&a).await && connected(&b).await
+        sync_connected(&a).await && sync_connected(&b).await
     })
     .await;
     for upstream in &upstreams {
@@ -235,7 +207,7 @@ async fn malformed_and_foreign_messages_are_ignored_and_counted() {
     let outsider = async_nats::connect(nats.url.as_str()).await.unwrap();
     wait_until(
         "the replica is connected and the worker healthy",
-        || async { connected(&a).await && a.healthy_count().await == 1 },
+        || async { sync_connected(&a).await && a.healthy_count().await == 1 },
     )
     .await;
     // A well-formed message from another replica is counted: the

@@ -768,12 +768,15 @@ async fn run_prefix_receiver(
     }
 }
 
+/// What the sync modules' unit tests share.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use policy_core::{PolicyContext, PolicyRegistry, WorkerId, WorkerInfo};
+pub(crate) mod test_support {
+    use policy_core::{Policy, PolicyContext, PolicyRegistry, WorkerId, WorkerInfo};
 
-    fn policy() -> Box<dyn Policy> {
+    use crate::metrics::Metrics;
+
+    /// `least_load` with its defaults over `urls`, in slots 0, 1, …
+    pub(crate) fn least_load(urls: &[&str]) -> Box<dyn Policy> {
         let mut registry = PolicyRegistry::with_baselines();
         policy_least_load::register(&mut registry);
         let policy = registry
@@ -783,12 +786,17 @@ mod tests {
                 &PolicyContext::default(),
             )
             .unwrap();
-        policy.add_worker(WorkerId::new(0, 0), WorkerInfo::new("http://w:1", "sglang"));
+        for (slot, url) in urls.iter().enumerate() {
+            policy.add_worker(
+                WorkerId::new(slot as u32, 0),
+                WorkerInfo::new(*url, "sglang"),
+            );
+        }
         policy
     }
 
     /// The value of `router_sync_<family>_total{outcome="<outcome>"}`.
-    fn counted(metrics: &Metrics, family: &str, outcome: &str) -> u64 {
+    pub(crate) fn counted(metrics: &Metrics, family: &str, outcome: &str) -> u64 {
         let series = format!("router_sync_{family}_total{{outcome=\"{outcome}\"}} ");
         metrics
             .render()
@@ -796,6 +804,18 @@ mod tests {
             .find_map(|line| line.strip_prefix(series.as_str())?.parse().ok())
             .unwrap_or(0)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use policy_core::WorkerId;
+
+    fn policy() -> Box<dyn Policy> {
+        test_support::least_load(&["http://w:1"])
+    }
+
+    use test_support::counted;
 
     #[test]
     fn messages_are_applied_own_ignored_and_junk_counted() {

@@ -330,28 +330,10 @@ mod tests {
     }
 
     fn policy() -> Box<dyn Policy> {
-        let mut registry = PolicyRegistry::with_baselines();
-        policy_least_load::register(&mut registry);
-        let policy = registry
-            .build(
-                "least_load",
-                &serde_json::Value::Null,
-                &PolicyContext::default(),
-            )
-            .unwrap();
-        policy.add_worker(id(0), WorkerInfo::new("http://w:1", "sglang"));
-        policy.add_worker(id(1), WorkerInfo::new("http://w:2", "sglang"));
-        policy
+        super::super::test_support::least_load(&["http://w:1", "http://w:2"])
     }
 
-    fn counted(metrics: &Metrics, family: &str, outcome: &str) -> u64 {
-        let series = format!("router_sync_{family}_total{{outcome=\"{outcome}\"}} ");
-        metrics
-            .render()
-            .lines()
-            .find_map(|line| line.strip_prefix(series.as_str())?.parse().ok())
-            .unwrap_or(0)
-    }
+    use super::super::test_support::counted;
 
     #[test]
     fn placements_reach_the_policy_and_junk_is_counted() {

@@ -154,3 +154,42 @@ impl TestRouter {
             .unwrap()
     }
 }
+
+/// One column of the worker at `url` in an explain table (its JSON form).
+pub fn explain_column(table: &serde_json::Value, url: &str, column: &str) -> f64 {
+    let index = table["columns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|name| name == column)
+        .unwrap();
+    let row = table["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|row| row["url"] == url)
+        .unwrap_or_else(|| panic!("no row for {url} in {table}"));
+    row["values"][index].as_f64().unwrap()
+}
+
+/// The value of the router's metric line that starts with `series` (0 if
+/// absent).
+pub async fn metric(router: &TestRouter, series: &str) -> f64 {
+    let text = router
+        .client
+        .get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .map_or(0.0, |value| value.parse().unwrap())
+}
+
+/// Whether the router's replica sync is connected to its broker.
+pub async fn sync_connected(router: &TestRouter) -> bool {
+    metric(router, "router_sync_connected").await == 1.0
+}
