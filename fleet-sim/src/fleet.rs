@@ -38,8 +38,9 @@
 //!   `latency_s` later ([`SyncChannel`](crate::SyncChannel)). With the ideal sync, a
 //!   replica's change is handed to the others at the dispatch or first
 //!   token that made it. The same channel carries each dispatch's prefix
-//!   placement (`Policy::placement`) and each cache bound a `cache_report`
-//!   changed, to the other replicas' `replica_prefix`.
+//!   placement (`Policy::placement`), each cache bound a `cache_report`
+//!   changed and each prefill sample a `first_token` closed, to the other
+//!   replicas' `replica_update`.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -1016,7 +1017,18 @@ impl<'a> CellRun<'a> {
             match engine_event {
                 EngineEvent::FirstToken { id, .. } => {
                     if let Some((replica, policy, dispatch)) = self.router.dispatch(id) {
-                        policy.first_token(dispatch, now);
+                        if let Some(sample) = policy.first_token(dispatch, now)
+                            && let Some(sync) = &mut self.sync
+                            && sync.is_active()
+                        {
+                            sync.prefill_sample(
+                                replica,
+                                worker,
+                                sample,
+                                &self.router.policies,
+                                now,
+                            );
+                        }
                         sync_changed(
                             &mut self.sync,
                             &self.router,
@@ -1728,9 +1740,13 @@ mod tests {
         assert_eq!(stats.placements_lost, 0);
         // 40 bytes and 5 hashes each: the shared 1500 tokens (the rest of
         // a prompt is its own) fill 5 of the index's 256-token blocks.
+        // Each prefill sample a first token closed (40 bytes and two
+        // numbers) is shared too, and applied by the other 3.
+        assert!(stats.prefill_samples > 0);
+        assert_eq!(stats.prefill_samples_applied, 3 * stats.prefill_samples);
         assert_eq!(
             stats.prefix_bytes,
-            prefixed * (40 + 5 * 20) + stats.cache_bounds * 60
+            prefixed * (40 + 5 * 20) + stats.cache_bounds * 60 + stats.prefill_samples * 80
         );
         assert_eq!(shared.prompt_tokens, 3000 * 2000);
         assert!(shared.reported_cached_tokens > 0);

@@ -22,14 +22,15 @@
 //!   every other replica at that instant: exact, and one
 //!   `worker_stats` read per change.
 //!
-//! The same channel carries what replicas learn of the workers' prefix
-//! caches ([`ReplicaPrefix`]): where a replica placed a prompt
-//! ([`Policy::placement`] after its dispatch) and a worker's cache bound
-//! learned from the engine's reported hits ([`Policy::cache_report`]).
+//! The same channel carries what replicas learn of the workers
+//! ([`ReplicaUpdate`]): where a replica placed a prompt
+//! ([`Policy::placement`] after its dispatch), a worker's cache bound
+//! learned from the engine's reported hits ([`Policy::cache_report`]), and
+//! the prefill samples its first tokens closed ([`Policy::first_token`]).
 //! Periodic: they wait in the replica's outbox for its next message (the
 //! dispatch's own with `publish_dispatches`, else the next tick), share its
 //! latency and its losses, and are applied with
-//! [`Policy::replica_prefix`] when it arrives. Ideal: applied by every
+//! [`Policy::replica_update`] when it arrives. Ideal: applied by every
 //! other replica at once.
 //!
 //! Every message from one replica has the same latency, so messages arrive
@@ -40,8 +41,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use policy_core::{
-    Policy, PrefixBlocks, ReplicaPending, ReplicaPendingOutcome, ReplicaPrefix,
-    ReplicaPrefixOutcome, WorkerId,
+    Policy, PrefillSample, PrefixBlocks, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate,
+    ReplicaUpdateOutcome, WorkerId,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -96,29 +97,47 @@ pub struct SyncStats {
     /// reported hits), and their copies applied.
     pub cache_bounds: u64,
     pub cache_bounds_applied: u64,
-    /// Prefix updates the receiving policies ignored (no prefix index).
+    /// Updates the receiving policies ignored (no prefix index, no
+    /// learned rates).
     pub prefix_unsupported: u64,
-    /// Estimated bytes of the prefix updates published (each once, as a
-    /// replica publishes it to the broker): 40 per update and 20 per hash.
+    /// Prefill samples published (first tokens that closed one), and their
+    /// copies applied.
+    pub prefill_samples: u64,
+    pub prefill_samples_applied: u64,
+    /// Estimated bytes of the updates published (each once, as a replica
+    /// publishes it to the broker): 40 per update and 20 per hash or
+    /// number.
     pub prefix_bytes: u64,
 }
 
-/// What a replica learned of one worker's prefix cache, on its way to the
-/// others ([`ReplicaPrefix`], by worker index).
+/// What a replica learned of one worker, on its way to the others
+/// ([`ReplicaUpdate`], by worker index).
 #[derive(Debug, Clone, PartialEq)]
-enum PrefixUpdate {
-    Placed { worker: usize, prefix: PrefixBlocks },
-    CacheBound { worker: usize, cache_tokens: u64 },
+enum SharedUpdate {
+    Placed {
+        worker: usize,
+        prefix: PrefixBlocks,
+    },
+    CacheBound {
+        worker: usize,
+        cache_tokens: u64,
+    },
+    Prefill {
+        worker: usize,
+        sample: PrefillSample,
+    },
 }
 
-impl PrefixUpdate {
+impl SharedUpdate {
     /// Its estimated wire size.
     fn bytes(&self) -> u64 {
         match self {
-            PrefixUpdate::Placed { prefix, .. } => {
+            SharedUpdate::Placed { prefix, .. } => {
                 PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES * prefix.hashes().len() as u64
             }
-            PrefixUpdate::CacheBound { .. } => PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES,
+            SharedUpdate::CacheBound { .. } => PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES,
+            // Tokens and microseconds.
+            SharedUpdate::Prefill { .. } => PREFIX_UPDATE_BYTES + 2 * PREFIX_HASH_BYTES,
         }
     }
 }
@@ -131,7 +150,7 @@ struct Message {
     /// `(worker, pending_tokens, pending_requests)`.
     entries: Vec<(usize, u64, u64)>,
     /// The prefix updates it carries.
-    prefix: Vec<PrefixUpdate>,
+    prefix: Vec<SharedUpdate>,
     /// Bit `r`: replica `r` receives it (replicas ≤ 64).
     receivers: u64,
 }
@@ -163,7 +182,7 @@ pub struct SyncChannel {
     last_expiry_s: Vec<Option<f64>>,
     in_flight: VecDeque<Message>,
     /// `[replica]`: prefix updates waiting for the replica's next message.
-    outbox: Vec<Vec<PrefixUpdate>>,
+    outbox: Vec<Vec<SharedUpdate>>,
     loss_rng: SmallRng,
     phases_s: Vec<f64>,
     /// Cleared when a policy answers `Unsupported`: it ignores other
@@ -332,7 +351,7 @@ impl SyncChannel {
         let prefix = std::mem::take(&mut self.outbox[replica]);
         let placements = prefix
             .iter()
-            .filter(|update| matches!(update, PrefixUpdate::Placed { .. }))
+            .filter(|update| matches!(update, SharedUpdate::Placed { .. }))
             .count() as u64;
         self.stats.messages += 1;
         let mut receivers = 0u64;
@@ -373,9 +392,9 @@ impl SyncChannel {
         now: Instant,
     ) {
         self.stats.placements += 1;
-        self.share_prefix(
+        self.share_update(
             replica,
-            PrefixUpdate::Placed { worker, prefix },
+            SharedUpdate::Placed { worker, prefix },
             policies,
             now,
         );
@@ -393,9 +412,9 @@ impl SyncChannel {
         now: Instant,
     ) {
         self.stats.cache_bounds += 1;
-        self.share_prefix(
+        self.share_update(
             replica,
-            PrefixUpdate::CacheBound {
+            SharedUpdate::CacheBound {
                 worker,
                 cache_tokens,
             },
@@ -404,10 +423,29 @@ impl SyncChannel {
         );
     }
 
-    fn share_prefix(
+    /// Replica `replica`'s policy closed a prefill sample of `worker` at a
+    /// first token ([`Policy::first_token`]): shared as a placement is.
+    pub fn prefill_sample(
         &mut self,
         replica: usize,
-        update: PrefixUpdate,
+        worker: usize,
+        sample: PrefillSample,
+        policies: &[Box<dyn Policy>],
+        now: Instant,
+    ) {
+        self.stats.prefill_samples += 1;
+        self.share_update(
+            replica,
+            SharedUpdate::Prefill { worker, sample },
+            policies,
+            now,
+        );
+    }
+
+    fn share_update(
+        &mut self,
+        replica: usize,
+        update: SharedUpdate,
         policies: &[Box<dyn Policy>],
         now: Instant,
     ) {
@@ -419,7 +457,7 @@ impl SyncChannel {
             Mode::Ideal => {
                 for (other, receiver) in policies.iter().enumerate() {
                     if other != replica {
-                        self.apply_prefix(receiver.as_ref(), &update, now);
+                        self.apply_update(receiver.as_ref(), &update, now);
                     }
                 }
             }
@@ -428,36 +466,46 @@ impl SyncChannel {
     }
 
     /// One receiving policy applies one prefix update.
-    fn apply_prefix(&mut self, receiver: &dyn Policy, update: &PrefixUpdate, now: Instant) {
+    fn apply_update(&mut self, receiver: &dyn Policy, update: &SharedUpdate, now: Instant) {
         let outcome = match update {
-            PrefixUpdate::Placed { worker, prefix } => receiver.replica_prefix(
-                &ReplicaPrefix::Placed {
+            SharedUpdate::Placed { worker, prefix } => receiver.replica_update(
+                &ReplicaUpdate::Placed {
                     worker_url: &self.urls[*worker],
                     prefix,
                 },
                 now,
             ),
-            PrefixUpdate::CacheBound {
+            SharedUpdate::CacheBound {
                 worker,
                 cache_tokens,
-            } => receiver.replica_prefix(
-                &ReplicaPrefix::CacheBound {
+            } => receiver.replica_update(
+                &ReplicaUpdate::CacheBound {
                     worker_url: &self.urls[*worker],
                     cache_tokens: *cache_tokens,
                 },
                 now,
             ),
+            SharedUpdate::Prefill { worker, sample } => receiver.replica_update(
+                &ReplicaUpdate::Prefill {
+                    worker_url: &self.urls[*worker],
+                    sample: *sample,
+                },
+                now,
+            ),
         };
         match (outcome, update) {
-            (ReplicaPrefixOutcome::Applied, PrefixUpdate::Placed { .. }) => {
+            (ReplicaUpdateOutcome::Applied, SharedUpdate::Placed { .. }) => {
                 self.stats.placements_applied += 1;
             }
-            (ReplicaPrefixOutcome::Applied, PrefixUpdate::CacheBound { .. }) => {
+            (ReplicaUpdateOutcome::Applied, SharedUpdate::CacheBound { .. }) => {
                 self.stats.cache_bounds_applied += 1;
             }
-            (ReplicaPrefixOutcome::Unsupported, _) => self.stats.prefix_unsupported += 1,
+            (ReplicaUpdateOutcome::Applied, SharedUpdate::Prefill { .. }) => {
+                self.stats.prefill_samples_applied += 1;
+            }
+            (ReplicaUpdateOutcome::Unsupported, _) => self.stats.prefix_unsupported += 1,
             // Every replica registers every worker under the same URL.
-            (ReplicaPrefixOutcome::UnknownWorker, _) => {}
+            (ReplicaUpdateOutcome::UnknownWorker, _) => {}
         }
     }
 
@@ -472,7 +520,7 @@ impl SyncChannel {
                 continue;
             }
             for update in &message.prefix {
-                self.apply_prefix(policy.as_ref(), update, now);
+                self.apply_update(policy.as_ref(), update, now);
             }
             for &(worker, pending_tokens, pending_requests) in &message.entries {
                 let outcome = policy.replica_pending(

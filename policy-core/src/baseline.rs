@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use crate::rng::{ArgMin, TieBreaker};
 use crate::slots::{Slot, SlotsView, WorkerLedger, WorkerSlots};
 use crate::{
-    Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow, ScoreTable,
-    TokenCount, WorkerId, WorkerInfo, WorkerStats, parse_section,
+    Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, RequestInfo, ScoreRow,
+    ScoreTable, TokenCount, WorkerId, WorkerInfo, WorkerStats, parse_section,
 };
 
 /// A worker state that keeps a [`WorkerLedger`] (the baselines' states).
@@ -210,8 +210,9 @@ impl Policy for BaselinePolicy {
         Some(self.book.dispatch(slot, request, self.score(slot)))
     }
 
-    fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
+    fn first_token(&self, dispatch: &Dispatch, _now: Instant) -> Option<PrefillSample> {
         LedgerBook::first_token(&self.workers, dispatch);
+        None
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {

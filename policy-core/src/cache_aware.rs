@@ -36,8 +36,8 @@ use serde::{Deserialize, Serialize};
 use crate::baseline::{HasLedger, LedgerBook};
 use crate::slots::{Slot, SlotsView, WorkerLedger, WorkerSlots};
 use crate::{
-    Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow, ScoreTable,
-    SeqHasher, WorkerId, WorkerInfo, WorkerStats, describe_request, parse_section,
+    Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, RequestInfo, ScoreRow,
+    ScoreTable, SeqHasher, WorkerId, WorkerInfo, WorkerStats, describe_request, parse_section,
 };
 
 /// The registry name.
@@ -568,8 +568,9 @@ impl Policy for CacheAwarePolicy {
         Some(dispatch)
     }
 
-    fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
+    fn first_token(&self, dispatch: &Dispatch, _now: Instant) -> Option<PrefillSample> {
         LedgerBook::first_token(&self.workers, dispatch);
+        None
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {

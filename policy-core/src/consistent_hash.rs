@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use crate::baseline::LedgerBook;
 use crate::slots::{Slot, SlotsView, WorkerLedger, WorkerSlots};
 use crate::{
-    Dispatch, Policy, PolicyContext, PolicyError, PollMark, RequestInfo, ScoreRow, ScoreTable,
-    WorkerId, WorkerInfo, WorkerStats, describe_request, parse_section, worker_url_key,
+    Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, RequestInfo, ScoreRow,
+    ScoreTable, WorkerId, WorkerInfo, WorkerStats, describe_request, parse_section, worker_url_key,
 };
 
 /// The registry name.
@@ -245,8 +245,9 @@ impl Policy for ConsistentHashPolicy {
         Some(self.book.dispatch(slot, request, in_flight))
     }
 
-    fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
+    fn first_token(&self, dispatch: &Dispatch, _now: Instant) -> Option<PrefillSample> {
         LedgerBook::first_token(&self.workers, dispatch);
+        None
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {

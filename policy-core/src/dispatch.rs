@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::{Policy, WorkerId};
+use crate::{Policy, PrefillSample, WorkerId};
 
 /// One routing decision: which worker, how many tokens were credited to it,
 /// a sequence number that tells this dispatch apart from every other one of
@@ -77,11 +77,14 @@ impl DispatchGuard {
     }
 
     /// Tells the policy the first token passed; later calls do nothing.
-    pub fn first_token(&mut self) {
-        if !self.first_token_seen {
-            self.first_token_seen = true;
-            self.policy.first_token(&self.dispatch, (self.clock)());
+    /// Returns the prefill sample it closed, if any (see
+    /// [`Policy::first_token`]).
+    pub fn first_token(&mut self) -> Option<PrefillSample> {
+        if self.first_token_seen {
+            return None;
         }
+        self.first_token_seen = true;
+        self.policy.first_token(&self.dispatch, (self.clock)())
     }
 
     pub fn first_token_seen(&self) -> bool {

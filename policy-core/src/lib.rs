@@ -12,8 +12,8 @@
 //! through a [`PolicyRegistry`] and a [`BackendRegistry`]. Other router
 //! replicas' pending work reaches a policy as [`ReplicaPending`] entries,
 //! keyed by worker URL ([`Policy::replica_pending`]); where they placed
-//! prompt prefixes and what engines reported of their caches, as
-//! [`ReplicaPrefix`] updates ([`Policy::replica_prefix`]).
+//! prompt prefixes, what engines reported of their caches and the prefill
+//! rates they measured, as [`ReplicaUpdate`]s ([`Policy::replica_update`]).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -81,8 +81,8 @@ pub use registry::{
     BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,
 };
 pub use replica::{
-    PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaPrefix, ReplicaPrefixOutcome,
-    SnapshotBlock, SnapshotWorker, worker_url_key,
+    PrefillSample, PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate,
+    ReplicaUpdateOutcome, SnapshotBlock, SnapshotWorker, worker_url_key,
 };
 pub use request::{PrefixBlocks, RequestInfo, TokenCount};
 pub use rng::{ArgMin, RankKey, TieBreaker};

@@ -3,8 +3,9 @@ use std::time::{Duration, Instant};
 use load_protocols::WorkerLoad;
 
 use crate::{
-    Dispatch, PollMark, PrefixBlocks, PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome,
-    ReplicaPrefix, ReplicaPrefixOutcome, RequestInfo, ScoreTable, WorkerId, WorkerInfo,
+    Dispatch, PollMark, PrefillSample, PrefixBlocks, PrefixSnapshot, ReplicaPending,
+    ReplicaPendingOutcome, ReplicaUpdate, ReplicaUpdateOutcome, RequestInfo, ScoreTable, WorkerId,
+    WorkerInfo,
 };
 
 /// What the router hands every policy at construction.
@@ -89,8 +90,10 @@ pub trait Policy: Send + Sync {
     ) -> Option<Dispatch>;
 
     /// The first SSE data chunk, or the start of a non-streaming response,
-    /// passed through. Idempotent.
-    fn first_token(&self, dispatch: &Dispatch, now: Instant);
+    /// passed through. Idempotent. A policy that learns workers' prefill
+    /// rates returns the sample this first token closed, for the other
+    /// replicas ([`ReplicaUpdate::Prefill`]); the others return `None`.
+    fn first_token(&self, dispatch: &Dispatch, now: Instant) -> Option<PrefillSample>;
 
     /// The request ended (done, failed or cancelled): releases whatever is
     /// still held. Idempotent.
@@ -141,20 +144,21 @@ pub trait Policy: Send + Sync {
 
     /// What other replicas should learn of `dispatch` (made for `request`):
     /// the prompt's leading blocks at the granularity this policy indexes
-    /// them, to be handed to their [`replica_prefix`](Policy::replica_prefix)
-    /// as [`ReplicaPrefix::Placed`]. `None` when the policy keeps no prefix
+    /// them, to be handed to their [`replica_update`](Policy::replica_update)
+    /// as [`ReplicaUpdate::Placed`]. `None` when the policy keeps no prefix
     /// index or the request has no known prefix.
     fn placement(&self, request: &RequestInfo) -> Option<PrefixBlocks> {
         let _ = request;
         None
     }
 
-    /// Applies what another replica learned of a worker's prefix cache. See
-    /// [`ReplicaPrefix`]. Policies without a prefix index keep this default.
+    /// Applies what another replica learned of a worker. See
+    /// [`ReplicaUpdate`]. Policies that keep nothing of the kind keep this
+    /// default.
     #[allow(clippy::needless_lifetimes)]
-    fn replica_prefix<'a>(&self, update: &ReplicaPrefix<'a>, now: Instant) -> ReplicaPrefixOutcome {
+    fn replica_update<'a>(&self, update: &ReplicaUpdate<'a>, now: Instant) -> ReplicaUpdateOutcome {
         let _ = (update, now);
-        ReplicaPrefixOutcome::Unsupported
+        ReplicaUpdateOutcome::Unsupported
     }
 
     /// The engine reported that its prefix cache served
@@ -162,7 +166,7 @@ pub trait Policy: Send + Sync {
     /// `usage.prompt_tokens_details.cached_tokens`); `dispatch.cached_tokens`
     /// is what the policy expected. Returns the worker's new cache bound in
     /// tokens when the report changed it, for the other replicas
-    /// ([`ReplicaPrefix::CacheBound`]); `None` otherwise.
+    /// ([`ReplicaUpdate::CacheBound`]); `None` otherwise.
     fn cache_report(
         &self,
         dispatch: &Dispatch,

@@ -1,6 +1,6 @@
 //! What router replicas share through the policy contract: their pending
-//! work, where they placed prompt prefixes, and what engines' reports taught
-//! them of a worker's prefix cache.
+//! work, where they placed prompt prefixes, what engines' reports taught
+//! them of a worker's prefix cache, and how fast they saw it clear prefill.
 //!
 //! Replicas of one router fleet share, per worker, the prompt tokens and
 //! requests each has dispatched whose first token it has not seen. A policy
@@ -14,6 +14,8 @@
 //! A worker is named by its URL here, never by [`WorkerId`](crate::WorkerId):
 //! ids are handed out by each replica on its own, while every replica is
 //! configured with the same worker URLs.
+
+use std::time::Duration;
 
 use crate::PrefixBlocks;
 
@@ -52,11 +54,23 @@ pub enum ReplicaPendingOutcome {
     Unsupported,
 }
 
-/// What another replica learned of a worker's prefix cache, as the policy
-/// contract carries it ([`Policy::replica_prefix`](crate::Policy::replica_prefix)).
+/// One measurement of a worker's prefill rate: `work_tokens` of prompt
+/// work cleared in `elapsed` (one engine step's first tokens, as a policy
+/// that learns rates batches them). A policy returns the sample a first
+/// token closed from [`Policy::first_token`](crate::Policy::first_token),
+/// so the other replicas learn from every replica's first tokens, not from
+/// their own share of them alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillSample {
+    pub work_tokens: u64,
+    pub elapsed: Duration,
+}
+
+/// What another replica learned of a worker, as the policy contract
+/// carries it ([`Policy::replica_update`](crate::Policy::replica_update)).
 /// Like [`ReplicaPending`], it names the worker by URL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReplicaPrefix<'a> {
+pub enum ReplicaUpdate<'a> {
     /// The replica dispatched a prompt with these leading blocks to the
     /// worker: the worker is expected to hold them from now on, as if this
     /// replica had dispatched it.
@@ -72,25 +86,32 @@ pub enum ReplicaPrefix<'a> {
         worker_url: &'a str,
         cache_tokens: u64,
     },
+    /// The replica measured the worker's prefill rate.
+    Prefill {
+        worker_url: &'a str,
+        sample: PrefillSample,
+    },
 }
 
-impl ReplicaPrefix<'_> {
+impl ReplicaUpdate<'_> {
     /// The worker the update is about.
     pub fn worker_url(&self) -> &str {
         match self {
-            ReplicaPrefix::Placed { worker_url, .. }
-            | ReplicaPrefix::CacheBound { worker_url, .. } => worker_url,
+            ReplicaUpdate::Placed { worker_url, .. }
+            | ReplicaUpdate::CacheBound { worker_url, .. }
+            | ReplicaUpdate::Prefill { worker_url, .. } => worker_url,
         }
     }
 }
 
-/// What a policy did with a [`ReplicaPrefix`].
+/// What a policy did with a [`ReplicaUpdate`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReplicaPrefixOutcome {
+pub enum ReplicaUpdateOutcome {
     Applied,
     /// No registered worker has this URL: ignored.
     UnknownWorker,
-    /// This policy keeps no prefix index (or has prefix affinity off).
+    /// This policy keeps no state of this kind (no prefix index, or prefix
+    /// affinity off; no learned rates): ignored.
     Unsupported,
 }
 

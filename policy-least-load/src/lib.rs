@@ -19,8 +19,9 @@
 //!   own prefill is part of its wait, and takes four times longer on a
 //!   worker four times slower;
 //! - `rate`: how fast the worker clears prompt tokens, tokens/s, learned per
-//!   worker from this router's own dispatches (the tokens whose first tokens
-//!   came back over the busy time it took; see [`rate`]). A worker with
+//!   worker from the router's dispatches (the tokens whose first tokens
+//!   came back over the busy time it took; with `[sync]`, every replica's;
+//!   see [`rate`]). A worker with
 //!   fewer than four samples, or whose rate is within `rate_deadband_ratio`
 //!   (10 %) of the fleet's, is scored at the fleet's (the geometric mean of
 //!   the learned rates; `default_throughput` before any).

@@ -39,8 +39,9 @@ impl fmt::Display for InflightMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RateMode {
-    /// Learned per worker from this router's own dispatches: the work ahead
-    /// of each request and the time its first token took (`crate::rate`).
+    /// Learned per worker from the router's dispatches (with sync, every
+    /// replica's): the work ahead of each request and the time its first
+    /// token took (`crate::rate`).
     /// Starts at `default_throughput`.
     #[default]
     Learned,

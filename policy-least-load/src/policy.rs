@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefixBlocks, PrefixSnapshot,
-    ReplicaPending, ReplicaPendingOutcome, ReplicaPrefix, ReplicaPrefixOutcome, RequestInfo,
-    ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo, WorkerLedger,
-    WorkerSlots, WorkerStats, describe_request,
+    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, PrefixBlocks,
+    PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate, ReplicaUpdateOutcome,
+    RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo,
+    WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
 use crate::fleet_memo::FleetMemo;
@@ -824,6 +824,27 @@ impl LeastLoad {
     }
 
     /// Rewrites the worker's hot record after a change to its state.
+    /// A rate sample was learned for `slot` (scored at its own rate before
+    /// it if `was_scored`): the hot copy takes the rate, and the fleet's
+    /// rate follows.
+    fn after_rate_sample(
+        &self,
+        view: &SlotsView<'_, WorkerState>,
+        slot: &Slot<WorkerState>,
+        was_scored: bool,
+        now_nanos: i64,
+    ) {
+        // A worker that starts being scored at its own rate joins the
+        // fleet's at once (once in its life); otherwise the fleet's
+        // follows its workers at most every refresh period.
+        let now_scored = !was_scored && slot.state.rate.learned_tps().is_some();
+        // The released work and the learned rate, in one rewrite.
+        self.refresh_hot(slot);
+        if self.fleet_rate.claim_refresh(now_nanos) || now_scored {
+            self.refresh_fleet_rate(view);
+        }
+    }
+
     fn refresh_hot(&self, slot: &Slot<WorkerState>) {
         if let Some(hot) = &self.hot {
             hot.update(slot.id, || self.hot_values(&slot.state));
@@ -1805,38 +1826,30 @@ impl Policy for LeastLoad {
         None
     }
 
-    fn first_token(&self, dispatch: &Dispatch, now: Instant) {
+    fn first_token(&self, dispatch: &Dispatch, now: Instant) -> Option<PrefillSample> {
         // Releases pending work (the since-poll tally is untouched by
         // design), and learns the worker's rate from how long it took.
         let view = self.workers.read();
-        let Some(slot) = view.get(dispatch.worker) else {
-            return;
-        };
-        let Some((tokens, probe)) = slot.state.ledger.first_token_noted(dispatch.seq) else {
-            return;
-        };
+        let slot = view.get(dispatch.worker)?;
+        let (tokens, probe) = slot.state.ledger.first_token_noted(dispatch.seq)?;
         if !probe.learn {
             self.refresh_hot(slot);
-        } else {
-            let now_nanos = self.timeline.nanos(now);
-            // A bad sample is dropped and counted by the estimator.
-            let was_scored = slot.state.rate.learned_tps().is_some();
-            let _ = slot.state.rate.observe_first_token(
-                &probe,
-                tokens,
-                now_nanos,
-                Some(self.fleet_rate.tps()),
-            );
-            // A worker that starts being scored at its own rate joins the
-            // fleet's at once (once in its life); otherwise the fleet's
-            // follows its workers at most every refresh period.
-            let now_scored = !was_scored && slot.state.rate.learned_tps().is_some();
-            // The released work and the learned rate, in one rewrite.
-            self.refresh_hot(slot);
-            if self.fleet_rate.claim_refresh(now_nanos) || now_scored {
-                self.refresh_fleet_rate(&view);
-            }
+            return None;
         }
+        let now_nanos = self.timeline.nanos(now);
+        // A bad sample is dropped and counted by the estimator.
+        let was_scored = slot.state.rate.learned_tps().is_some();
+        let sample = slot.state.rate.observe_first_token(
+            &probe,
+            tokens,
+            now_nanos,
+            Some(self.fleet_rate.tps()),
+        );
+        self.after_rate_sample(&view, slot, was_scored, now_nanos);
+        sample.map(|sample| PrefillSample {
+            work_tokens: sample.work_tokens,
+            elapsed: Duration::from_nanos(u64::try_from(sample.elapsed_nanos).unwrap_or(0)),
+        })
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {
@@ -2078,24 +2091,36 @@ impl Policy for LeastLoad {
         (!blocks.is_empty()).then_some(blocks)
     }
 
-    fn replica_prefix(&self, update: &ReplicaPrefix<'_>, now: Instant) -> ReplicaPrefixOutcome {
-        let Some(index) = &self.prefix else {
-            return ReplicaPrefixOutcome::Unsupported;
-        };
+    fn replica_update(&self, update: &ReplicaUpdate<'_>, now: Instant) -> ReplicaUpdateOutcome {
         let view = self.workers.read();
         let Some(slot) = view.find_url(update.worker_url()) else {
-            return ReplicaPrefixOutcome::UnknownWorker;
+            return ReplicaUpdateOutcome::UnknownWorker;
         };
-        let slot = slot.id.slot();
-        match update {
-            ReplicaPrefix::Placed { prefix, .. } => {
-                index.record_placed(slot, prefix, index_ms(self.timeline.nanos(now)));
+        let now_nanos = self.timeline.nanos(now);
+        match (update, &self.prefix) {
+            (ReplicaUpdate::Prefill { sample, .. }, _) => {
+                let elapsed_nanos = i64::try_from(sample.elapsed.as_nanos()).unwrap_or(i64::MAX);
+                let was_scored = slot.state.rate.learned_tps().is_some();
+                // A bad sample is dropped and counted, as one of ours is.
+                let _ = slot.state.rate.observe(
+                    sample.work_tokens,
+                    elapsed_nanos,
+                    now_nanos,
+                    Some(self.fleet_rate.tps()),
+                );
+                self.after_rate_sample(&view, slot, was_scored, now_nanos);
             }
-            ReplicaPrefix::CacheBound { cache_tokens, .. } => {
-                index.set_learned_bound(slot, *cache_tokens);
+            (ReplicaUpdate::Placed { .. } | ReplicaUpdate::CacheBound { .. }, None) => {
+                return ReplicaUpdateOutcome::Unsupported;
+            }
+            (ReplicaUpdate::Placed { prefix, .. }, Some(index)) => {
+                index.record_placed(slot.id.slot(), prefix, index_ms(now_nanos));
+            }
+            (ReplicaUpdate::CacheBound { cache_tokens, .. }, Some(index)) => {
+                index.set_learned_bound(slot.id.slot(), *cache_tokens);
             }
         }
-        ReplicaPrefixOutcome::Applied
+        ReplicaUpdateOutcome::Applied
     }
 
     fn cache_report(

@@ -1,4 +1,5 @@
-//! A worker's prefill rate, learned from this router's own dispatches.
+//! A worker's prefill rate, learned from the router's dispatches (this
+//! replica's, and with sync the other replicas' samples too).
 //!
 //! Every dispatch is a measurement. When the router sends a request, it knows
 //! the token-work ahead of it on the worker (the queued and pending terms the
@@ -400,23 +401,26 @@ impl LearnedRate {
 
     /// Adds the first token, at `now_nanos`, of a request of `own_tokens`
     /// sent as `probe` says to the worker's step batch; the batch it closes
-    /// is learned (see [`observe`](Self::observe) for `fleet_prior_tps`).
+    /// is learned (see [`observe`](Self::observe) for `fleet_prior_tps`) and
+    /// returned if it was a sample to learn from.
     pub fn observe_first_token(
         &self,
         probe: &RateProbe,
         own_tokens: u64,
         now_nanos: i64,
         fleet_prior_tps: Option<f64>,
-    ) -> Option<Result<(), DroppedSample>> {
+    ) -> Option<StepSample> {
         let mut learner = self.learner.lock();
         let sample = learner.1.add(probe, own_tokens, now_nanos)?;
-        Some(self.learn(
+        self.learn(
             &mut learner.0,
             sample.work_tokens,
             sample.elapsed_nanos,
             sample.end_nanos,
             fleet_prior_tps,
-        ))
+        )
+        .ok()
+        .map(|()| sample)
     }
 
     /// See [`RateEstimator::observe`]. Until the worker is scored at its
@@ -473,9 +477,10 @@ pub const FLEET_RATE_REFRESH_NANOS: i64 = 100_000_000;
 ///   request that teaches them.
 /// - A learned rate within the deadband of it is scored at it too (see
 ///   `rate_deadband_ratio`): alike workers are scored alike. Behind R
-///   router replicas heard through sync, each learns from a 1/R share of
-///   the first tokens, so its rates are √R times noisier: the deadband
-///   widens by √R.
+///   router replicas heard through sync the deadband widens by √R: each
+///   replica learns from every replica's samples, but a sample counts the
+///   others' work ahead as they last published it, and arrives a sync
+///   interval late, so rates stay noisier than one router's.
 ///
 /// Read with one atomic load; recomputed by whoever claims a refresh, at most
 /// every [`FLEET_RATE_REFRESH_NANOS`], so no request pays a scan.
@@ -849,7 +854,10 @@ mod tests {
             for _ in 0..2 {
                 let learned =
                     shared.observe_first_token(&probe(0.0, 0), 1000, step * SEC / 4, None);
-                assert!(learned.is_none_or(|outcome| outcome.is_ok()));
+                // Every closed batch is a step of 2000 tokens in 250 ms.
+                assert!(learned.is_none_or(
+                    |sample| sample.work_tokens == 2000 && sample.elapsed_nanos == SEC / 4
+                ));
             }
         }
         assert_eq!(shared.samples(), 39);

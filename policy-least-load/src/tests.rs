@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use load_protocols::{SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto3};
 use policy_core::{
-    Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, ReplicaPending,
-    ReplicaPendingOutcome, ReplicaPrefix, ReplicaPrefixOutcome, RequestInfo, ScoreTable,
+    Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, PrefillSample, ReplicaPending,
+    ReplicaPendingOutcome, ReplicaUpdate, ReplicaUpdateOutcome, RequestInfo, ScoreTable,
     TokenCount, WorkerId, WorkerInfo, WorkerStats,
 };
 use proptest::prelude::*;
@@ -1105,6 +1105,68 @@ fn each_worker_learns_its_own_rate_and_the_score_divides_by_it() {
 }
 
 #[test]
+fn a_peer_learns_a_worker_s_rate_from_another_replica_s_samples() {
+    let (policy, ids) = learned_fleet(1);
+    let (peer, _) = learned_fleet(1);
+    let mut at = Instant::now();
+    let mut relayed = 0;
+    // 4000-token prompts on an 8000 tok/s worker, through `policy` only;
+    // each first token (from the second on) closes a sample, handed to the
+    // peer as sync would.
+    for _ in 0..=MIN_SAMPLES_TO_SCORE {
+        let dispatch = policy.select(&ids, &streamed(4000), at).unwrap();
+        at += Duration::from_millis(500);
+        if let Some(sample) = policy.first_token(&dispatch, at) {
+            assert_eq!(sample.work_tokens, 4000);
+            assert_eq!(sample.elapsed, Duration::from_millis(500));
+            let outcome = peer.replica_update(
+                &ReplicaUpdate::Prefill {
+                    worker_url: "http://w0/",
+                    sample,
+                },
+                at,
+            );
+            assert_eq!(outcome, ReplicaUpdateOutcome::Applied);
+            relayed += 1;
+        }
+        policy.finish(&dispatch, at);
+        at += Duration::from_millis(100);
+    }
+    assert_eq!(relayed, MIN_SAMPLES_TO_SCORE);
+    // The peer dispatched nothing, yet scores the worker at the rate the
+    // first replica learned.
+    let table = peer.explain(&ids, &exact(100), at);
+    assert_eq!(table.value(ids[0], "rate_samples"), Some(relayed as f64));
+    assert!(
+        close(rate(&peer, ids[0], at), rate(&policy, ids[0], at)),
+        "{table}"
+    );
+    // A sample of a worker the peer lacks, or an absurd one, teaches nothing.
+    let sample = PrefillSample {
+        work_tokens: 1,
+        elapsed: Duration::ZERO,
+    };
+    let unknown = ReplicaUpdate::Prefill {
+        worker_url: "http://elsewhere",
+        sample,
+    };
+    assert_eq!(
+        peer.replica_update(&unknown, at),
+        ReplicaUpdateOutcome::UnknownWorker
+    );
+    let absurd = ReplicaUpdate::Prefill {
+        worker_url: "http://w0",
+        sample,
+    };
+    assert_eq!(
+        peer.replica_update(&absurd, at),
+        ReplicaUpdateOutcome::Applied
+    );
+    let table = peer.explain(&ids, &exact(100), at);
+    assert_eq!(table.value(ids[0], "rate_samples"), Some(relayed as f64));
+}
+
+#[test]
 fn the_foreign_work_ahead_at_dispatch_counts_in_the_sample() {
     let (policy, ids) = learned_fleet(1);
     let mut at = Instant::now();
@@ -1965,14 +2027,14 @@ fn a_placement_from_another_replica_is_found_as_if_dispatched_here() {
     let placed = policy.placement(&prefixed(7)).unwrap();
     assert_eq!(placed.block_tokens(), 256);
     assert_eq!(placed.hashes().len(), 25);
-    let outcome = peer.replica_prefix(
-        &ReplicaPrefix::Placed {
+    let outcome = peer.replica_update(
+        &ReplicaUpdate::Placed {
             worker_url: &format!("http://w{}/", holder.slot()),
             prefix: &placed,
         },
         t0,
     );
-    assert_eq!(outcome, ReplicaPrefixOutcome::Applied);
+    assert_eq!(outcome, ReplicaUpdateOutcome::Applied);
     let after = peer.explain(&ids, &prefixed(7), t0);
     assert_eq!(after.value(holder, "cached_tok"), Some(6399.0));
     assert_eq!(after.value(other, "cached_tok"), Some(0.0));
@@ -1980,14 +2042,14 @@ fn a_placement_from_another_replica_is_found_as_if_dispatched_here() {
     assert_eq!(chosen.worker, holder);
     assert_eq!(chosen.cached_tokens, 6399);
     // Unknown workers and unprefixed requests.
-    let outcome = peer.replica_prefix(
-        &ReplicaPrefix::Placed {
+    let outcome = peer.replica_update(
+        &ReplicaUpdate::Placed {
             worker_url: "http://elsewhere",
             prefix: &placed,
         },
         t0,
     );
-    assert_eq!(outcome, ReplicaPrefixOutcome::UnknownWorker);
+    assert_eq!(outcome, ReplicaUpdateOutcome::UnknownWorker);
     assert!(policy.placement(&exact(6400)).is_none());
 }
 
@@ -2007,14 +2069,14 @@ fn policies_without_a_prefix_index_share_nothing() {
     let (policy, ids) = fleet_with(Pick::LeastLoad, params, 2);
     assert!(policy.placement(&prefixed(7)).is_none());
     let placed = policy_core::PrefixBlocks::new(256, vec![1, 2, 3]);
-    let outcome = policy.replica_prefix(
-        &ReplicaPrefix::Placed {
+    let outcome = policy.replica_update(
+        &ReplicaUpdate::Placed {
             worker_url: "http://w0",
             prefix: &placed,
         },
         Instant::now(),
     );
-    assert_eq!(outcome, ReplicaPrefixOutcome::Unsupported);
+    assert_eq!(outcome, ReplicaUpdateOutcome::Unsupported);
     assert!(policy.prefix_snapshot(Instant::now()).is_none());
     let _ = ids;
     let registry = {
@@ -2101,19 +2163,19 @@ fn a_shared_cache_bound_applies_to_the_worker_it_names() {
     let ids = [holder, other];
     let table = policy.explain(&ids, &prefixed(7), t0);
     assert_eq!(table.value(holder, "cached_tok"), Some(6399.0));
-    let outcome = policy.replica_prefix(
-        &ReplicaPrefix::CacheBound {
+    let outcome = policy.replica_update(
+        &ReplicaUpdate::CacheBound {
             worker_url: &format!("http://w{}", holder.slot()),
             cache_tokens: 20_000,
         },
         t0,
     );
-    assert_eq!(outcome, ReplicaPrefixOutcome::Applied);
+    assert_eq!(outcome, ReplicaUpdateOutcome::Applied);
     let table = policy.explain(&ids, &prefixed(7), t0);
     assert_eq!(table.value(holder, "cached_tok"), Some(0.0));
     // A bound at or above the configured one clears what was learned.
-    policy.replica_prefix(
-        &ReplicaPrefix::CacheBound {
+    policy.replica_update(
+        &ReplicaUpdate::CacheBound {
             worker_url: &format!("http://w{}", holder.slot()),
             cache_tokens: u64::MAX,
         },

@@ -433,6 +433,9 @@ pub struct Metrics {
     pub sync_placements_dropped: Family<ReasonLabel, Counter>,
     pub sync_bounds_sent: Counter,
     pub sync_bounds_received: Family<OutcomeLabel, Counter>,
+    pub sync_prefill_samples_sent: Counter,
+    pub sync_prefill_samples_dropped: Counter,
+    pub sync_prefill_samples_received: Family<OutcomeLabel, Counter>,
     pub sync_prefix_messages_received: Family<OutcomeLabel, Counter>,
     pub sync_snapshots_served: Counter,
     pub sync_warmups: Family<OutcomeLabel, Counter>,
@@ -656,6 +659,24 @@ impl Metrics {
             "Other replicas' learned prefix-cache bounds, by outcome: applied, unknown_worker, unsupported, invalid",
             sync_bounds_received.clone(),
         );
+        let sync_prefill_samples_sent = Counter::default();
+        registry.register(
+            "sync_prefill_samples_sent",
+            "Prefill-rate samples (first tokens of one engine step, measured by this replica) published with the pending work",
+            sync_prefill_samples_sent.clone(),
+        );
+        let sync_prefill_samples_dropped = Counter::default();
+        registry.register(
+            "sync_prefill_samples_dropped",
+            "Prefill-rate samples not published: the queue was full between two ticks, the broker was away or the publish failed; each is one sample fewer on the other replicas",
+            sync_prefill_samples_dropped.clone(),
+        );
+        let sync_prefill_samples_received = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "sync_prefill_samples_received",
+            "Other replicas' prefill-rate samples, by outcome: applied, unknown_worker, unsupported, invalid",
+            sync_prefill_samples_received.clone(),
+        );
         let sync_prefix_messages_received = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "sync_prefix_messages_received",
@@ -751,6 +772,9 @@ impl Metrics {
             sync_placements_dropped,
             sync_bounds_sent,
             sync_bounds_received,
+            sync_prefill_samples_sent,
+            sync_prefill_samples_dropped,
+            sync_prefill_samples_received,
             sync_prefix_messages_received,
             sync_snapshots_served,
             sync_warmups,

@@ -489,7 +489,7 @@ async fn attempt_on(
     }
     if !streaming {
         // A non-streaming response's head is its first token.
-        tracker.first_token_at(head_at);
+        tracker.first_token_at(app, head_at);
         let answer = whole_answer(app, tracker, status, headers, inner, request, head_at);
         return Attempt::Done(answer.await);
     }
@@ -533,7 +533,7 @@ async fn attempt_on(
     // One clock read for the first event's arrival and the stream's timers.
     let now = tokio::time::Instant::now();
     if first_event.found() {
-        tracker.first_token_at(now.into_std());
+        tracker.first_token_at(app, now.into_std());
     }
     let idle_timeout = server.stream_idle_timeout();
     // Past the idle deadline the stream ends anyway, so no hold-back then.
@@ -799,17 +799,21 @@ impl RequestTracker {
     }
 
     /// Tells the policy the first token passed; later calls do nothing.
-    fn first_token(&mut self) {
+    fn first_token(&mut self, app: &App) {
         if !self.first_token_seen {
-            self.first_token_at(tokio_now());
+            self.first_token_at(app, tokio_now());
         }
     }
 
     /// [`first_token`](Self::first_token), with the time it passed.
-    fn first_token_at(&mut self, now: Instant) {
+    /// A prefill sample it closes goes to the other replicas.
+    fn first_token_at(&mut self, app: &App, now: Instant) {
         if !self.first_token_seen {
             self.first_token_seen = true;
-            self.route.policy.first_token(&self.dispatch, now);
+            if let Some(sample) = self.route.policy.first_token(&self.dispatch, now) {
+                app.sync_signal
+                    .prefill_sampled(self.dispatch.worker, sample);
+            }
             self.route
                 .worker
                 .metrics
@@ -989,7 +993,7 @@ impl TrackedBody {
             && piece.data_parts().any(|part| self.first_event.feed(part))
             && let Some(tracker) = self.tracker.as_mut()
         {
-            tracker.first_token();
+            tracker.first_token(&self.app);
         }
         Poll::Ready(Some(Ok(piece)))
     }

@@ -116,6 +116,46 @@ async fn a_dispatch_on_one_replica_appears_in_the_others_explain_table() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_tokens_on_one_replica_teach_the_other_the_worker_s_rate() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let a = replica(&nats, "a", &[&upstream]).await;
+    let b = replica(&nats, "b", &[&upstream]).await;
+    wait_until(
+        "both replicas are connected and the worker healthy",
+        || async {
+            sync_connected(&a).await && sync_connected(&b).await && b.healthy_count().await == 1
+        },
+    )
+    .await;
+    assert_eq!(explained(&b, &upstream.url, "rate_samples").await, 0.0);
+    // Streams through A, one after another: each first token from the
+    // second on closes the previous one's prefill sample.
+    for turn in 0..4 {
+        assert!(stream_chat(&a, &format!("turn {turn} {}", "x".repeat(2000))).await);
+    }
+    // Every stream has ended: A's own samples are all it will have.
+    let own = explained(&a, &upstream.url, "rate_samples").await;
+    assert!(own >= 1.0, "A learned {own} samples");
+    // B dispatched nothing: it learns exactly A's samples, all of them.
+    wait_until("B learned every one of A's samples", || async {
+        explained(&b, &upstream.url, "rate_samples").await == own
+            && metric(&a, "router_sync_prefill_samples_sent_total").await == own
+            && metric(
+                &b,
+                "router_sync_prefill_samples_received_total{outcome=\"applied\"}",
+            )
+            .await
+                == own
+    })
+    .await;
+    assert_eq!(
+        metric(&a, "router_sync_prefill_samples_dropped_total").await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_broker_loses_no_request_and_sharing_resumes() {
     let mut nats = NatsServer::start();
     let upstreams = [Upstream::start().await, Upstream::start().await];

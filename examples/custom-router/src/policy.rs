@@ -36,9 +36,9 @@ use std::time::{Duration, Instant};
 use load_protocols::WorkerLoad;
 use parking_lot::Mutex;
 use policy_core::{
-    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, PollMark, RequestInfo,
-    ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo, WorkerLedger,
-    WorkerSlots, WorkerStats, describe_request, parse_section,
+    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PolicyRegistry, PollMark, PrefillSample,
+    RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo,
+    WorkerLedger, WorkerSlots, WorkerStats, describe_request, parse_section,
 };
 use serde::Deserialize;
 
@@ -307,10 +307,13 @@ impl Policy for LeastKvPolicy {
         Some(dispatch)
     }
 
-    fn first_token(&self, dispatch: &Dispatch, _now: Instant) {
+    /// Releases the pending work; this policy learns no rates, so it has no
+    /// prefill sample to share.
+    fn first_token(&self, dispatch: &Dispatch, _now: Instant) -> Option<PrefillSample> {
         if let Some(slot) = self.workers.read().get(dispatch.worker) {
             slot.state.ledger.first_token(dispatch.seq);
         }
+        None
     }
 
     fn finish(&self, dispatch: &Dispatch, _now: Instant) {

@@ -18,6 +18,13 @@
 //!   ([`policy_core::Policy::replica_pending`]), where selections read them
 //!   through atomics.
 //!
+//! The same messages carry the prefill samples this replica's first tokens
+//! closed ([`policy_core::Policy::first_token`]), at the next tick: each
+//! replica learns a worker's prefill rate from every replica's first
+//! tokens, not from its own share of them alone (behind 8 replicas, an
+//! eighth), and the others apply them as
+//! [`policy_core::ReplicaUpdate::Prefill`].
+//!
 //! With `sync.share_prefixes` (the default) replicas also share where they
 //! placed prompt prefixes, so that each replica's prefix index knows every
 //! replica's dispatches, not only its own ([`prefix`]): the request path
@@ -25,7 +32,7 @@
 //! each dispatch beside the dispatch itself, and the prefix-cache bounds
 //! learned from engines' reports; the publisher sends them at the same
 //! wake, coalesced, on `<prefix>.prefix`; a third task applies the
-//! others' ([`policy_core::Policy::replica_prefix`]). A starting replica
+//! others' ([`policy_core::Policy::replica_update`]). A starting replica
 //! warms its index from a running one's snapshot ([`warm`]).
 //!
 //! The broker is never on the request path: while it is down, slow or
@@ -45,10 +52,13 @@
 //! policy.add_worker(WorkerId::new(0, 0), WorkerInfo::new("http://10.0.0.1:30000", "sglang"));
 //!
 //! // Replica "b" has 1200 tokens in 3 requests pending on the worker.
-//! let message = wire::encode("b", 1, true, &[("http://10.0.0.1:30000", 1200, 3)]);
+//! let message = wire::encode("b", 1, true, &[("http://10.0.0.1:30000", 1200, 3)], &[]);
 //! let counters = ReceiveCounters::new(&Metrics::new());
 //! let received = receive(policy.as_ref(), "a", &message, std::time::Instant::now(), &counters);
-//! assert_eq!(received, Received::Applied { replica: "b".into(), applied: 1, ignored: 0 });
+//! assert_eq!(
+//!     received,
+//!     Received::Applied { replica: "b".into(), applied: 1, ignored: 0, prefill_samples: 0 }
+//! );
 //! # Ok::<(), policy_core::PolicyError>(())
 //! ```
 
@@ -64,7 +74,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use policy_core::{
-    Policy, ReplicaPending, ReplicaPendingOutcome, RequestInfo, WorkerId, tokio_now, worker_url_key,
+    Policy, PrefillSample, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate, RequestInfo,
+    WorkerId, tokio_now, worker_url_key,
 };
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -80,13 +91,23 @@ pub use publisher::{Publisher, WorkerPending};
 /// reports taught it, in short lists behind one lock taken only with
 /// `[sync]` on, and a wake-up. What comes while the publisher is busy piles
 /// up (placements and bounds up to a cap, past which they are counted and
-/// dropped) and goes out at its next wake.
+/// dropped) and goes out at its next wake. Prefill samples wait, under a
+/// lock of their own, for the next tick.
 #[derive(Debug, Default)]
 pub struct DispatchSignal {
     enabled: bool,
     share_prefixes: bool,
     queued: Mutex<prefix::Queued>,
+    prefill: Mutex<PrefillQueue>,
     wake: tokio::sync::Notify,
+}
+
+/// Prefill samples closed since the last tick, at most
+/// [`wire::MAX_PREFILL_SAMPLES`]; the rest are counted.
+#[derive(Debug, Default)]
+struct PrefillQueue {
+    samples: Vec<(WorkerId, PrefillSample)>,
+    dropped: u64,
 }
 
 impl DispatchSignal {
@@ -132,6 +153,29 @@ impl DispatchSignal {
         }
     }
 
+    /// A first token closed a prefill sample of `worker`: queued for the
+    /// next tick with `[sync]` on.
+    pub fn prefill_sampled(&self, worker: WorkerId, sample: PrefillSample) {
+        if !self.enabled {
+            return;
+        }
+        let mut queue = self.prefill.lock();
+        if queue.samples.len() < wire::MAX_PREFILL_SAMPLES {
+            queue.samples.push((worker, sample));
+        } else {
+            queue.dropped += 1;
+        }
+    }
+
+    /// The prefill samples queued since the last call, into `into`
+    /// (reused); returns how many were dropped meanwhile.
+    fn take_prefill(&self, into: &mut Vec<(WorkerId, PrefillSample)>) -> u64 {
+        into.clear();
+        let mut queue = self.prefill.lock();
+        std::mem::swap(&mut queue.samples, into);
+        std::mem::take(&mut queue.dropped)
+    }
+
     /// Waits for a dispatch or a bound (at once if one came since the last
     /// call).
     async fn wait(&self) {
@@ -174,6 +218,9 @@ pub struct ReceiveCounters {
     pub entries_unknown_worker: Counter,
     pub entries_unsupported: Counter,
     pub entries_invalid: Counter,
+    /// Prefill samples by outcome: applied, unknown_worker, unsupported,
+    /// invalid.
+    pub prefill_samples: [Counter; 4],
 }
 
 impl ReceiveCounters {
@@ -191,6 +238,8 @@ impl ReceiveCounters {
             entries_unknown_worker: entry("unknown_worker"),
             entries_unsupported: entry("unsupported"),
             entries_invalid: entry("invalid"),
+            prefill_samples: prefix::ENTRY_OUTCOMES
+                .map(|outcome| Metrics::outcome(&metrics.sync_prefill_samples_received, outcome)),
         }
     }
 }
@@ -203,11 +252,13 @@ pub enum Received {
     Rejected(&'static str),
     /// Sent under this replica's own id: ignored.
     Own,
-    /// Another replica's entries, handed to the policy.
+    /// Another replica's entries, handed to the policy, and the prefill
+    /// samples it applied.
     Applied {
         replica: String,
         applied: usize,
         ignored: usize,
+        prefill_samples: usize,
     },
 }
 
@@ -277,10 +328,28 @@ pub fn receive(
         };
         counter.inc();
     }
+    let mut prefill_samples = 0;
+    for entry in message.prefill_samples() {
+        let outcome = match entry {
+            Ok(entry) => prefix::entry_outcome(policy.replica_update(
+                &ReplicaUpdate::Prefill {
+                    worker_url: entry.worker_url,
+                    sample: entry.sample,
+                },
+                now,
+            )),
+            Err(_) => prefix::INVALID,
+        };
+        counters.prefill_samples[outcome].inc();
+        if outcome == 0 {
+            prefill_samples += 1;
+        }
+    }
     Received::Applied {
         replica: message.replica.to_owned(),
         applied,
         ignored,
+        prefill_samples,
     }
 }
 
@@ -426,6 +495,7 @@ async fn run_publisher(
     let expiry_interval = (ttl / 8).max(config.publish_interval());
     let mut last_expiry: Option<Instant> = None;
     let mut queued = prefix::Queued::default();
+    let mut samples = Vec::new();
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -468,7 +538,9 @@ async fn run_publisher(
                     })
                 });
                 if let Some(payload) = publisher.dispatched(workers) {
-                    send(&client, &subject, payload, publish_deadline, metrics, &counters, &mut publisher).await;
+                    // A failure is counted, and the next tick sends the
+                    // whole state.
+                    let _ = send(&client, &subject, payload, publish_deadline, metrics, &counters, &mut publisher).await;
                 }
                 continue;
             }
@@ -486,12 +558,15 @@ async fn run_publisher(
                 .set(i64::try_from(peer_count).unwrap_or(i64::MAX));
         }
 
+        let dropped = app.sync_signal.take_prefill(&mut samples);
+        counters.prefill_dropped.inc_by(dropped);
         let connected = client.connection_state() == async_nats::connection::State::Connected;
         link = log_link_change(link, connected, started.elapsed(), &config, metrics);
         if !connected {
             // Nothing sent now is certain to arrive: start over with the
             // whole state once the broker is back.
             publisher.force_full_state();
+            counters.prefill_dropped.inc_by(samples.len() as u64);
             continue;
         }
         let snapshot = app.topology.snapshot();
@@ -504,10 +579,20 @@ async fn run_publisher(
                 requests: stats.pending_requests,
             }
         });
-        let Some(payload) = publisher.tick(Instant::now(), workers) else {
+        // A removed worker's samples go nowhere.
+        let prefill: Vec<(&str, u64, u64)> = samples
+            .iter()
+            .filter_map(|(id, sample)| {
+                let worker = snapshot.worker(*id)?;
+                let micros = u64::try_from(sample.elapsed.as_micros()).unwrap_or(u64::MAX);
+                Some((worker_url_key(&worker.url), sample.work_tokens, micros))
+            })
+            .collect();
+        let Some(payload) = publisher.tick(Instant::now(), workers, &prefill) else {
             continue;
         };
-        send(
+        let prefill_sent = prefill.len() as u64;
+        if send(
             &client,
             &subject,
             payload,
@@ -516,7 +601,12 @@ async fn run_publisher(
             &counters,
             &mut publisher,
         )
-        .await;
+        .await
+        {
+            counters.prefill_sent.inc_by(prefill_sent);
+        } else {
+            counters.prefill_dropped.inc_by(prefill_sent);
+        }
     }
 }
 
@@ -530,6 +620,8 @@ struct SendCounters {
     dropped_queue_full: Counter,
     dropped_coalesced: Counter,
     dropped_unsent: Counter,
+    prefill_sent: Counter,
+    prefill_dropped: Counter,
 }
 
 impl SendCounters {
@@ -542,6 +634,8 @@ impl SendCounters {
             dropped_queue_full: metrics.placements_dropped("queue_full"),
             dropped_coalesced: metrics.placements_dropped("coalesced"),
             dropped_unsent: metrics.placements_dropped("unsent"),
+            prefill_sent: metrics.sync_prefill_samples_sent.clone(),
+            prefill_dropped: metrics.sync_prefill_samples_dropped.clone(),
         }
     }
 }
@@ -638,14 +732,16 @@ async fn send(
     metrics: &Metrics,
     counters: &SendCounters,
     publisher: &mut Publisher,
-) {
+) -> bool {
     let len = payload.len() as u64;
     if publish(client, subject, payload, deadline).await {
         metrics.sync_published.inc();
         counters.pending_bytes.inc_by(len);
+        true
     } else {
         metrics.sync_publish_failures.inc();
         publisher.force_full_state();
+        false
     }
 }
 
@@ -823,18 +919,25 @@ mod tests {
         let counters = ReceiveCounters::new(&metrics);
         let policy = policy();
         let now = std::time::Instant::now();
+        // Replica b's first tokens closed one prefill sample on w:1 (its
+        // 12,000 tokens in 1.5 s) and one on a worker this replica lacks.
         let message = wire::encode(
             "b",
             5,
             false,
             &[("http://w:1", 300, 1), ("http://unknown:1", 5, 1)],
+            &[
+                ("http://w:1", 12_000, 1_500_000),
+                ("http://unknown:1", 1, 1),
+            ],
         );
         assert_eq!(
             receive(policy.as_ref(), "a", &message, now, &counters),
             Received::Applied {
                 replica: "b".into(),
                 applied: 1,
-                ignored: 1
+                ignored: 1,
+                prefill_samples: 1,
             }
         );
         let table = policy.explain(
@@ -843,6 +946,13 @@ mod tests {
             now,
         );
         assert_eq!(table.value(WorkerId::new(0, 0), "remote_tok"), Some(300.0));
+        // Learned as one of this replica's own samples would be.
+        assert_eq!(table.value(WorkerId::new(0, 0), "rate_samples"), Some(1.0));
+        assert_eq!(counted(&metrics, "prefill_samples_received", "applied"), 1);
+        assert_eq!(
+            counted(&metrics, "prefill_samples_received", "unknown_worker"),
+            1
+        );
         // The same message again is old news.
         receive(policy.as_ref(), "a", &message, now, &counters);
         assert_eq!(counted(&metrics, "entries", "stale"), 1);
@@ -860,8 +970,10 @@ mod tests {
             Received::Rejected("foreign_version")
         );
         let negative =
-            br#"{"v":1,"replica":"b","seq":9,"full":false,"pending":[["http://w:1",-1,1]]}"#;
+            br#"{"v":1,"replica":"b","seq":9,"full":false,"pending":[["http://w:1",-1,1]],
+            "prefill":[["http://w:1",100,0]]}"#;
         receive(policy.as_ref(), "a", negative, now, &counters);
+        assert_eq!(counted(&metrics, "prefill_samples_received", "invalid"), 1);
         for (family, outcome, count) in [
             ("messages_received", "applied", 3),
             ("messages_received", "own", 1),

@@ -12,7 +12,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use policy_core::{Policy, PrefixBlocks, ReplicaPrefix, ReplicaPrefixOutcome, WorkerId};
+use policy_core::{Policy, PrefixBlocks, ReplicaUpdate, ReplicaUpdateOutcome, WorkerId};
 use prometheus_client::metrics::counter::Counter;
 
 use super::wire;
@@ -151,17 +151,18 @@ impl PrefixCounters {
 }
 
 /// The outcomes of one placement or bound, in [`PrefixCounters`]' order.
-const ENTRY_OUTCOMES: [&str; 4] = ["applied", "unknown_worker", "unsupported", "invalid"];
+pub(super) const ENTRY_OUTCOMES: [&str; 4] =
+    ["applied", "unknown_worker", "unsupported", "invalid"];
 
-fn entry_outcome(outcome: ReplicaPrefixOutcome) -> usize {
+pub(super) fn entry_outcome(outcome: ReplicaUpdateOutcome) -> usize {
     match outcome {
-        ReplicaPrefixOutcome::Applied => 0,
-        ReplicaPrefixOutcome::UnknownWorker => 1,
-        ReplicaPrefixOutcome::Unsupported => 2,
+        ReplicaUpdateOutcome::Applied => 0,
+        ReplicaUpdateOutcome::UnknownWorker => 1,
+        ReplicaUpdateOutcome::Unsupported => 2,
     }
 }
 
-const INVALID: usize = 3;
+pub(super) const INVALID: usize = 3;
 
 /// What one received prefix message came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -212,8 +213,8 @@ pub fn receive_prefix(
     let (mut placements, mut ignored) = (0, 0);
     for entry in message.placements() {
         let outcome = match entry {
-            Ok(entry) => entry_outcome(policy.replica_prefix(
-                &ReplicaPrefix::Placed {
+            Ok(entry) => entry_outcome(policy.replica_update(
+                &ReplicaUpdate::Placed {
                     worker_url: entry.worker_url,
                     prefix: &entry.prefix,
                 },
@@ -232,8 +233,8 @@ pub fn receive_prefix(
     for entry in message.bounds() {
         let outcome = match entry {
             Ok(entry) => {
-                let outcome = entry_outcome(policy.replica_prefix(
-                    &ReplicaPrefix::CacheBound {
+                let outcome = entry_outcome(policy.replica_update(
+                    &ReplicaUpdate::CacheBound {
                         worker_url: entry.worker_url,
                         cache_tokens: entry.cache_tokens,
                     },

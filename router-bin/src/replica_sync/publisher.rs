@@ -77,12 +77,15 @@ impl Publisher {
         self.last_full = None;
     }
 
-    /// One tick over every worker: the message to publish, or `None` when
-    /// nothing changed and no full state is due.
+    /// One tick over every worker, with the prefill samples closed since
+    /// the last (`(worker_url, work_tokens, elapsed_us)`): the message to
+    /// publish, or `None` when nothing changed, no full state is due and
+    /// there is no sample.
     pub fn tick<'u>(
         &mut self,
         now: Instant,
         workers: impl IntoIterator<Item = WorkerPending<'u>>,
+        prefill: &[(&str, u64, u64)],
     ) -> Option<Vec<u8>> {
         self.tick = self.tick.wrapping_add(1);
         let tick = self.tick;
@@ -141,7 +144,7 @@ impl Publisher {
                 self.gone.push(previous.url);
             }
         }
-        if !full && self.changed.is_empty() && self.gone.is_empty() {
+        if !full && self.changed.is_empty() && self.gone.is_empty() && prefill.is_empty() {
             return None;
         }
         if full {
@@ -157,7 +160,7 @@ impl Publisher {
             .map(|published| (&*published.url, published.tokens, published.requests))
             .chain(self.gone.iter().map(|url| (&**url, 0, 0)))
             .collect();
-        Some(wire::encode(&self.replica, seq, full, &entries))
+        Some(wire::encode(&self.replica, seq, full, &entries, prefill))
     }
 }
 
@@ -199,7 +202,7 @@ impl Publisher {
                 entries.push((&published.url, published.tokens, published.requests));
             }
         }
-        Some(wire::encode(&self.replica, seq, false, &entries))
+        Some(wire::encode(&self.replica, seq, false, &entries, &[]))
     }
 }
 
@@ -246,6 +249,7 @@ mod tests {
             .tick(
                 Instant::now(),
                 [w(0, "http://w:1/", 0, 0), w(1, "http://w:2", 500, 1)],
+                &[],
             )
             .unwrap();
         assert_eq!(
@@ -262,7 +266,8 @@ mod tests {
             publisher
                 .tick(
                     Instant::now(),
-                    [w(0, "http://w:1", 0, 0), w(1, "http://w:2", 500, 1)]
+                    [w(0, "http://w:1", 0, 0), w(1, "http://w:2", 500, 1)],
+                    &[]
                 )
                 .is_none(),
             "nothing changed"
@@ -272,6 +277,7 @@ mod tests {
             .tick(
                 Instant::now(),
                 [w(0, "http://w:1", 200, 1), w(1, "http://w:2", 500, 1)],
+                &[],
             )
             .unwrap();
         assert_eq!(
@@ -281,7 +287,7 @@ mod tests {
         // Worker 2 is removed: its zero goes out once.
         tokio::time::advance(Duration::from_millis(25)).await;
         let removed = publisher
-            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)])
+            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[])
             .unwrap();
         assert_eq!(
             decoded(&removed),
@@ -290,13 +296,13 @@ mod tests {
         tokio::time::advance(Duration::from_millis(25)).await;
         assert!(
             publisher
-                .tick(Instant::now(), [w(0, "http://w:1", 200, 1)])
+                .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[])
                 .is_none()
         );
         // 250 ms after the last full state, the next one is due.
         tokio::time::advance(Duration::from_millis(150)).await;
         let full = publisher
-            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)])
+            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[])
             .unwrap();
         assert_eq!(
             decoded(&full),
@@ -305,17 +311,53 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_forced_full_state_goes_out_at_the_next_tick() {
+    async fn prefill_samples_go_out_at_the_next_tick_even_when_nothing_changed() {
         let mut publisher = Publisher::new("a".into(), 7, Duration::from_secs(60));
-        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)]);
+        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[]);
+        let payload = publisher
+            .tick(
+                Instant::now(),
+                [w(0, "http://w:1", 1, 1)],
+                &[("http://w:1", 4000, 500_000)],
+            )
+            .unwrap();
+        assert_eq!(decoded(&payload), (8, false, Vec::new()));
+        let message = wire::decode(&payload).unwrap();
+        let samples: Vec<_> = message
+            .prefill_samples()
+            .map(|sample| {
+                let sample = sample.unwrap();
+                (
+                    sample.worker_url,
+                    sample.sample.work_tokens,
+                    sample.sample.elapsed,
+                )
+            })
+            .collect();
+        assert_eq!(
+            samples,
+            vec![("http://w:1", 4000, Duration::from_millis(500))]
+        );
+        // Sent once: the next tick has nothing to say.
         assert!(
             publisher
-                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)])
+                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[])
+                .is_none()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forced_full_state_goes_out_at_the_next_tick() {
+        let mut publisher = Publisher::new("a".into(), 7, Duration::from_secs(60));
+        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[]);
+        assert!(
+            publisher
+                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[])
                 .is_none()
         );
         publisher.force_full_state();
         let full = publisher
-            .tick(Instant::now(), [w(0, "http://w:1", 1, 1)])
+            .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[])
             .unwrap();
         assert_eq!(decoded(&full), (8, true, owned(&[("http://w:1", 1, 1)])));
     }
@@ -323,7 +365,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_slot_taken_by_another_worker_clears_the_old_one() {
         let mut publisher = Publisher::new("a".into(), 1, Duration::from_secs(60));
-        publisher.tick(Instant::now(), [w(0, "http://old:1", 300, 1)]);
+        publisher.tick(Instant::now(), [w(0, "http://old:1", 300, 1)], &[]);
         let replaced = publisher
             .tick(
                 Instant::now(),
@@ -333,6 +375,7 @@ mod tests {
                     tokens: 0,
                     requests: 0,
                 }],
+                &[],
             )
             .unwrap();
         assert_eq!(
@@ -351,7 +394,11 @@ mod tests {
         let now = Instant::now();
         // The first tick introduces the workers.
         let first = publisher
-            .tick(now, [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 0, 0)])
+            .tick(
+                now,
+                [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 0, 0)],
+                &[],
+            )
             .unwrap();
         assert_eq!(decoded(&first).0, 10);
         // A dispatch to worker 1: only it, at once, with the next seq.
@@ -366,7 +413,11 @@ mod tests {
         // either (it was published).
         assert_eq!(publisher.dispatched([w(1, "http://w:1", 500, 1)]), None);
         assert_eq!(
-            publisher.tick(now, [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 500, 1)]),
+            publisher.tick(
+                now,
+                [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 500, 1)],
+                &[]
+            ),
             None
         );
         // A worker no tick has seen yet waits for the tick.

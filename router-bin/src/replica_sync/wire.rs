@@ -19,12 +19,20 @@
 //! - `pending`: `[worker_url, pending_tokens, pending_requests]` per worker:
 //!   the sender's state, not a delta, so a lost or repeated message is
 //!   corrected by the next one.
+//! - `prefill` (optional): `[worker_url, work_tokens, elapsed_us]` per
+//!   prefill sample the sender's first tokens closed since its last
+//!   message: the worker cleared `work_tokens` of prompt work in
+//!   `elapsed_us` microseconds ([`policy_core::PrefillSample`]). Events, not
+//!   state: each is learned once, and a lost one is one sample fewer. At
+//!   most [`MAX_PREFILL_SAMPLES`] per message.
 //!
 //! Unknown top-level keys are ignored, so a later version 1 sender may add
 //! some. Every value is checked: a message that is not this shape is
 //! rejected whole; an entry with a bad URL or a count that is negative,
 //! fractional or beyond [`MAX_PENDING_TOKENS`] / [`MAX_PENDING_REQUESTS`] is
-//! dropped alone.
+//! dropped alone, and so is a prefill sample with more work than
+//! [`MAX_PENDING_TOKENS`] or an elapsed time of 0 or over
+//! [`MAX_PREFILL_MICROS`].
 //!
 //! # Prefix placements and cache bounds (`<prefix>.prefix`)
 //!
@@ -81,7 +89,9 @@
 //! whole; a block whose holder names no worker, or with no holder or too
 //! many, is dropped alone.
 
-use policy_core::{PrefixBlocks, PrefixSnapshot, SnapshotBlock, SnapshotWorker};
+use std::time::Duration;
+
+use policy_core::{PrefillSample, PrefixBlocks, PrefixSnapshot, SnapshotBlock, SnapshotWorker};
 use serde::de::{IgnoredAny, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
@@ -107,6 +117,11 @@ pub const MAX_PLACED_HASHES: usize = 4096;
 pub const MAX_BLOCK_TOKENS: u64 = 1 << 20;
 /// Most holders of one snapshot block.
 pub const MAX_SNAPSHOT_HOLDERS: usize = 16;
+/// Most prefill samples in one pending message; more are read through and
+/// dropped, as they are when a sender queues more between two ticks.
+pub const MAX_PREFILL_SAMPLES: usize = 1024;
+/// A prefill sample longer than an hour measures no prefill.
+pub const MAX_PREFILL_MICROS: u64 = 3_600_000_000;
 
 /// Why a whole message was ignored.
 #[derive(Debug, thiserror::Error)]
@@ -188,6 +203,7 @@ pub struct Message<'a> {
     pub seq: u64,
     pub full: bool,
     pending: Vec<&'a RawValue>,
+    prefill: Vec<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -199,6 +215,15 @@ struct Wire<'a> {
     full: bool,
     #[serde(borrow)]
     pending: Vec<&'a RawValue>,
+    #[serde(borrow, default)]
+    prefill: Vec<&'a RawValue>,
+}
+
+/// One prefill sample in a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillEntry<'a> {
+    pub worker_url: &'a str,
+    pub sample: PrefillSample,
 }
 
 /// Reads a message. The strings borrow from `payload`, so JSON escapes in a
@@ -211,6 +236,7 @@ pub fn decode(payload: &[u8]) -> Result<Message<'_>, WireError> {
         seq: wire.seq,
         full: wire.full,
         pending: wire.pending,
+        prefill: wire.prefill,
     })
 }
 
@@ -227,6 +253,42 @@ impl<'a> Message<'a> {
     pub fn entries(&self) -> impl Iterator<Item = Result<Entry<'a>, EntryError>> + '_ {
         self.pending.iter().map(|raw| parse_entry(raw.get()))
     }
+
+    /// Every prefill sample, each checked on its own; past
+    /// [`MAX_PREFILL_SAMPLES`], each is [`EntryError::Count`].
+    pub fn prefill_samples(
+        &self,
+    ) -> impl Iterator<Item = Result<PrefillEntry<'a>, EntryError>> + '_ {
+        self.prefill.iter().enumerate().map(|(position, raw)| {
+            if position >= MAX_PREFILL_SAMPLES {
+                return Err(EntryError::Count);
+            }
+            parse_prefill(raw.get())
+        })
+    }
+}
+
+fn parse_prefill(text: &str) -> Result<PrefillEntry<'_>, EntryError> {
+    let (worker_url, tokens, micros): (&str, serde_json::Number, serde_json::Number) =
+        serde_json::from_str(text).map_err(|_| EntryError::Shape)?;
+    if !is_valid_url(worker_url) {
+        return Err(EntryError::Url);
+    }
+    let work_tokens = tokens
+        .as_u64()
+        .filter(|tokens| *tokens <= MAX_PENDING_TOKENS)
+        .ok_or(EntryError::Count)?;
+    let micros = micros
+        .as_u64()
+        .filter(|micros| (1..=MAX_PREFILL_MICROS).contains(micros))
+        .ok_or(EntryError::Count)?;
+    Ok(PrefillEntry {
+        worker_url,
+        sample: PrefillSample {
+            work_tokens,
+            elapsed: Duration::from_micros(micros),
+        },
+    })
 }
 
 fn parse_entry(text: &str) -> Result<Entry<'_>, EntryError> {
@@ -255,16 +317,27 @@ struct WireOut<'a> {
     seq: u64,
     full: bool,
     pending: &'a [(&'a str, u64, u64)],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    prefill: &'a [(&'a str, u64, u64)],
 }
 
-/// Writes a message: `pending` is `(worker_url, tokens, requests)`.
-pub fn encode(replica: &str, seq: u64, full: bool, pending: &[(&str, u64, u64)]) -> Vec<u8> {
+/// Writes a message: `pending` is `(worker_url, tokens, requests)`,
+/// `prefill` is `(worker_url, work_tokens, elapsed_us)` (at most
+/// [`MAX_PREFILL_SAMPLES`] are written).
+pub fn encode(
+    replica: &str,
+    seq: u64,
+    full: bool,
+    pending: &[(&str, u64, u64)],
+    prefill: &[(&str, u64, u64)],
+) -> Vec<u8> {
     let message = WireOut {
         v: WIRE_VERSION,
         replica,
         seq,
         full,
         pending,
+        prefill: &prefill[..prefill.len().min(MAX_PREFILL_SAMPLES)],
     };
     // Serializing strings and integers into memory cannot fail.
     serde_json::to_vec(&message).unwrap_or_default()
@@ -839,7 +912,10 @@ mod tests {
             42,
             true,
             &[("http://w:1", 1200, 3), ("http://w:2", 0, 0)],
+            &[],
         );
+        // Without samples, no `prefill` key: what every version 1 reader
+        // expects.
         assert_eq!(
             std::str::from_utf8(&payload).unwrap(),
             r#"{"v":1,"replica":"router-a","seq":42,"full":true,"pending":[["http://w:1",1200,3],["http://w:2",0,0]]}"#
@@ -865,6 +941,78 @@ mod tests {
                 }),
             ]
         );
+    }
+
+    #[test]
+    fn prefill_samples_round_trip_and_bad_ones_are_dropped_alone() {
+        let payload = encode(
+            "router-a",
+            7,
+            false,
+            &[("http://w:1", 0, 0)],
+            &[("http://w:1", 4096, 250_000)],
+        );
+        assert_eq!(
+            std::str::from_utf8(&payload).unwrap(),
+            r#"{"v":1,"replica":"router-a","seq":7,"full":false,"pending":[["http://w:1",0,0]],"prefill":[["http://w:1",4096,250000]]}"#
+        );
+        let message = decode(&payload).unwrap();
+        let samples: Vec<_> = message.prefill_samples().collect();
+        assert_eq!(
+            samples,
+            vec![Ok(PrefillEntry {
+                worker_url: "http://w:1",
+                sample: PrefillSample {
+                    work_tokens: 4096,
+                    elapsed: Duration::from_millis(250),
+                },
+            })]
+        );
+
+        let payload = br#"{"v":1,"replica":"b","seq":1,"full":false,"pending":[],
+            "prefill":[["http://w:1",100,0],["http://w:1",100,3600000001],["http://w:1",-5,10],
+            ["http://w:1",1.5,10],["",100,10],["http://w:1",100],"junk",["http://w:1",100,10]]}"#;
+        let message = decode(payload).unwrap();
+        let samples: Vec<_> = message.prefill_samples().collect();
+        assert_eq!(
+            samples,
+            vec![
+                Err(EntryError::Count),
+                Err(EntryError::Count),
+                Err(EntryError::Count),
+                Err(EntryError::Count),
+                Err(EntryError::Url),
+                Err(EntryError::Shape),
+                Err(EntryError::Shape),
+                Ok(PrefillEntry {
+                    worker_url: "http://w:1",
+                    sample: PrefillSample {
+                        work_tokens: 100,
+                        elapsed: Duration::from_micros(10),
+                    },
+                }),
+            ]
+        );
+
+        // A sender past the cap writes the first MAX_PREFILL_SAMPLES; a
+        // reader drops any beyond them.
+        let many = vec![("http://w:1", 1u64, 1u64); MAX_PREFILL_SAMPLES + 5];
+        let message_bytes = encode("a", 1, false, &[], &many);
+        assert_eq!(
+            decode(&message_bytes).unwrap().prefill_samples().count(),
+            MAX_PREFILL_SAMPLES
+        );
+        let mut text =
+            String::from(r#"{"v":1,"replica":"b","seq":1,"full":false,"pending":[],"prefill":["#);
+        text.push_str(&vec![r#"["http://w:1",1,1]"#; MAX_PREFILL_SAMPLES + 2].join(","));
+        text.push_str("]}");
+        let message = decode(text.as_bytes()).unwrap();
+        let samples: Vec<_> = message.prefill_samples().collect();
+        assert_eq!(
+            samples.iter().filter(|sample| sample.is_ok()).count(),
+            MAX_PREFILL_SAMPLES
+        );
+        assert_eq!(samples[MAX_PREFILL_SAMPLES], Err(EntryError::Count));
     }
 
     #[test]
