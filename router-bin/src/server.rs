@@ -113,8 +113,10 @@ pub async fn serve(
 /// connections, lets in-flight requests finish for up to
 /// `shutdown_grace_ms` and returns.
 ///
-/// Every request on every connection takes one path: a head the router
-/// refuses before reading its body ([`refused`]) is answered at once;
+/// Every request on every connection takes one path: a head refused
+/// before its body is read (a transfer coding besides `chunked`: 501;
+/// `Expect: 100-continue` with a length over `body_limit_bytes`: 413) is
+/// answered at once;
 /// anything addressed to one of [`proxy::GENERATE_PATHS`] goes to
 /// [`proxy::handle`] with hyper's own request (no route table, extractor,
 /// boxed body or boxed future); everything else goes through `routes`
