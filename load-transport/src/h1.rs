@@ -14,10 +14,10 @@
 //! head, and its [`WorkerBody`] reads the socket when it is asked for the
 //! next frame. Each read returns every whole chunk that arrived as one
 //! piece, so a burst of events costs one read and one write to the client,
-//! and an event that arrives alone goes out at once. For a chunked
-//! HTTP/1.1 answer the chunks pass as the worker framed them
-//! ([`WorkerBody::poll_piece`]): the router neither copies their data
-//! together nor frames it again.
+//! and an event that arrives alone goes out at once. A writer that frames
+//! a chunked HTTP/1.1 answer itself may take the chunks as the worker
+//! framed them ([`WorkerBody::poll_piece`] with `relay`), neither copying
+//! their data together nor framing them again.
 //!
 //! The control plane (health checks, probes, `/v1/models`) stays on
 //! hyper's client ([`pooled_client`](crate::http::pooled_client)).
