@@ -773,3 +773,48 @@ impl http_body::Body for GuardedBody {
         self.body.size_hint()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timer_looks_in_time_for_every_deadline() {
+        let ms = Duration::from_millis;
+        let deadlines = Deadlines {
+            header: ms(60_000),
+            keepalive: ms(300),
+        };
+        let start = Instant::now();
+        let activity = Arc::new(Activity::new(start));
+        assert_eq!(activity.deadline(deadlines), Some(start + ms(60_000)));
+        assert_eq!(
+            activity.next_check(deadlines, start),
+            start + ms(300),
+            "no later than the shorter timeout: a keep-alive deadline may follow"
+        );
+        let guard = activity.request_started();
+        assert_eq!(activity.deadline(deadlines), None, "a request in flight");
+        drop(guard);
+        let idle_since = activity.state.lock().idle_since;
+        assert_eq!(
+            activity.deadline(deadlines),
+            Some(idle_since + ms(300)),
+            "idle after a request: the keep-alive deadline"
+        );
+        let later = idle_since + ms(400);
+        assert_eq!(
+            deadlines.next_check(activity.deadline(deadlines), later),
+            later,
+            "a deadline already past is looked at now"
+        );
+        activity.on_read();
+        let started = activity.state.lock().head_started;
+        assert!(started.is_some(), "a later head has begun");
+        assert_eq!(
+            activity.deadline(deadlines),
+            started.map(|started| started + ms(60_000)),
+            "a begun head has the header deadline"
+        );
+    }
+}
