@@ -116,12 +116,11 @@ pub async fn serve(
 /// Every request on every connection takes one path: a head refused
 /// before its body is read (a transfer coding besides `chunked`: 501;
 /// `Expect: 100-continue` with a length over `body_limit_bytes`: 413) is
-/// answered at once;
-/// anything addressed to one of [`proxy::GENERATE_PATHS`] goes to
-/// [`proxy::handle`] with hyper's own request (no route table, extractor,
-/// boxed body or boxed future); everything else goes through `routes`
-/// ([`routes`], or a table of the caller's own), whose handlers see the
-/// peer as `ConnectInfo<SocketAddr>`.
+/// answered at once; anything addressed to one of
+/// [`proxy::GENERATE_PATHS`] goes to [`proxy::handle`] with hyper's own
+/// request (no route table, extractor, boxed body or boxed future);
+/// everything else goes through `routes` ([`routes`], or a table of the
+/// caller's own), whose handlers see the peer as `ConnectInfo<SocketAddr>`.
 ///
 /// Under `server`'s client limits:
 /// - At most `max_connections` connections are open at once; more wait in
