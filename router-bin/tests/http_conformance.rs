@@ -362,6 +362,28 @@ async fn well_framed_bodies_reach_the_engine_exactly() {
     assert_eq!(bodies(&upstream), [CHAT, CHAT_STREAM], "de-chunked, whole");
 }
 
+/// RFC 9112 section 6.3: with both, `Transfer-Encoding` frames the body,
+/// and the connection closes after the answer (what follows might be
+/// framed by the length).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_length_beside_chunked_is_overridden_and_the_connection_closed() {
+    let (upstream, router) = router_with("").await;
+    let mut client = connect(&router).await;
+    let len = CHAT.len();
+    client
+        .send(
+            format!(
+                "{HEAD}Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n{len:x}\r\n{CHAT}\r\n0\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await;
+    let answer = client.answer().await;
+    assert_eq!(answer.status(), 200, "{answer:?}");
+    assert!(client.closed().await, "kept alive after an ambiguous frame");
+    assert_eq!(bodies(&upstream), [CHAT]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_requests_of_every_kind_are_answered_in_order_on_one_connection() {
     let (upstream, router) = router_with("").await;
