@@ -14,16 +14,13 @@
 //! head, and its [`WorkerBody`] reads the socket when it is asked for the
 //! next frame. Each read returns every whole chunk that arrived as one
 //! piece, so a burst of events costs one read and one write to the client,
-//! and an event that arrives alone goes out at once. For a chunked
-//! HTTP/1.1 answer the chunks pass as the worker framed them
-//! ([`WorkerBody::poll_piece`]): the router neither copies their data
-//! together nor frames it again.
+//! and an event that arrives alone goes out at once. A writer that frames
+//! a chunked HTTP/1.1 answer itself may take the chunks as the worker
+//! framed them ([`WorkerBody::poll_piece`] with `relay`), neither copying
+//! their data together nor framing them again.
 //!
-//! The framing pieces ([`Framing`], [`decode_body`], [`poll_read_buf`],
-//! [`write_all_vectored`]) are public for the router's own HTTP/1.1
-//! server, which reads request bodies the same way. The control plane
-//! (health checks, probes, `/v1/models`) stays on hyper's client
-//! ([`pooled_client`](crate::http::pooled_client)).
+//! The control plane (health checks, probes, `/v1/models`) stays on
+//! hyper's client ([`pooled_client`](crate::http::pooled_client)).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -623,7 +620,7 @@ async fn exchange(
 
 /// Writes `slices` in order, in as few system calls as the socket allows
 /// (one, normally).
-pub async fn write_all_vectored(stream: &mut TcpStream, slices: &[&[u8]]) -> std::io::Result<()> {
+async fn write_all_vectored(stream: &mut TcpStream, slices: &[&[u8]]) -> std::io::Result<()> {
     // The slice being written, and how much of it is out.
     let mut index = 0usize;
     let mut offset = 0usize;
@@ -669,7 +666,7 @@ pub async fn write_all_vectored(stream: &mut TcpStream, slices: &[&[u8]]) -> std
 /// still being sent) keeps the buffer's allocation shared, so reserving
 /// the whole room whenever a byte of it was used would move the buffer to
 /// a new allocation on every request.
-pub fn make_read_room(buffer: &mut BytesMut, room_bytes: usize) {
+fn make_read_room(buffer: &mut BytesMut, room_bytes: usize) {
     if buffer.capacity() - buffer.len() < room_bytes / 2 {
         buffer.reserve(room_bytes);
     }
@@ -678,7 +675,7 @@ pub fn make_read_room(buffer: &mut BytesMut, room_bytes: usize) {
 /// Reads what the socket has into the buffer's spare room. tokio marks the
 /// socket drained when a read fills less than the room offered, so the
 /// next poll waits for readiness without another system call.
-pub fn poll_read_buf(
+fn poll_read_buf(
     stream: &mut TcpStream,
     buffer: &mut BytesMut,
     cx: &mut Context<'_>,
@@ -786,10 +783,9 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ParsedHead>, SendError> {
     }
 }
 
-/// How a body's end is known (a response's; a request's is never
-/// `UntilClose`).
+/// How a response body's end is known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framing {
+enum Framing {
     Length { remaining: u64 },
     Chunked(Chunked),
     UntilClose,
@@ -798,7 +794,7 @@ pub enum Framing {
 
 impl Framing {
     /// What is known of the rest of the body's length.
-    pub fn size_hint(&self) -> SizeHint {
+    fn size_hint(&self) -> SizeHint {
         match self {
             Framing::Length { remaining } => SizeHint::with_exact(*remaining),
             Framing::Done => SizeHint::with_exact(0),
@@ -809,7 +805,7 @@ impl Framing {
 
 /// Where a chunked body's decoder is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Chunked {
+enum Chunked {
     /// At a chunk-size line.
     Size,
     /// Inside a chunk's data.
@@ -915,11 +911,8 @@ impl WorkerBody {
 
 /// Takes the body data that `buffer` holds, framed as `framing` says,
 /// and moves `framing` on (to `Done` at the body's end): the data
-/// (possibly none). Both sides of the proxy read bodies with it.
-pub fn decode_body(
-    framing: &mut Framing,
-    buffer: &mut BytesMut,
-) -> Result<Option<Bytes>, BodyError> {
+/// (possibly none).
+fn decode_body(framing: &mut Framing, buffer: &mut BytesMut) -> Result<Option<Bytes>, BodyError> {
     match framing {
         Framing::Done => Ok(None),
         Framing::UntilClose => Ok((!buffer.is_empty()).then(|| buffer.split().freeze())),

@@ -38,7 +38,6 @@ pub mod client_body;
 pub mod config;
 pub mod error;
 pub mod estimate;
-mod h1_server;
 pub mod metric_shards;
 pub mod metrics;
 pub mod monitor;

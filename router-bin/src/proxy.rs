@@ -6,6 +6,10 @@
 //! only the chosen worker's [`Route`]; the request goes out on that
 //! worker's kept-alive connections ([`load_transport::h1`]), read and written by
 //! this task alone.
+//!
+//! [`handle`] is the one way in: the server ([`crate::server`]) passes it
+//! every request addressed to one of [`GENERATE_PATHS`], with hyper's own
+//! head and body.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -15,8 +19,8 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::extract::State;
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as _, Frame, SizeHint};
@@ -44,7 +48,7 @@ pub fn error_response(status: StatusCode, kind: &str, message: impl Into<String>
 /// An error the router answers for a worker (a gateway error): no
 /// `Retry-After`, which only the router's own lack of capacity carries.
 fn gateway_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Answer {
-    Answer::own(error_response(status, kind, message))
+    own(error_response(status, kind, message))
 }
 
 /// The router itself has no capacity for the request: 503 with `Retry-After`.
@@ -53,59 +57,27 @@ fn unavailable(message: &str) -> Answer {
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    Answer::own(response)
+    own(response)
 }
 
 /// What the proxy answers a client with.
-#[derive(Debug)]
-pub struct Answer {
-    pub status: StatusCode,
-    pub headers: AnswerHeaders,
-    pub body: ProxyBody,
+pub type Answer = http::Response<ProxyBody>;
+
+/// One of the router's own responses (an error, or a page of its own) as
+/// an [`Answer`].
+fn own(response: Response) -> Answer {
+    response.map(ProxyBody::Boxed)
 }
 
-/// An answer's headers: the router's own, or a worker's as it wrote them.
-/// The router's HTTP/1.1 server writes a worker's lines as they are, so
-/// the hot path builds no [`HeaderMap`] for them.
-#[derive(Debug)]
-pub enum AnswerHeaders {
-    Own(HeaderMap),
-    Worker(h1::HeaderLines),
+/// A worker's answer, with its headers (less the hop-by-hop ones).
+fn worker_answer(status: StatusCode, headers: &h1::HeaderLines, body: ProxyBody) -> Answer {
+    let mut answer = http::Response::new(body);
+    *answer.status_mut() = status;
+    *answer.headers_mut() = headers.to_header_map();
+    answer
 }
 
-impl Answer {
-    /// One of the router's own responses (an error, or a page of its own).
-    pub fn own(response: Response) -> Answer {
-        let (parts, body) = response.into_parts();
-        Answer {
-            status: parts.status,
-            headers: AnswerHeaders::Own(parts.headers),
-            body: ProxyBody::Boxed(body),
-        }
-    }
-
-    /// A worker's answer, its headers as it wrote them.
-    fn worker(status: StatusCode, headers: h1::HeaderLines, body: ProxyBody) -> Answer {
-        Answer {
-            status,
-            headers: AnswerHeaders::Worker(headers),
-            body,
-        }
-    }
-
-    /// The answer as an `http` response, for hyper's server.
-    pub fn into_response(self) -> http::Response<ProxyBody> {
-        let mut response = http::Response::new(self.body);
-        *response.status_mut() = self.status;
-        *response.headers_mut() = match self.headers {
-            AnswerHeaders::Own(headers) => headers,
-            AnswerHeaders::Worker(headers) => headers.to_header_map(),
-        };
-        response
-    }
-}
-
-/// The paths [`generate`] serves (all `POST`).
+/// The paths [`handle`] serves (all `POST`).
 pub const GENERATE_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
 
 /// `path` as one of [`GENERATE_PATHS`], if it is one.
@@ -137,19 +109,9 @@ impl ClientHead {
     }
 }
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/generate`, as an axum
-/// handler. The router's own server calls [`handle`] directly instead.
-pub async fn generate(State(app): State<Arc<App>>, request: Request) -> Response {
-    let (parts, body) = request.into_parts();
-    handle(app, parts, body)
-        .await
-        .into_response()
-        .map(Body::new)
-}
-
-/// One generation request, whatever its body type: the router's server
-/// passes hyper's own body here, with no router, extractor or boxing in
-/// between.
+/// `POST /v1/chat/completions`, `/v1/completions`, `/generate`: one
+/// generation request, whatever its body type (the server passes hyper's
+/// own). Another method on those paths is answered 405.
 pub async fn handle<B>(app: Arc<App>, parts: http::request::Parts, body: B) -> Answer
 where
     B: http_body::Body<Data = Bytes> + Unpin,
@@ -157,40 +119,33 @@ where
 {
     let arrived = tokio::time::Instant::now();
     let Some(head) = ClientHead::from_parts(&parts) else {
-        return Answer::own(error_response(
+        return own(error_response(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             format!("no generation endpoint at {}", parts.uri.path()),
         ));
     };
+    if parts.method != Method::POST {
+        let mut response = error_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("{} takes POST, not {}", head.path, parts.method),
+        );
+        response
+            .headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return own(response);
+    }
     let server = &app.config.server;
     let body = match read_client_body(body, server, arrived).await {
         Ok(body) => body,
         Err(error) => {
             tracing::debug!(%error, "request body not read");
-            return Answer::own(error.response());
+            return own(error.response());
         }
     };
-    handle_read(&app, head, body, arrived, false).await
-}
-
-/// [`handle`] once the body has been read (from `arrived`, when its head
-/// had): what the router's own HTTP/1.1 server (`h1_server.rs`) calls,
-/// having read the body itself. `relay_chunks`: the answer will be polled
-/// with [`ProxyBody::poll_piece`] for a chunked HTTP/1.1 answer, so a
-/// stream's chunks may be held as the worker framed them.
-///
-/// The app is borrowed, not cloned: its reference count is one cache line
-/// that every request on every core would write twice.
-pub async fn handle_read(
-    app: &Arc<App>,
-    head: ClientHead,
-    body: Bytes,
-    arrived: tokio::time::Instant,
-    relay_chunks: bool,
-) -> Answer {
     let received_at = arrived.into_std();
-    let deadline = arrived + app.config.server.request_deadline();
+    let deadline = arrived + server.request_deadline();
     let read = match read_request(&body, &app.config.request) {
         Ok(read) => read,
         Err(error) => {
@@ -206,10 +161,7 @@ pub async fn handle_read(
         tracing::debug!(reason = reason.as_str(), "prompt prefix not hashed");
     }
     let info = read.info;
-    let head_timeout = app
-        .config
-        .server
-        .head_timeout(info.streaming, read.max_output_tokens);
+    let head_timeout = server.head_timeout(info.streaming, read.max_output_tokens);
     let request = ClientRequest {
         head,
         body,
@@ -217,9 +169,8 @@ pub async fn handle_read(
         received_at,
         deadline,
         head_timeout,
-        relay_chunks,
     };
-    forward(app, &request).await
+    forward(&app, &request).await
 }
 
 /// A client's request, read and parsed, as every attempt sends it.
@@ -232,9 +183,6 @@ struct ClientRequest {
     deadline: tokio::time::Instant,
     /// How long one attempt may wait for the response head.
     head_timeout: std::time::Duration,
-    /// The answer goes out chunked on the router's own HTTP/1.1 server,
-    /// which passes a worker's chunks on as they came.
-    relay_chunks: bool,
 }
 
 impl ClientRequest {
@@ -496,7 +444,7 @@ async fn attempt_on(
     let mut first_event = FirstDataEvent::default();
     let held = match tokio::time::timeout_at(
         first_byte_by,
-        until_first_event(&mut inner, &mut first_event, request.relay_chunks),
+        until_first_event(&mut inner, &mut first_event),
     )
     .await
     {
@@ -558,9 +506,9 @@ async fn attempt_on(
         deadline: request.deadline,
         ended: false,
     };
-    Attempt::Done(Answer::worker(
+    Attempt::Done(worker_answer(
         status,
-        headers,
+        &headers,
         ProxyBody::Stream(Box::new(body)),
     ))
 }
@@ -634,7 +582,7 @@ async fn whole_answer(
                 app.request_succeeded(worker);
                 tracker.scan(&answer);
                 tracker.report_cache(app);
-                return Answer::worker(status, headers, ProxyBody::whole(answer));
+                return worker_answer(status, &headers, ProxyBody::whole(answer));
             }
             Ok(Err(ReadWholeError::TooLarge { limit_bytes })) => {
                 // Not the worker's fault; the router's own limit.
@@ -670,15 +618,13 @@ async fn whole_answer(
 }
 
 /// Reads `inner` up to its first SSE `data:` field (or its end), feeding
-/// `first_event`: the pieces read, in order. With `relay_chunks` they may
-/// be chunks as the worker framed them.
+/// `first_event`: the pieces read, in order.
 async fn until_first_event(
     inner: &mut WorkerBody,
     first_event: &mut FirstDataEvent,
-    relay_chunks: bool,
 ) -> Result<VecDeque<Piece>, h1::BodyError> {
     let mut pieces = VecDeque::new();
-    while let Some(piece) = poll_fn(|cx| inner.poll_piece(cx, relay_chunks)).await {
+    while let Some(piece) = poll_fn(|cx| inner.poll_piece(cx, false)).await {
         let piece = piece?;
         let found = piece.data_parts().any(|part| first_event.feed(part));
         pieces.push_back(piece);
@@ -703,16 +649,12 @@ async fn worker_error(
     let read = tokio::time::timeout_at(read_by, read_whole(body, ERROR_BODY_LIMIT_BYTES)).await;
     let text = match read {
         Ok(Ok(bytes)) if serde_json::from_slice::<serde_json::Value>(&bytes).is_ok() => {
-            let mut headers = headers.to_header_map();
-            headers.insert(
+            let mut answer = worker_answer(status, headers, ProxyBody::whole(bytes));
+            answer.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
             );
-            return Answer {
-                status,
-                headers: AnswerHeaders::Own(headers),
-                body: ProxyBody::whole(bytes),
-            };
+            return answer;
         }
         Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).trim().to_owned(),
         Ok(Err(_)) => "(its body broke off or was too large)".to_owned(),
@@ -730,7 +672,7 @@ async fn worker_error(
             response.headers_mut().append(name, value.clone());
         }
     }
-    Answer::own(response)
+    own(response)
 }
 
 /// Holds a request's dispatch and in-flight count until its response ends,
@@ -998,13 +940,8 @@ impl TrackedBody {
         Poll::Ready(Some(Ok(piece)))
     }
 
-    /// The next piece of the stream; see [`WorkerBody::poll_piece`] for
-    /// `relay`.
-    pub fn poll_piece(
-        &mut self,
-        cx: &mut Context<'_>,
-        relay: bool,
-    ) -> Poll<Option<Result<Piece, std::io::Error>>> {
+    /// The next piece of the stream, as data.
+    fn poll_piece(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Piece, std::io::Error>>> {
         if self.ended {
             return Poll::Ready(None);
         }
@@ -1015,7 +952,7 @@ impl TrackedBody {
             }
             return self.pass(held);
         }
-        match self.inner.poll_piece(cx, relay) {
+        match self.inner.poll_piece(cx, false) {
             Poll::Ready(Some(Ok(piece))) => {
                 self.scan(&piece);
                 if self.inner.is_end_stream() {
@@ -1073,7 +1010,7 @@ impl http_body::Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         self.get_mut()
-            .poll_piece(cx, false)
+            .poll_piece(cx)
             .map_ok(|piece| Frame::data(piece.into_data()))
     }
 
@@ -1105,23 +1042,6 @@ impl ProxyBody {
     /// A whole answer of `bytes`.
     pub fn whole(bytes: Bytes) -> ProxyBody {
         ProxyBody::Whole((!bytes.is_empty()).then_some(bytes))
-    }
-
-    /// The next piece of the body: for a chunked HTTP/1.1 answer, with
-    /// `relay`, a stream's chunks as the worker framed them
-    /// ([`WorkerBody::poll_piece`]); everything else as data. Trailers are
-    /// not passed on.
-    pub fn poll_piece(
-        &mut self,
-        cx: &mut Context<'_>,
-        relay: bool,
-    ) -> Poll<Option<Result<Piece, axum::Error>>> {
-        if let ProxyBody::Stream(stream) = self {
-            return stream.poll_piece(cx, relay).map_err(axum::Error::new);
-        }
-        Pin::new(self)
-            .poll_frame(cx)
-            .map_ok(|frame| Piece::Data(frame.into_data().unwrap_or_default()))
     }
 }
 

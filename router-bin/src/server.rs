@@ -14,7 +14,7 @@ use axum::Router;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
@@ -33,19 +33,18 @@ use policy_core::error_chain;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::app::App;
+use crate::client_body::BodyReadError;
 use crate::config::{RouterConfig, ServerConfig};
 use crate::error::RouterError;
-use crate::h1_server::{self, Deadlines, Handoff, Served};
 use crate::monitor::{run_health_checker, run_load_monitor, run_outlier_prober};
 use crate::proxy::ProxyBody;
 use crate::{admin, proxy};
 
-/// Every route the router serves.
+/// Every route the router serves besides the generation routes
+/// ([`proxy::GENERATE_PATHS`]), which [`serve_routes`] sends to
+/// [`proxy::handle`] before any route table.
 pub fn routes(app: Arc<App>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(proxy::generate))
-        .route("/v1/completions", post(proxy::generate))
-        .route("/generate", post(proxy::generate))
         .route("/v1/models", get(proxy::models))
         .route("/health", get(health))
         .route("/readiness", get(readiness))
@@ -105,19 +104,25 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
-    let server = app.config.server.clone();
-    let open_connections = app.metrics.open_connections.clone();
-    let handler = Handler {
-        routes: TowerToHyperService::new(routes(app.clone())),
-        generate: Some(app),
-    };
-    serve_handler(handler, &server, listener, open_connections, shutdown).await
+    let routes = routes(app.clone());
+    serve_routes(app, routes, listener, shutdown).await
 }
 
-/// Serves `routes` on `listener` under `server`'s client limits until
-/// `shutdown` resolves, then stops accepting, closes idle connections, lets
-/// in-flight requests finish for up to `shutdown_grace_ms` and returns.
+/// Serves `app` on `listener` with hyper's HTTP/1.1 (kept alive) and h2c
+/// until `shutdown` resolves, then stops accepting, closes idle
+/// connections, lets in-flight requests finish for up to
+/// `shutdown_grace_ms` and returns.
 ///
+/// Every request on every connection takes one path: a head refused
+/// before its body is read (a transfer coding besides `chunked`: 501;
+/// `Expect: 100-continue` with a length over `body_limit_bytes`: 413) is
+/// answered at once; anything addressed to one of
+/// [`proxy::GENERATE_PATHS`] goes to [`proxy::handle`] with hyper's own
+/// request (no route table, extractor, boxed body or boxed future);
+/// everything else goes through `routes` ([`routes`], or a table of the
+/// caller's own), whose handlers see the peer as `ConnectInfo<SocketAddr>`.
+///
+/// Under `server`'s client limits:
 /// - At most `max_connections` connections are open at once; more wait in
 ///   the kernel's listen backlog, not accepted.
 /// - A connection's first request head must arrive within
@@ -127,37 +132,26 @@ pub async fn serve(
 ///   `keepalive_timeout_ms` without a byte either way.
 ///
 /// Request bodies are the handlers' to bound ([`crate::client_body`]).
-/// Handlers see the peer as `ConnectInfo<SocketAddr>`.
-///
-/// Every request goes through `routes`. [`serve`] also serves the proxy's
-/// generation routes itself, on the router's own HTTP/1.1 server
-/// (`h1_server.rs`), without hyper or axum in between.
 pub async fn serve_routes(
+    app: Arc<App>,
     routes: Router,
-    server: &ServerConfig,
     listener: TcpListener,
-    open_connections: Gauge,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
+    let server = app.config.server.clone();
+    let open_connections = app.metrics.open_connections.clone();
     let handler = Handler {
         routes: TowerToHyperService::new(routes),
-        generate: None,
+        app,
     };
-    serve_handler(handler, server, listener, open_connections, shutdown).await
+    serve_handler(handler, &server, listener, open_connections, shutdown).await
 }
 
 /// Where a connection's requests go.
 #[derive(Debug, Clone)]
 struct Handler {
     routes: TowerToHyperService<Router>,
-    /// With an app, a connection's generation requests are served by the
-    /// router's own HTTP/1.1 server until one asks for anything else; from
-    /// then on (and for h2c) hyper serves it, and `POST` to one of
-    /// [`proxy::GENERATE_PATHS`] still goes straight to [`proxy::handle`]
-    /// with hyper's own request: no route table, no extractors, no boxed
-    /// body or future. Everything else (and, without an app, everything)
-    /// goes through `routes`.
-    generate: Option<Arc<App>>,
+    app: Arc<App>,
 }
 
 impl Handler {
@@ -169,23 +163,20 @@ impl Handler {
         guard: RequestGuard,
         mut request: http::Request<Incoming>,
     ) -> impl Future<Output = Result<http::Response<GuardedBody>, Infallible>> + Send + use<> {
-        let route = match &self.generate {
-            Some(app)
-                if request.method() == http::Method::POST
-                    && proxy::GENERATE_PATHS.contains(&request.uri().path()) =>
-            {
-                Routed::Generate(app.clone(), request)
-            }
-            _ => {
-                request.extensions_mut().insert(ConnectInfo(peer));
-                Routed::Routes(self.routes.call(request))
-            }
+        let route = if let Some(response) = refused(&request, &self.app.config.server) {
+            Routed::Refused(response)
+        } else if proxy::generate_path(request.uri().path()).is_some() {
+            Routed::Generate(self.app.clone(), request)
+        } else {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            Routed::Routes(self.routes.call(request))
         };
         async move {
             let response = match route {
+                Routed::Refused(response) => response.map(ProxyBody::Boxed),
                 Routed::Generate(app, request) => {
                     let (parts, body) = request.into_parts();
-                    proxy::handle(app, parts, body).await.into_response()
+                    proxy::handle(app, parts, body).await
                 }
                 Routed::Routes(routed) => match routed.await {
                     Ok(response) => response.map(ProxyBody::Boxed),
@@ -200,14 +191,84 @@ impl Handler {
     }
 }
 
-/// A request on its way: to the proxy directly, or through the routes.
+/// A request on its way: refused, to the proxy directly, or through the
+/// routes.
 // Built once per request inside its future, never moved about; boxing the
 // request would cost the allocation the direct path exists to save (and
 // axum's future, `F`, holds a request too).
 #[allow(clippy::large_enum_variant)]
 enum Routed<F> {
+    Refused(Response),
     Generate(Arc<App>, http::Request<Incoming>),
     Routes(F),
+}
+
+/// The answer to a request refused on its head alone, before a byte of its
+/// body is read (so no `100 Continue` goes out), with `Connection: close`:
+/// what the client sends next cannot be framed as a request. hyper has
+/// already refused what RFC 9112 calls malformed (400: a bad or repeated
+/// `Content-Length`, `Transfer-Encoding` not ending in `chunked`, obs-fold;
+/// 431: a head over [`MAX_HEAD_BYTES`]); here:
+/// - 501 for a transfer coding other than `chunked` (`gzip, chunked`):
+///   hyper would decode the chunks and hand on the still-compressed body
+///   as if it were plain (RFC 9112 section 6.1);
+/// - 400 for `chunked` applied twice (RFC 9112 section 6.1);
+/// - 413 for `Expect: 100-continue` with a declared length over
+///   `server.body_limit_bytes`: the client is waiting to be told, so
+///   nothing is discarded (RFC 9110 section 10.1.1).
+fn refused(request: &http::Request<Incoming>, server: &ServerConfig) -> Option<Response> {
+    let headers = request.headers();
+    let mut chunked = 0usize;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let Ok(value) = value.to_str() else {
+            return Some(refusal(
+                StatusCode::BAD_REQUEST,
+                "Transfer-Encoding is not ASCII".to_owned(),
+            ));
+        };
+        for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if coding.eq_ignore_ascii_case("chunked") {
+                chunked += 1;
+            } else {
+                return Some(refusal(
+                    StatusCode::NOT_IMPLEMENTED,
+                    format!(
+                        "transfer coding {coding:?} is not supported; send the body with \
+                         Content-Length or Transfer-Encoding: chunked alone"
+                    ),
+                ));
+            }
+        }
+    }
+    if chunked > 1 {
+        return Some(refusal(
+            StatusCode::BAD_REQUEST,
+            "Transfer-Encoding applies chunked more than once".to_owned(),
+        ));
+    }
+    let expects_continue = headers
+        .get(header::EXPECT)
+        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let limit = u64::try_from(server.body_limit_bytes).unwrap_or(u64::MAX);
+    if expects_continue && http_body::Body::size_hint(request.body()).lower() > limit {
+        return Some(
+            BodyReadError::TooLarge {
+                limit_bytes: server.body_limit_bytes,
+            }
+            .response(),
+        );
+    }
+    None
+}
+
+/// An OpenAI-shaped error that closes the connection.
+fn refusal(status: StatusCode, message: String) -> Response {
+    let mut response = proxy::error_response(status, "invalid_request_error", message);
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 /// Serves `handler` as [`serve_routes`] describes.
@@ -328,8 +389,31 @@ pub async fn termination() {
 // Client connections: the accept loop's cap, and one watchdog per connection
 // for the header and keep-alive deadlines.
 
-/// hyper's HTTP/1.1 (kept alive) and h2c, as `axum::serve` had them, for
-/// the connections the router's own server hands over.
+/// Most bytes of a request head, and of hyper's read buffer (hyper's
+/// default is about 400 KB): a longer head is answered 431.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// The connection-level deadlines.
+#[derive(Debug, Clone, Copy)]
+struct Deadlines {
+    header: Duration,
+    keepalive: Duration,
+}
+
+impl Deadlines {
+    /// When a connection's one timer looks next, from `now`: at `due` (the
+    /// deadline, if any), but no later than the shorter of the two timeouts
+    /// from now. Nothing re-arms the timer between its firings, and any
+    /// deadline that begins meanwhile (a request ends, a new head's first
+    /// byte arrives) lies at least that far past its start, so the timer
+    /// fires in time for it and is then re-armed to it exactly.
+    fn next_check(&self, due: Option<Instant>, now: Instant) -> Instant {
+        let bound = now + self.header.min(self.keepalive);
+        due.map_or(bound, |due| due.max(now).min(bound))
+    }
+}
+
+/// hyper's HTTP/1.1 (kept alive) and h2c.
 fn connection_builder() -> Builder<TokioExecutor> {
     let mut builder = Builder::new(TokioExecutor::new());
     // hyper's own header_read_timeout restarts its clock whenever a
@@ -338,7 +422,11 @@ fn connection_builder() -> Builder<TokioExecutor> {
     // whatever keepalive_timeout says. The watchdog enforces both instead.
     // Set to None explicitly: hyper's 30 s default, with no timer, only logs
     // a warning on every connection.
-    builder.http1().keep_alive(true).header_read_timeout(None);
+    builder
+        .http1()
+        .keep_alive(true)
+        .header_read_timeout(None)
+        .max_buf_size(MAX_HEAD_BYTES);
     builder
 }
 
@@ -429,18 +517,8 @@ async fn serve_connection(connection: Connection) {
     if let Err(error) = stream.set_nodelay(true) {
         tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted connection");
     }
-    // The generation routes are served by the router's own HTTP/1.1 server;
-    // a connection that asks for anything else goes on under hyper.
-    let (read_ahead, stream) = match &handler.generate {
-        Some(app) => match h1_server::serve(app, stream, deadlines, &stopping).await {
-            Served::Closed => return,
-            Served::Handoff(Handoff { read, stream }) => (read, stream),
-        },
-        None => (Bytes::new(), stream),
-    };
     let activity = Arc::new(Activity::new(Instant::now()));
     let io = TokioIo::new(TrackedIo {
-        read_ahead,
         stream,
         activity: activity.clone(),
     });
@@ -607,9 +685,6 @@ impl Drop for RequestGuard {
 /// The socket, telling the connection's [`Activity`] of each read and write.
 #[derive(Debug)]
 struct TrackedIo {
-    /// Read from the socket before hyper took the connection over: read
-    /// first.
-    read_ahead: Bytes,
     stream: TcpStream,
     activity: Arc<Activity>,
 }
@@ -621,12 +696,6 @@ impl AsyncRead for TrackedIo {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !this.read_ahead.is_empty() {
-            let taken = this.read_ahead.len().min(buf.remaining());
-            buf.put_slice(&this.read_ahead.split_to(taken));
-            this.activity.on_read();
-            return Poll::Ready(Ok(()));
-        }
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
         if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
@@ -701,5 +770,50 @@ impl http_body::Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timer_looks_in_time_for_every_deadline() {
+        let ms = Duration::from_millis;
+        let deadlines = Deadlines {
+            header: ms(60_000),
+            keepalive: ms(300),
+        };
+        let start = Instant::now();
+        let activity = Arc::new(Activity::new(start));
+        assert_eq!(activity.deadline(deadlines), Some(start + ms(60_000)));
+        assert_eq!(
+            activity.next_check(deadlines, start),
+            start + ms(300),
+            "no later than the shorter timeout: a keep-alive deadline may follow"
+        );
+        let guard = activity.request_started();
+        assert_eq!(activity.deadline(deadlines), None, "a request in flight");
+        drop(guard);
+        let idle_since = activity.state.lock().idle_since;
+        assert_eq!(
+            activity.deadline(deadlines),
+            Some(idle_since + ms(300)),
+            "idle after a request: the keep-alive deadline"
+        );
+        let later = idle_since + ms(400);
+        assert_eq!(
+            deadlines.next_check(activity.deadline(deadlines), later),
+            later,
+            "a deadline already past is looked at now"
+        );
+        activity.on_read();
+        let started = activity.state.lock().head_started;
+        assert!(started.is_some(), "a later head has begun");
+        assert_eq!(
+            activity.deadline(deadlines),
+            started.map(|started| started + ms(60_000)),
+            "a begun head has the header deadline"
+        );
     }
 }

@@ -1,9 +1,9 @@
 //! A worker's chunked stream reaches the client whole through the router's
 //! HTTP/1.1 server, however the worker framed its chunks and however its
-//! writes split them. Plain chunks pass on as they came; other forms (an
-//! extension, upper-case hex, a bare LF after the data, a chunk split
-//! across writes, trailers) are decoded and framed again. The client is
-//! reqwest (hyper), which refuses a malformed chunked answer.
+//! writes split them: every form (an extension, upper-case hex, a bare LF
+//! after the data, a chunk split across writes, trailers) is decoded and
+//! framed again. The client is reqwest (hyper), which refuses a malformed
+//! chunked answer.
 
 // Test helpers outside #[test] functions fail loudly on purpose.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -87,9 +87,7 @@ async fn streams_through_the_router(writes: Vec<Vec<u8>>, expected: &str) {
         router.in_rotation_count().await == 1
     })
     .await;
-    // A connection of its own, whose first request is a generation: the
-    // router's own HTTP/1.1 server answers it, relaying plain chunks.
-    // Twice: the worker's connection goes back to the pool after a relayed
+    // Twice: the worker's connection goes back to the pool after a
     // stream, and carries the next one.
     let client = reqwest::Client::new();
     for attempt in 0..2 {
@@ -110,8 +108,7 @@ async fn streams_through_the_router(writes: Vec<Vec<u8>>, expected: &str) {
             "attempt {attempt}"
         );
     }
-    // The test router's client opened its connection with an admin request,
-    // so hyper serves it, and the stream is decoded for hyper to frame.
+    // And on a connection that has served admin requests before.
     let response = router.chat("hi", true).await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.text().await.unwrap(), expected);

@@ -68,14 +68,14 @@ async fn serve(config: RouterConfig) -> Served {
         let _ = entered_tx.send(());
         upload(body)
     };
-    let routes = router_bin::server::routes(app).merge(
+    let routes = router_bin::server::routes(app.clone()).merge(
         Router::new()
             .route("/upload", post(upload))
             .route("/gated", post(gated)),
     );
     let (stop, stopped) = oneshot::channel::<()>();
     let serving = tokio::spawn(async move {
-        router_bin::server::serve_routes(routes, &server, listener, Default::default(), async {
+        router_bin::server::serve_routes(app, routes, listener, async {
             let _ = stopped.await;
         })
         .await
@@ -406,9 +406,9 @@ async fn shutdown_closes_idle_connections_and_finishes_requests_in_flight() {
     serving_ends(served).await;
 }
 
-/// The same on the generation routes, which the router's own HTTP/1.1
-/// server serves: a connection idle after an answer closes at the stop,
-/// and one whose request is being read gets its answer, then is closed.
+/// The same on the generation routes: a connection idle after an answer
+/// closes at the stop, and one whose request is being read gets its
+/// answer, then is closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_idle_generation_connections_and_answers_requests_being_read() {
     let mut served = serve_with_long_deadlines().await;

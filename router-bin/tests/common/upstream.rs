@@ -34,6 +34,8 @@ pub struct Switches {
     /// `GET /health_generate` probes received.
     pub probes: AtomicU64,
     pub prompt_chars: AtomicU64,
+    /// Every generation request's body, in arrival order.
+    pub bodies: std::sync::Mutex<Vec<Bytes>>,
     pub waiting_reqs: AtomicU64,
     /// Report `cached_tokens` as the prompt tokens the prefix cache
     /// served: in `usage.prompt_tokens_details` (a whole answer, and a
@@ -144,6 +146,7 @@ async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Respons
     switches
         .prompt_chars
         .fetch_add(body.len() as u64, Ordering::SeqCst);
+    switches.bodies.lock().unwrap().push(body.clone());
     let status = switches.fail_status.load(Ordering::SeqCst);
     if status != 0 {
         return (StatusCode::from_u16(status).unwrap(), "upstream failure").into_response();
