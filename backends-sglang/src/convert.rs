@@ -1,7 +1,7 @@
 //! Pure conversions from SGLang's wire formats into [`WorkerLoad`].
 
 use load_protocols::{
-    LoadValidationError, LoadsResponse, SchedulerLoadSnapshot, WorkerLoad,
+    LoadValidationError, LoadsResponse, SchedulerLoadSnapshot, WorkerLoad, proto3_count,
     queued_tokens_from_proto3, throughput_from_proto3,
 };
 
@@ -41,10 +41,7 @@ pub fn snapshot_from_grpc(load: &proto::SchedulerLoad) -> SchedulerLoadSnapshot 
 pub fn worker_load_from_grpc(
     response: proto::GetLoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    WorkerLoad::from_ranks(response.loads.iter().map(snapshot_from_grpc).collect()).map(Some)
+    WorkerLoad::from_report(response.loads.iter().map(snapshot_from_grpc).collect())
 }
 
 /// A `/v1/loads` JSON body, already deserialized, as a validated
@@ -53,10 +50,7 @@ pub fn worker_load_from_grpc(
 pub fn worker_load_from_loads_json(
     response: LoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    WorkerLoad::from_ranks(response.loads).map(Some)
+    WorkerLoad::from_report(response.loads)
 }
 
 /// A snapshot as the gRPC message a SGLang server would send, for servers
@@ -67,18 +61,20 @@ pub fn worker_load_from_loads_json(
 /// when requests are waiting).
 pub fn grpc_from_snapshot(snapshot: &SchedulerLoadSnapshot) -> proto::SchedulerLoad {
     proto::SchedulerLoad {
-        dp_rank: saturate(snapshot.dp_rank),
-        num_running_reqs: saturate(snapshot.num_running_reqs),
-        num_waiting_reqs: saturate(snapshot.num_waiting_reqs),
-        num_total_reqs: saturate(snapshot.num_total_reqs),
-        num_used_tokens: saturate(snapshot.num_used_tokens),
-        max_total_num_tokens: saturate(snapshot.max_total_num_tokens),
+        dp_rank: proto3_count(snapshot.dp_rank),
+        num_running_reqs: proto3_count(snapshot.num_running_reqs),
+        num_waiting_reqs: proto3_count(snapshot.num_waiting_reqs),
+        num_total_reqs: proto3_count(snapshot.num_total_reqs),
+        num_used_tokens: proto3_count(snapshot.num_used_tokens),
+        max_total_num_tokens: proto3_count(snapshot.max_total_num_tokens),
         token_usage: snapshot.token_usage,
         gen_throughput: snapshot.gen_throughput.unwrap_or(0.0),
         cache_hit_rate: snapshot.cache_hit_rate,
         utilization: snapshot.utilization,
-        max_running_requests: saturate(snapshot.max_running_requests),
-        num_waiting_uncached_tokens: saturate(snapshot.num_waiting_uncached_tokens.unwrap_or(0)),
+        max_running_requests: proto3_count(snapshot.max_running_requests),
+        num_waiting_uncached_tokens: proto3_count(
+            snapshot.num_waiting_uncached_tokens.unwrap_or(0),
+        ),
     }
 }
 
@@ -90,10 +86,6 @@ impl TryFrom<proto::GetLoadsResponse> for WorkerLoad {
     fn try_from(response: proto::GetLoadsResponse) -> Result<WorkerLoad, LoadValidationError> {
         worker_load_from_grpc(response)?.ok_or(LoadValidationError::NoRanks)
     }
-}
-
-fn saturate(value: i64) -> i32 {
-    i32::try_from(value).unwrap_or(if value < 0 { i32::MIN } else { i32::MAX })
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Pure conversions from TokenSpeed's `GetLoadsResponse` into [`WorkerLoad`].
 
 use load_protocols::{
-    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto3,
-    throughput_from_proto3,
+    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, proto3_count,
+    queued_tokens_from_proto3, throughput_from_proto3,
 };
 
 use crate::proto;
@@ -44,10 +44,7 @@ pub fn snapshot_from_grpc(load: &proto::SchedulerLoad) -> SchedulerLoadSnapshot 
 pub fn worker_load_from_grpc(
     response: proto::GetLoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    WorkerLoad::from_ranks(response.loads.iter().map(snapshot_from_grpc).collect()).map(Some)
+    WorkerLoad::from_report(response.loads.iter().map(snapshot_from_grpc).collect())
 }
 
 /// A snapshot as the message a TokenSpeed server would send, for servers that
@@ -58,18 +55,20 @@ pub fn worker_load_from_grpc(
 /// requests are waiting).
 pub fn grpc_from_snapshot(snapshot: &SchedulerLoadSnapshot) -> proto::SchedulerLoad {
     proto::SchedulerLoad {
-        dp_rank: saturate(snapshot.dp_rank),
-        num_running_reqs: saturate(snapshot.num_running_reqs),
-        num_waiting_reqs: saturate(snapshot.num_waiting_reqs),
-        num_total_reqs: saturate(snapshot.num_total_reqs),
-        num_used_tokens: saturate(snapshot.num_used_tokens),
-        max_total_num_tokens: saturate(snapshot.max_total_num_tokens),
-        max_running_requests: saturate(snapshot.max_running_requests),
+        dp_rank: proto3_count(snapshot.dp_rank),
+        num_running_reqs: proto3_count(snapshot.num_running_reqs),
+        num_waiting_reqs: proto3_count(snapshot.num_waiting_reqs),
+        num_total_reqs: proto3_count(snapshot.num_total_reqs),
+        num_used_tokens: proto3_count(snapshot.num_used_tokens),
+        max_total_num_tokens: proto3_count(snapshot.max_total_num_tokens),
+        max_running_requests: proto3_count(snapshot.max_running_requests),
         token_usage: snapshot.token_usage,
         gen_throughput: snapshot.gen_throughput.unwrap_or(0.0),
         cache_hit_rate: snapshot.cache_hit_rate,
         utilization: snapshot.utilization,
-        num_waiting_uncached_tokens: saturate(snapshot.num_waiting_uncached_tokens.unwrap_or(0)),
+        num_waiting_uncached_tokens: proto3_count(
+            snapshot.num_waiting_uncached_tokens.unwrap_or(0),
+        ),
     }
 }
 
@@ -81,10 +80,6 @@ impl TryFrom<proto::GetLoadsResponse> for WorkerLoad {
     fn try_from(response: proto::GetLoadsResponse) -> Result<WorkerLoad, LoadValidationError> {
         worker_load_from_grpc(response)?.ok_or(LoadValidationError::NoRanks)
     }
-}
-
-fn saturate(value: i64) -> i32 {
-    i32::try_from(value).unwrap_or(if value < 0 { i32::MIN } else { i32::MAX })
 }
 
 #[cfg(test)]
