@@ -1,8 +1,8 @@
 //! Pure conversions from SGLang's wire formats into [`WorkerLoad`].
 
 use load_protocols::{
-    LoadValidationError, LoadsResponse, SchedulerLoadSnapshot, WorkerLoad, proto3_count,
-    queued_tokens_from_proto3, throughput_from_proto3,
+    LoadValidationError, LoadsResponse, SchedulerLoadSnapshot, WorkerLoad,
+    proto3_count as saturate, queued_tokens_from_proto3, throughput_from_proto3,
 };
 
 use crate::proto;
@@ -61,20 +61,18 @@ pub fn worker_load_from_loads_json(
 /// when requests are waiting).
 pub fn grpc_from_snapshot(snapshot: &SchedulerLoadSnapshot) -> proto::SchedulerLoad {
     proto::SchedulerLoad {
-        dp_rank: proto3_count(snapshot.dp_rank),
-        num_running_reqs: proto3_count(snapshot.num_running_reqs),
-        num_waiting_reqs: proto3_count(snapshot.num_waiting_reqs),
-        num_total_reqs: proto3_count(snapshot.num_total_reqs),
-        num_used_tokens: proto3_count(snapshot.num_used_tokens),
-        max_total_num_tokens: proto3_count(snapshot.max_total_num_tokens),
+        dp_rank: saturate(snapshot.dp_rank),
+        num_running_reqs: saturate(snapshot.num_running_reqs),
+        num_waiting_reqs: saturate(snapshot.num_waiting_reqs),
+        num_total_reqs: saturate(snapshot.num_total_reqs),
+        num_used_tokens: saturate(snapshot.num_used_tokens),
+        max_total_num_tokens: saturate(snapshot.max_total_num_tokens),
         token_usage: snapshot.token_usage,
         gen_throughput: snapshot.gen_throughput.unwrap_or(0.0),
         cache_hit_rate: snapshot.cache_hit_rate,
         utilization: snapshot.utilization,
-        max_running_requests: proto3_count(snapshot.max_running_requests),
-        num_waiting_uncached_tokens: proto3_count(
-            snapshot.num_waiting_uncached_tokens.unwrap_or(0),
-        ),
+        max_running_requests: saturate(snapshot.max_running_requests),
+        num_waiting_uncached_tokens: saturate(snapshot.num_waiting_uncached_tokens.unwrap_or(0)),
     }
 }
 

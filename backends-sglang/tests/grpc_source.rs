@@ -8,84 +8,32 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use backends_sglang::proto::sglang_scheduler_server::{SglangScheduler, SglangSchedulerServer};
-use backends_sglang::proto::{
-    GetLoadsRequest, GetLoadsResponse, HealthCheckRequest, HealthCheckResponse, SchedulerLoad,
-};
+use backends_sglang::proto::{GetLoadsResponse, SchedulerLoad};
 use backends_sglang::{SglangGetLoads, SglangHttpLoadSource};
-use load_protocols::{LoadValidationError, WorkerLoad};
-use load_transport::test_support::{self, Script, ScriptedBackend, ScriptedLoads, build, options};
+use load_protocols::LoadValidationError;
+use load_transport::test_support::{self, Script, build, fetch_ranks, options};
 use policy_core::{BackendError, BackendRegistry, BackendSpec, LoadError, SourceOptions};
 use prost::Message;
-use tonic::service::Routes;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
-struct Scheduler(Arc<ScriptedLoads<GetLoadsResponse>>);
-
-#[tonic::async_trait]
-impl SglangScheduler for Scheduler {
-    async fn get_loads(
-        &self,
-        request: Request<GetLoadsRequest>,
-    ) -> Result<Response<GetLoadsResponse>, Status> {
-        self.0.answer(request, |message| message.include).await
-    }
-
-    async fn health_check(
-        &self,
-        _request: Request<HealthCheckRequest>,
-    ) -> Result<Response<HealthCheckResponse>, Status> {
-        Ok(Response::new(HealthCheckResponse {
-            healthy: true,
-            message: String::new(),
-        }))
-    }
-}
-
-struct Sglang;
-
-impl ScriptedBackend for Sglang {
-    type Loads = SglangGetLoads;
-
-    fn routes(loads: Arc<ScriptedLoads<GetLoadsResponse>>) -> Routes {
-        Routes::new(SglangSchedulerServer::new(Scheduler(loads)))
-    }
-
-    fn oversized() -> GetLoadsResponse {
-        GetLoadsResponse {
-            version: "x".repeat(4096),
-            loads: vec![SchedulerLoad::default()],
-            ..Default::default()
-        }
-    }
-}
-
-async fn fetch(ranks: Vec<SchedulerLoad>) -> Result<Option<WorkerLoad>, LoadError> {
-    let reply = GetLoadsResponse {
-        dp_rank_count: ranks.len() as i32,
-        loads: ranks,
-        ..Default::default()
-    };
-    test_support::fetch::<Sglang>(Script::Reply(reply)).await
-}
+load_transport::scripted_backend!(
+    Sglang,
+    SglangGetLoads,
+    SglangScheduler,
+    SglangSchedulerServer,
+    backends_sglang::proto
+);
 
 #[tokio::test]
-async fn every_grpc_source_outcome() {
+async fn what_every_grpc_source_does() {
     // DEADLINE_EXCEEDED from the server is a timed-out poll here.
-    test_support::check_outcomes::<Sglang>().await;
-}
-
-#[tokio::test]
-async fn polls_send_core_and_the_bearer_key_on_one_channel() {
-    test_support::check_request::<Sglang>().await;
+    test_support::check_source::<Sglang>().await;
 }
 
 #[test]
-fn factory_needs_a_grpc_load_address() {
-    test_support::check_factory::<Sglang>();
-    // The HTTP backend registered beside it refuses the same bad key.
+fn the_http_backend_beside_it_refuses_a_bad_key_too() {
     let mut registry = BackendRegistry::new();
     backends_sglang::register(&mut registry);
     let http = BackendSpec {
@@ -127,7 +75,7 @@ async fn a_dp2_report() {
 
 #[tokio::test]
 async fn proto3_presence_over_the_wire() {
-    let load = fetch(vec![SchedulerLoad {
+    let load = fetch_ranks::<Sglang>(vec![SchedulerLoad {
         num_waiting_reqs: 2,
         token_usage: 0.5,
         ..Default::default()
@@ -142,7 +90,7 @@ async fn proto3_presence_over_the_wire() {
 #[tokio::test]
 async fn bad_values_are_rejected_or_clamped() {
     for usage in [f64::NAN, f64::INFINITY] {
-        let err = fetch(vec![SchedulerLoad {
+        let err = fetch_ranks::<Sglang>(vec![SchedulerLoad {
             token_usage: usage,
             ..Default::default()
         }])
@@ -162,7 +110,7 @@ async fn bad_values_are_rejected_or_clamped() {
             "{err:?}"
         );
     }
-    let err = fetch(vec![SchedulerLoad {
+    let err = fetch_ranks::<Sglang>(vec![SchedulerLoad {
         dp_rank: 1,
         num_running_reqs: -1,
         ..Default::default()
@@ -183,7 +131,7 @@ async fn bad_values_are_rejected_or_clamped() {
         ),
         "{err:?}"
     );
-    let err = fetch(vec![SchedulerLoad {
+    let err = fetch_ranks::<Sglang>(vec![SchedulerLoad {
         num_waiting_uncached_tokens: -5,
         ..Default::default()
     }])
@@ -191,7 +139,7 @@ async fn bad_values_are_rejected_or_clamped() {
     .unwrap_err();
     assert!(matches!(err, LoadError::Invalid { .. }), "{err:?}");
 
-    let load = fetch(vec![SchedulerLoad {
+    let load = fetch_ranks::<Sglang>(vec![SchedulerLoad {
         token_usage: 1.5,
         gen_throughput: f64::INFINITY,
         ..Default::default()

@@ -1,7 +1,7 @@
 //! Pure conversions from TokenSpeed's `GetLoadsResponse` into [`WorkerLoad`].
 
 use load_protocols::{
-    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, proto3_count,
+    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, proto3_count as saturate,
     queued_tokens_from_proto3, throughput_from_proto3,
 };
 
@@ -55,20 +55,18 @@ pub fn worker_load_from_grpc(
 /// requests are waiting).
 pub fn grpc_from_snapshot(snapshot: &SchedulerLoadSnapshot) -> proto::SchedulerLoad {
     proto::SchedulerLoad {
-        dp_rank: proto3_count(snapshot.dp_rank),
-        num_running_reqs: proto3_count(snapshot.num_running_reqs),
-        num_waiting_reqs: proto3_count(snapshot.num_waiting_reqs),
-        num_total_reqs: proto3_count(snapshot.num_total_reqs),
-        num_used_tokens: proto3_count(snapshot.num_used_tokens),
-        max_total_num_tokens: proto3_count(snapshot.max_total_num_tokens),
-        max_running_requests: proto3_count(snapshot.max_running_requests),
+        dp_rank: saturate(snapshot.dp_rank),
+        num_running_reqs: saturate(snapshot.num_running_reqs),
+        num_waiting_reqs: saturate(snapshot.num_waiting_reqs),
+        num_total_reqs: saturate(snapshot.num_total_reqs),
+        num_used_tokens: saturate(snapshot.num_used_tokens),
+        max_total_num_tokens: saturate(snapshot.max_total_num_tokens),
+        max_running_requests: saturate(snapshot.max_running_requests),
         token_usage: snapshot.token_usage,
         gen_throughput: snapshot.gen_throughput.unwrap_or(0.0),
         cache_hit_rate: snapshot.cache_hit_rate,
         utilization: snapshot.utilization,
-        num_waiting_uncached_tokens: proto3_count(
-            snapshot.num_waiting_uncached_tokens.unwrap_or(0),
-        ),
+        num_waiting_uncached_tokens: saturate(snapshot.num_waiting_uncached_tokens.unwrap_or(0)),
     }
 }
 

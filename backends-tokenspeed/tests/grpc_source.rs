@@ -5,91 +5,36 @@
 // Helpers outside #[test] functions may unwrap too: a panic is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
-
 use backends_tokenspeed::TokenspeedGetLoads;
 use backends_tokenspeed::proto::token_speed_scheduler_server::{
     TokenSpeedScheduler, TokenSpeedSchedulerServer,
 };
-use backends_tokenspeed::proto::{
-    GetLoadsRequest, GetLoadsResponse, HealthCheckRequest, HealthCheckResponse, SchedulerLoad,
-};
-use load_protocols::{LoadValidationError, WorkerLoad};
-use load_transport::test_support::{
-    self, Script, ScriptedBackend, ScriptedLoads, build, options, serve,
-};
+use backends_tokenspeed::proto::{GetLoadsResponse, SchedulerLoad};
+use load_protocols::LoadValidationError;
+use load_transport::test_support::{self, Script, build, fetch_ranks, options, serve};
 use policy_core::LoadError;
 use prost::Message;
-use tonic::service::Routes;
-use tonic::{Code, Request, Response, Status};
+use tonic::Code;
 
-struct Scheduler(Arc<ScriptedLoads<GetLoadsResponse>>);
-
-#[tonic::async_trait]
-impl TokenSpeedScheduler for Scheduler {
-    async fn get_loads(
-        &self,
-        request: Request<GetLoadsRequest>,
-    ) -> Result<Response<GetLoadsResponse>, Status> {
-        self.0.answer(request, |message| message.include).await
-    }
-
-    async fn health_check(
-        &self,
-        _request: Request<HealthCheckRequest>,
-    ) -> Result<Response<HealthCheckResponse>, Status> {
-        Ok(Response::new(HealthCheckResponse {
-            healthy: true,
-            message: String::new(),
-        }))
-    }
-}
-
-struct TokenSpeed;
-
-impl ScriptedBackend for TokenSpeed {
-    type Loads = TokenspeedGetLoads;
-
-    fn routes(loads: Arc<ScriptedLoads<GetLoadsResponse>>) -> Routes {
-        Routes::new(TokenSpeedSchedulerServer::new(Scheduler(loads)))
-    }
-
-    fn oversized() -> GetLoadsResponse {
-        GetLoadsResponse {
-            version: "x".repeat(4096),
-            loads: vec![SchedulerLoad::default()],
-            ..Default::default()
-        }
-    }
-}
-
-async fn fetch(ranks: Vec<SchedulerLoad>) -> Result<Option<WorkerLoad>, LoadError> {
-    let reply = GetLoadsResponse {
-        dp_rank_count: ranks.len() as i32,
-        loads: ranks,
-        ..Default::default()
-    };
-    test_support::fetch::<TokenSpeed>(Script::Reply(reply)).await
-}
+load_transport::scripted_backend!(
+    TokenSpeed,
+    TokenspeedGetLoads,
+    TokenSpeedScheduler,
+    TokenSpeedSchedulerServer,
+    backends_tokenspeed::proto
+);
 
 #[tokio::test]
-async fn every_grpc_source_outcome() {
+async fn what_every_grpc_source_does() {
     // DEADLINE_EXCEEDED from the server is no report here.
-    test_support::check_outcomes::<TokenSpeed>().await;
-}
-
-#[tokio::test]
-async fn polls_send_core_and_the_bearer_key_on_one_channel() {
-    test_support::check_request::<TokenSpeed>().await;
+    test_support::check_source::<TokenSpeed>().await;
 }
 
 #[test]
-fn factory_needs_a_grpc_load_address() {
-    assert_eq!(
-        test_support::registry::<TokenSpeed>().names(),
-        ["tokenspeed"]
-    );
-    test_support::check_factory::<TokenSpeed>();
+fn registers_tokenspeed_only() {
+    let mut registry = policy_core::BackendRegistry::new();
+    backends_tokenspeed::register(&mut registry);
+    assert_eq!(registry.names(), ["tokenspeed"]);
 }
 
 #[tokio::test]
@@ -108,7 +53,7 @@ async fn a_released_server_s_report() {
 
 #[tokio::test]
 async fn a_positive_field_14_is_used() {
-    let load = fetch(vec![SchedulerLoad {
+    let load = fetch_ranks::<TokenSpeed>(vec![SchedulerLoad {
         num_waiting_reqs: 2,
         num_waiting_uncached_tokens: 3000,
         gen_throughput: 1500.0,
@@ -124,7 +69,7 @@ async fn a_positive_field_14_is_used() {
 #[tokio::test]
 async fn bad_values_are_rejected_or_clamped() {
     for usage in [f64::NAN, f64::INFINITY, -0.5] {
-        let err = fetch(vec![SchedulerLoad {
+        let err = fetch_ranks::<TokenSpeed>(vec![SchedulerLoad {
             token_usage: usage,
             ..Default::default()
         }])
@@ -147,7 +92,7 @@ async fn bad_values_are_rejected_or_clamped() {
             "{usage}: {err:?}"
         );
     }
-    let err = fetch(vec![SchedulerLoad {
+    let err = fetch_ranks::<TokenSpeed>(vec![SchedulerLoad {
         num_waiting_reqs: -2,
         ..Default::default()
     }])
@@ -166,7 +111,7 @@ async fn bad_values_are_rejected_or_clamped() {
         ),
         "{err:?}"
     );
-    let load = fetch(vec![SchedulerLoad {
+    let load = fetch_ranks::<TokenSpeed>(vec![SchedulerLoad {
         token_usage: 1.2,
         gen_throughput: f64::NAN,
         ..Default::default()

@@ -6,57 +6,20 @@
 // Helpers outside `#[test]` fns panic too: in a test, a panic is a failed assertion.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
 use backends_vllm::VllmGetLoads;
+use backends_vllm::proto::SchedulerLoad;
 use backends_vllm::proto::vllm_engine_server::{VllmEngine, VllmEngineServer};
-use backends_vllm::proto::{
-    GetLoadsRequest, GetLoadsResponse, HealthCheckRequest, HealthCheckResponse, SchedulerLoad,
-};
 use load_protocols::LoadValidationError;
-use load_transport::test_support::{
-    self, Script, ScriptedBackend, ScriptedLoads, build, options, serve,
-};
+use load_transport::test_support::{self, fetch_ranks};
 use policy_core::LoadError;
-use tonic::service::Routes;
-use tonic::{Request, Response, Status};
 
-struct Engine(Arc<ScriptedLoads<GetLoadsResponse>>);
-
-#[tonic::async_trait]
-impl VllmEngine for Engine {
-    async fn get_loads(
-        &self,
-        request: Request<GetLoadsRequest>,
-    ) -> Result<Response<GetLoadsResponse>, Status> {
-        self.0.answer(request, |message| message.include).await
-    }
-
-    async fn health_check(
-        &self,
-        _request: Request<HealthCheckRequest>,
-    ) -> Result<Response<HealthCheckResponse>, Status> {
-        Ok(Response::new(HealthCheckResponse {
-            healthy: true,
-            message: String::new(),
-        }))
-    }
-}
-
-struct Vllm;
-
-impl ScriptedBackend for Vllm {
-    type Loads = VllmGetLoads;
-
-    fn routes(loads: Arc<ScriptedLoads<GetLoadsResponse>>) -> Routes {
-        Routes::new(VllmEngineServer::new(Engine(loads)))
-    }
-
-    fn oversized() -> GetLoadsResponse {
-        respond((0..64).map(|dp| rank(dp, 1, 1, 0.5)).collect())
-    }
-}
+load_transport::scripted_backend!(
+    Vllm,
+    VllmGetLoads,
+    VllmEngine,
+    VllmEngineServer,
+    backends_vllm::proto
+);
 
 fn rank(dp_rank: i32, running: i32, waiting: i32, usage: f64) -> SchedulerLoad {
     SchedulerLoad {
@@ -69,41 +32,16 @@ fn rank(dp_rank: i32, running: i32, waiting: i32, usage: f64) -> SchedulerLoad {
     }
 }
 
-fn respond(loads: Vec<SchedulerLoad>) -> GetLoadsResponse {
-    GetLoadsResponse {
-        timestamp: "2026-12-01T00:00:00Z".into(),
-        version: "0.11.0".into(),
-        dp_rank_count: i32::try_from(loads.len()).unwrap(),
-        loads,
-    }
-}
-
-async fn serve_ranks(loads: Vec<SchedulerLoad>) -> SocketAddr {
-    serve::<Vllm>(Script::Reply(respond(loads))).await.0
-}
-
 #[tokio::test]
-async fn every_grpc_source_outcome() {
+async fn what_every_grpc_source_does() {
     // Unsupported names the full RPC; DEADLINE_EXCEEDED from the server is a
     // timed-out poll.
-    test_support::check_outcomes::<Vllm>().await;
-}
-
-#[tokio::test]
-async fn polls_send_core_the_bearer_key_and_the_deadline() {
-    test_support::check_request::<Vllm>().await;
-}
-
-#[test]
-fn factory_needs_a_grpc_load_address() {
-    test_support::check_factory::<Vllm>();
+    test_support::check_source::<Vllm>().await;
 }
 
 #[tokio::test]
 async fn a_two_rank_report() {
-    let addr = serve_ranks(vec![rank(0, 12, 3, 0.35), rank(1, 9, 1, 0.25)]).await;
-    let load = build::<Vllm>(addr, options())
-        .fetch()
+    let load = fetch_ranks::<Vllm>(vec![rank(0, 12, 3, 0.35), rank(1, 9, 1, 0.25)])
         .await
         .unwrap()
         .unwrap();
@@ -120,34 +58,41 @@ async fn hostile_values_are_invalid_or_clamped() {
         LoadError::Invalid { source, .. } => source,
         other => panic!("{other:?}"),
     };
-    let addr = serve_ranks(vec![rank(0, 1, 1, f64::NAN)]).await;
     assert!(matches!(
-        invalid(build::<Vllm>(addr, options()).fetch().await.unwrap_err()),
+        invalid(
+            fetch_ranks::<Vllm>(vec![rank(0, 1, 1, f64::NAN)])
+                .await
+                .unwrap_err()
+        ),
         LoadValidationError::NonFinite {
             field: "token_usage",
             ..
         }
     ));
-    let addr = serve_ranks(vec![rank(0, 1, 1, f64::INFINITY)]).await;
     assert!(matches!(
-        invalid(build::<Vllm>(addr, options()).fetch().await.unwrap_err()),
+        invalid(
+            fetch_ranks::<Vllm>(vec![rank(0, 1, 1, f64::INFINITY)])
+                .await
+                .unwrap_err()
+        ),
         LoadValidationError::NonFinite {
             field: "token_usage",
             ..
         }
     ));
-    let addr = serve_ranks(vec![rank(3, -1, 1, 0.5)]).await;
     assert_eq!(
-        invalid(build::<Vllm>(addr, options()).fetch().await.unwrap_err()),
+        invalid(
+            fetch_ranks::<Vllm>(vec![rank(3, -1, 1, 0.5)])
+                .await
+                .unwrap_err()
+        ),
         LoadValidationError::NegativeCount {
             dp_rank: 3,
             field: "num_running_reqs",
             value: -1
         }
     );
-    let addr = serve_ranks(vec![rank(0, 1, 1, 2.0)]).await;
-    let load = build::<Vllm>(addr, options())
-        .fetch()
+    let load = fetch_ranks::<Vllm>(vec![rank(0, 1, 1, 2.0)])
         .await
         .unwrap()
         .unwrap();
@@ -156,12 +101,8 @@ async fn hostile_values_are_invalid_or_clamped() {
 
 #[tokio::test]
 async fn the_default_cap_takes_64_ranks() {
-    // Over the 1 KiB cap of the outcome checks; the default cap (1 MiB) takes it.
-    let addr = serve::<Vllm>(Script::Reply(Vllm::oversized())).await.0;
-    let load = build::<Vllm>(addr, options())
-        .fetch()
-        .await
-        .unwrap()
-        .unwrap();
+    // The default cap (1 MiB) takes 64 full ranks.
+    let ranks = (0..64).map(|dp| rank(dp, 1, 1, 0.5)).collect();
+    let load = fetch_ranks::<Vllm>(ranks).await.unwrap().unwrap();
     assert_eq!(load.ranks().len(), 64);
 }

@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::error::Error as _;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +20,7 @@ use policy_core::{
     BackendError, BackendRegistry, BackendSpec, LoadError, LoadSource, SourceOptions,
 };
 use tokio::io::AsyncReadExt;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Code, Request, Response, Status};
@@ -99,15 +100,91 @@ impl<T: Clone> ScriptedLoads<T> {
     }
 }
 
-/// A gRPC backend under test: its `GetLoads` and its generated server.
-pub trait ScriptedBackend {
-    type Loads: GetLoads<Reply: Clone + Default + Sync>;
+/// A gRPC backend under test: its `GetLoads`, its generated server, and a
+/// reply of given ranks.
+pub trait ScriptedBackend: 'static {
+    type Loads: GetLoads<Reply: Clone + Sync>;
+    /// One rank of a reply (the proto's `SchedulerLoad`).
+    type Rank: Clone + Default;
 
     /// The generated server, its `get_loads` answered by `loads`.
     fn routes(loads: Arc<ScriptedLoads<<Self::Loads as GetLoads>::Reply>>) -> Routes;
 
-    /// A valid reply whose encoding is larger than 1 KiB.
-    fn oversized() -> <Self::Loads as GetLoads>::Reply;
+    /// A reply of `ranks`, with the rank count set.
+    fn reply(ranks: Vec<Self::Rank>) -> <Self::Loads as GetLoads>::Reply;
+}
+
+/// Defines `$backend`, a [`ScriptedBackend`] for the `GetLoads` type
+/// `$loads`, served by the generated `$server` (the server trait
+/// `$service`) answered by a [`ScriptedLoads`]. The messages are those of
+/// the proto module `$proto`, shaped like SGLang's scheduler:
+/// `GetLoadsRequest` with `include`, `GetLoadsResponse` of `loads`
+/// (`SchedulerLoad`) and `dp_rank_count`, and `HealthCheckRequest` /
+/// `HealthCheckResponse` with `healthy` and `message`.
+///
+/// ```text
+/// use backends_sglang::SglangGetLoads;
+/// use backends_sglang::proto::sglang_scheduler_server::{SglangScheduler, SglangSchedulerServer};
+///
+/// load_transport::scripted_backend!(
+///     Sglang, SglangGetLoads, SglangScheduler, SglangSchedulerServer, backends_sglang::proto
+/// );
+/// ```
+#[macro_export]
+macro_rules! scripted_backend {
+    ($backend:ident, $loads:ty, $service:ident, $server:ident, $($proto:ident)::+ $(,)?) => {
+        struct $backend;
+
+        const _: () = {
+            use ::std::sync::Arc;
+            use $crate::test_support::{ScriptedBackend, ScriptedLoads};
+            use $($proto)::+::{
+                GetLoadsRequest, GetLoadsResponse, HealthCheckRequest, HealthCheckResponse,
+                SchedulerLoad,
+            };
+
+            struct Scripted(Arc<ScriptedLoads<GetLoadsResponse>>);
+
+            #[::tonic::async_trait]
+            impl $service for Scripted {
+                async fn get_loads(
+                    &self,
+                    request: ::tonic::Request<GetLoadsRequest>,
+                ) -> ::std::result::Result<::tonic::Response<GetLoadsResponse>, ::tonic::Status>
+                {
+                    self.0.answer(request, |message| message.include).await
+                }
+
+                async fn health_check(
+                    &self,
+                    _request: ::tonic::Request<HealthCheckRequest>,
+                ) -> ::std::result::Result<::tonic::Response<HealthCheckResponse>, ::tonic::Status>
+                {
+                    Ok(::tonic::Response::new(HealthCheckResponse {
+                        healthy: true,
+                        message: String::new(),
+                    }))
+                }
+            }
+
+            impl ScriptedBackend for $backend {
+                type Loads = $loads;
+                type Rank = SchedulerLoad;
+
+                fn routes(loads: Arc<ScriptedLoads<GetLoadsResponse>>) -> ::tonic::service::Routes {
+                    ::tonic::service::Routes::new($server::new(Scripted(loads)))
+                }
+
+                fn reply(ranks: Vec<SchedulerLoad>) -> GetLoadsResponse {
+                    GetLoadsResponse {
+                        dp_rank_count: i32::try_from(ranks.len()).unwrap_or(i32::MAX),
+                        loads: ranks,
+                        ..Default::default()
+                    }
+                }
+            }
+        };
+    };
 }
 
 type Reply<B> = <<B as ScriptedBackend>::Loads as GetLoads>::Reply;
@@ -157,6 +234,13 @@ pub async fn fetch<B: ScriptedBackend>(
     build::<B>(addr, options()).fetch().await
 }
 
+/// One fetch from a fresh server that replies `ranks`.
+pub async fn fetch_ranks<B: ScriptedBackend>(
+    ranks: Vec<B::Rank>,
+) -> Result<Option<WorkerLoad>, LoadError> {
+    fetch::<B>(Script::Reply(B::reply(ranks))).await
+}
+
 /// Options for tests that expect an answer: a deadline generous enough for a
 /// loaded CI machine.
 pub fn options() -> SourceOptions {
@@ -175,26 +259,34 @@ pub fn short_deadline() -> SourceOptions {
     }
 }
 
-/// A server that accepts connections, reads what is sent, and never answers.
-pub async fn serve_silent() -> SocketAddr {
+/// A TCP server on 127.0.0.1:0 that hands every connection to `handle`,
+/// for as long as the test's runtime lives.
+pub async fn serve_tcp<F, Fut>(handle: F) -> SocketAddr
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        loop {
-            let Ok((mut stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buffer = [0_u8; 4096];
-                while let Ok(n) = stream.read(&mut buffer).await {
-                    if n == 0 {
-                        break;
-                    }
-                }
-            });
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(handle(stream));
         }
     });
     addr
+}
+
+/// A server that accepts connections, reads what is sent, and never answers.
+pub async fn serve_silent() -> SocketAddr {
+    serve_tcp(|mut stream| async move {
+        let mut buffer = [0_u8; 4096];
+        while let Ok(n) = stream.read(&mut buffer).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await
 }
 
 /// An address nothing listens on.
@@ -213,7 +305,7 @@ pub async fn refused_addr() -> SocketAddr {
 /// server, and a TCP server that never speaks HTTP/2, are timeouts; a refused connection is a connect error; a reply
 /// over the body cap is refused.
 pub async fn check_outcomes<B: ScriptedBackend>() {
-    let load = fetch::<B>(Script::Reply(Reply::<B>::default())).await;
+    let load = fetch::<B>(Script::Reply(B::reply(Vec::new()))).await;
     assert!(matches!(load, Ok(None)), "an empty reply: {load:?}");
 
     let err = fetch::<B>(Script::Fail(Code::Unimplemented))
@@ -283,29 +375,33 @@ pub async fn check_outcomes<B: ScriptedBackend>() {
     );
     assert!(err.source().is_some());
 
-    let (addr, _) = serve::<B>(Script::Reply(B::oversized())).await;
+    // 64 empty ranks take 128 bytes.
+    let (addr, _) = serve::<B>(Script::Reply(B::reply(vec![B::Rank::default(); 64]))).await;
     let capped = SourceOptions {
-        body_limit_bytes: 1024,
+        body_limit_bytes: 100,
         ..options()
     };
     let err = build::<B>(addr, capped).fetch().await.unwrap_err();
     assert!(
-        matches!(
-            err,
-            LoadError::BodyTooLarge {
-                limit_bytes: 1024,
-                ..
-            }
-        ),
+        matches!(err, LoadError::BodyTooLarge { limit_bytes, .. } if limit_bytes == 100),
         "{err:?}"
     );
+}
+
+/// [`check_factory`] (on a thread outside any runtime), [`check_outcomes`]
+/// and [`check_request`]: everything a `B` source does that is not its
+/// conversion.
+pub async fn check_source<B: ScriptedBackend>() {
+    std::thread::spawn(check_factory::<B>).join().unwrap();
+    check_outcomes::<B>().await;
+    check_request::<B>().await;
 }
 
 /// What each poll sends: `include = ["core"]`, the key as
 /// `authorization: Bearer …`, the deadline as `grpc-timeout` where the
 /// backend sends it; and one channel serves every poll.
 pub async fn check_request<B: ScriptedBackend>() {
-    let (addr, loads) = serve::<B>(Script::Reply(Reply::<B>::default())).await;
+    let (addr, loads) = serve::<B>(Script::Reply(B::reply(Vec::new()))).await;
     let options = SourceOptions {
         api_key: Some("sk-grpc".into()),
         ..options()

@@ -7,6 +7,7 @@
 
 use std::net::SocketAddr;
 
+use load_transport::test_support::serve_tcp;
 pub use load_transport::test_support::{options, refused_addr, serve_silent, short_deadline};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -22,20 +23,11 @@ pub async fn serve_http(router: axum::Router) -> SocketAddr {
 /// A server that answers every connection with `response` verbatim, then
 /// closes it (for bodies shorter than their `Content-Length`).
 pub async fn serve_raw(response: &'static str) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buffer = [0_u8; 4096];
-                let _ = stream.read(&mut buffer).await;
-                let _ = stream.write_all(response.as_bytes()).await;
-                let _ = stream.shutdown().await;
-            });
-        }
-    });
-    addr
+    serve_tcp(move |mut stream| async move {
+        let mut buffer = [0_u8; 4096];
+        let _ = stream.read(&mut buffer).await;
+        let _ = stream.write_all(response.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await
 }
