@@ -1,9 +1,9 @@
 //! For gRPC backends' tests (feature `test-support`, a dev-dependency): a
 //! scripted `GetLoads` server on loopback, and the checks every
-//! [`GrpcLoadSource`](crate::grpc::GrpcLoadSource) passes whatever its
-//! proto. A backend's test names its generated server once
-//! ([`ScriptedBackend`]) and runs the checks; only what its own proto and
-//! conversion decide stays in its tests.
+//! [`GrpcLoadSource`] passes whatever its proto. A backend's test names its
+//! generated server once ([`scripted_backend!`](crate::scripted_backend),
+//! a [`ScriptedBackend`]) and runs [`check_source`]; only what its own proto
+//! and conversion decide stays in its tests.
 
 // Test support: a failed check panics, as a failed assertion does.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
