@@ -1,14 +1,6 @@
-//! Compiles `proto/sglang_scheduler.proto` into client and server code, with
-//! protoc supplied by `protoc-bin-vendored` (no system install needed).
+//! Compiles `proto/sglang_scheduler.proto` into client and server code
+//! (`load_transport::proto_build`, with the vendored protoc).
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto = "proto/sglang_scheduler.proto";
-    println!("cargo:rerun-if-changed={proto}");
-    let mut config = prost_build::Config::new();
-    config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_with_config(config, &[proto], &["proto"])?;
-    Ok(())
+fn main() -> Result<(), load_transport::proto_build::ProtoBuildError> {
+    load_transport::proto_build::compile("proto/sglang_scheduler.proto")
 }

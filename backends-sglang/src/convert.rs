@@ -2,7 +2,7 @@
 
 use load_protocols::{
     LoadValidationError, LoadsResponse, SchedulerLoadSnapshot, WorkerLoad,
-    queued_tokens_from_proto3, throughput_from_proto3,
+    proto3_count as saturate, queued_tokens_from_proto3, throughput_from_proto3,
 };
 
 use crate::proto;
@@ -41,10 +41,7 @@ pub fn snapshot_from_grpc(load: &proto::SchedulerLoad) -> SchedulerLoadSnapshot 
 pub fn worker_load_from_grpc(
     response: proto::GetLoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    WorkerLoad::from_ranks(response.loads.iter().map(snapshot_from_grpc).collect()).map(Some)
+    WorkerLoad::from_report(response.loads.iter().map(snapshot_from_grpc).collect())
 }
 
 /// A `/v1/loads` JSON body, already deserialized, as a validated
@@ -53,10 +50,7 @@ pub fn worker_load_from_grpc(
 pub fn worker_load_from_loads_json(
     response: LoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    WorkerLoad::from_ranks(response.loads).map(Some)
+    WorkerLoad::from_report(response.loads)
 }
 
 /// A snapshot as the gRPC message a SGLang server would send, for servers
@@ -90,10 +84,6 @@ impl TryFrom<proto::GetLoadsResponse> for WorkerLoad {
     fn try_from(response: proto::GetLoadsResponse) -> Result<WorkerLoad, LoadValidationError> {
         worker_load_from_grpc(response)?.ok_or(LoadValidationError::NoRanks)
     }
-}
-
-fn saturate(value: i64) -> i32 {
-    i32::try_from(value).unwrap_or(if value < 0 { i32::MIN } else { i32::MAX })
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Pure conversions from TokenSpeed's `GetLoadsResponse` into [`WorkerLoad`].
 
 use load_protocols::{
-    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, queued_tokens_from_proto3,
-    throughput_from_proto3,
+    LoadValidationError, SchedulerLoadSnapshot, WorkerLoad, proto3_count as saturate,
+    queued_tokens_from_proto3, throughput_from_proto3,
 };
 
 use crate::proto;
@@ -44,10 +44,7 @@ pub fn snapshot_from_grpc(load: &proto::SchedulerLoad) -> SchedulerLoadSnapshot 
 pub fn worker_load_from_grpc(
     response: proto::GetLoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    WorkerLoad::from_ranks(response.loads.iter().map(snapshot_from_grpc).collect()).map(Some)
+    WorkerLoad::from_report(response.loads.iter().map(snapshot_from_grpc).collect())
 }
 
 /// A snapshot as the message a TokenSpeed server would send, for servers that
@@ -81,10 +78,6 @@ impl TryFrom<proto::GetLoadsResponse> for WorkerLoad {
     fn try_from(response: proto::GetLoadsResponse) -> Result<WorkerLoad, LoadValidationError> {
         worker_load_from_grpc(response)?.ok_or(LoadValidationError::NoRanks)
     }
-}
-
-fn saturate(value: i64) -> i32 {
-    i32::try_from(value).unwrap_or(if value < 0 { i32::MIN } else { i32::MAX })
 }
 
 #[cfg(test)]

@@ -25,11 +25,7 @@ pub const GRPC_KIND: &str = "vllm-grpc";
 pub fn worker_load_from_grpc(
     response: GetLoadsResponse,
 ) -> Result<Option<WorkerLoad>, LoadValidationError> {
-    if response.loads.is_empty() {
-        return Ok(None);
-    }
-    let ranks = response.loads.into_iter().map(snapshot_from_grpc).collect();
-    WorkerLoad::from_ranks(ranks).map(Some)
+    WorkerLoad::from_report(response.loads.into_iter().map(snapshot_from_grpc).collect())
 }
 
 /// One rank of a `GetLoadsResponse` as a [`SchedulerLoadSnapshot`], before

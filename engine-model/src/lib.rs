@@ -15,7 +15,9 @@
 //! - [`reports`]: the engine's true state as each real engine reports it
 //!   (SGLang `/v1/loads` and `/metrics`, vLLM `/metrics`, gRPC fields).
 //! - [`mix`] and [`SplitMix64`]: the one seeded generator and mixer behind
-//!   every seed and hash of the model and the simulator.
+//!   every seed and hash of the model and the simulator, re-exported from
+//!   `policy_core::splitmix` (the policies' tie-breaking and hash ring use
+//!   the same one).
 //!
 //! ```
 //! use engine_model::{Engine, EngineEvent, EngineParams, EngineRequest};
@@ -56,11 +58,10 @@ mod error;
 pub mod model;
 mod prefix_cache;
 pub mod reports;
-mod splitmix;
 
 pub use error::EngineError;
 pub use model::{
     Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, StepSummary,
     chain_block_hashes,
 };
-pub use splitmix::{SplitMix64, mix};
+pub use policy_core::splitmix::{SplitMix64, mix};

@@ -12,11 +12,11 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
+use policy_core::splitmix::{SplitMix64, finalize};
 use serde::{Deserialize, Serialize};
 
 use crate::error::EngineError;
 use crate::prefix_cache::{MatchStamp, PrefixCache, ROOT, Touch};
-use crate::splitmix::{SplitMix64, finalize};
 
 /// Per-worker engine parameters. Every field has a default; serde
 /// accepts the short names (`prefill_chunk`, `block_size`,

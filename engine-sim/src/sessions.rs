@@ -9,6 +9,7 @@
 //! sessions share nothing but their app's system prompt (every user message
 //! opens with its session's number).
 
+use policy_core::splitmix::mix_at;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -67,7 +68,7 @@ impl SessionConfig {
     /// App `app`'s system prompt: `system_prompt_tokens` tokens of text,
     /// the same for every session of the app.
     pub fn system_prompt(&self, app: u32) -> String {
-        let mut rng = SmallRng::seed_from_u64(mix(self.seed ^ SYSTEM_SALT, u64::from(app)));
+        let mut rng = SmallRng::seed_from_u64(mix_at(self.seed ^ SYSTEM_SALT, u64::from(app)));
         let head = format!("You are the assistant of app {app}. Follow these rules.");
         filler(&mut rng, &head, tokens_to_chars(self.system_prompt_tokens))
     }
@@ -75,7 +76,7 @@ impl SessionConfig {
     /// Session `id` (any number; ids name distinct sessions), ready for its
     /// first turn.
     pub fn session(&self, id: u64) -> ChatSession {
-        let mut rng = SmallRng::seed_from_u64(mix(self.seed, id));
+        let mut rng = SmallRng::seed_from_u64(mix_at(self.seed, id));
         let app = rng.random_range(0..self.apps);
         let go_on = 1.0 - 1.0 / self.mean_turns;
         let mut turns = 1;
@@ -235,16 +236,6 @@ const WORDS: [&str; 32] = [
 
 fn tokens_to_chars(tokens: u32) -> usize {
     tokens as usize * CHARS_PER_TOKEN
-}
-
-/// SplitMix64 of a seed and an index: independent generators per index.
-fn mix(seed: u64, index: u64) -> u64 {
-    let mut z = seed
-        .wrapping_add(index.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-        .wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// `head`, then random words, cut to exactly `chars` ASCII characters.

@@ -36,7 +36,7 @@ mod worker_load;
 pub use error::{LoadValidationError, PrometheusParseError, PrometheusParseReason};
 pub use prometheus::{Sample, parse_prometheus_text};
 pub use snapshot::{
-    AggregateMetrics, LoadsResponse, SchedulerLoadSnapshot, queued_tokens_from_proto3,
-    throughput_from_proto3,
+    AggregateMetrics, LoadsResponse, SchedulerLoadSnapshot, proto3_count,
+    queued_tokens_from_proto3, throughput_from_proto3,
 };
 pub use worker_load::WorkerLoad;

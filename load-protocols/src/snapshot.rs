@@ -85,3 +85,17 @@ pub fn queued_tokens_from_proto3(
 pub fn throughput_from_proto3(gen_throughput: f64) -> Option<f64> {
     (gen_throughput != 0.0).then_some(gen_throughput)
 }
+
+/// A count as a proto3 `int32`, for servers that send the gRPC reports:
+/// counts beyond `i32` saturate.
+///
+/// ```
+/// use load_protocols::proto3_count;
+///
+/// assert_eq!(proto3_count(7), 7);
+/// assert_eq!(proto3_count(i64::MAX), i32::MAX);
+/// assert_eq!(proto3_count(i64::MIN), i32::MIN);
+/// ```
+pub fn proto3_count(value: i64) -> i32 {
+    i32::try_from(value).unwrap_or(if value < 0 { i32::MIN } else { i32::MAX })
+}

@@ -45,6 +45,26 @@ impl WorkerLoad {
         })
     }
 
+    /// Validates one report whose rank list may be empty: an empty list is
+    /// `Ok(None)`, "no report this time" (an encode-only worker, a server
+    /// between runs), the rest as [`from_ranks`](Self::from_ranks).
+    ///
+    /// ```
+    /// use load_protocols::{SchedulerLoadSnapshot, WorkerLoad};
+    ///
+    /// assert_eq!(WorkerLoad::from_report(Vec::new()), Ok(None));
+    /// let one = WorkerLoad::from_report(vec![SchedulerLoadSnapshot::default()]);
+    /// assert_eq!(one.map(|load| load.map(|load| load.ranks().len())), Ok(Some(1)));
+    /// ```
+    pub fn from_report(
+        loads: Vec<SchedulerLoadSnapshot>,
+    ) -> Result<Option<WorkerLoad>, LoadValidationError> {
+        if loads.is_empty() {
+            return Ok(None);
+        }
+        WorkerLoad::from_ranks(loads).map(Some)
+    }
+
     /// Stamps the moment the report was received.
     #[must_use]
     pub fn observed_at(mut self, now: Instant) -> WorkerLoad {

@@ -17,7 +17,14 @@
 //!   [`GrpcLoadSource`](grpc::GrpcLoadSource), the whole `GetLoads` source
 //!   for a backend that implements [`GetLoads`](grpc::GetLoads).
 //!
-//! Both features are on by default; an HTTP-only user turns them off and
+//! - `proto_build` (feature `proto-build`): a gRPC backend's `build.rs`,
+//!   its `.proto` compiled with the vendored protoc, as a build-dependency
+//!   that builds nothing else of this crate.
+//! - `test_support` (feature `test-support`, for gRPC backends' tests): a
+//!   scripted load server on loopback and the checks every gRPC load source
+//!   passes whatever its proto.
+//!
+//! `http` and `grpc` are on by default; an HTTP-only user turns them off and
 //! asks for `http`, which keeps tonic out of its build.
 //!
 //! ```
@@ -44,3 +51,7 @@ pub mod grpc;
 pub mod h1;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "proto-build")]
+pub mod proto_build;
+#[cfg(feature = "test-support")]
+pub mod test_support;

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::baseline::LedgerBook;
 use crate::slots::{Slot, SlotsView, WorkerLedger, WorkerSlots};
+use crate::splitmix::mix;
 use crate::{
     Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, RequestInfo, ScoreRow,
     ScoreTable, WorkerId, WorkerInfo, WorkerStats, describe_request, parse_section, worker_url_key,
@@ -85,16 +86,8 @@ impl ConsistentHashParams {
         let blocks = hashes.len().min(self.prefix_hash_blocks as usize);
         // Hash `i` already names blocks `0..=i`: no need to combine them.
         let last = hashes.get(blocks.checked_sub(1)?)?;
-        Some(mix64(*last))
+        Some(mix(*last))
     }
-}
-
-/// SplitMix64's finalizer: spreads nearby inputs over the whole ring.
-fn mix64(value: u64) -> u64 {
-    let mut z = value.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// One ring point of a worker: FNV-1a of its URL, then the point's index,
@@ -105,7 +98,7 @@ fn point_of(url: &str, index: u32) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
             (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
         });
-    mix64(url_hash ^ mix64(u64::from(index)))
+    mix(url_hash ^ mix(u64::from(index)))
 }
 
 /// The ring: every registered worker's points, sorted.
@@ -349,10 +342,7 @@ mod tests {
             }
         }
         // Shorter prompts key on what they have, which may differ.
-        assert_eq!(
-            policy.parameters().key(&prompt(3, 2)),
-            Some(mix64(3_000_001))
-        );
+        assert_eq!(policy.parameters().key(&prompt(3, 2)), Some(mix(3_000_001)));
     }
 
     #[test]

@@ -43,7 +43,9 @@
 //!
 //! With the `mocks` feature, `MockLoadSource` and `MockPolicy` (mockall) are
 //! exported for other crates' tests. The clients load sources fetch with
-//! (HTTP, gRPC) are the `load-transport` crate's.
+//! (HTTP, gRPC) are the `load-transport` crate's. [`splitmix`] is the one
+//! SplitMix64 generator and mixer of the workspace (tie-breaking, the
+//! consistent-hash ring, the engine model and the simulators).
 
 mod baseline;
 mod cache_aware;
@@ -59,6 +61,7 @@ mod request;
 mod rng;
 mod score_table;
 mod slots;
+pub mod splitmix;
 #[cfg(test)]
 mod test_support;
 mod worker;

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+use crate::splitmix::{GAMMA, mix};
 
 /// A SplitMix64 generator whose state is one atomic counter: every call is a
 /// single `fetch_add`, so concurrent selections never wait on each other, and a
@@ -19,14 +19,10 @@ impl TieBreaker {
         }
     }
 
+    /// The same sequence as a [`SplitMix64`](crate::splitmix::SplitMix64)
+    /// of the same seed.
     pub fn next_u64(&self) -> u64 {
-        let mut z = self
-            .state
-            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
-            .wrapping_add(GOLDEN_GAMMA);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        mix(self.state.fetch_add(GAMMA, Ordering::Relaxed))
     }
 
     /// A uniform integer in `0..bound` (`bound` > 0), by multiply-shift.
@@ -111,6 +107,9 @@ mod tests {
         let ys: Vec<u64> = (0..8).map(|_| b.next_u64()).collect();
         assert_eq!(xs, ys);
         assert_ne!(xs[0], xs[1]);
+        let mut plain = crate::splitmix::SplitMix64::new(7);
+        let zs: Vec<u64> = (0..8).map(|_| plain.next_u64()).collect();
+        assert_eq!(xs, zs);
     }
 
     #[test]

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use crate::splitmix::SplitMix64;
 use crate::{Process, build_release, free_ports, release_binary, start_engines, workspace_root};
 
 const CHAOS_USAGE: &str = "usage: cargo xtask chaos [--rate R] [--duration-s S] [--seed N]
@@ -662,39 +663,20 @@ pub(crate) struct Planned {
     pub(crate) long: bool,
 }
 
-/// SplitMix64: a seeded, dependency-free source for the arrivals and mix.
-#[derive(Debug)]
-pub(crate) struct SplitMix(pub(crate) u64);
-
-impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub(crate) fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// The same arrivals and mix for every fleet with the same seed; ids are
 /// `<fleet>-<n>`, unique across both fleets.
 fn plan(options: &Options, fleet: &str) -> Vec<Planned> {
-    let mut random = SplitMix(options.seed);
+    let mut random = SplitMix64::new(options.seed);
     let mut planned = Vec::new();
     let mut at_s = 0.0;
     loop {
         // Exponential gaps: Poisson arrivals.
-        at_s += -(1.0 - random.unit()).ln() / options.rate;
+        at_s += -(1.0 - random.next_unit()).ln() / options.rate;
         if at_s >= options.duration_s {
             break;
         }
-        let stream = random.unit() < STREAM_FRACTION;
-        let long = random.unit() < LONG_FRACTION;
+        let stream = random.next_unit() < STREAM_FRACTION;
+        let long = random.next_unit() < LONG_FRACTION;
         planned.push(Planned {
             id: format!("{fleet}-{:06}", planned.len()),
             at_s,

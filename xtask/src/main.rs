@@ -13,6 +13,12 @@ use std::time::{Duration, Instant};
 mod bench;
 mod chaos;
 mod demo;
+// The workspace's one SplitMix64, compiled here from its source: xtask
+// depends on no workspace crate (see Cargo.toml). xtask uses the generator,
+// not every function of the module.
+#[allow(dead_code)]
+#[path = "../../policy-core/src/splitmix.rs"]
+mod splitmix;
 
 const USAGE: &str = "usage: cargo xtask <task> [options]
 

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use super::report::Row;
 use super::{Options, median, proc_stat, spread};
-use crate::chaos::{Outcome, Planned, SplitMix, percentile, send_all};
+use crate::chaos::{Outcome, Planned, percentile, send_all};
+use crate::splitmix::SplitMix64;
 use crate::{Process, free_ports, release_binary};
 
 /// Model-mode SGLang engines in the fleet (engine-model defaults: 8000
@@ -237,15 +238,15 @@ fn wait_for_idle_engines(engines: &[String]) -> Result<(), String> {
 
 /// The same Poisson arrivals and mix for every setup: all streamed.
 fn plan(seed: u64, tag: &str) -> Vec<Planned> {
-    let mut random = SplitMix(seed);
+    let mut random = SplitMix64::new(seed);
     let mut planned = Vec::new();
     let mut at_s = 0.0;
     loop {
-        at_s += -(1.0 - random.unit()).ln() / RATE_RPS;
+        at_s += -(1.0 - random.next_unit()).ln() / RATE_RPS;
         if at_s >= LOAD_S {
             break;
         }
-        let long = random.unit() < LONG_FRACTION;
+        let long = random.next_unit() < LONG_FRACTION;
         planned.push(Planned {
             id: format!("{tag}-{:06}", planned.len()),
             at_s,
