@@ -1142,26 +1142,17 @@ fn a_peer_learns_a_worker_s_rate_from_another_replica_s_samples() {
         "{table}"
     );
     // A sample of a worker the peer lacks, or an absurd one, teaches nothing.
-    let sample = PrefillSample {
-        work_tokens: 1,
-        elapsed: Duration::ZERO,
+    let absurd = |worker_url| ReplicaUpdate::Prefill {
+        worker_url,
+        sample: PrefillSample {
+            work_tokens: 1,
+            elapsed: Duration::ZERO,
+        },
     };
-    let unknown = ReplicaUpdate::Prefill {
-        worker_url: "http://elsewhere",
-        sample,
-    };
-    assert_eq!(
-        peer.replica_update(&unknown, at),
-        ReplicaUpdateOutcome::UnknownWorker
-    );
-    let absurd = ReplicaUpdate::Prefill {
-        worker_url: "http://w0",
-        sample,
-    };
-    assert_eq!(
-        peer.replica_update(&absurd, at),
-        ReplicaUpdateOutcome::Applied
-    );
+    let elsewhere = peer.replica_update(&absurd("http://elsewhere"), at);
+    assert_eq!(elsewhere, ReplicaUpdateOutcome::UnknownWorker);
+    let dropped = peer.replica_update(&absurd("http://w0"), at);
+    assert_eq!(dropped, ReplicaUpdateOutcome::Applied);
     let table = peer.explain(&ids, &exact(100), at);
     assert_eq!(table.value(ids[0], "rate_samples"), Some(relayed as f64));
 }

@@ -33,6 +33,21 @@ async fn replica(nats: &NatsServer, id: &str, upstreams: &[&Upstream]) -> TestRo
     start_router(fast_config(workers, &sync_section(nats, id))).await
 }
 
+/// Replicas "a" and "b" over `upstream`, once both are connected to the
+/// broker and see the worker healthy.
+async fn connected_pair(nats: &NatsServer, upstream: &Upstream) -> (TestRouter, TestRouter) {
+    let a = replica(nats, "a", &[upstream]).await;
+    let b = replica(nats, "b", &[upstream]).await;
+    wait_until(
+        "both replicas are connected and the worker healthy",
+        || async {
+            sync_connected(&a).await && sync_connected(&b).await && b.healthy_count().await == 1
+        },
+    )
+    .await;
+    (a, b)
+}
+
 async fn explain(router: &TestRouter) -> serde_json::Value {
     router
         .client
@@ -61,15 +76,8 @@ async fn stream_chat(router: &TestRouter, text: &str) -> bool {
 async fn a_dispatch_on_one_replica_appears_in_the_others_explain_table() {
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
-    let a = Arc::new(replica(&nats, "a", &[&upstream]).await);
-    let b = replica(&nats, "b", &[&upstream]).await;
-    wait_until(
-        "both replicas are connected and the worker healthy",
-        || async {
-            sync_connected(&a).await && sync_connected(&b).await && b.healthy_count().await == 1
-        },
-    )
-    .await;
+    let (a, b) = connected_pair(&nats, &upstream).await;
+    let a = Arc::new(a);
     assert_eq!(explained(&b, &upstream.url, "remote_tok").await, 0.0);
 
     // A's request is held before its first token: pending work on A.
@@ -119,15 +127,7 @@ async fn a_dispatch_on_one_replica_appears_in_the_others_explain_table() {
 async fn first_tokens_on_one_replica_teach_the_other_the_worker_s_rate() {
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
-    let a = replica(&nats, "a", &[&upstream]).await;
-    let b = replica(&nats, "b", &[&upstream]).await;
-    wait_until(
-        "both replicas are connected and the worker healthy",
-        || async {
-            sync_connected(&a).await && sync_connected(&b).await && b.healthy_count().await == 1
-        },
-    )
-    .await;
+    let (a, b) = connected_pair(&nats, &upstream).await;
     assert_eq!(explained(&b, &upstream.url, "rate_samples").await, 0.0);
     // Streams through A, one after another: each first token from the
     // second on closes the previous one's prefill sample.
