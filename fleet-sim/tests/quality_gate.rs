@@ -1,4 +1,4 @@
-//! The routing-quality gate (issue 7, `docs/engine-model.md`): the shipped
+//! The routing-quality gate (`docs/engine-model.md`): the shipped
 //! `size-skew.toml`, `uniform.toml` and `poll-jitter.toml`, unchanged except
 //! for the request count (5,000 per policy and load level), at 0.8 and 0.9
 //! utilization with 1 s polls:
@@ -21,7 +21,7 @@
 //! requests at 0.9 moves by 10 to 15 % from one seed to the next on its own,
 //! so one seed would gate on luck.
 //!
-//! The replica-sync gate (issue 15), on the shipped `replicas.toml` at
+//! The replica-sync gate, on the shipped `replicas.toml` at
 //! 5,000 requests per cell, `least_load` only, one router against 4
 //! replicas, for both traffics at 0.8 and 0.9: with the ideal sync channel
 //! p99 TTFT is within 1.10 × one router's (the policy contract and the
