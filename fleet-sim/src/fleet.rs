@@ -63,8 +63,7 @@ use super::scenario::{
 use super::sync::{SyncChannel, worker_url};
 use super::workload::RequestSpec;
 use engine_model::{
-    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord,
-    chain_block_hashes, mix, reports,
+    Engine, EngineEvent, EngineParams, EngineRequest, EngineSnapshot, RequestRecord, mix, reports,
 };
 
 /// Everything one cell needs.
@@ -949,12 +948,9 @@ impl<'a> CellRun<'a> {
             if params.block_size_tokens == block_tokens {
                 (request, chain.clone())
             } else {
-                let content = spec.block_hashes(shared_prefix, params.block_size_tokens);
-                let own_chain = chain_block_hashes(&content).into();
-                let request = EngineRequest {
-                    prefix_block_hashes: content,
-                    ..request
-                };
+                let own_chain = spec
+                    .chained_block_hashes(shared_prefix, params.block_size_tokens)
+                    .into();
                 (request, own_chain)
             }
         };

@@ -1,14 +1,15 @@
 //! The workload generator: arrival times and prompt/output lengths, seeded.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use engine_model::mix;
-use engine_model::model::{chain_block_hash, chain_block_hashes};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
+use request_features::extend_token_id_chain;
 use serde::Deserialize;
 
 use super::error::SimError;
@@ -335,34 +336,37 @@ pub struct RequestSpec {
 }
 
 impl RequestSpec {
-    /// The content hash of each full block of `block_tokens` tokens the
-    /// engine may cache (the engine chains them): the shared prefix's blocks,
-    /// or every full block of a multi-turn prompt.
-    pub fn block_hashes(
-        &self,
-        shared_prefix: Option<SharedPrefixConfig>,
-        block_tokens: u32,
-    ) -> Vec<u64> {
+    /// The runs of its prompt that have content: the shared prefix (as
+    /// much of it as the prompt holds), or every segment of a multi-turn
+    /// prompt. The rest of a prompt is its own, so no block of it could
+    /// match another prompt's: it is left unhashed, and uncached.
+    fn content_runs(&self, shared_prefix: Option<SharedPrefixConfig>) -> Cow<'_, [Segment]> {
         if let Some(segments) = &self.segments {
-            return segment_hashes(segments, block_tokens);
+            return Cow::Borrowed(segments);
         }
         match (self.prefix_group, shared_prefix) {
-            (Some(group), Some(prefix)) => {
-                prefix_hashes(group, prefix.tokens, self.prompt_tokens, block_tokens)
-            }
-            _ => Vec::new(),
+            (Some(group), Some(prefix)) => Cow::Owned(vec![Segment {
+                id: 0x5eed_0000_0000_0000 ^ (u64::from(group) << 32),
+                tokens: prefix.tokens.min(self.prompt_tokens),
+            }]),
+            _ => Cow::Borrowed(&[]),
         }
     }
 
     /// The chained hashes of its blocks of `block_tokens` (what a router's
-    /// prefix index keys on): block `i`'s hash names the whole prefix up to
-    /// the end of block `i`, chained as the engine chains them.
+    /// prefix index keys on, and the engines' prefix caches): the synthetic
+    /// token ids of its runs with content (a hash of the run's id and the
+    /// token's place in it) hashed as the router hashes a body's
+    /// `input_ids` ([`request_features::extend_token_id_chain`]).
     pub fn chained_block_hashes(
         &self,
         shared_prefix: Option<SharedPrefixConfig>,
         block_tokens: u32,
     ) -> Vec<u64> {
-        chain_block_hashes(&self.block_hashes(shared_prefix, block_tokens))
+        let mut chain = Vec::new();
+        let runs = self.content_runs(shared_prefix);
+        extend_token_id_chain(&mut chain, segment_token_ids(&runs, 0), block_tokens);
+        chain
     }
 }
 
@@ -397,19 +401,14 @@ pub fn chained_block_hashes_of(
                     let chain: Arc<[u64]> = match earlier {
                         Some((_, earlier_chain)) => {
                             let mut chain = earlier_chain.to_vec();
-                            let mut previous = chain.last().copied().unwrap_or(0);
-                            let first_block = chain.len();
-                            chain.extend(
-                                segment_hashes_from(segments, block_tokens, first_block)
-                                    .into_iter()
-                                    .map(|content| {
-                                        previous = chain_block_hash(previous, content);
-                                        previous
-                                    }),
-                            );
+                            let hashed_tokens = chain.len() as u64 * u64::from(block_tokens);
+                            let rest = segment_token_ids(segments, hashed_tokens);
+                            extend_token_id_chain(&mut chain, rest, block_tokens);
                             chain.into()
                         }
-                        None => chain_block_hashes(&segment_hashes(segments, block_tokens)).into(),
+                        None => spec
+                            .chained_block_hashes(shared_prefix, block_tokens)
+                            .into(),
                     };
                     if let Some(last) = segments.last() {
                         unresent.insert(last.id, (segments.clone(), chain.clone()));
@@ -417,7 +416,7 @@ pub fn chained_block_hashes_of(
                     chain
                 }
                 (None, Some(group), Some(prefix)) => {
-                    // What `prefix_hashes` depends on besides the group.
+                    // What the chain depends on besides the group.
                     let blocks = prefix.tokens.min(spec.prompt_tokens) / block_tokens.max(1);
                     by_prefix
                         .entry((group, blocks))
@@ -435,52 +434,23 @@ pub fn chained_block_hashes_of(
         .collect()
 }
 
-/// The content hash of each full block of a prompt made of `segments`: a
-/// block's hash depends on the segments it covers and where in them it starts,
-/// so equal leading segments give equal leading blocks.
-pub fn segment_hashes(segments: &[Segment], block_tokens: u32) -> Vec<u64> {
-    segment_hashes_from(segments, block_tokens, 0)
-}
-
-/// [`segment_hashes`] from block `first_block` on.
-fn segment_hashes_from(segments: &[Segment], block_tokens: u32, first_block: usize) -> Vec<u64> {
-    let block_tokens = block_tokens.max(1);
-    let total: u64 = segments.iter().map(|s| u64::from(s.tokens)).sum();
-    let blocks = (total / u64::from(block_tokens)) as usize;
-    let mut hashes = Vec::with_capacity(blocks.saturating_sub(first_block));
-    // Where block `first_block` starts: `offset` tokens into `segment`.
-    let mut segment = 0usize;
-    let mut offset = 0u32;
-    let mut skip = first_block as u64 * u64::from(block_tokens);
-    while let Some(current) = segments.get(segment) {
-        // At `skip == 0` it starts here, even in an empty segment (which
-        // the block hashes, as `segment_hashes` does).
-        if skip == 0 || skip < u64::from(current.tokens) {
-            offset = skip as u32;
-            break;
-        }
-        skip -= u64::from(current.tokens);
-        segment += 1;
-    }
-    for _ in first_block..blocks {
-        let mut hash = 0x5e9_0000_0000_0000u64;
-        let mut left = block_tokens;
-        while left > 0 {
-            let Some(current) = segments.get(segment) else {
-                break;
-            };
-            let take = (current.tokens - offset).min(left);
-            hash = mix(hash ^ mix(current.id ^ (u64::from(offset) << 40)) ^ u64::from(take));
-            left -= take;
-            offset += take;
-            if offset == current.tokens {
-                segment += 1;
-                offset = 0;
-            }
-        }
-        hashes.push(hash);
-    }
-    hashes
+/// The synthetic token ids of a prompt made of `segments`, from its token
+/// `from_token` on: token `k` of a segment is a hash of the segment's id
+/// and `k`, so prompts that open with the same segments open with the same
+/// ids, and a segment's ids depend on where in it they lie.
+fn segment_token_ids(segments: &[Segment], from_token: u64) -> impl Iterator<Item = u32> + '_ {
+    let mut skip = from_token;
+    segments.iter().flat_map(move |segment| {
+        let skipped = skip.min(u64::from(segment.tokens));
+        skip -= skipped;
+        // `skipped` is at most `segment.tokens`, a u32.
+        let first = u32::try_from(skipped).unwrap_or(segment.tokens);
+        (first..segment.tokens).map(move |offset| {
+            // The high half: the low bits of a mix of nearby inputs are no
+            // better spread, and an id is 32 bits.
+            (mix(segment.id ^ (u64::from(offset) << 40)) >> 32) as u32
+        })
+    })
 }
 
 /// Mean prompt and output lengths of a traffic mix, tokens, and the mean
@@ -743,20 +713,6 @@ fn prefix_group(prefix: Option<&SharedPrefixConfig>, rng: &mut SmallRng) -> Opti
     (rng.random::<f64>() < prefix.fraction).then(|| rng.random_range(0..prefix.groups))
 }
 
-/// The block hashes of a request's shared prefix: block `i` of group `g`
-/// has content `hash(g, i)`; the engine chains them.
-pub fn prefix_hashes(
-    group: u32,
-    prefix_tokens: u32,
-    prompt_tokens: u32,
-    block_tokens: u32,
-) -> Vec<u64> {
-    let blocks = prefix_tokens.min(prompt_tokens) / block_tokens.max(1);
-    (0..blocks)
-        .map(|i| mix(0x5eed_0000_0000_0000 ^ (u64::from(group) << 32) ^ u64::from(i)))
-        .collect()
-}
-
 /// Arrival-time generator.
 #[derive(Debug)]
 enum Arrivals {
@@ -1015,14 +971,95 @@ mod tests {
         assert!(a.iter().filter_map(|r| r.prefix_group).all(|g| g < 4));
     }
 
+    fn spec(prompt_tokens: u32, prefix_group: Option<u32>, segments: &[Segment]) -> RequestSpec {
+        RequestSpec {
+            arrival_s: 0.0,
+            prompt_tokens,
+            output_tokens: 1,
+            prefix_group,
+            segments: (!segments.is_empty()).then(|| Arc::from(segments)),
+        }
+    }
+
     #[test]
-    fn prefix_hashes_are_shared_within_a_group_only() {
-        let a = prefix_hashes(1, 256, 1000, 16);
+    fn shared_prefix_chains_are_shared_within_a_group_only() {
+        let prefix = Some(SharedPrefixConfig {
+            fraction: 1.0,
+            tokens: 256,
+            groups: 2,
+        });
+        let a = spec(1000, Some(1), &[]).chained_block_hashes(prefix, 16);
         assert_eq!(a.len(), 16);
-        assert_eq!(a, prefix_hashes(1, 256, 1000, 16));
-        assert_ne!(a, prefix_hashes(2, 256, 1000, 16));
+        assert_eq!(a, spec(2000, Some(1), &[]).chained_block_hashes(prefix, 16));
+        let other = spec(1000, Some(2), &[]).chained_block_hashes(prefix, 16);
+        assert_eq!(other.iter().zip(&a).filter(|(x, y)| x == y).count(), 0);
         // A prompt shorter than the prefix shares only its own full blocks.
-        assert_eq!(prefix_hashes(1, 256, 40, 16), a[..2].to_vec());
+        assert_eq!(
+            spec(40, Some(1), &[]).chained_block_hashes(prefix, 16),
+            a[..2].to_vec()
+        );
+        // No group, or no shared prefix: nothing to hash.
+        assert!(
+            spec(1000, None, &[])
+                .chained_block_hashes(prefix, 16)
+                .is_empty()
+        );
+        assert!(
+            spec(1000, Some(1), &[])
+                .chained_block_hashes(None, 16)
+                .is_empty()
+        );
+    }
+
+    /// The simulator's prompts hash as the router hashes the same prompt:
+    /// a body whose `input_ids` are a simulated prompt's synthetic token ids
+    /// (a shared prefix followed by the prompt's own ids, or a multi-turn
+    /// prompt's segments), read by `request_features::read_request`, has
+    /// the simulator's chain as its prefix blocks, or as their first blocks
+    /// where the simulator leaves the prompt's own tail unhashed.
+    #[test]
+    fn simulated_prompts_hash_as_the_router_hashes_their_token_ids() {
+        let prefix = Some(SharedPrefixConfig {
+            fraction: 1.0,
+            tokens: 200,
+            groups: 4,
+        });
+        let segment = |id: u64, tokens: u32| Segment { id, tokens };
+        let turns = [segment(11, 100), segment(12, 37), segment(13, 64)];
+        let cases = [
+            (spec(300, Some(3), &[]), true),
+            (spec(120, Some(3), &[]), true),
+            (spec(100 + 37 + 64, None, &turns), false),
+        ];
+        for block_tokens in [16, 7, 64] {
+            let hashing = request_features::PrefixHashing {
+                block_tokens,
+                max_tokens: 1 << 20,
+                chars_per_token: 4.0,
+            };
+            for (spec, own_tail) in &cases {
+                let runs = spec.content_runs(prefix);
+                let mut ids: Vec<u32> = segment_token_ids(&runs, 0).collect();
+                let hashed = ids.len();
+                // The prompt's own ids, after its shared prefix.
+                ids.extend((hashed as u32..spec.prompt_tokens).map(|i| i.wrapping_mul(7_919)));
+                assert_eq!(ids.len(), spec.prompt_tokens as usize);
+                let body = serde_json::to_vec(&serde_json::json!({"input_ids": ids})).unwrap();
+                let read = request_features::read_request(&body, &hashing).unwrap();
+                let router = read.info.prefix;
+                let simulated = spec.chained_block_hashes(prefix, block_tokens);
+                assert!(!simulated.is_empty());
+                assert_eq!(router.block_tokens(), block_tokens);
+                if *own_tail {
+                    assert_eq!(simulated, router.hashes()[..simulated.len()]);
+                } else {
+                    assert_eq!(
+                        policy_core::PrefixBlocks::new(block_tokens, simulated),
+                        router
+                    );
+                }
+            }
+        }
     }
 
     #[test]
@@ -1203,17 +1240,28 @@ mod tests {
     }
 
     #[test]
-    fn segment_hashes_depend_on_content_and_offset() {
+    fn segment_chains_depend_on_content_and_offset() {
         let a = [Segment { id: 1, tokens: 40 }, Segment { id: 2, tokens: 40 }];
         let b = [Segment { id: 1, tokens: 40 }, Segment { id: 3, tokens: 40 }];
-        let (ha, hb) = (segment_hashes(&a, 16), segment_hashes(&b, 16));
+        let chain = |segments: &[Segment], block_tokens| {
+            spec(segments.iter().map(|s| s.tokens).sum(), None, segments)
+                .chained_block_hashes(None, block_tokens)
+        };
+        let (ha, hb) = (chain(&a, 16), chain(&b, 16));
         assert_eq!(ha.len(), 5);
         assert_eq!(ha[..2], hb[..2]);
         assert_ne!(ha[2], hb[2]);
         // Block 0 and block 1 of one segment differ.
         assert_ne!(ha[0], ha[1]);
-        assert!(segment_hashes(&[], 16).is_empty());
-        assert_eq!(segment_hashes(&a, 0).len(), 80);
+        assert!(chain(&[], 16).is_empty());
+        // A zero block size hashes nothing, as the router's hashing off.
+        assert!(chain(&a, 0).is_empty());
+        // A segment's ids depend on where in it they lie.
+        let ids: Vec<u32> = segment_token_ids(&a, 0).collect();
+        assert_eq!(ids.len(), 80);
+        assert_ne!(ids[0], ids[1]);
+        let from: Vec<u32> = segment_token_ids(&a, 30).collect();
+        assert_eq!(from, ids[30..]);
     }
 
     #[test]

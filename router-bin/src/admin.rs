@@ -216,7 +216,7 @@ async fn explain_request(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    match crate::estimate::read_request(&body, &app.config.request) {
+    match request_features::read_request(&body, &app.config.request.prefix_hashing()) {
         Ok(read) => explained(&app, &read.info, &headers),
         Err(error) => error_response(
             StatusCode::BAD_REQUEST,

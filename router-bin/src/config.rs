@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use policy_core::{BackendRegistry, LoadAddress};
+use request_features::PrefixHashing;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
@@ -154,6 +155,17 @@ pub struct RequestConfig {
     /// The longest prompt prefix hashed, tokens; 0 turns prefix hashing
     /// off. Bounds the hashing work per request whatever the prompt's size.
     pub prefix_hash_max_tokens: u64,
+}
+
+impl RequestConfig {
+    /// How prompts are read and hashed (request-features).
+    pub fn prefix_hashing(&self) -> PrefixHashing {
+        PrefixHashing {
+            block_tokens: self.prefix_hash_block_tokens,
+            max_tokens: self.prefix_hash_max_tokens,
+            chars_per_token: self.chars_per_token,
+        }
+    }
 }
 
 impl Default for RequestConfig {
@@ -698,13 +710,13 @@ impl RouterConfig {
             );
         }
         let block_bytes = f64::from(block_tokens) * chars;
-        if block_bytes > crate::prefix_hash::MAX_TEXT_BLOCK_BYTES as f64 {
+        if block_bytes > request_features::MAX_TEXT_BLOCK_BYTES as f64 {
             return invalid(
                 "request.prefix_hash_block_tokens",
                 block_tokens.to_string(),
                 &format!(
                     "at most {} bytes of text per block with request.chars_per_token = {chars}",
-                    crate::prefix_hash::MAX_TEXT_BLOCK_BYTES
+                    request_features::MAX_TEXT_BLOCK_BYTES
                 ),
             );
         }

@@ -26,13 +26,12 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
+use request_features::{Unhashed, read_request};
 
 use crate::app::{App, SilentStream};
 use crate::cached_tokens::CachedTokensScanner;
 use crate::client_body::read_client_body;
-use crate::estimate::read_request;
 use crate::outlier::Failure;
-use crate::prefix_hash::Unhashed;
 use crate::sse::{self, FirstDataEvent};
 use crate::topology::Route;
 use crate::upstream::control_get;
@@ -146,7 +145,7 @@ where
     };
     let received_at = arrived.into_std();
     let deadline = arrived + server.request_deadline();
-    let read = match read_request(&body, &app.config.request) {
+    let read = match read_request(&body, &app.config.request.prefix_hashing()) {
         Ok(read) => read,
         Err(error) => {
             return gateway_error(

@@ -1,18 +1,17 @@
 //! What prefix hashing adds to reading a request: `read_request` on an
 //! 8k-token chat body (a system prompt and a user turn, 32 KiB of text with
 //! a few escapes) with hashing on (the defaults: 64-token blocks, up to
-//! 32 768 tokens) and off (`prefix_hash_max_tokens = 0`), and on an 8k
+//! 32 768 tokens) and off (`max_tokens = 0`), and on an 8k
 //! `input_ids` body both ways.
 //!
 //! Names: `read_request/<body>/<hashing on|off>`.
 //!
-//! Run: `cargo bench -p router-bin --bench prefix_hash -- --warm-up-time 1 --measurement-time 3`
+//! Run: `cargo bench -p request-features --bench prefix_hash -- --warm-up-time 1 --measurement-time 3`
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use router_bin::config::RequestConfig;
-use router_bin::estimate::read_request;
+use request_features::{PrefixHashing, read_request};
 
 const PROMPT_TOKENS: usize = 8192;
 
@@ -59,16 +58,24 @@ fn ids_body() -> Vec<u8> {
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
+/// The router's defaults (`[request]`).
+const ON: PrefixHashing = PrefixHashing {
+    block_tokens: 64,
+    max_tokens: 32_768,
+    chars_per_token: 4.0,
+};
+
+/// Hashing off: nothing hashed, all else read.
+const OFF: PrefixHashing = PrefixHashing {
+    max_tokens: 0,
+    ..ON
+};
+
 fn bench(c: &mut Criterion) {
-    let on = RequestConfig::default();
-    let off = RequestConfig {
-        prefix_hash_max_tokens: 0,
-        ..RequestConfig::default()
-    };
     let mut group = c.benchmark_group("read_request");
     for (name, body) in [("chat_8k", chat_body()), ("input_ids_8k", ids_body())] {
         group.throughput(Throughput::Bytes(body.len() as u64));
-        for (hashing, config) in [("on", &on), ("off", &off)] {
+        for (hashing, config) in [("on", &ON), ("off", &OFF)] {
             // A body the reader refuses would measure nothing: say so.
             let read = read_request(&body, config).map(|read| read.info.prefix.hashes().len());
             assert!(

@@ -27,8 +27,8 @@
 //! Text blocks are `block_tokens × chars_per_token` bytes of the text as
 //! the engine sees it: JSON string escapes are decoded (without copying the
 //! string), so a body hashes the same however its client escaped it, and the
-//! raw reader ([`crate::estimate::read_request`]) and the parsed one
-//! ([`crate::estimate::request_info`]) agree. Token ids and text are hashed
+//! raw reader ([`crate::read_request`]) and the parsed one
+//! ([`crate::request_info`]) agree. Token ids and text are hashed
 //! from different seeds, so neither can match the other.
 //!
 //! A body whose prefix cannot be hashed gets an empty [`PrefixBlocks`]
@@ -94,12 +94,6 @@ impl PrefixHashing {
             1
         }
     }
-
-    fn ids_block_bytes(&self) -> usize {
-        usize::try_from(self.block_tokens)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(4)
-    }
 }
 
 /// Why a request's prefix was left unknown (the policy then scores it
@@ -134,10 +128,10 @@ impl Unhashed {
     }
 }
 
-/// The prompt fields of a raw body, as [`crate::estimate::read_request`]
+/// The prompt fields of a raw body, as [`crate::read_request`]
 /// captured them (`messages` is read where it lies: [`ReadChat`]).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct RawPrompt<'a> {
+pub(crate) struct RawPrompt<'a> {
     pub input_ids: Option<&'a RawValue>,
     pub prompt: Option<&'a RawValue>,
     pub text: Option<&'a RawValue>,
@@ -327,7 +321,7 @@ fn escape_end(bytes: &[u8], at: usize) -> Option<usize> {
 /// The text of a chat's messages as the token estimate counts it: the
 /// characters of every text part, and whether there was any.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MessageText {
+pub(crate) struct MessageText {
     pub chars: usize,
     pub any: bool,
 }
@@ -349,9 +343,10 @@ enum Source<T> {
     Text(T),
 }
 
+#[cfg(test)]
 /// Hashes the prompt of a raw body: `prompt`'s token ids or text fields,
 /// and `messages` as the body's reader read them ([`ReadChat`]).
-pub fn hash_raw(
+pub(crate) fn hash_raw(
     prompt: RawPrompt<'_>,
     messages: Option<ReadChat>,
     hashing: &PrefixHashing,
@@ -361,7 +356,7 @@ pub fn hash_raw(
 
 /// What [`hash_raw_counting`] found.
 #[derive(Debug)]
-pub struct RawHashed {
+pub(crate) struct RawHashed {
     pub blocks: Result<PrefixBlocks, Unhashed>,
     /// The number of token ids in the list hashed, when the hash read it
     /// whole as the token estimate reads it (one list, not a batch, every
@@ -372,7 +367,7 @@ pub struct RawHashed {
 
 /// [`hash_raw`], and the count of the token ids it read, if it read them
 /// all ([`RawHashed::ids_counted`]).
-pub fn hash_raw_counting(
+pub(crate) fn hash_raw_counting(
     prompt: RawPrompt<'_>,
     messages: Option<ReadChat>,
     hashing: &PrefixHashing,
@@ -387,10 +382,10 @@ pub fn hash_raw_counting(
     let ids = present(prompt.input_ids)
         .or_else(|| present(prompt.prompt).filter(|raw| raw_holds_ids(raw)));
     if let Some(ids) = ids {
-        let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
-        let (hashed, ids_counted) = raw_ids(&mut chain, ids.get());
+        let mut blocks = IdBlocks::new(IDS_SEED, hashing.block_tokens, max_blocks);
+        let (hashed, ids_counted) = raw_ids(&mut blocks, ids.get());
         return RawHashed {
-            blocks: hashed.and_then(|()| chain.into_blocks(hashing.block_tokens)),
+            blocks: hashed.and_then(|()| blocks.chain.into_blocks(hashing.block_tokens)),
             ids_counted,
         };
     }
@@ -449,15 +444,79 @@ fn raw_holds_ids(raw: &RawValue) -> bool {
     )
 }
 
+/// Token ids laid out as the chain hashes them: 4-byte little-endian
+/// words, `block_tokens` ids to a block. The one layout of every id prompt:
+/// a body's `input_ids` (raw or parsed) and a prompt of ids given directly
+/// ([`extend_token_id_chain`]). Ids are gathered a block at a time, so a
+/// block costs one push, not one per id.
+#[derive(Debug)]
+struct IdBlocks {
+    chain: Chain,
+    /// The ids of the current block, while it is not full.
+    block: Vec<u8>,
+}
+
+impl IdBlocks {
+    /// Blocks chained on from `previous` (the seed, or the hash of the
+    /// blocks before), at most `max_blocks` of them.
+    fn new(previous: u64, block_tokens: u32, max_blocks: usize) -> IdBlocks {
+        let block_bytes = usize::try_from(block_tokens)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(4);
+        let chain = Chain::new(previous, block_bytes, max_blocks);
+        let block = Vec::with_capacity(chain.block_bytes.min(MAX_TEXT_BLOCK_BYTES));
+        IdBlocks { chain, block }
+    }
+
+    fn is_full(&self) -> bool {
+        self.chain.is_full()
+    }
+
+    fn push(&mut self, id: u32) {
+        self.block.extend_from_slice(&id.to_le_bytes());
+        if self.block.len() >= self.chain.block_bytes {
+            self.chain.push(&self.block);
+            self.block.clear();
+        }
+    }
+}
+
+/// Extends `chain`, the chained hashes of an id prompt's first
+/// `chain.len()` blocks of `block_tokens` ids, with the full blocks of
+/// `ids`, the prompt's ids from the end of those blocks on. The result is
+/// what [`read_request`](crate::read_request) hashes from a body whose
+/// `input_ids` are the whole prompt, blocks of `block_tokens` ids, without
+/// a bound on the prompt's length: the same code lays the ids out and
+/// chains them (4-byte little-endian words, xxh3 seeded with the block
+/// before). Ids after the last full block are not hashed; a zero block
+/// size hashes nothing, as hashing off does.
+///
+/// For prompts known only as token ids (the fleet simulator's synthetic
+/// prompts), so that they are hashed as the router hashes a real one.
+pub fn extend_token_id_chain(
+    chain: &mut Vec<u64>,
+    ids: impl IntoIterator<Item = u32>,
+    block_tokens: u32,
+) {
+    if block_tokens == 0 {
+        return;
+    }
+    let previous = chain.last().copied().unwrap_or(IDS_SEED);
+    let mut blocks = IdBlocks::new(previous, block_tokens, usize::MAX);
+    for id in ids {
+        blocks.push(id);
+    }
+    chain.append(&mut blocks.chain.hashes);
+}
+
 /// Pushes the ids of a raw id list (the first sequence of a batch) until
 /// the chain is full, and counts them as the token estimate does
 /// ([`RawHashed::ids_counted`]). The list was validated as JSON, so only
-/// what an item is needs checking. Ids are gathered a block at a time, so
-/// a block costs one push, not one per id.
+/// what an item is needs checking.
 ///
 /// Past a full chain the list is still read, for the count, but what it
 /// holds no longer decides the hash: it is hashed as far as it was pushed.
-fn raw_ids(chain: &mut Chain, raw: &str) -> (Result<(), Unhashed>, Option<u64>) {
+fn raw_ids(blocks: &mut IdBlocks, raw: &str) -> (Result<(), Unhashed>, Option<u64>) {
     let bytes = raw.as_bytes();
     if bytes.first() != Some(&b'[') {
         return (Err(Unhashed::InvalidTokenIds), None);
@@ -465,30 +524,23 @@ fn raw_ids(chain: &mut Chain, raw: &str) -> (Result<(), Unhashed>, Option<u64>) 
     let first = skip_whitespace(bytes, 1);
     let batch = bytes.get(first) == Some(&b'[');
     let list = if batch { first } else { 0 };
-    let block_bytes = chain.block_bytes;
-    let mut block = Vec::with_capacity(block_bytes.min(MAX_TEXT_BLOCK_BYTES));
     let mut pushed = 0u64;
     // An id above `u32::MAX` before the chain is full.
     let mut out_of_range = false;
     let read = scan_uint_list(bytes, list, u64::MAX, |id| {
-        if chain.is_full() {
+        if blocks.is_full() {
             return true;
         }
         let Ok(id) = u32::try_from(id) else {
             out_of_range = true;
             return false;
         };
-        block.extend_from_slice(&id.to_le_bytes());
-        if block.len() >= block_bytes {
-            chain.push(&block);
-            block.clear();
-        }
+        blocks.push(id);
         pushed += 1;
         true
     });
-    chain.push(&block);
     // What lies past a full chain does not decide the hash.
-    let hashed = if out_of_range || (read.is_none() && !chain.is_full()) {
+    let hashed = if out_of_range || (read.is_none() && !blocks.is_full()) {
         Err(Unhashed::InvalidTokenIds)
     } else if pushed == 0 {
         Err(Unhashed::NoPrompt)
@@ -581,7 +633,7 @@ pub(crate) fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
 /// and counted from there. A value that is not a list reads as a chat
 /// with no text.
 #[derive(Debug)]
-pub struct ReadChat {
+pub(crate) struct ReadChat {
     chain: Chain,
     text: MessageText,
     /// Whether any text part was pushed.
@@ -605,7 +657,7 @@ impl ReadChat {
     }
 
     /// The text of its messages, as the token estimate counts it.
-    pub fn text(&self) -> MessageText {
+    pub(crate) fn text(&self) -> MessageText {
         self.text
     }
 
@@ -664,20 +716,21 @@ impl ReadChat {
     }
 }
 
+#[cfg(test)]
 /// Reads a raw `messages` value as the body's reader does ([`ChatSeed`]);
 /// `None` for `null`.
-pub fn read_chat(messages: &RawValue, hashing: &PrefixHashing) -> Option<ReadChat> {
+pub(crate) fn read_chat(messages: &RawValue, hashing: &PrefixHashing) -> Option<ReadChat> {
     let mut de = serde_json::Deserializer::from_str(messages.get());
     // A raw value is valid JSON, so the walk cannot fail.
     ChatSeed { hashing }.deserialize(&mut de).ok().flatten()
 }
 
 /// Reads a body's `messages` where it lies, within the walk over the body
-/// ([`crate::estimate::read_request`]), so that the chat is not skipped
+/// ([`crate::read_request`]), so that the chat is not skipped
 /// once and read again: `None` for `null` (as if absent), a [`ReadChat`]
 /// for anything else.
 #[derive(Debug, Clone, Copy)]
-pub struct ChatSeed<'h> {
+pub(crate) struct ChatSeed<'h> {
     pub hashing: &'h PrefixHashing,
 }
 
@@ -736,7 +789,7 @@ impl<'de> Visitor<'de> for ChatSeed<'_> {
 }
 
 /// Hashes the prompt of a parsed body, as [`hash_raw`] hashes a raw one.
-pub fn hash_value(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
+pub(crate) fn hash_value(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks, Unhashed> {
     let max_blocks = hashing.max_blocks();
     if hashing.is_off() {
         return Err(Unhashed::Disabled);
@@ -761,7 +814,7 @@ pub fn hash_value(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks,
     };
     match source {
         Source::Ids(value) => {
-            let mut chain = Chain::new(IDS_SEED, hashing.ids_block_bytes(), max_blocks);
+            let mut blocks = IdBlocks::new(IDS_SEED, hashing.block_tokens, max_blocks);
             let items = value.as_array().ok_or(Unhashed::InvalidTokenIds)?;
             let sequence = match items.first() {
                 Some(Value::Array(first)) => first,
@@ -769,20 +822,20 @@ pub fn hash_value(body: &Value, hashing: &PrefixHashing) -> Result<PrefixBlocks,
             };
             let mut any = false;
             for item in sequence {
-                if chain.is_full() {
+                if blocks.is_full() {
                     break;
                 }
                 let id = item
                     .as_u64()
                     .and_then(|id| u32::try_from(id).ok())
                     .ok_or(Unhashed::InvalidTokenIds)?;
-                chain.push(&id.to_le_bytes());
+                blocks.push(id);
                 any = true;
             }
             if !any {
                 return Err(Unhashed::NoPrompt);
             }
-            chain.into_blocks(hashing.block_tokens)
+            blocks.chain.into_blocks(hashing.block_tokens)
         }
         Source::Chat(value) => {
             let mut chain = Chain::new(TEXT_SEED, hashing.text_block_bytes(), max_blocks);
@@ -1427,5 +1480,24 @@ mod tests {
                 Err(Unhashed::NoPrompt)
             );
         }
+    }
+
+    #[test]
+    fn an_id_prompt_given_directly_chains_as_its_body_does() {
+        let ids: Vec<u32> = (0..42).map(|i| i * 7_919).collect();
+        let body = hashed(&json!({"input_ids": ids}), &SMALL).unwrap();
+        let mut chain = Vec::new();
+        extend_token_id_chain(&mut chain, ids.iter().copied(), SMALL.block_tokens);
+        assert_eq!(body.hashes(), &chain[..]);
+        // Extended a turn at a time from a block boundary: the same chain.
+        let mut extended = Vec::new();
+        extend_token_id_chain(&mut extended, ids[..12].iter().copied(), 4);
+        assert_eq!(extended.len(), 3);
+        extend_token_id_chain(&mut extended, ids[12..].iter().copied(), 4);
+        assert_eq!(extended, chain);
+        // A zero block size hashes nothing, as hashing off does.
+        let mut off = Vec::new();
+        extend_token_id_chain(&mut off, ids.iter().copied(), 0);
+        assert!(off.is_empty());
     }
 }

@@ -1,12 +1,12 @@
 //! What the router reads from a request body before choosing a worker: the
 //! model, the streaming flag, the prompt's size in tokens and its prefix
-//! block hashes ([`crate::prefix_hash`]).
+//! block hashes (`prefix_hash`).
 //!
 //! [`read_request`] is what the proxy runs on every request: it walks the
 //! body once without building it (no map, no string copies but the
 //! model's). The model, the streaming flag and the output limits are read
 //! as it passes them; the chat's `messages` are hashed and counted as it
-//! passes them ([`crate::prefix_hash::ChatSeed`]); the prompt fields are
+//! passes them (`ChatSeed`); the prompt fields are
 //! captured as raw JSON slices, and a token id list among them is read
 //! once more, for its hash and count together. The body is checked as
 //! UTF-8 once, up front.
@@ -21,7 +21,6 @@ use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess,
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-use crate::config::RequestConfig;
 use crate::prefix_hash::{
     self, ChatSeed, MessageText, PrefixHashing, RawPrompt, ReadChat, Unhashed, json_str_chars,
     scan_uint_list, skip_whitespace,
@@ -70,25 +69,16 @@ const SCALAR_COUNT: usize = 4;
 /// `messages`' place in [`TOP_FIELDS`].
 const MESSAGES: usize = 7;
 
-/// How `[request]` says prompts are hashed.
-pub fn prefix_hashing(config: &RequestConfig) -> PrefixHashing {
-    PrefixHashing {
-        block_tokens: config.prefix_hash_block_tokens,
-        max_tokens: config.prefix_hash_max_tokens,
-        chars_per_token: config.chars_per_token,
-    }
-}
-
 /// Reads the routing facts from a raw OpenAI or SGLang-native body, as
 /// [`request_info`] and [`max_output_tokens`] read them from a parsed one.
-pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, RequestBodyError> {
-    let chars_per_token = config.chars_per_token;
-    let hashing = prefix_hashing(config);
+/// `hashing.chars_per_token` also turns text into the token estimate.
+pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest, RequestBodyError> {
+    let chars_per_token = hashing.chars_per_token;
     // Checked once here, so no string the walk meets is checked again.
     let body = std::str::from_utf8(body).map_err(RequestBodyError::NotUtf8)?;
     let mut de = serde_json::Deserializer::from_str(body);
     // Only an object is asked for, so any other value is a type error.
-    let top = match de.deserialize_map(TopFields { hashing: &hashing }) {
+    let top = match de.deserialize_map(TopFields { hashing }) {
         Ok(top) => top,
         Err(error) if error.classify() == serde_json::error::Category::Data => {
             return Err(RequestBodyError::NotAnObject);
@@ -110,7 +100,7 @@ pub fn read_request(body: &[u8], config: &RequestConfig) -> Result<ReadRequest, 
     };
     // The chat was hashed and counted in the walk: its messages are read once.
     let message_text = top.messages.as_ref().map(ReadChat::text);
-    let hashed = prefix_hash::hash_raw_counting(raw_prompt, top.messages, &hashing);
+    let hashed = prefix_hash::hash_raw_counting(raw_prompt, top.messages, hashing);
     // A list of ids the hash read whole is not read again for its count.
     let tokens = match hashed.ids_counted {
         Some(ids) => TokenCount::Exact(ids),
@@ -522,9 +512,9 @@ impl<'de, F: FnMut(&'de RawValue) -> bool> Visitor<'de> for Items<F> {
 /// Token ids (`prompt` as integers, `input_ids`) are counted exactly; text
 /// (`messages[].content`, `prompt`, `text`) is estimated as characters divided
 /// by `chars_per_token`, rounded up; a body with neither is `Unknown`. The
-/// prefix is hashed as [`prefix_hash`] describes.
-pub fn request_info(body: &Value, config: &RequestConfig) -> RequestInfo {
-    let chars_per_token = config.chars_per_token;
+/// prefix is hashed as the crate docs describe.
+pub fn request_info(body: &Value, hashing: &PrefixHashing) -> RequestInfo {
+    let chars_per_token = hashing.chars_per_token;
     let model = body
         .get("model")
         .and_then(Value::as_str)
@@ -534,7 +524,7 @@ pub fn request_info(body: &Value, config: &RequestConfig) -> RequestInfo {
         tokens: token_count(body, chars_per_token),
         streaming,
         model,
-        prefix: split_hashed(prefix_hash::hash_value(body, &prefix_hashing(config))).0,
+        prefix: split_hashed(prefix_hash::hash_value(body, hashing)).0,
     }
 }
 
@@ -621,13 +611,20 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// The default config with this characters-per-token ratio.
-    fn cpt(chars_per_token: f64) -> RequestConfig {
-        RequestConfig {
+    /// The router's default hashing (64-token blocks, up to 32 768
+    /// tokens) with this characters-per-token ratio.
+    fn cpt(chars_per_token: f64) -> PrefixHashing {
+        PrefixHashing {
             chars_per_token,
-            ..RequestConfig::default()
+            ..DEFAULT
         }
     }
+
+    const DEFAULT: PrefixHashing = PrefixHashing {
+        block_tokens: 64,
+        max_tokens: 32_768,
+        chars_per_token: 4.0,
+    };
 
     #[test]
     fn chat_messages_are_estimated_from_their_text() {
@@ -792,9 +789,9 @@ mod tests {
         }
         assert_eq!(hashed, 7, "exactly the long prompts are hashed");
         // The same body hashed with hashing off: unknown, and why.
-        let off = RequestConfig {
-            prefix_hash_max_tokens: 0,
-            ..RequestConfig::default()
+        let off = PrefixHashing {
+            max_tokens: 0,
+            ..DEFAULT
         };
         let raw = serde_json::to_vec(&json!({"prompt": long})).unwrap();
         let read = read_request(&raw, &off).unwrap();
@@ -875,10 +872,10 @@ mod tests {
     fn id_counts_do_not_stop_where_the_hash_stops() {
         // Two 4-token blocks at most: the hash reads 8 ids, the estimate
         // counts them all.
-        let bounded = RequestConfig {
-            prefix_hash_block_tokens: 4,
-            prefix_hash_max_tokens: 8,
-            ..RequestConfig::default()
+        let bounded = PrefixHashing {
+            block_tokens: 4,
+            max_tokens: 8,
+            ..DEFAULT
         };
         for raw in [
             r#"{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]}"#,
