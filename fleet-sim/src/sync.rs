@@ -391,13 +391,8 @@ impl SyncChannel {
         policies: &[Box<dyn Policy>],
         now: Instant,
     ) {
-        self.stats.placements += 1;
-        self.share_update(
-            replica,
-            SharedUpdate::Placed { worker, prefix },
-            policies,
-            now,
-        );
+        let update = SharedUpdate::Placed { worker, prefix };
+        self.share_update(replica, update, policies, now);
     }
 
     /// Replica `replica`'s policy learned a new cache bound for `worker`
@@ -411,16 +406,11 @@ impl SyncChannel {
         policies: &[Box<dyn Policy>],
         now: Instant,
     ) {
-        self.stats.cache_bounds += 1;
-        self.share_update(
-            replica,
-            SharedUpdate::CacheBound {
-                worker,
-                cache_tokens,
-            },
-            policies,
-            now,
-        );
+        let update = SharedUpdate::CacheBound {
+            worker,
+            cache_tokens,
+        };
+        self.share_update(replica, update, policies, now);
     }
 
     /// Replica `replica`'s policy closed a prefill sample of `worker` at a
@@ -433,15 +423,11 @@ impl SyncChannel {
         policies: &[Box<dyn Policy>],
         now: Instant,
     ) {
-        self.stats.prefill_samples += 1;
-        self.share_update(
-            replica,
-            SharedUpdate::Prefill { worker, sample },
-            policies,
-            now,
-        );
+        let update = SharedUpdate::Prefill { worker, sample };
+        self.share_update(replica, update, policies, now);
     }
 
+    /// Counts `update` as published by `replica` and shares it.
     fn share_update(
         &mut self,
         replica: usize,
@@ -449,6 +435,11 @@ impl SyncChannel {
         policies: &[Box<dyn Policy>],
         now: Instant,
     ) {
+        match update {
+            SharedUpdate::Placed { .. } => self.stats.placements += 1,
+            SharedUpdate::CacheBound { .. } => self.stats.cache_bounds += 1,
+            SharedUpdate::Prefill { .. } => self.stats.prefill_samples += 1,
+        }
         if !self.supported || replica >= self.replicas {
             return;
         }
