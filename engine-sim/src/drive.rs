@@ -103,6 +103,12 @@ pub struct DriveArgs {
     /// (exponential; 0 for none).
     #[arg(long, default_value_t = 1.0)]
     pub think_time_s: f64,
+    /// Seconds at the start whose requests are left out of the steady-state
+    /// TTFT line: every prefix cache starts cold, so the first sessions of
+    /// each app prefill their whole system prompt whatever the router does.
+    /// They still count in the whole-run line and as completed.
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_s: f64,
     /// An engine's base URL: at the end, its `/metrics` gives its requests,
     /// prompt tokens and prefix-cache hits. Repeat it per engine.
     #[arg(long = "engine")]
@@ -123,6 +129,12 @@ impl DriveArgs {
 
     fn validate(&self) -> Result<(), DriveError> {
         let positive = |value: f64| value.is_finite() && value > 0.0;
+        if !(self.warmup_s.is_finite() && self.warmup_s >= 0.0 && self.warmup_s < self.duration_s) {
+            return Err(argument_error(
+                "--warmup-s",
+                "must be finite, >= 0 and below --duration-s",
+            ));
+        }
         if !positive(self.rate) || !positive(self.duration_s) {
             return Err(argument_error(
                 "--rate/--duration-s",
@@ -146,12 +158,13 @@ impl DriveArgs {
 struct Tally {
     ok: AtomicU64,
     failed: AtomicU64,
-    /// TTFT of every completed request, seconds.
-    ttfts: Mutex<Vec<f64>>,
+    /// Every completed request: when it was sent (seconds from the start)
+    /// and its TTFT (seconds).
+    ttfts: Mutex<Vec<(f64, f64)>>,
 }
 
 impl Tally {
-    fn count(&self, answer: Option<&Streamed>) {
+    fn count(&self, sent_at_s: f64, answer: Option<&Streamed>) {
         let counter = if answer.is_some() {
             &self.ok
         } else {
@@ -161,15 +174,42 @@ impl Tally {
         if let Some(answer) = answer
             && let Ok(mut ttfts) = self.ttfts.lock()
         {
-            ttfts.push(answer.ttft_s);
+            ttfts.push((sent_at_s, answer.ttft_s));
         }
     }
 
-    fn ttft_quantile(&self, quantile: f64) -> Option<f64> {
-        self.ttfts
-            .lock()
-            .ok()
-            .and_then(|ttfts| percentile(&ttfts, quantile))
+    /// TTFT of the completed requests sent at or after `from_s`.
+    fn ttfts_from(&self, from_s: f64) -> Vec<f64> {
+        self.ttfts.lock().map_or_else(
+            |_| Vec::new(),
+            |ttfts| {
+                ttfts
+                    .iter()
+                    .filter(|(sent_at_s, _)| *sent_at_s >= from_s)
+                    .map(|(_, ttft_s)| *ttft_s)
+                    .collect()
+            },
+        )
+    }
+}
+
+/// Median and p99 TTFT of some completed requests, as the client saw it
+/// (request sent to first SSE event), seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TtftQuantiles {
+    pub completed: u64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+}
+
+impl TtftQuantiles {
+    /// `None` when `ttfts` is empty.
+    fn of(ttfts: &[f64]) -> Option<TtftQuantiles> {
+        Some(TtftQuantiles {
+            completed: ttfts.len() as u64,
+            p50_s: percentile(ttfts, 0.5)?,
+            p99_s: percentile(ttfts, 0.99)?,
+        })
     }
 }
 
@@ -183,10 +223,11 @@ pub struct Sent {
     /// Requests that streamed to `[DONE]`.
     pub completed: u64,
     pub failed: u64,
-    /// Median and p99 TTFT of the completed requests, as the client saw it
-    /// (request sent to first SSE event), seconds; `None` when none completed.
-    pub ttft_p50_s: Option<f64>,
-    pub ttft_p99_s: Option<f64>,
+    /// TTFT of every completed request; `None` when none completed.
+    pub ttft: Option<TtftQuantiles>,
+    /// TTFT of the completed requests sent after `--warmup-s`; `None` when
+    /// there is no warm-up or none completed after it.
+    pub steady_ttft: Option<TtftQuantiles>,
 }
 
 /// The nearest-rank `quantile` of `values` (the smallest value with at least
@@ -240,11 +281,17 @@ pub async fn drive(args: DriveArgs) -> Result<(), DriveError> {
         sent.completed,
         sent.failed
     );
-    if let (Some(p50), Some(p99)) = (sent.ttft_p50_s, sent.ttft_p99_s) {
-        // One line, kept stable: `cargo xtask bench` reads it.
+    // Two lines, kept stable: `cargo xtask bench` reads them.
+    if let Some(ttft) = sent.ttft {
         println!(
-            "client TTFT (request sent to first SSE event): p50 {p50:.4} s, p99 {p99:.4} s over {} completed requests",
-            sent.completed
+            "client TTFT (request sent to first SSE event): p50 {:.4} s, p99 {:.4} s over {} completed requests",
+            ttft.p50_s, ttft.p99_s, ttft.completed
+        );
+    }
+    if let Some(ttft) = sent.steady_ttft {
+        println!(
+            "client TTFT after {} s of warm-up: p50 {:.4} s, p99 {:.4} s over {} completed requests",
+            args.warmup_s, ttft.p50_s, ttft.p99_s, ttft.completed
         );
     }
     print_summary(&client, &routers).await?;
@@ -299,8 +346,12 @@ pub async fn send(
         requests,
         completed: tally.ok.load(Ordering::Relaxed),
         failed: tally.failed.load(Ordering::Relaxed),
-        ttft_p50_s: tally.ttft_quantile(0.5),
-        ttft_p99_s: tally.ttft_quantile(0.99),
+        ttft: TtftQuantiles::of(&tally.ttfts_from(0.0)),
+        steady_ttft: if args.warmup_s > 0.0 {
+            TtftQuantiles::of(&tally.ttfts_from(args.warmup_s))
+        } else {
+            None
+        },
     })
 }
 
@@ -346,7 +397,7 @@ async fn send_size_skew(
         let url = format!("{router}/v1/chat/completions");
         let tally = tally.clone();
         tasks.push(tokio::spawn(async move {
-            tally.count(stream_one(&client, &url, &body).await.as_ref());
+            tally.count(next_s, stream_one(&client, &url, &body).await.as_ref());
         }));
         sent += 1;
         progress.set_position((next_s * 1000.0) as u64);
@@ -404,8 +455,9 @@ async fn send_multi_turn(
                 let turn = turns.fetch_add(1, Ordering::Relaxed);
                 let router = &routers[(turn % routers.len() as u64) as usize];
                 let url = format!("{router}/v1/chat/completions");
+                let sent_at_s = started.elapsed().as_secs_f64();
                 let answer = stream_one(&client, &url, &session.request_body(max_tokens)).await;
-                tally.count(answer.as_ref());
+                tally.count(sent_at_s, answer.as_ref());
                 // A failed turn ends its session: there is no answer to resend.
                 let Some(answer) = answer else { break };
                 if !session.finish_turn(answer.tokens) {
@@ -862,6 +914,7 @@ tokenspeed:cached_tokens_total{model_name=\"m\"} 0.0
             mean_turns: 3.0,
             max_turns: 6,
             think_time_s: 0.05,
+            warmup_s: 0.5,
             engines: vec![router.to_owned()],
         }
     }
@@ -881,6 +934,13 @@ tokenspeed:cached_tokens_total{model_name=\"m\"} 0.0
             ..args.clone()
         });
         assert!(message.contains("--think-time-s"), "{message}");
+        for warmup_s in [-0.5, f64::NAN, 2.0] {
+            let message = refused(DriveArgs {
+                warmup_s,
+                ..args.clone()
+            });
+            assert!(message.contains("--warmup-s"), "{message}");
+        }
         let message = refused(DriveArgs {
             apps: 0,
             ..args.clone()
@@ -925,8 +985,19 @@ tokenspeed:cached_tokens_total{model_name=\"m\"} 0.0
         assert_eq!(sent.completed, sent.requests, "{sent:?}");
         // Every session plays its first turn.
         assert!(sent.requests >= sent.sessions, "{sent:?}");
-        let (p50, p99) = (sent.ttft_p50_s.unwrap(), sent.ttft_p99_s.unwrap());
-        assert!(0.0 < p50 && p50 <= p99, "{sent:?}");
+        let ttft = sent.ttft.unwrap();
+        assert!(0.0 < ttft.p50_s && ttft.p50_s <= ttft.p99_s, "{sent:?}");
+        assert_eq!(ttft.completed, sent.completed, "{sent:?}");
+        // The steady-state quantiles leave out what was sent in the warm-up.
+        let steady = sent.steady_ttft.unwrap();
+        assert!(
+            0 < steady.completed && steady.completed < ttft.completed,
+            "{sent:?}"
+        );
+        assert!(
+            0.0 < steady.p50_s && steady.p50_s <= steady.p99_s,
+            "{sent:?}"
+        );
 
         let deadline = Instant::now() + Duration::from_secs(30);
         let counters = loop {

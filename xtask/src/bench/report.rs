@@ -609,6 +609,7 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("p99_ttft_s", "p99 TTFT s", 3),
             ("p99_min_s", "p99 min s", 3),
             ("p99_max_s", "p99 max s", 3),
+            ("p99_whole_run_s", "p99 whole run s", 3),
             ("load", "load", 2),
             ("completed", "completed", 0),
             ("runs", "runs", 0),
