@@ -34,6 +34,23 @@ pub struct ReadRequest {
     pub max_output_tokens: Option<u64>,
     /// Why `info.prefix` is empty; `None` when the prefix was hashed.
     pub prefix_unhashed: Option<Unhashed>,
+    /// As [`stream_usage`].
+    pub stream_usage: StreamUsage,
+}
+
+/// Whether the client asked for OpenAI's closing usage chunk on a stream
+/// (`stream_options.include_usage`), which carries the engine's
+/// `prompt_tokens_details.cached_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamUsage {
+    /// `stream_options.include_usage` is `true`.
+    Asked,
+    /// The body has no `stream_options` field: the router may ask for the
+    /// chunk itself, as long as it keeps it from the client.
+    Unset,
+    /// `stream_options` is there without `include_usage: true`: the
+    /// client's choice, left as it is.
+    Declined,
 }
 
 /// Why a body could not be read.
@@ -62,8 +79,9 @@ const TOP_FIELDS: [&str; TOP_FIELD_COUNT] = [
     "text",
     "messages",
     "sampling_params",
+    "stream_options",
 ];
-const TOP_FIELD_COUNT: usize = 9;
+const TOP_FIELD_COUNT: usize = 10;
 /// How many of [`TOP_FIELDS`] are scalars.
 const SCALAR_COUNT: usize = 4;
 /// `messages`' place in [`TOP_FIELDS`].
@@ -87,7 +105,7 @@ pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest,
     };
     de.end().map_err(RequestBodyError::Invalid)?;
     let [model, stream, max_completion, max_tokens] = top.scalars;
-    let [input_ids, prompt, text, _, sampling] = top.raw;
+    let [input_ids, prompt, text, _, sampling, stream_options] = top.raw;
     let model = match model {
         Some(Scalar::Str(model)) => Some(model),
         _ => None,
@@ -117,6 +135,13 @@ pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest,
             serde_json::from_str::<u64>(max_new?.get()).ok()
         }),
     };
+    let stream_usage = match stream_options {
+        None => StreamUsage::Unset,
+        Some(options) => match fields_of(options, &["include_usage"]) {
+            Some([Some(include)]) if include.get() == "true" => StreamUsage::Asked,
+            _ => StreamUsage::Declined,
+        },
+    };
     Ok(ReadRequest {
         info: RequestInfo {
             tokens,
@@ -126,6 +151,7 @@ pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest,
         },
         max_output_tokens,
         prefix_unhashed,
+        stream_usage,
     })
 }
 
@@ -560,6 +586,17 @@ pub fn max_output_tokens(body: &Value) -> Option<u64> {
         .and_then(Value::as_u64)
 }
 
+/// Whether `body` asks for a stream's closing usage chunk.
+pub fn stream_usage(body: &Value) -> StreamUsage {
+    match body.get("stream_options") {
+        None => StreamUsage::Unset,
+        Some(options) if options.get("include_usage") == Some(&Value::Bool(true)) => {
+            StreamUsage::Asked
+        }
+        Some(_) => StreamUsage::Declined,
+    }
+}
+
 /// A list of integers (or a batch of such lists) counts tokens exactly.
 fn token_ids(value: Option<&Value>) -> Option<u64> {
     let items = value?.as_array()?;
@@ -679,6 +716,14 @@ mod tests {
             r#"{"model": "a", "model": "b", "stream": true, "stream": false}"#,
             r#"{"max_tokens": 1, "max_tokens": "x"}"#,
             r#"{"stream": false, "stream": true, "max_tokens": "x", "max_tokens": 2}"#,
+            r#"{"stream": true, "stream_options": {"include_usage": true}}"#,
+            r#"{"stream": true, "stream_options": {"include_usage": false}}"#,
+            r#"{"stream": true, "stream_options": {"include_usage": "true"}}"#,
+            r#"{"stream": true, "stream_options": {"include_usage": true, "include_usage": 1}}"#,
+            r#"{"stream": true, "stream_options": {}}"#,
+            r#"{"stream": true, "stream_options": null}"#,
+            r#"{"stream": true, "stream_options": [true]}"#,
+            r#"{"stream_options": {"continuous_usage_stats": true, "include_usage": true}}"#,
         ];
         for raw in bodies {
             let parsed: Value = serde_json::from_str(raw).unwrap();
@@ -687,8 +732,15 @@ mod tests {
             assert_eq!(read.info.model, expected.model, "{raw}");
             assert_eq!(read.info.streaming, expected.streaming, "{raw}");
             assert_eq!(read.max_output_tokens, max_output_tokens(&parsed), "{raw}");
+            assert_eq!(read.stream_usage, stream_usage(&parsed), "{raw}");
         }
         let read = |raw: &str| read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+        assert_eq!(read(bodies[0]).stream_usage, StreamUsage::Unset);
+        assert_eq!(read(bodies[20]).stream_usage, StreamUsage::Asked);
+        for declined in 21..=26 {
+            assert_eq!(read(bodies[declined]).stream_usage, StreamUsage::Declined);
+        }
+        assert_eq!(read(bodies[27]).stream_usage, StreamUsage::Asked);
         assert_eq!(read(bodies[1]).info.model.as_deref(), Some("caf\u{e9}\n"));
         assert_eq!(read(bodies[10]).max_output_tokens, Some(u64::MAX));
         assert_eq!(read(bodies[17]).info.model.as_deref(), Some("b"));
