@@ -1,23 +1,4 @@
-//! [`RouterBuilder`]: the router as a library. A crate of your own adds its
-//! policies and backends to the registries and then runs exactly what the
-//! `router` binary runs: the same config layers, admin API and metrics
-//! (and, through `router-bin`'s `router_bin::main`, the same command line).
-//! The `router` binary is this with the built-in parts.
-//!
-//! ```no_run
-//! use router::RouterBuilder;
-//! use router::config::Layers;
-//!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let mut router = RouterBuilder::with_builtins();
-//! // my_backend::register(router.backends());
-//! // my_policy::register(router.policies());
-//! router.backends(); // (the registries, to add to)
-//! let config = router.load_config(Layers::default().with_process_environment())?;
-//! router.run(config, None).await?;
-//! # Ok(())
-//! # }
-//! ```
+//! [`RouterBuilder`]: the router as a library.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,8 +10,26 @@ use crate::config::{Layers, RouterConfig};
 use crate::error::{ConfigError, RouterError};
 use crate::server;
 
-/// The policies and backends a router is built from. See the module
-/// documentation.
+/// The policies and backends a router is built from. A crate of your own
+/// adds its policies and backends to the registries and then runs exactly
+/// what the `router` binary runs: the same config layers, admin API and
+/// metrics (and, through `router-bin`'s `router_bin::main`, the same
+/// command line). The `router` binary is this with the built-in parts.
+///
+/// ```no_run
+/// use router::RouterBuilder;
+/// use router::config::Layers;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut router = RouterBuilder::with_builtins();
+/// // my_backend::register(router.backends());
+/// // my_policy::register(router.policies());
+/// router.backends(); // (the registries, to add to)
+/// let config = router.load_config(Layers::default().with_process_environment())?;
+/// router.run(config, None).await?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct RouterBuilder {
     policies: PolicyRegistry,

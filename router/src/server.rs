@@ -90,8 +90,10 @@ pub(crate) async fn start(app: Arc<App>) -> Result<Arc<App>, RouterError> {
     Ok(app)
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves, then stops accepting
-/// and lets in-flight requests finish for up to the grace period.
+/// Serves `app` on `listener` (HTTP/1.1 kept alive, and h2c, under the
+/// `[server]` section's client limits) until `shutdown` resolves (for
+/// example [`termination`]), then stops accepting and lets in-flight
+/// requests finish for up to `server.shutdown_grace_ms`.
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,
