@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::config::{Layers, WorkerConfig, parse_worker_flag};
-use crate::error::ConfigError;
+use router::ConfigError;
+use router::config::{Layers, Value, WorkerConfig, parse_worker_flag};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -14,103 +14,103 @@ use crate::error::ConfigError;
     about = "Load-aware router for LLM inference fleets",
     allow_negative_numbers = true
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// TOML config file (layers: defaults < file < ROUTER__SECTION__KEY env < flags).
     #[arg(long, value_name = "PATH")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
-    pub print_config: bool,
+    pub(crate) print_config: bool,
     #[arg(long)]
-    pub host: Option<String>,
+    host: Option<String>,
     #[arg(long)]
-    pub port: Option<u16>,
+    port: Option<u16>,
     /// Active policy: least_load, power_of_two, least_requests, round_robin, random,
     /// cache_aware, consistent_hash.
     #[arg(long, value_name = "KIND")]
-    pub policy: Option<String>,
+    policy: Option<String>,
     /// A worker, `[BACKEND=]URL[,loads=LOAD_URL]`; repeatable; replaces the file's list.
     #[arg(long = "worker", value_name = "SPEC")]
-    pub workers: Vec<String>,
+    workers: Vec<String>,
     #[arg(long)]
-    pub max_retries: Option<u32>,
+    max_retries: Option<u32>,
     #[arg(long)]
-    pub chars_per_token: Option<f64>,
+    chars_per_token: Option<f64>,
     #[arg(long)]
-    pub load_interval_ms: Option<u64>,
+    load_interval_ms: Option<u64>,
     #[arg(long)]
-    pub load_timeout_ms: Option<u64>,
+    load_timeout_ms: Option<u64>,
     #[arg(long)]
-    pub stale_after_ms: Option<u64>,
+    stale_after_ms: Option<u64>,
     #[arg(long)]
-    pub admin_api_key: Option<String>,
+    admin_api_key: Option<String>,
 
     /// Share pending work with other router replicas over NATS (the `[sync]` section).
     #[arg(long)]
-    pub sync: bool,
+    sync: bool,
     /// The NATS broker, `nats://host[:port]`.
     #[arg(long, value_name = "URL")]
-    pub sync_nats_url: Option<String>,
+    sync_nats_url: Option<String>,
     #[arg(long, value_name = "PREFIX")]
-    pub sync_subject_prefix: Option<String>,
+    sync_subject_prefix: Option<String>,
     /// This replica's id in its messages (default: hostname-pid).
     #[arg(long, value_name = "ID")]
-    pub sync_replica_id: Option<String>,
+    sync_replica_id: Option<String>,
     #[arg(long)]
-    pub sync_publish_interval_ms: Option<u64>,
+    sync_publish_interval_ms: Option<u64>,
     #[arg(long)]
-    pub sync_entry_ttl_ms: Option<u64>,
+    sync_entry_ttl_ms: Option<u64>,
     /// Share prefix placements and cache bounds, and warm from a peer's
     /// prefix snapshot at start (`true` or `false`).
     #[arg(long, value_name = "BOOL")]
-    pub sync_share_prefixes: Option<bool>,
+    sync_share_prefixes: Option<bool>,
     #[arg(long)]
-    pub sync_snapshot_timeout_ms: Option<u64>,
+    sync_snapshot_timeout_ms: Option<u64>,
 
     #[arg(long)]
-    pub least_load_kv_pressure_weight: Option<f64>,
+    least_load_kv_pressure_weight: Option<f64>,
     #[arg(long)]
-    pub least_load_default_throughput: Option<f64>,
+    least_load_default_throughput: Option<f64>,
     #[arg(long)]
-    pub least_load_mean_prefill_tokens: Option<u64>,
+    least_load_mean_prefill_tokens: Option<u64>,
     #[arg(long)]
-    pub least_load_max_waiting_requests: Option<u64>,
+    least_load_max_waiting_requests: Option<u64>,
     /// `pending` (default) or `since_poll` (the original estimator).
     #[arg(long)]
-    pub least_load_inflight: Option<String>,
+    least_load_inflight: Option<String>,
     /// Scores this close to the best are ties, won by the least recently used.
     #[arg(long)]
-    pub least_load_tie_tolerance_secs: Option<f64>,
+    least_load_tie_tolerance_secs: Option<f64>,
     /// The divisor: `learned` (default), `reported` or `fixed`.
     #[arg(long)]
-    pub least_load_rate: Option<String>,
+    least_load_rate: Option<String>,
     /// How fast a learned rate forgets old samples, in seconds.
     #[arg(long)]
-    pub least_load_rate_half_life_secs: Option<f64>,
+    least_load_rate_half_life_secs: Option<f64>,
 
     #[arg(long)]
-    pub power_of_two_kv_pressure_weight: Option<f64>,
+    power_of_two_kv_pressure_weight: Option<f64>,
     #[arg(long)]
-    pub power_of_two_default_throughput: Option<f64>,
+    power_of_two_default_throughput: Option<f64>,
     #[arg(long)]
-    pub power_of_two_mean_prefill_tokens: Option<u64>,
+    power_of_two_mean_prefill_tokens: Option<u64>,
     #[arg(long)]
-    pub power_of_two_max_waiting_requests: Option<u64>,
+    power_of_two_max_waiting_requests: Option<u64>,
     #[arg(long)]
-    pub power_of_two_inflight: Option<String>,
+    power_of_two_inflight: Option<String>,
     #[arg(long)]
-    pub power_of_two_tie_tolerance_secs: Option<f64>,
+    power_of_two_tie_tolerance_secs: Option<f64>,
     #[arg(long)]
-    pub power_of_two_rate: Option<String>,
+    power_of_two_rate: Option<String>,
     #[arg(long)]
-    pub power_of_two_rate_half_life_secs: Option<f64>,
+    power_of_two_rate_half_life_secs: Option<f64>,
 }
 
 impl Cli {
     /// The flags the user passed, as config overrides, and the `--worker` list.
-    pub fn layers(&self) -> Result<Layers<'_>, ConfigError> {
-        let mut overrides: Vec<(String, config::Value)> = Vec::new();
-        let mut set = |key: &str, value: Option<config::Value>| {
+    pub(crate) fn layers(&self) -> Result<Layers<'_>, ConfigError> {
+        let mut overrides: Vec<(String, Value)> = Vec::new();
+        let mut set = |key: &str, value: Option<Value>| {
             if let Some(value) = value {
                 overrides.push((key.to_owned(), value));
             }
@@ -248,14 +248,14 @@ impl Cli {
     }
 }
 
-fn u64_value(value: u64) -> config::Value {
+fn u64_value(value: u64) -> Value {
     i64::try_from(value).unwrap_or(i64::MAX).into()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RouterConfig;
+    use router::RouterConfig;
 
     #[test]
     fn only_passed_flags_override() {

@@ -1,7 +1,8 @@
 //! `router`: a load-aware router for LLM inference fleets.
 //!
-//! Everything it does is [`router_bin::RouterBuilder`] with the built-in
-//! policies and backends; a crate of your own can add more the same way.
+//! Everything it does is [`router_bin::main`] with the built-in policies
+//! and backends ([`router::RouterBuilder::with_builtins`]); a crate of your
+//! own can add more the same way.
 
 use std::process::ExitCode;
 
@@ -11,5 +12,5 @@ use std::process::ExitCode;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    router_bin::RouterBuilder::with_builtins().main()
+    router_bin::main(router::RouterBuilder::with_builtins())
 }

@@ -7,8 +7,8 @@ mod common;
 
 use std::process::{Command, Stdio};
 
-use common::upstream::Upstream;
 use common::wait_until;
+use mock_engines::{Flavour, SimEngineConfig};
 
 fn router() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_router"));
@@ -153,7 +153,10 @@ fn the_example_config_is_valid() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_rereads_the_policy_section() {
-    let upstream = Upstream::start().await;
+    let engines = mock_engines::start_many(&SimEngineConfig::new(Flavour::Sglang), 1)
+        .await
+        .unwrap();
+    let engine_url = engines.engines()[0].http_url();
     let port = {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().port()
@@ -162,7 +165,7 @@ async fn sighup_rereads_the_policy_section() {
         "sighup.toml",
         &format!(
             "[server]\nport = {port}\n[policy]\nkind = \"round_robin\"\n[[workers]]\nurl = \"{}\"\nbackend = \"sglang\"\n",
-            upstream.url
+            engine_url
         ),
     );
     let mut child = router()
@@ -249,4 +252,5 @@ async fn sighup_rereads_the_policy_section() {
         .unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
+    engines.shutdown().await;
 }

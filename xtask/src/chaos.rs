@@ -228,10 +228,17 @@ fn build_note() -> String {
     let Some(commit) = git(&["rev-parse", "--short", "HEAD"]) else {
         return "unknown commit".to_owned();
     };
-    match git(&["status", "--porcelain", "--", "router-bin", "engine-sim"]) {
-        Some(changes) if !changes.is_empty() => {
-            format!("commit {commit} plus uncommitted changes under router-bin/ or engine-sim/")
-        }
+    match git(&[
+        "status",
+        "--porcelain",
+        "--",
+        "router",
+        "router-bin",
+        "engine-sim",
+    ]) {
+        Some(changes) if !changes.is_empty() => format!(
+            "commit {commit} plus uncommitted changes under router/, router-bin/ or engine-sim/"
+        ),
         _ => format!("commit {commit}"),
     }
 }

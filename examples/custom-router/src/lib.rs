@@ -15,8 +15,8 @@
 //! like the built-in ones, with the same validation:
 //!
 //! ```
-//! use router_bin::RouterBuilder;
-//! use router_bin::config::{Layers, parse_worker_flag};
+//! use router::RouterBuilder;
+//! use router::config::{Layers, parse_worker_flag};
 //!
 //! let mut builder = RouterBuilder::with_builtins();
 //! custom_router::register(&mut builder);
@@ -31,9 +31,9 @@
 //! assert_eq!(config.workers[0].backend.as_deref(), Some("jsonstats"));
 //! assert_eq!(config.policy.sections["least_kv"]["max_kv_usage_ratio"], 0.8);
 //! assert_eq!(config.policy.sections["least_kv"]["pending_weight"], 1.0);
-//! // From here: `builder.start(config, None)` and `router_bin::server::serve`,
-//! // or `builder.main()` to run the router's whole command line.
-//! # Ok::<(), router_bin::ConfigError>(())
+//! // From here: `builder.start(config, None)` and `router::serve`, or
+//! // `router_bin::main(builder)` to run the router's whole command line.
+//! # Ok::<(), router::ConfigError>(())
 //! ```
 
 pub mod backend;
@@ -47,7 +47,7 @@ pub use backend::{
 pub use engine::{STATS_ENGINE_MODEL, StatsEngine, serve_stats_engine};
 pub use policy::{LeastKvParams, LeastKvPolicy, POLICY_NAME, register_policy};
 
-use router_bin::RouterBuilder;
+use router::RouterBuilder;
 
 /// Adds the `jsonstats` backend and the `least_kv` policy to `builder`.
 pub fn register(builder: &mut RouterBuilder) {

@@ -9,7 +9,7 @@
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let mut router = router_bin::RouterBuilder::with_builtins();
+    let mut router = router::RouterBuilder::with_builtins();
     custom_router::register(&mut router);
-    router.main()
+    router_bin::main(router)
 }

@@ -19,14 +19,13 @@
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use custom_router::{JsonStats, KvCacheStats, QueueStats, StatsEngine, serve_stats_engine};
 use policy_core::error_chain;
-use router_bin::config::Layers;
-use router_bin::{App, ConfigError, RouterBuilder};
+use router::config::Layers;
+use router::{ConfigError, RouterBuilder};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
@@ -98,7 +97,7 @@ fn builder() -> RouterBuilder {
     builder
 }
 
-fn load_config(text: &str) -> Result<router_bin::RouterConfig, ConfigError> {
+fn load_config(text: &str) -> Result<router::RouterConfig, ConfigError> {
     let file = TempToml::new(text);
     builder().load_config(Layers {
         file: Some(&file.0),
@@ -108,7 +107,8 @@ fn load_config(text: &str) -> Result<router_bin::RouterConfig, ConfigError> {
 
 /// A router serving on `127.0.0.1:<ephemeral>`, stopped on drop.
 struct TestRouter {
-    app: Arc<App>,
+    /// The workers in its config.
+    workers: usize,
     base: String,
     client: reqwest::Client,
     stop: Option<oneshot::Sender<()>>,
@@ -123,7 +123,7 @@ impl Drop for TestRouter {
 }
 
 /// Loads `config_text` through the builder's config layers, starts the
-/// router and serves it, as `RouterBuilder::main` does.
+/// router and serves it, as `router_bin::main` does.
 async fn start_router(config_text: &str) -> TestRouter {
     let builder = builder();
     let config = {
@@ -137,13 +137,14 @@ async fn start_router(config_text: &str) -> TestRouter {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
+    let workers = config.workers.len();
     let app = builder.start(config, None).await.unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(router_bin::server::serve(app.clone(), listener, async {
+    tokio::spawn(router::serve(app, listener, async {
         let _ = stopped.await;
     }));
     TestRouter {
-        app,
+        workers,
         base,
         client: reqwest::Client::new(),
         stop: Some(stop),
@@ -197,7 +198,7 @@ impl TestRouter {
         wait_until("every worker is in rotation with a load report", || async {
             let workers = self.get_json("/admin/workers").await;
             let workers = workers["workers"].as_array().unwrap().clone();
-            workers.len() == self.app.workers().len()
+            workers.len() == self.workers
                 && workers
                     .iter()
                     .all(|worker| worker["in_rotation"] == true && !worker["load"].is_null())
