@@ -159,6 +159,11 @@ pub struct RequestConfig {
     /// The longest prompt prefix hashed, tokens; 0 turns prefix hashing
     /// off. Bounds the hashing work per request whatever the prompt's size.
     pub prefix_hash_max_tokens: u64,
+    /// On an OpenAI stream with a hashed prompt whose client set no
+    /// `stream_options`, ask the engine for the closing usage chunk
+    /// (`include_usage`), read its `cached_tokens`, and keep the chunk from
+    /// the client. Without it such streams report no cache hits.
+    pub ask_stream_usage: bool,
 }
 
 impl RequestConfig {
@@ -178,6 +183,7 @@ impl Default for RequestConfig {
             chars_per_token: 4.0,
             prefix_hash_block_tokens: 64,
             prefix_hash_max_tokens: 32_768,
+            ask_stream_usage: true,
         }
     }
 }

@@ -48,6 +48,7 @@ mod proxy;
 mod replica_sync;
 mod server;
 mod sse;
+mod stream_usage;
 mod topology;
 mod upstream;
 mod workers;

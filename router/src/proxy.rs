@@ -26,13 +26,14 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
-use request_features::{Unhashed, read_request};
+use request_features::{StreamUsage, Unhashed, read_request};
 
 use crate::app::{App, SilentStream};
 use crate::cached_tokens::CachedTokensScanner;
 use crate::client_body::read_client_body;
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
+use crate::stream_usage::{UsageChunkFilter, with_usage_asked};
 use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
@@ -166,9 +167,20 @@ where
     }
     let info = read.info;
     let head_timeout = server.head_timeout(info.streaming, read.max_output_tokens);
+    // Only a prompt with hashed blocks has a prediction to check.
+    let ask_usage = app.config.request.ask_stream_usage
+        && info.streaming
+        && read.stream_usage == StreamUsage::Unset
+        && head.path != "/generate"
+        && !info.prefix.is_empty();
+    let (body, hide_usage_chunk) = match ask_usage.then(|| with_usage_asked(&body)).flatten() {
+        Some(asked) => (asked, true),
+        None => (body, false),
+    };
     let request = ClientRequest {
         head,
         body,
+        hide_usage_chunk,
         info,
         received_at,
         deadline,
@@ -181,6 +193,8 @@ where
 struct ClientRequest {
     head: ClientHead,
     body: Bytes,
+    /// The router asked for the stream's usage chunk; the client did not.
+    hide_usage_chunk: bool,
     info: RequestInfo,
     received_at: Instant,
     /// `server.request_deadline_ms` after it arrived.
@@ -509,6 +523,7 @@ async fn attempt_on(
         )),
         deadline: request.deadline,
         ended: false,
+        usage_filter: request.hide_usage_chunk.then(UsageChunkFilter::default),
     };
     Attempt::Done(worker_answer(
         status,
@@ -820,6 +835,8 @@ pub(crate) struct TrackedBody {
     deadline: tokio::time::Instant,
     /// The router ended the body (an error event went out).
     ended: bool,
+    /// Keeps from the client the usage chunk the router asked for.
+    usage_filter: Option<UsageChunkFilter>,
 }
 
 impl std::fmt::Debug for TrackedBody {
@@ -944,8 +961,38 @@ impl TrackedBody {
         Poll::Ready(Some(Ok(piece)))
     }
 
-    /// The next piece of the stream, as data.
+    /// The next piece of the stream, as data, less a usage chunk the
+    /// client did not ask for.
     fn poll_piece(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Piece, std::io::Error>>> {
+        if self.usage_filter.is_none() {
+            return self.poll_worker_piece(cx);
+        }
+        loop {
+            let polled = self.poll_worker_piece(cx);
+            let Some(filter) = self.usage_filter.as_mut() else {
+                return polled;
+            };
+            match polled {
+                Poll::Ready(Some(Ok(piece))) => {
+                    if let Some(data) = filter.feed(piece.into_data()) {
+                        return Poll::Ready(Some(Ok(Piece::Data(data))));
+                    }
+                }
+                Poll::Ready(None) => {
+                    let rest = filter.finish();
+                    self.usage_filter = None;
+                    return Poll::Ready(rest.map(|data| Ok(Piece::Data(data))));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The next piece of the worker's stream, as data.
+    fn poll_worker_piece(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Piece, std::io::Error>>> {
         if self.ended {
             return Poll::Ready(None);
         }
@@ -1019,11 +1066,16 @@ impl http_body::Body for TrackedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || (self.held.is_empty() && self.inner.is_end_stream())
+        let filter_holding = self
+            .usage_filter
+            .as_ref()
+            .is_some_and(UsageChunkFilter::is_holding);
+        self.ended || (self.held.is_empty() && !filter_holding && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        if !self.held.is_empty() {
+        // A filtered stream's length is not the worker's.
+        if !self.held.is_empty() || self.usage_filter.is_some() {
             return SizeHint::default();
         }
         self.inner.size_hint()
