@@ -13,9 +13,11 @@
 //!
 //! Every line ends in CRLF: a bare LF is refused, in a size line, after a
 //! chunk's data and in the trailers, as is anything before a size's first
-//! digit or after its last extension (whitespace is allowed only before a
-//! `;` or around an `=`). A size is any number of hex digits whose value
-//! fits 64 bits. Extensions are checked and ignored. A size line (with its
+//! digit. Whitespace is allowed where the grammar has BWS (before a `;`,
+//! around an `=`) and, as one leniency that hyper's client, nginx and Go
+//! share, at the end of a size line (`5 \r\n`): it leaves the size as
+//! plain. A size is any number of hex digits whose value fits 64 bits.
+//! Extensions are checked and ignored. A size line (with its
 //! extensions) may be [`MAX_LINE_BYTES`] long, the trailer section
 //! [`MAX_TRAILER_BYTES`] with at most [`MAX_TRAILERS`] fields, each a field
 //! line as httparse reads one in a head; trailers are read and dropped.
@@ -154,7 +156,9 @@ fn size_line(bytes: &[u8]) -> Result<Option<SizeLine>, BodyError> {
     if newline == 0 || bytes[newline - 1] != b'\r' {
         return bad("chunk-size line without CRLF");
     }
-    let line = &bytes[..newline - 1];
+    // Whitespace at the line's end is let pass, as hyper's client, nginx
+    // and Go's do: the size is just as plain with it.
+    let line = trim_end_ows(&bytes[..newline - 1]);
     let digits = line
         .iter()
         .position(|byte| hex_value(*byte).is_none())
@@ -176,6 +180,15 @@ fn size_line(bytes: &[u8]) -> Result<Option<SizeLine>, BodyError> {
         size,
         line_bytes: newline + 1,
     }))
+}
+
+/// `bytes` without the spaces and tabs at its end.
+fn trim_end_ows(bytes: &[u8]) -> &[u8] {
+    let end = bytes
+        .iter()
+        .rposition(|byte| *byte != b' ' && *byte != b'\t')
+        .map_or(0, |last| last + 1);
+    &bytes[..end]
 }
 
 fn hex_value(byte: u8) -> Option<u8> {
@@ -395,6 +408,10 @@ mod tests {
             b"1;a=\"\"\r\n",
             b"1;a=\"\\\"\"\r\n",
             b"1;!#$%&'*+-.^_`|~=~\r\n",
+            b"1 \r\n",
+            b"1\t \r\n",
+            b"1;a=b \r\n",
+            b"1;a=\"x \" \r\n",
         ] {
             assert!(
                 size_line(good).unwrap().is_some(),
@@ -409,11 +426,13 @@ mod tests {
             &b"1a\n"[..],
             b"\r\n",
             b" 1\r\n",
-            b"1 \r\n",
+            b"\t1\r\n",
             b"1;\r\n",
+            b"1 ;\r\n",
+            b"1 2\r\n",
             b"1;a=\r\n",
             b"1;a b\r\n",
-            b"1;a=b \r\n",
+            b"1;a=\"x \r\n",
             b"1;a=\"x\r\n",
             b"1;a=\"\x01\"\r\n",
             b"1;a\x00\r\n",
