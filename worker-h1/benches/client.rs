@@ -1,8 +1,8 @@
 //! One request to an engine on loopback, answer read to its end, by this
 //! crate's client and by hyper's two clients:
 //!
-//! - `h1`: [`worker_h1::send`] on a pool of kept-alive connections, the
-//!   body read piece by piece with [`WorkerBody::poll_data`] in the calling
+//! - `h1`: `worker_h1::send` on a pool of kept-alive connections, the
+//!   body read piece by piece with `WorkerBody::poll_data` in the calling
 //!   task, as the router's proxy reads it.
 //! - `hyper_pooled`: `hyper_util::client::legacy::Client` with an
 //!   `HttpConnector` (`TCP_NODELAY`), hyper's pooled keep-alive client: the
@@ -33,20 +33,23 @@
 //! Names: `<stream|json>/<client>/<ct|mt>`; the figure is wall time per
 //! request (the engine's part included).
 //!
-//! After criterion, under `cargo bench`, the bench prints the client's CPU
-//! time per request: the CPU time of every thread of the process but the
-//! engine's (Linux `/proc/self/task/*/schedstat`, nanoseconds) over a fixed
-//! number of requests, in seven rounds of ten slices, each client taking
-//! its turn at every slice (the first one rotating), so that a change in
-//! the machine's load falls on every client alike; the median of each
-//! client's rounds, and the median and range of each round's ratio
-//! `h1 / hyper_pooled` and `h1 / hyper_conn`. For `stream_paced` it also prints the median and 90th
-//! percentile of an event's latency, from just before the engine's write
-//! to the client's having the frame.
-//! `WORKER_H1_CPU=0` skips it; `WORKER_H1_CPU=<text>` runs only the rows
-//! whose name contains it.
+//! After criterion, under `cargo bench`, an interleaved pass prints per
+//! request the client's CPU time (that of every thread of the process but
+//! the engine's, Linux `/proc/self/task/*/schedstat`, nanoseconds) and the
+//! wall time, over a fixed number of requests in seven rounds of ten
+//! slices, each client taking its turn at every slice (the first one
+//! rotating), so that a change in the machine's load falls on every client
+//! alike: the median of each client's rounds, and the median and range of
+//! each round's ratio `h1 / hyper_pooled` and `h1 / hyper_conn`. On a
+//! shared machine these are the figures to read; criterion's, measured
+//! one benchmark after another, move with the machine's load. For
+//! `stream_paced` it also prints the median and 90th percentile of an
+//! event's latency, from just before the engine's write to the client's
+//! having the frame. `WORKER_H1_CPU=0` skips the pass;
+//! `WORKER_H1_CPU=<text>` runs only the rows whose name contains it.
 //!
 //! Run: `cargo bench -p worker-h1 --bench client -- --warm-up-time 1 --measurement-time 3`
+//! (the interleaved pass alone: add a filter no benchmark matches, `-- none`).
 
 use std::error::Error;
 use std::net::SocketAddr;
@@ -578,8 +581,42 @@ fn range(values: &[f64]) -> String {
     format!("{low:.2}..{high:.2}")
 }
 
-/// The CPU pass: per scenario and runtime, [`ROUNDS`] rounds of each client
-/// in turn; CPU per request and its ratios, and a paced event's latency.
+/// Each client's median over the rounds (`figures[client][round]`, ns
+/// per request), and the median and range of each round's ratio of
+/// `h1`'s to each hyper client's.
+fn summary(figures: &[Vec<f64>]) -> String {
+    let ratios = |other: usize| -> Vec<f64> {
+        figures[0]
+            .iter()
+            .zip(&figures[other])
+            .map(|(h1, o)| h1 / o)
+            .collect()
+    };
+    let (pooled, conn) = (ratios(1), ratios(2));
+    let medians: Vec<String> = Which::ALL
+        .iter()
+        .zip(figures)
+        .map(|(which, values)| {
+            format!(
+                "{} {:.1} µs",
+                which.name(),
+                median(&mut values.clone()) / 1e3
+            )
+        })
+        .collect();
+    format!(
+        "{}; h1/hyper_pooled {:.2} ({}), h1/hyper_conn {:.2} ({})",
+        medians.join(", "),
+        median(&mut pooled.clone()),
+        range(&pooled),
+        median(&mut conn.clone()),
+        range(&conn),
+    )
+}
+
+/// The interleaved pass: per scenario and runtime, rounds of each client
+/// in turn; CPU and wall time per request and their ratios, and a paced
+/// event's latency.
 fn cpu_report(filter: &str) -> Result<(), BoxError> {
     const ROUNDS: usize = 7;
     // Each round's requests, in slices taken by each client in turn, so
@@ -592,7 +629,8 @@ fn cpu_report(filter: &str) -> Result<(), BoxError> {
         return Ok(());
     }
     println!(
-        "\nclient CPU per request (every thread but the engine's), median of {ROUNDS} rounds:"
+        "\nper request, interleaved: client CPU (every thread but the engine's) \
+         and wall time, median of {ROUNDS} rounds:"
     );
     for scenario in Scenario::ALL {
         for setup in &mut setups {
@@ -605,9 +643,11 @@ fn cpu_report(filter: &str) -> Result<(), BoxError> {
                 setup.run(which, scenario, requests / 4)?;
             }
             let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); Which::ALL.len()];
+            let mut wall: Vec<Vec<f64>> = vec![Vec::new(); Which::ALL.len()];
             let mut latencies: Vec<Vec<u64>> = vec![Vec::new(); Which::ALL.len()];
             for round in 0..ROUNDS {
-                let mut round_ns = [0u64; Which::ALL.len()];
+                let mut round_cpu_ns = [0u64; Which::ALL.len()];
+                let mut round_wall = [Duration::ZERO; Which::ALL.len()];
                 for slice in 0..SLICES {
                     for turn in 0..Which::ALL.len() {
                         let index = (round + slice + turn) % Which::ALL.len();
@@ -615,45 +655,24 @@ fn cpu_report(filter: &str) -> Result<(), BoxError> {
                             clients.latencies.clear();
                         }
                         let before = process_cpu_ns(leave_out).ok_or("schedstat")?;
-                        setup.run(Which::ALL[index], scenario, requests / SLICES as u64)?;
+                        round_wall[index] +=
+                            setup.run(Which::ALL[index], scenario, requests / SLICES as u64)?;
                         let after = process_cpu_ns(leave_out).ok_or("schedstat")?;
-                        round_ns[index] += after.saturating_sub(before);
+                        round_cpu_ns[index] += after.saturating_sub(before);
                         if let Some(clients) = setup.clients.as_mut() {
                             latencies[index].append(&mut clients.latencies);
                         }
                     }
                 }
-                for (figures, ns) in cpu.iter_mut().zip(round_ns) {
-                    figures.push(ns as f64 / requests as f64);
+                for index in 0..Which::ALL.len() {
+                    cpu[index].push(round_cpu_ns[index] as f64 / requests as f64);
+                    wall[index].push(round_wall[index].as_nanos() as f64 / requests as f64);
                 }
             }
-            let ratios = |other: usize| -> Vec<f64> {
-                cpu[0]
-                    .iter()
-                    .zip(&cpu[other])
-                    .map(|(h1, o)| h1 / o)
-                    .collect()
-            };
-            let (pooled, conn) = (ratios(1), ratios(2));
-            let medians: Vec<String> = Which::ALL
-                .iter()
-                .zip(&cpu)
-                .map(|(which, values)| {
-                    format!(
-                        "{} {:.1} µs",
-                        which.name(),
-                        median(&mut values.clone()) / 1e3
-                    )
-                })
-                .collect();
-            println!(
-                "  {row:<20} {}; h1/hyper_pooled {:.2} ({}), h1/hyper_conn {:.2} ({})",
-                medians.join(", "),
-                median(&mut pooled.clone()),
-                range(&pooled),
-                median(&mut conn.clone()),
-                range(&conn),
-            );
+            println!("  {row:<20} CPU  {}", summary(&cpu));
+            if scenario != Scenario::Paced {
+                println!("  {:<20} wall {}", "", summary(&wall));
+            }
             if scenario == Scenario::Paced {
                 let figures: Vec<String> = Which::ALL
                     .iter()
