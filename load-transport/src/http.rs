@@ -4,7 +4,7 @@
 //! as a [`LoadError`]. The router's control-plane client ([`pooled_client`],
 //! [`read_capped`]) is built from the same pieces.
 //!
-//! A poll runs on the router's own HTTP/1.1 client ([`crate::h1`]): one
+//! A poll runs on the router's own HTTP/1.1 client ([`worker_h1`]): one
 //! kept-alive connection per load endpoint, a request head written in one
 //! system call and the answer read in the polling task, with no URL parsed,
 //! no client built and no connection task woken, so polling a thousand
@@ -22,8 +22,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use policy_core::{BackendError, LoadError, SourceOptions};
-
-use crate::h1;
 
 /// How long an idle poll connection stays open. Longer than any sane poll
 /// interval, so a worker polled every few seconds keeps one connection.
@@ -113,11 +111,11 @@ impl ReportFormat {
 pub struct ReportUrl {
     url: String,
     /// Kept-alive connections to the endpoint's server (its base address).
-    pool: Arc<h1::Pool>,
+    pool: Arc<worker_h1::Pool>,
     path: String,
     query: Option<String>,
     /// The `Accept` header the format asks with.
-    headers: h1::HeaderLines,
+    headers: worker_h1::HeaderLines,
     format: ReportFormat,
     /// The endpoint's name in [`LoadError::Unsupported`] (`/v1/loads`).
     what: &'static str,
@@ -137,7 +135,7 @@ impl ReportUrl {
             reason,
         };
         url.parse::<Uri>().map_err(|_| invalid("not a valid URL"))?;
-        let pool = h1::Pool::new(base);
+        let pool = worker_h1::Pool::new(base);
         if !pool.is_usable() {
             return Err(invalid("expected http://host[:port][/prefix]"));
         }
@@ -148,7 +146,7 @@ impl ReportUrl {
         if !path.starts_with('/') {
             return Err(invalid("the report's path must start with /"));
         }
-        let mut headers = h1::HeaderLines::default();
+        let mut headers = worker_h1::HeaderLines::default();
         headers.append(&ACCEPT, &format.accept());
         Ok(ReportUrl {
             url,
@@ -215,7 +213,7 @@ impl ReportClient {
             url: report.url.clone(),
             source,
         };
-        let request = h1::Outgoing {
+        let request = worker_h1::Outgoing {
             method: &Method::GET,
             path: &report.path,
             query: report.query.as_deref(),
@@ -223,15 +221,14 @@ impl ReportClient {
             authorization: self.authorization.as_ref(),
             body: &NO_BODY,
         };
-        let response = h1::send(&report.pool, &request, self.connect_timeout)
+        let response = worker_h1::send(&report.pool, &request, self.connect_timeout)
             .await
             .map_err(|error| match error {
-                h1::SendError::Connect { .. } | h1::SendError::ConnectTimeout { .. } => {
-                    LoadError::Connect {
-                        url: report.url.clone(),
-                        source: error.into(),
-                    }
-                }
+                worker_h1::SendError::Connect { .. }
+                | worker_h1::SendError::ConnectTimeout { .. } => LoadError::Connect {
+                    url: report.url.clone(),
+                    source: error.into(),
+                },
                 other => transport(other.into()),
             })?;
         let status = response.status;
@@ -298,7 +295,7 @@ pub enum CappedBodyError {
     Broken(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// A whole response body in memory (hyper's or [`h1`]'s), refused as soon
+/// A whole response body in memory (hyper's or [`worker_h1`]'s), refused as soon
 /// as it (announced or read so far) exceeds `limit_bytes`.
 pub async fn read_capped<B>(mut body: B, limit_bytes: usize) -> Result<Bytes, CappedBodyError>
 where

@@ -4,19 +4,15 @@
 //! [`LoadError`](policy_core::LoadError)) are `policy-core`'s; this crate
 //! is the clients, and maps every failure into those errors.
 //!
-//! - [`h1`] (feature `http`): the router's own HTTP/1.1 client, kept-alive
-//!   connections per worker and a body read in the task that asks for it.
-//!   The router forwards generation requests with it, and load sources poll
-//!   with it.
 //! - [`http`] (feature `http`): the `http://` address check, the bearer
-//!   header, one GET of a load report on [`h1`] (accept header, status,
-//!   content type, capped body), and the router's control-plane client
-//!   ([`http::pooled_client`], [`http::read_capped`]).
+//!   header, one GET of a load report on the router's own HTTP/1.1 client,
+//!   [`worker_h1`] (accept header, status, content type, capped body), and
+//!   the router's control-plane client ([`http::pooled_client`],
+//!   [`http::read_capped`]).
 //! - [`grpc`] (feature `grpc`): the `grpc://` endpoint, bearer metadata, a
 //!   failed call's status as a `LoadError`, and
 //!   [`GrpcLoadSource`](grpc::GrpcLoadSource), the whole `GetLoads` source
 //!   for a backend that implements [`GetLoads`](grpc::GetLoads).
-//!
 //! - `proto_build` (feature `proto-build`): a gRPC backend's `build.rs`,
 //!   its `.proto` compiled with the vendored protoc, as a build-dependency
 //!   that builds nothing else of this crate.
@@ -47,8 +43,6 @@
 
 #[cfg(feature = "grpc")]
 pub mod grpc;
-#[cfg(feature = "http")]
-pub mod h1;
 #[cfg(feature = "http")]
 pub mod http;
 #[cfg(feature = "proto-build")]

@@ -737,8 +737,8 @@ mod tests {
         let read = |raw: &str| read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
         assert_eq!(read(bodies[0]).stream_usage, StreamUsage::Unset);
         assert_eq!(read(bodies[20]).stream_usage, StreamUsage::Asked);
-        for declined in 21..=26 {
-            assert_eq!(read(bodies[declined]).stream_usage, StreamUsage::Declined);
+        for declined in &bodies[21..=26] {
+            assert_eq!(read(declined).stream_usage, StreamUsage::Declined);
         }
         assert_eq!(read(bodies[27]).stream_usage, StreamUsage::Asked);
         assert_eq!(read(bodies[1]).info.model.as_deref(), Some("caf\u{e9}\n"));

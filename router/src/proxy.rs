@@ -37,7 +37,7 @@ use crate::stream_usage::{UsageChunkFilter, with_usage_asked};
 use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
-use load_transport::h1::{self, Piece, WorkerBody};
+use worker_h1::{self as h1, WorkerBody};
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
 pub(crate) fn error_response(
@@ -641,11 +641,11 @@ async fn whole_answer(
 async fn until_first_event(
     inner: &mut WorkerBody,
     first_event: &mut FirstDataEvent,
-) -> Result<VecDeque<Piece>, h1::BodyError> {
+) -> Result<VecDeque<Bytes>, h1::BodyError> {
     let mut pieces = VecDeque::new();
-    while let Some(piece) = poll_fn(|cx| inner.poll_piece(cx, false)).await {
+    while let Some(piece) = poll_fn(|cx| inner.poll_data(cx)).await {
         let piece = piece?;
-        let found = piece.data_parts().any(|part| first_event.feed(part));
+        let found = first_event.feed(&piece);
         pieces.push_back(piece);
         if found {
             break;
@@ -816,7 +816,7 @@ fn since(start: Instant, now: Instant) -> f64 {
 pub(crate) struct TrackedBody {
     inner: WorkerBody,
     /// Read before the head was sent (up to the first event); goes first.
-    held: VecDeque<Piece>,
+    held: VecDeque<Bytes>,
     tracker: Option<RequestTracker>,
     first_event: FirstDataEvent,
     app: Arc<App>,
@@ -844,7 +844,7 @@ impl std::fmt::Debug for TrackedBody {
         f.debug_struct("TrackedBody")
             .field(
                 "held_bytes",
-                &self.held.iter().map(Piece::len).sum::<usize>(),
+                &self.held.iter().map(Bytes::len).sum::<usize>(),
             )
             .field("first_event", &self.first_event.found())
             .field("ended", &self.ended)
@@ -876,13 +876,11 @@ impl TrackedBody {
     /// Reads a piece for the engine's cache report, before it may end the
     /// stream.
     #[inline]
-    fn scan(&mut self, piece: &Piece) {
+    fn scan(&mut self, piece: &[u8]) {
         if let Some(tracker) = self.tracker.as_mut()
             && tracker.cache_scan.is_some()
         {
-            for part in piece.data_parts() {
-                tracker.scan(part);
-            }
+            tracker.scan(piece);
         }
     }
 
@@ -893,7 +891,7 @@ impl TrackedBody {
         failure: Option<Failure>,
         kind: &str,
         message: String,
-    ) -> Poll<Option<Result<Piece, std::io::Error>>> {
+    ) -> Poll<Option<Result<Bytes, std::io::Error>>> {
         if let Some(tracker) = self.tracker.take() {
             let worker = tracker.worker();
             if let Some(failure) = failure {
@@ -906,7 +904,7 @@ impl TrackedBody {
         }
         self.silent = None;
         self.ended = true;
-        Poll::Ready(Some(Ok(Piece::Data(sse::error_event(kind, &message)))))
+        Poll::Ready(Some(Ok(sse::error_event(kind, &message))))
     }
 
     /// The idle timer fired: re-arms it past the last frame if the stream
@@ -945,7 +943,7 @@ impl TrackedBody {
         self.timer.as_mut().reset(idle_due.min(self.deadline));
     }
 
-    fn pass(&mut self, piece: Piece) -> Poll<Option<Result<Piece, std::io::Error>>> {
+    fn pass(&mut self, piece: Bytes) -> Poll<Option<Result<Bytes, std::io::Error>>> {
         self.last_frame_at = tokio::time::Instant::now();
         if self.silent.take().is_some() {
             // The timer was set for the stall; the next silence is sooner.
@@ -953,7 +951,7 @@ impl TrackedBody {
             self.arm(next_check);
         }
         if !self.first_event.found()
-            && piece.data_parts().any(|part| self.first_event.feed(part))
+            && self.first_event.feed(&piece)
             && let Some(tracker) = self.tracker.as_mut()
         {
             tracker.first_token(&self.app);
@@ -963,7 +961,7 @@ impl TrackedBody {
 
     /// The next piece of the stream, as data, less a usage chunk the
     /// client did not ask for.
-    fn poll_piece(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Piece, std::io::Error>>> {
+    fn poll_piece(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, std::io::Error>>> {
         if self.usage_filter.is_none() {
             return self.poll_worker_piece(cx);
         }
@@ -974,14 +972,14 @@ impl TrackedBody {
             };
             match polled {
                 Poll::Ready(Some(Ok(piece))) => {
-                    if let Some(data) = filter.feed(piece.into_data()) {
-                        return Poll::Ready(Some(Ok(Piece::Data(data))));
+                    if let Some(data) = filter.feed(piece) {
+                        return Poll::Ready(Some(Ok(data)));
                     }
                 }
                 Poll::Ready(None) => {
                     let rest = filter.finish();
                     self.usage_filter = None;
-                    return Poll::Ready(rest.map(|data| Ok(Piece::Data(data))));
+                    return Poll::Ready(rest.map(Ok));
                 }
                 other => return other,
             }
@@ -992,7 +990,7 @@ impl TrackedBody {
     fn poll_worker_piece(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Piece, std::io::Error>>> {
+    ) -> Poll<Option<Result<Bytes, std::io::Error>>> {
         if self.ended {
             return Poll::Ready(None);
         }
@@ -1003,7 +1001,7 @@ impl TrackedBody {
             }
             return self.pass(held);
         }
-        match self.inner.poll_piece(cx, false) {
+        match self.inner.poll_data(cx) {
             Poll::Ready(Some(Ok(piece))) => {
                 self.scan(&piece);
                 if self.inner.is_end_stream() {
@@ -1060,9 +1058,7 @@ impl http_body::Body for TrackedBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        self.get_mut()
-            .poll_piece(cx)
-            .map_ok(|piece| Frame::data(piece.into_data()))
+        self.get_mut().poll_piece(cx).map_ok(Frame::data)
     }
 
     fn is_end_stream(&self) -> bool {

@@ -13,7 +13,7 @@ use policy_core::{LoadSource, WorkerId, WorkerInfo};
 
 use crate::metrics::WorkerMetrics;
 use crate::outlier::OutlierState;
-use load_transport::h1::Pool;
+use worker_h1::Pool;
 
 /// One upstream engine.
 pub(crate) struct Worker {

@@ -1,9 +1,8 @@
 //! A worker's chunked stream reaches the client whole through the router's
 //! HTTP/1.1 server, however the worker framed its chunks and however its
-//! writes split them: every form (an extension, upper-case hex, a bare LF
-//! after the data, a chunk split across writes, trailers) is decoded and
-//! framed again. The client is reqwest (hyper), which refuses a malformed
-//! chunked answer.
+//! writes split them: every form RFC 9112 allows (an extension, upper-case
+//! hex, a chunk split across writes, trailers) is decoded and framed again.
+//! The client is reqwest (hyper), which refuses a malformed chunked answer.
 
 // Test helpers outside #[test] functions fail loudly on purpose.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -30,7 +29,7 @@ fn odd_stream() -> (Vec<Vec<u8>>, String) {
     let writes = vec![
         plain(&events[0]),
         format!("{:x};name=value\r\n{}\r\n", events[1].len(), events[1]),
-        format!("{:X}\r\n{}\n", events[2].len(), events[2]),
+        format!("{:X}\r\n{}\r\n", events[2].len(), events[2]),
         split[..1].to_owned(),
         split[1..8].to_owned(),
         split[8..].to_owned(),

@@ -367,12 +367,18 @@ async fn a_report_of_fewer_cached_tokens_is_counted_and_its_bound_shared() {
     assert_eq!(metric(&a, &report("as_predicted")).await, 2.0);
 
     // Second turn, streamed: the router expects the system prompt cached,
-    // the engine says it served none of it (its closing usage chunk).
+    // the engine says it served none of it, in the closing usage chunk the
+    // router asked for and the client did not.
     let table = explain(&a, &chat_body(&system, "turn 2", true)).await;
     let expected = explain_column(&table, url, "cached_tok");
     assert!(expected >= 3000.0, "{table}");
     let streamed = send(&a, &chat_body(&system, "turn 2", true)).await;
-    assert!(streamed.contains("cached_tokens"), "{streamed}");
+    let sent: serde_json::Value =
+        serde_json::from_slice(upstream.switches.bodies.lock().unwrap().last().unwrap()).unwrap();
+    assert_eq!(sent["stream_options"]["include_usage"], true);
+    assert!(!streamed.contains("usage"), "{streamed}");
+    assert_eq!(streamed.matches("\"content\":\"t").count(), 4, "{streamed}");
+    assert!(streamed.ends_with("data: [DONE]\n\n"), "{streamed}");
     assert_eq!(
         metric(&a, &series("predicted_cached_tokens_total")).await,
         expected

@@ -621,3 +621,108 @@ async fn a_silent_stream_holds_its_worker_back_until_it_sends_again() {
     .await;
     assert_eq!(worker().await["silent_streams"], 0);
 }
+
+/// A streamed chat whose prompt is long enough to be hashed, with
+/// `stream_options` as the client sets it (`None`: not at all).
+fn hashed_stream_body(stream_options: Option<serde_json::Value>) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": "test-model",
+        "stream": true,
+        "messages": [{"role": "user", "content": "a prompt long enough to hash. ".repeat(40)}],
+    });
+    if let Some(options) = stream_options {
+        body["stream_options"] = options;
+    }
+    body
+}
+
+/// What the client read, and the body the upstream got.
+async fn stream_through(
+    router: &common::TestRouter,
+    upstream: &Upstream,
+    body: &serde_json::Value,
+) -> (String, serde_json::Value) {
+    let response = router
+        .client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let read = response.text().await.unwrap();
+    let sent = upstream
+        .switches
+        .bodies
+        .lock()
+        .unwrap()
+        .last()
+        .cloned()
+        .unwrap();
+    (read, serde_json::from_slice(&sent).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_reports_cached_tokens_whether_or_not_its_client_asked_for_usage() {
+    let upstream = Upstream::start().await;
+    upstream
+        .switches
+        .report_cached
+        .store(true, Ordering::SeqCst);
+    upstream.switches.cached_tokens.store(64, Ordering::SeqCst);
+    let router = start_router(fast_config(vec![worker("sglang", &upstream.url)], "")).await;
+    let reports = || async {
+        let mut total = 0.0;
+        for outcome in ["as_predicted", "fewer", "more"] {
+            let series = format!(
+                "router_prefix_cache_reports_total{{worker=\"{}\",outcome=\"{outcome}\"}}",
+                upstream.url
+            );
+            total += common::metric(&router, &series).await;
+        }
+        total
+    };
+
+    // Not asked: the router asks the engine, reads the report and keeps
+    // the usage chunk (empty `choices`) from the client.
+    let (read, sent) = stream_through(&router, &upstream, &hashed_stream_body(None)).await;
+    assert_eq!(
+        sent["stream_options"],
+        serde_json::json!({"include_usage": true})
+    );
+    assert!(!read.contains("usage"), "{read}");
+    assert_eq!(
+        read.matches("data: ").count(),
+        5,
+        "4 tokens and [DONE]: {read}"
+    );
+    assert!(read.ends_with("data: [DONE]\n\n"), "{read}");
+    assert_eq!(reports().await, 1.0);
+
+    // Asked: the body goes as it came, and the client gets its chunk.
+    let asked = hashed_stream_body(Some(serde_json::json!({"include_usage": true})));
+    let (read, sent) = stream_through(&router, &upstream, &asked).await;
+    assert_eq!(sent, asked);
+    assert!(read.contains("\"choices\":[]"), "{read}");
+    assert!(read.contains("\"cached_tokens\":64"), "{read}");
+    assert_eq!(reports().await, 2.0);
+
+    // Declined: the client's choice stands; there is no report to read.
+    let declined = hashed_stream_body(Some(serde_json::json!({"include_usage": false})));
+    let (read, sent) = stream_through(&router, &upstream, &declined).await;
+    assert_eq!(sent, declined);
+    assert!(!read.contains("usage"), "{read}");
+    assert_eq!(reports().await, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_ask_stream_usage_off_the_router_leaves_the_body_alone() {
+    let upstream = Upstream::start().await;
+    let mut config = fast_config(vec![worker("sglang", &upstream.url)], "");
+    config.request.ask_stream_usage = false;
+    let router = start_router(config).await;
+    let body = hashed_stream_body(None);
+    let (read, sent) = stream_through(&router, &upstream, &body).await;
+    assert_eq!(sent, body);
+    assert!(read.ends_with("data: [DONE]\n\n"), "{read}");
+}

@@ -38,8 +38,9 @@ pub struct Switches {
     pub bodies: std::sync::Mutex<Vec<Bytes>>,
     pub waiting_reqs: AtomicU64,
     /// Report `cached_tokens` as the prompt tokens the prefix cache
-    /// served: in `usage.prompt_tokens_details` (a whole answer, and a
-    /// stream's closing usage chunk), as OpenAI-compatible engines do.
+    /// served: in `usage.prompt_tokens_details` (a whole answer, and the
+    /// closing usage chunk of a stream that asks for it with
+    /// `stream_options.include_usage`), as OpenAI-compatible engines do.
     pub report_cached: AtomicBool,
     pub cached_tokens: AtomicU64,
     pub model: &'static str,
@@ -200,7 +201,8 @@ async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Respons
                 return;
             }
         }
-        if let Some(usage) = usage {
+        let usage_asked = request["stream_options"]["include_usage"] == true;
+        if let Some(usage) = usage.filter(|_| usage_asked) {
             let last = serde_json::json!({
                 "id": "c", "object": "chat.completion.chunk", "choices": [], "usage": usage,
             });
