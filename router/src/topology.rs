@@ -177,7 +177,8 @@ impl Topology {
         ids.release(id);
     }
 
-    /// Swaps in `policy`, primed with every worker and its latest load.
+    /// Swaps in `policy`, primed with every worker, its latest load, and
+    /// the prefix index of the policy it replaces.
     pub(crate) fn swap_policy(&self, policy: Arc<dyn Policy>, policy_config: PolicyConfig) {
         let _writer = self.writer.lock();
         let now = tokio_now();
@@ -190,6 +191,11 @@ impl Topology {
                 if let Some(load) = worker.latest_load() {
                     prime_worker(policy.as_ref(), worker.id, &load, now);
                 }
+            }
+            // What the old policy knew of where prefixes are cached still
+            // holds; the new one starts from it rather than from nothing.
+            if let Some(prefixes) = snapshot.policy.prefix_snapshot(now) {
+                policy.load_prefix_snapshot(&prefixes, now);
             }
             snapshot.policy = policy;
             snapshot.policy_config = policy_config;

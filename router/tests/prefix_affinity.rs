@@ -87,6 +87,40 @@ async fn requests_sharing_a_long_prefix_stay_on_the_worker_that_served_it() {
             .all(|(system, worker)| *worker == home[*system]),
         "homes {home:?}; (prefix, worker) per request: {landed:?}"
     );
+
+    // A policy swapped in at run time starts from the prefix index of the
+    // one it replaces: it expects each system prompt cached at its home.
+    let swapped = router
+        .client
+        .put(format!("{}/admin/policy", router.base))
+        .json(&serde_json::json!({"kind": "least_load"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(swapped.status().is_success(), "{}", swapped.status());
+    for (system, home) in home.into_iter().enumerate() {
+        let body = serde_json::json!({"model": "m", "messages": [
+            {"role": "system", "content": systems[system]},
+            {"role": "user", "content": "after the swap"},
+        ]});
+        let table: serde_json::Value = router
+            .client
+            .post(format!("{}/admin/policy/explain", router.base))
+            .header("accept", "application/json")
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let cached = |index: usize| {
+            common::explain_column(&table, &engines.engines()[index].http_url(), "cached_tok")
+        };
+        assert!(cached(home) > 0.0, "{table}");
+        assert_eq!(cached(1 - home), 0.0, "{table}");
+        assert_eq!(send(system, 100).await, home);
+    }
     drop(router);
     engines.shutdown().await;
 }

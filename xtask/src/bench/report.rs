@@ -615,8 +615,10 @@ fn markdown(rows: &[Row], notes: &[String], options: &Options) -> String {
             ("runs", "runs", 0),
             ("hit_rate_points_vs_one", "sync − one router, points", 1),
             ("hit_rate_points_vs_no_sync", "sync − no sync, points", 1),
-            ("vs_one_router", "p99 sync vs one router", 3),
-            ("vs_no_sync", "p99 sync vs no sync", 3),
+            ("vs_one_router", "p99 sync vs one router, run by run", 3),
+            ("vs_one_router_min", "lowest", 3),
+            ("vs_one_router_max", "highest", 3),
+            ("vs_no_sync", "p99 sync vs no sync, run by run", 3),
         ],
     );
     out.push_str("## How it was measured\n\n");
