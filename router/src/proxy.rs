@@ -4,7 +4,7 @@
 //! Per request the path takes one lock-free topology load, calls the
 //! policy on the snapshot's own candidate slice, and from then on holds
 //! only the chosen worker's [`Route`]; the request goes out on that
-//! worker's kept-alive connections ([`load_transport::h1`]), read and written by
+//! worker's kept-alive connections ([`worker_h1`]), read and written by
 //! this task alone.
 //!
 //! [`handle`] is the one way in: the server ([`crate::server`]) passes it

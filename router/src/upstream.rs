@@ -1,7 +1,7 @@
 //! The control plane's HTTP client to the workers: hyper's pooled client,
 //! keep-alive connections per worker address ([`control_get`]: health
 //! checks, backend detection, `/v1/models`). Generation requests are
-//! forwarded, and loads polled, on `load_transport::h1` instead.
+//! forwarded, and loads polled, on `worker_h1` instead.
 
 use std::time::Duration;
 
