@@ -68,6 +68,7 @@ pub use server::{serve, termination};
 pub mod bench_internals {
     pub use crate::metrics::{Metrics, WorkerMetrics};
     pub use crate::replica_sync::prefix::{PrefixCounters, coalesce, receive_prefix};
+    pub use crate::stream_usage::UsageChunkFilter;
 
     /// Replica sync's wire format: what the benchmarks encode.
     pub mod wire {

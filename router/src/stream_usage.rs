@@ -44,7 +44,7 @@ const MAX_HELD_BYTES: usize = 256 * 1024;
 
 /// See the module docs.
 #[derive(Debug, Default)]
-pub(crate) struct UsageChunkFilter {
+pub struct UsageChunkFilter {
     /// The start of an event whose end has not come yet.
     held: BytesMut,
     /// The stream turned out not to be SSE: everything passes.
@@ -54,7 +54,7 @@ pub(crate) struct UsageChunkFilter {
 impl UsageChunkFilter {
     /// The next bytes of the stream in; what may go to the client now out
     /// (`None`: nothing yet).
-    pub(crate) fn feed(&mut self, piece: Bytes) -> Option<Bytes> {
+    pub fn feed(&mut self, piece: Bytes) -> Option<Bytes> {
         if self.standing_aside {
             return non_empty(piece);
         }
@@ -85,7 +85,7 @@ impl UsageChunkFilter {
 
     /// The stream ended: what was held (an event without its blank line),
     /// unless it is a usage chunk.
-    pub(crate) fn finish(&mut self) -> Option<Bytes> {
+    pub fn finish(&mut self) -> Option<Bytes> {
         let rest = self.held.split().freeze();
         if self.standing_aside {
             return non_empty(rest);
