@@ -72,6 +72,8 @@ pub enum LoadError {
 pub enum PolicyError {
     #[error("unknown policy {name:?}; valid policies: {valid}")]
     UnknownPolicy { name: String, valid: String },
+    #[error("unknown admission order {name:?}; valid orders: {valid}")]
+    UnknownAdmission { name: String, valid: String },
     #[error("invalid [{policy}] section")]
     InvalidSection {
         policy: String,

@@ -14,6 +14,8 @@
 //! keyed by worker URL ([`Policy::replica_pending`]); where they placed
 //! prompt prefixes, what engines reported of their caches and the prefill
 //! rates they measured, as [`ReplicaUpdate`]s ([`Policy::replica_update`]).
+//! When the fleet is saturated, an [`Admission`] order decides which waiting
+//! request goes next (built by name through an [`AdmissionRegistry`]).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -47,6 +49,7 @@
 //! SplitMix64 generator and mixer of the workspace (tie-breaking, the
 //! consistent-hash ring, the engine model and the simulators).
 
+mod admission;
 mod baseline;
 mod cache_aware;
 mod consistent_hash;
@@ -66,6 +69,7 @@ pub mod splitmix;
 mod test_support;
 mod worker;
 
+pub use admission::{Admission, AdmissionFactory, AdmissionRegistry, FlowView, Waiting};
 pub use baseline::{BaselineKind, BaselineParams, BaselinePolicy, describe_request};
 pub use cache_aware::{CACHE_AWARE, CacheAwareParams, CacheAwarePolicy};
 pub use consistent_hash::{
@@ -78,7 +82,7 @@ pub use load_source::MockLoadSource;
 pub use load_source::{BackendSpec, LoadSource, SourceOptions};
 #[cfg(any(test, feature = "mocks"))]
 pub use policy::MockPolicy;
-pub use policy::{Policy, PolicyContext, WorkerStats};
+pub use policy::{ExpectedWait, Policy, PolicyContext, WorkerStats};
 pub use poll::{PollOutcome, poll_worker, prime_worker};
 pub use registry::{
     BackendFactory, BackendRegistry, LoadAddress, PolicyFactory, PolicyRegistry, parse_section,

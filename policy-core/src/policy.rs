@@ -40,6 +40,17 @@ pub struct WorkerStats {
     pub pending_tokens: u64,
 }
 
+/// How long a request would wait before its first token on the least busy
+/// candidate, as a policy with a model of wait predicts it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ExpectedWait {
+    /// Work already queued or pending on that worker, in seconds: how
+    /// long before the request's prefill could start.
+    pub queue_secs: f64,
+    /// The request's own prefill, in seconds at a typical worker's rate.
+    pub prefill_secs: f64,
+}
+
 /// How a worker is chosen for each request.
 ///
 /// Synchronous and free of I/O: this is the request hot path. The policy has no
@@ -109,6 +120,20 @@ pub trait Policy: Send + Sync {
 
     /// The poll failed (error, timeout, invalid report).
     fn poll_failed(&self, mark: PollMark, now: Instant);
+
+    /// How long `request` would wait on the least busy of `candidates`,
+    /// without changing any state. `None`: the policy has no model of wait
+    /// (the router then queues requests only when `select` finds every
+    /// candidate capped).
+    fn expected_wait(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+    ) -> Option<ExpectedWait> {
+        let _ = (candidates, request, now);
+        None
+    }
 
     /// Scores a hypothetical request without changing any state.
     fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable;

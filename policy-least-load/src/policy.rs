@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    ArgMin, Dispatch, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, PrefixBlocks,
+    ArgMin, Dispatch, ExpectedWait, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, PrefixBlocks,
     PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate, ReplicaUpdateOutcome,
     RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo,
     WorkerLedger, WorkerSlots, WorkerStats, describe_request,
@@ -1933,6 +1933,23 @@ impl Policy for LeastLoad {
         {
             self.snapshot_applied(slot);
         }
+    }
+
+    fn expected_wait(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+    ) -> Option<ExpectedWait> {
+        let now_nanos = self.timeline.nanos(now);
+        let tokens = request.tokens.or(self.params.mean_prefill_tokens);
+        let view = self.workers.read();
+        // The prompt as if nothing were cached: a prediction that errs
+        // long, so that a deadline it admits is kept.
+        Some(ExpectedWait {
+            queue_secs: self.floor_wait_secs(&view, candidates, now_nanos),
+            prefill_secs: tokens as f64 / self.fleet_rate.tps(),
+        })
     }
 
     fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable {

@@ -1,0 +1,471 @@
+//! The three built-in orders, one structure: flows of waiting requests,
+//! grouped by class and, for `fair_share`, by tenant within a class.
+//!
+//! Between flows the order is a virtual token counter (as in "Fairness in
+//! Serving Large Language Models", Sheng et al., 2024): each flow counts
+//! the token work it has been served over its weight, and the waiting flow
+//! with the least count goes next. A flow that starts waiting is lifted to
+//! the least count among those already waiting, so time spent idle banks
+//! no credit. Because every waiting flow's count is passed in turn, no
+//! class or tenant starves: a request's relative standing rises as the
+//! others are served, which is the order's aging. Within a flow, requests
+//! go oldest first.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use policy_core::{Admission, FlowView, Waiting};
+
+pub const FIFO: &str = "fifo";
+pub const PRIORITY: &str = "priority";
+pub const FAIR_SHARE: &str = "fair_share";
+
+/// What the order separates into flows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Grouping {
+    /// One flow: arrival order, whatever the class or tenant.
+    Fifo,
+    /// A flow per class.
+    Classes,
+    /// A flow per class, and per tenant within it.
+    ClassesAndTenants,
+}
+
+#[derive(Debug, Default)]
+struct TenantFlow {
+    weight: f64,
+    /// Work served over weight.
+    served: f64,
+    queue: VecDeque<Waiting>,
+    queued_work: u64,
+}
+
+#[derive(Debug, Default)]
+struct ClassFlow {
+    priority: i32,
+    weight: f64,
+    served: f64,
+    queued: usize,
+    queued_work: u64,
+    tenants: BTreeMap<Arc<str>, TenantFlow>,
+    /// Where an idle tenant of this class is lifted to when none waits.
+    tenant_floor: f64,
+}
+
+/// Flows of waiting requests under a virtual token counter.
+#[derive(Debug)]
+pub(crate) struct FlowOrder {
+    grouping: Grouping,
+    classes: BTreeMap<Arc<str>, ClassFlow>,
+    len: usize,
+    /// Where an idle class is lifted to when none waits.
+    class_floor: f64,
+}
+
+fn key(separate: bool, name: &Arc<str>) -> Arc<str> {
+    if separate {
+        name.clone()
+    } else {
+        Arc::from("")
+    }
+}
+
+impl FlowOrder {
+    pub(crate) fn new(grouping: Grouping) -> FlowOrder {
+        FlowOrder {
+            grouping,
+            classes: BTreeMap::new(),
+            len: 0,
+            class_floor: 0.0,
+        }
+    }
+
+    fn class_key(&self, request: &Waiting) -> Arc<str> {
+        key(self.grouping != Grouping::Fifo, &request.class)
+    }
+
+    fn tenant_key(&self, request: &Waiting) -> Arc<str> {
+        key(
+            self.grouping == Grouping::ClassesAndTenants,
+            &request.tenant,
+        )
+    }
+
+    /// The waiting class served next.
+    fn next_class(&self) -> Option<(&Arc<str>, &ClassFlow)> {
+        self.classes
+            .iter()
+            .filter(|(_, class)| class.queued > 0)
+            .min_by(|(_, a), (_, b)| {
+                a.served
+                    .total_cmp(&b.served)
+                    .then(a.priority.cmp(&b.priority))
+            })
+    }
+
+    /// The waiting tenant of `class` served next.
+    fn next_tenant(class: &ClassFlow) -> Option<(&Arc<str>, &TenantFlow)> {
+        class
+            .tenants
+            .iter()
+            .filter(|(_, tenant)| !tenant.queue.is_empty())
+            .min_by(|(_, a), (_, b)| {
+                a.served.total_cmp(&b.served).then_with(|| {
+                    let a_head = a.queue.front().map(|w| w.arrived);
+                    let b_head = b.queue.front().map(|w| w.arrived);
+                    a_head.cmp(&b_head)
+                })
+            })
+    }
+
+    /// The count a flow starting to wait is lifted to: the least among
+    /// those waiting, or the floor when none waits.
+    fn lift(counts: impl Iterator<Item = f64>, floor: f64) -> f64 {
+        counts.min_by(f64::total_cmp).unwrap_or(floor)
+    }
+
+    /// Work served before a request that waits behind `own_ahead` work in
+    /// its own flow (count `own_served`, weight `own_weight`), given the
+    /// other waiting flows as (count, weight, queued work).
+    fn ahead_among(
+        own_ahead: u64,
+        own_served: f64,
+        own_weight: f64,
+        others: impl Iterator<Item = (f64, f64, u64)>,
+    ) -> u64 {
+        let reached = own_served + own_ahead as f64 / own_weight;
+        let mut ahead = own_ahead;
+        for (served, weight, queued_work) in others {
+            let share = ((reached - served).max(0.0) * weight).min(queued_work as f64);
+            ahead = ahead.saturating_add(share as u64);
+        }
+        ahead
+    }
+
+    /// Work ahead of a request waiting behind `tenant_ahead` work of its
+    /// own tenant flow, in flows `class_key` / `tenant_key`. Counts of
+    /// flows not waiting are lifted as a push would lift them.
+    fn ahead_of(
+        &self,
+        class_key: &Arc<str>,
+        tenant_key: &Arc<str>,
+        tenant_ahead: u64,
+        class_weight: f64,
+        tenant_weight: f64,
+    ) -> u64 {
+        let class = self.classes.get(class_key);
+        let waiting_classes = || {
+            self.classes
+                .iter()
+                .filter(|(key, class)| class.queued > 0 && *key != class_key)
+        };
+        let (class_served, in_class) = match class {
+            Some(class) => {
+                let waiting_tenants = || {
+                    class
+                        .tenants
+                        .iter()
+                        .filter(|(key, t)| !t.queue.is_empty() && *key != tenant_key)
+                };
+                let tenant = class.tenants.get(tenant_key);
+                let tenant_served = match tenant {
+                    Some(t) if !t.queue.is_empty() => t.served,
+                    _ => tenant.map_or(0.0, |t| t.served).max(FlowOrder::lift(
+                        waiting_tenants().map(|(_, t)| t.served),
+                        class.tenant_floor,
+                    )),
+                };
+                let in_class = FlowOrder::ahead_among(
+                    tenant_ahead,
+                    tenant_served,
+                    tenant_weight,
+                    waiting_tenants().map(|(_, t)| (t.served, t.weight, t.queued_work)),
+                );
+                let class_served = if class.queued > 0 {
+                    class.served
+                } else {
+                    class.served.max(FlowOrder::lift(
+                        waiting_classes().map(|(_, c)| c.served),
+                        self.class_floor,
+                    ))
+                };
+                (class_served, in_class)
+            }
+            None => (
+                FlowOrder::lift(waiting_classes().map(|(_, c)| c.served), self.class_floor),
+                tenant_ahead,
+            ),
+        };
+        FlowOrder::ahead_among(
+            in_class,
+            class_served,
+            class_weight,
+            waiting_classes().map(|(_, c)| (c.served, c.weight, c.queued_work)),
+        )
+    }
+
+    pub(crate) fn push(&mut self, request: Waiting) {
+        let class_key = self.class_key(&request);
+        let tenant_key = self.tenant_key(&request);
+        let class_lift = FlowOrder::lift(
+            self.classes
+                .values()
+                .filter(|c| c.queued > 0)
+                .map(|c| c.served),
+            self.class_floor,
+        );
+        let grouping = self.grouping;
+        let class = self.classes.entry(class_key).or_default();
+        if class.queued == 0 {
+            class.served = class.served.max(class_lift);
+        }
+        // A FIFO's single flow has no class of its own.
+        (class.priority, class.weight) = match grouping {
+            Grouping::Fifo => (0, 1.0),
+            _ => (request.priority, request.class_weight),
+        };
+        let tenant_lift = FlowOrder::lift(
+            class
+                .tenants
+                .values()
+                .filter(|t| !t.queue.is_empty())
+                .map(|t| t.served),
+            class.tenant_floor,
+        );
+        let tenant = class.tenants.entry(tenant_key).or_default();
+        if tenant.queue.is_empty() {
+            tenant.served = tenant.served.max(tenant_lift);
+        }
+        tenant.weight = match grouping {
+            Grouping::ClassesAndTenants => request.tenant_weight,
+            _ => 1.0,
+        };
+        class.queued += 1;
+        class.queued_work = class.queued_work.saturating_add(request.work_tokens);
+        tenant.queued_work = tenant.queued_work.saturating_add(request.work_tokens);
+        tenant.queue.push_back(request);
+        self.len += 1;
+    }
+
+    pub(crate) fn peek(&self) -> Option<&Waiting> {
+        let (_, class) = self.next_class()?;
+        let (_, tenant) = FlowOrder::next_tenant(class)?;
+        tenant.queue.front()
+    }
+
+    pub(crate) fn pop(&mut self) -> Option<Waiting> {
+        let class_key = self.next_class()?.0.clone();
+        let class = self.classes.get_mut(&class_key)?;
+        let tenant_key = FlowOrder::next_tenant(class)?.0.clone();
+        let tenant = class.tenants.get_mut(&tenant_key)?;
+        let request = tenant.queue.pop_front()?;
+        let work = request.work_tokens;
+        self.class_floor = class.served;
+        class.tenant_floor = tenant.served;
+        tenant.served += work as f64 / tenant.weight;
+        tenant.queued_work = tenant.queued_work.saturating_sub(work);
+        class.served += work as f64 / class.weight;
+        class.queued -= 1;
+        class.queued_work = class.queued_work.saturating_sub(work);
+        self.len -= 1;
+        self.forget_idle(&class_key, &tenant_key);
+        Some(request)
+    }
+
+    pub(crate) fn remove(&mut self, ticket: u64) -> Option<Waiting> {
+        let mut found = None;
+        for (class_key, class) in &mut self.classes {
+            for (tenant_key, tenant) in &mut class.tenants {
+                if let Some(index) = tenant.queue.iter().position(|w| w.ticket == ticket) {
+                    let request = tenant.queue.remove(index)?;
+                    tenant.queued_work = tenant.queued_work.saturating_sub(request.work_tokens);
+                    class.queued -= 1;
+                    class.queued_work = class.queued_work.saturating_sub(request.work_tokens);
+                    found = Some((class_key.clone(), tenant_key.clone(), request));
+                    break;
+                }
+            }
+            if found.is_some() {
+                break;
+            }
+        }
+        let (class_key, tenant_key, request) = found?;
+        self.len -= 1;
+        self.forget_idle(&class_key, &tenant_key);
+        Some(request)
+    }
+
+    /// Drops a flow that waits for nothing and whose count a push would
+    /// lift anyway, so tenants seen once are not kept for ever.
+    fn forget_idle(&mut self, class_key: &Arc<str>, tenant_key: &Arc<str>) {
+        let Some(class) = self.classes.get_mut(class_key) else {
+            return;
+        };
+        if let Some(tenant) = class.tenants.get(tenant_key)
+            && tenant.queue.is_empty()
+            && tenant.served <= class.tenant_floor
+        {
+            class.tenants.remove(tenant_key);
+        }
+        if class.queued == 0 && class.tenants.is_empty() && class.served <= self.class_floor {
+            self.classes.remove(class_key);
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn work_ahead(&self, request: &Waiting) -> u64 {
+        let class_key = self.class_key(request);
+        let tenant_key = self.tenant_key(request);
+        let (class_weight, tenant_weight) = match self.grouping {
+            Grouping::Fifo => (1.0, 1.0),
+            Grouping::Classes => (request.class_weight, 1.0),
+            Grouping::ClassesAndTenants => (request.class_weight, request.tenant_weight),
+        };
+        let tenant_ahead = self
+            .classes
+            .get(&class_key)
+            .and_then(|class| class.tenants.get(&tenant_key))
+            .map_or(0, |tenant| tenant.queued_work);
+        self.ahead_of(
+            &class_key,
+            &tenant_key,
+            tenant_ahead,
+            class_weight,
+            tenant_weight,
+        )
+    }
+
+    pub(crate) fn queued_work_ahead(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::with_capacity(self.len);
+        for (class_key, class) in &self.classes {
+            for (tenant_key, tenant) in &class.tenants {
+                let mut before = 0u64;
+                for request in &tenant.queue {
+                    let ahead =
+                        self.ahead_of(class_key, tenant_key, before, class.weight, tenant.weight);
+                    out.push((request.ticket, ahead));
+                    before = before.saturating_add(request.work_tokens);
+                }
+            }
+        }
+        out
+    }
+
+    pub(crate) fn served(&mut self, class: &str, tenant: &str, tokens: u64) {
+        let class_key: Arc<str> = match self.grouping {
+            Grouping::Fifo => return,
+            _ => Arc::from(class),
+        };
+        let tenant_key: Arc<str> = match self.grouping {
+            Grouping::ClassesAndTenants => Arc::from(tenant),
+            _ => Arc::from(""),
+        };
+        if let Some(class) = self.classes.get_mut(&class_key) {
+            class.served += tokens as f64 / class.weight;
+            if let Some(tenant) = class.tenants.get_mut(&tenant_key) {
+                tenant.served += tokens as f64 / tenant.weight;
+            }
+        }
+    }
+
+    pub(crate) fn drain(&mut self) -> Vec<Waiting> {
+        let mut all: Vec<Waiting> = std::mem::take(&mut self.classes)
+            .into_values()
+            .flat_map(|class| class.tenants.into_values())
+            .flat_map(|tenant| tenant.queue)
+            .collect();
+        self.len = 0;
+        all.sort_by_key(|w| (w.arrived, w.ticket));
+        all
+    }
+
+    pub(crate) fn flows(&self) -> Vec<FlowView> {
+        let mut flows = Vec::new();
+        for (class_key, class) in &self.classes {
+            for (tenant_key, tenant) in &class.tenants {
+                if tenant.queue.is_empty() {
+                    continue;
+                }
+                flows.push(FlowView {
+                    class: class_key.to_string(),
+                    tenant: tenant_key.to_string(),
+                    queued_requests: tenant.queue.len(),
+                    queued_work_tokens: tenant.queued_work,
+                    served_work_per_weight: match self.grouping {
+                        Grouping::ClassesAndTenants => tenant.served,
+                        _ => class.served,
+                    },
+                });
+            }
+        }
+        flows
+    }
+}
+
+/// A built-in order: its name and its flows.
+pub(crate) struct BuiltinOrder {
+    name: &'static str,
+    flows: FlowOrder,
+}
+
+impl BuiltinOrder {
+    pub(crate) fn new(name: &'static str, grouping: Grouping) -> BuiltinOrder {
+        BuiltinOrder {
+            name,
+            flows: FlowOrder::new(grouping),
+        }
+    }
+}
+
+impl Admission for BuiltinOrder {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn params(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+
+    fn push(&mut self, request: Waiting) {
+        self.flows.push(request);
+    }
+
+    fn peek(&self) -> Option<&Waiting> {
+        self.flows.peek()
+    }
+
+    fn pop(&mut self) -> Option<Waiting> {
+        self.flows.pop()
+    }
+
+    fn remove(&mut self, ticket: u64) -> Option<Waiting> {
+        self.flows.remove(ticket)
+    }
+
+    fn len(&self) -> usize {
+        self.flows.len()
+    }
+
+    fn work_ahead(&self, request: &Waiting) -> u64 {
+        self.flows.work_ahead(request)
+    }
+
+    fn queued_work_ahead(&self) -> Vec<(u64, u64)> {
+        self.flows.queued_work_ahead()
+    }
+
+    fn served(&mut self, class: &str, tenant: &str, tokens: u64) {
+        self.flows.served(class, tenant, tokens);
+    }
+
+    fn drain(&mut self) -> Vec<Waiting> {
+        self.flows.drain()
+    }
+
+    fn flows(&self) -> Vec<FlowView> {
+        self.flows.flows()
+    }
+}

@@ -1,0 +1,620 @@
+//! The room around an order: who waits, who is turned away, who leaves.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use policy_core::{Admission, ExpectedWait, FlowView, Waiting};
+
+/// How the room decides, shared by the router and the simulator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoomConfig {
+    /// A request waits in the router while every candidate's expected
+    /// wait (the policy's, before the request's own prefill) is above this.
+    pub queue_above_wait: Duration,
+    /// Requests beyond this many are turned away (`QueueFull`).
+    pub max_queue_requests: usize,
+    /// Named classes of priority values. Empty: each priority value is a
+    /// class of its own, weighted [`default_class_weight`].
+    pub classes: Vec<ClassConfig>,
+    /// Tenants' weights within a class (`fair_share`); others weigh 1.
+    pub tenant_weights: BTreeMap<String, f64>,
+}
+
+impl Default for RoomConfig {
+    fn default() -> RoomConfig {
+        RoomConfig {
+            queue_above_wait: Duration::from_millis(DEFAULT_QUEUE_ABOVE_WAIT_MS),
+            max_queue_requests: DEFAULT_MAX_QUEUE_REQUESTS,
+            classes: Vec::new(),
+            tenant_weights: BTreeMap::new(),
+        }
+    }
+}
+
+pub const DEFAULT_QUEUE_ABOVE_WAIT_MS: u64 = 250;
+pub const DEFAULT_MAX_QUEUE_REQUESTS: usize = 1024;
+
+/// A class of requests: those whose priority value is at most `priority`
+/// (and above the previous class's).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassConfig {
+    pub name: String,
+    pub priority: i32,
+    /// The class's share when classes compete (> 0).
+    pub weight: f64,
+    /// The TTFT deadline of a request of this class that names none.
+    pub ttft_deadline: Option<Duration>,
+}
+
+/// An unconfigured priority value's weight: each step down the order
+/// (a higher value) takes an eighth of the share, so a lower value is
+/// served first whenever both wait, and a higher one still progresses.
+pub fn default_class_weight(priority: i32) -> f64 {
+    8f64.powi(-priority.clamp(-6, 6))
+}
+
+/// Why a room's config cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RoomConfigError {
+    #[error("admission.max_queue_requests must be at least 1")]
+    EmptyQueue,
+    #[error("admission class {name:?}: weight {weight} must be a finite number above 0")]
+    ClassWeight { name: String, weight: f64 },
+    #[error("admission classes {first:?} and {second:?} have the same priority {priority}")]
+    SamePriority {
+        first: String,
+        second: String,
+        priority: i32,
+    },
+    #[error("admission class name {name:?} is used twice")]
+    SameName { name: String },
+    #[error("admission tenant {tenant:?}: weight {weight} must be a finite number above 0")]
+    TenantWeight { tenant: String, weight: f64 },
+}
+
+impl RoomConfig {
+    /// Checks the weights and classes; sorts the classes by priority.
+    pub fn validated(mut self) -> Result<RoomConfig, RoomConfigError> {
+        if self.max_queue_requests == 0 {
+            return Err(RoomConfigError::EmptyQueue);
+        }
+        for class in &self.classes {
+            if !(class.weight.is_finite() && class.weight > 0.0) {
+                return Err(RoomConfigError::ClassWeight {
+                    name: class.name.clone(),
+                    weight: class.weight,
+                });
+            }
+        }
+        self.classes.sort_by_key(|class| class.priority);
+        for pair in self.classes.windows(2) {
+            if pair[0].priority == pair[1].priority {
+                return Err(RoomConfigError::SamePriority {
+                    first: pair[0].name.clone(),
+                    second: pair[1].name.clone(),
+                    priority: pair[0].priority,
+                });
+            }
+        }
+        let mut names: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(pair) = names.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(RoomConfigError::SameName {
+                name: pair[0].to_owned(),
+            });
+        }
+        for (tenant, weight) in &self.tenant_weights {
+            if !(weight.is_finite() && *weight > 0.0) {
+                return Err(RoomConfigError::TenantWeight {
+                    tenant: tenant.clone(),
+                    weight: *weight,
+                });
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// What the router knows of an arriving request that the room decides on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arrival {
+    /// The request's priority value (lower first); `None` counts as 0.
+    pub priority: Option<i32>,
+    /// Who sent it (`""` when unknown).
+    pub tenant: Arc<str>,
+    /// The request's own TTFT deadline; `None` takes its class's.
+    pub ttft_deadline: Option<Duration>,
+    /// The prompt's tokens (estimated).
+    pub work_tokens: u64,
+}
+
+/// Why a request was turned away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RejectReason {
+    /// The queue holds `max_queue_requests` already.
+    QueueFull,
+    /// Its predicted wait is longer than its TTFT deadline allows.
+    DeadlineUnmeetable,
+    /// Its TTFT deadline passed while it waited.
+    DeadlinePassed,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 3] = [
+        RejectReason::QueueFull,
+        RejectReason::DeadlineUnmeetable,
+        RejectReason::DeadlinePassed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::QueueFull => "queue_full",
+            RejectReason::DeadlineUnmeetable => "deadline_unmeetable",
+            RejectReason::DeadlinePassed => "deadline_passed",
+        }
+    }
+}
+
+/// A request turned away, and when to come back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rejection {
+    pub reason: RejectReason,
+    /// Whole seconds, at least 1: when the queue ahead should have drained
+    /// enough (the `Retry-After` header).
+    pub retry_after_s: u64,
+    /// The wait the room predicted, when it predicted one.
+    pub predicted_wait: Option<Duration>,
+}
+
+/// What to do with an arriving request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Dispatch it now. If the policy then finds every worker capped, pass
+    /// the request to [`AdmissionRoom::enqueue`].
+    DispatchNow,
+    /// It waits under this ticket until [`AdmissionRoom::pop`] releases it
+    /// or [`AdmissionRoom::shed`] turns it away.
+    Queued(u64),
+    Rejected(Rejection),
+}
+
+/// A request leaving the queue for a worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Released {
+    pub ticket: u64,
+    pub class: Arc<str>,
+    pub waited: Duration,
+}
+
+/// A queued request turned away by [`AdmissionRoom::shed`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shed {
+    pub ticket: u64,
+    pub class: Arc<str>,
+    pub waited: Duration,
+    pub rejection: Rejection,
+}
+
+/// A request's class, tenant and deadline, as the room resolved them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Classified {
+    pub class: Arc<str>,
+    pub priority: i32,
+    pub class_weight: f64,
+    pub tenant: Arc<str>,
+    pub tenant_weight: f64,
+    pub ttft_deadline: Option<Duration>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    class: Arc<str>,
+    arrived: Instant,
+    /// When its TTFT deadline passes.
+    due: Option<Instant>,
+    /// Its own prefill at a typical worker's rate, as predicted.
+    prefill: Duration,
+}
+
+/// The rate at which work leaves the room for the workers, in prompt tokens
+/// per second: a sum decaying with a time constant, divided by the window
+/// it has had time to fill.
+#[derive(Debug, Clone, Default)]
+struct DrainRate {
+    decayed_tokens: f64,
+    last: Option<Instant>,
+    first: Option<Instant>,
+}
+
+const DRAIN_TIME_CONSTANT_S: f64 = 2.0;
+/// Before this much history the rate is not trusted for predictions.
+const DRAIN_WARMUP_S: f64 = 0.5;
+
+impl DrainRate {
+    fn add(&mut self, tokens: u64, now: Instant) {
+        self.decay_to(now);
+        self.decayed_tokens += tokens as f64;
+        self.first.get_or_insert(now);
+    }
+
+    fn decay_to(&mut self, now: Instant) {
+        if let Some(last) = self.last {
+            let elapsed = now.saturating_duration_since(last).as_secs_f64();
+            self.decayed_tokens *= (-elapsed / DRAIN_TIME_CONSTANT_S).exp();
+        }
+        self.last = Some(now.max(self.last.unwrap_or(now)));
+    }
+
+    fn tokens_per_s(&self, now: Instant) -> Option<f64> {
+        let first = self.first?;
+        let last = self.last?;
+        let history_s = now.saturating_duration_since(first).as_secs_f64();
+        if history_s < DRAIN_WARMUP_S {
+            return None;
+        }
+        let since_last = now.saturating_duration_since(last).as_secs_f64();
+        let decayed = self.decayed_tokens * (-since_last / DRAIN_TIME_CONSTANT_S).exp();
+        let window_s = DRAIN_TIME_CONSTANT_S * (1.0 - (-history_s / DRAIN_TIME_CONSTANT_S).exp());
+        let rate = decayed / window_s;
+        (rate.is_finite() && rate > 0.0).then_some(rate)
+    }
+}
+
+/// The router's waiting room: an [`Admission`] order with a length bound,
+/// TTFT deadlines, and the predictions that turn a request away at once
+/// rather than after a wait it cannot afford.
+///
+/// Synchronous and free of I/O; the caller passes `now` and the policy's
+/// [`ExpectedWait`], so the router and the simulator run the same room.
+pub struct AdmissionRoom {
+    order: Box<dyn Admission>,
+    config: RoomConfig,
+    entries: HashMap<u64, Entry>,
+    drain: DrainRate,
+    next_ticket: u64,
+}
+
+/// The room as the admin API shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RoomView {
+    pub order: &'static str,
+    pub queued_requests: usize,
+    pub max_queue_requests: usize,
+    pub queue_above_wait_s: f64,
+    /// Prompt tokens per second leaving the room lately; `None` before
+    /// there is history enough.
+    pub drain_tokens_per_s: Option<f64>,
+    pub oldest_wait_s: f64,
+    pub flows: Vec<FlowView>,
+}
+
+fn secs(duration: Duration) -> f64 {
+    duration.as_secs_f64()
+}
+
+fn duration_from_secs(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(Duration::MAX)
+}
+
+/// Whole seconds, at least one, for `Retry-After`.
+fn retry_after_s(wait: Duration) -> u64 {
+    wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u64
+}
+
+impl AdmissionRoom {
+    pub fn new(order: Box<dyn Admission>, config: RoomConfig) -> AdmissionRoom {
+        AdmissionRoom {
+            order,
+            config,
+            entries: HashMap::new(),
+            drain: DrainRate::default(),
+            next_ticket: 1,
+        }
+    }
+
+    pub fn config(&self) -> &RoomConfig {
+        &self.config
+    }
+
+    pub fn order_name(&self) -> &'static str {
+        self.order.name()
+    }
+
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// The request's class, tenant weight and deadline.
+    pub fn classify(&self, arrival: &Arrival) -> Classified {
+        let priority = arrival.priority.unwrap_or(0);
+        let tenant_weight = self
+            .config
+            .tenant_weights
+            .get(arrival.tenant.as_ref())
+            .copied()
+            .unwrap_or(1.0);
+        let configured = self
+            .config
+            .classes
+            .iter()
+            .find(|class| priority <= class.priority)
+            .or(self.config.classes.last());
+        match configured {
+            Some(class) => Classified {
+                class: Arc::from(class.name.as_str()),
+                priority: class.priority,
+                class_weight: class.weight,
+                tenant: arrival.tenant.clone(),
+                tenant_weight,
+                ttft_deadline: arrival.ttft_deadline.or(class.ttft_deadline),
+            },
+            None => Classified {
+                class: Arc::from(priority.to_string()),
+                priority,
+                class_weight: default_class_weight(priority),
+                tenant: arrival.tenant.clone(),
+                tenant_weight,
+                ttft_deadline: arrival.ttft_deadline,
+            },
+        }
+    }
+
+    /// Whether the fleet takes more work now: the policy predicts a wait
+    /// at most `queue_above_wait` (a policy with no model of wait always
+    /// does; its caps decide).
+    pub fn has_room(&self, expected: Option<ExpectedWait>) -> bool {
+        expected.is_none_or(|wait| wait.queue_secs <= secs(self.config.queue_above_wait))
+    }
+
+    /// Decides on an arriving request, given the policy's expected wait for
+    /// it over the current candidates.
+    pub fn arrive(
+        &mut self,
+        arrival: &Arrival,
+        expected: Option<ExpectedWait>,
+        now: Instant,
+    ) -> Decision {
+        let classified = self.classify(arrival);
+        if self.order.is_empty() && self.has_room(expected) {
+            if let Some(rejection) = self.too_late(&classified, 0, expected, now) {
+                return Decision::Rejected(rejection);
+            }
+            return Decision::DispatchNow;
+        }
+        self.enqueue_classified(arrival, classified, expected, now)
+    }
+
+    /// Queues a request whatever the fleet's wait (the policy found every
+    /// worker capped), within the bound and its deadline.
+    pub fn enqueue(
+        &mut self,
+        arrival: &Arrival,
+        expected: Option<ExpectedWait>,
+        now: Instant,
+    ) -> Decision {
+        let classified = self.classify(arrival);
+        self.enqueue_classified(arrival, classified, expected, now)
+    }
+
+    fn enqueue_classified(
+        &mut self,
+        arrival: &Arrival,
+        classified: Classified,
+        expected: Option<ExpectedWait>,
+        now: Instant,
+    ) -> Decision {
+        let ticket = self.next_ticket;
+        let waiting = Waiting {
+            ticket,
+            class: classified.class.clone(),
+            priority: classified.priority,
+            class_weight: classified.class_weight,
+            tenant: classified.tenant.clone(),
+            tenant_weight: classified.tenant_weight,
+            work_tokens: arrival.work_tokens,
+            arrived: now,
+        };
+        if self.order.len() >= self.config.max_queue_requests {
+            let drain_wait = self.drain_secs(self.queued_work(), now);
+            return Decision::Rejected(Rejection {
+                reason: RejectReason::QueueFull,
+                retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
+                predicted_wait: drain_wait.map(duration_from_secs),
+            });
+        }
+        let ahead = self.order.work_ahead(&waiting);
+        if let Some(rejection) = self.too_late(&classified, ahead, expected, now) {
+            return Decision::Rejected(rejection);
+        }
+        self.next_ticket += 1;
+        self.entries.insert(
+            ticket,
+            Entry {
+                class: classified.class.clone(),
+                arrived: now,
+                due: classified.ttft_deadline.map(|deadline| now + deadline),
+                prefill: duration_from_secs(expected.map_or(0.0, |wait| wait.prefill_secs)),
+            },
+        );
+        self.order.push(waiting);
+        Decision::Queued(ticket)
+    }
+
+    fn queued_work(&self) -> u64 {
+        self.order
+            .flows()
+            .iter()
+            .map(|flow| flow.queued_work_tokens)
+            .sum()
+    }
+
+    /// Seconds to dispatch `tokens` at the recent drain rate.
+    fn drain_secs(&self, tokens: u64, now: Instant) -> Option<f64> {
+        if tokens == 0 {
+            return Some(0.0);
+        }
+        self.drain
+            .tokens_per_s(now)
+            .map(|rate| tokens as f64 / rate)
+    }
+
+    /// The rejection due to a request with `ahead` work queued before it,
+    /// if its predicted TTFT is beyond its deadline.
+    fn too_late(
+        &self,
+        classified: &Classified,
+        ahead: u64,
+        expected: Option<ExpectedWait>,
+        now: Instant,
+    ) -> Option<Rejection> {
+        let deadline = classified.ttft_deadline?;
+        let policy_secs = expected.map_or(0.0, |wait| wait.queue_secs + wait.prefill_secs);
+        let predicted_secs = policy_secs + self.drain_secs(ahead, now).unwrap_or(0.0);
+        let predicted = duration_from_secs(predicted_secs);
+        (predicted > deadline).then(|| Rejection {
+            reason: RejectReason::DeadlineUnmeetable,
+            retry_after_s: retry_after_s(predicted - deadline),
+            predicted_wait: Some(predicted),
+        })
+    }
+
+    /// The request to release next, if the fleet has room for it (see
+    /// [`has_room`](Self::has_room)). The caller asks the policy for a worker;
+    /// if it finds one, it calls [`pop`](Self::pop).
+    pub fn head(&self) -> Option<&Waiting> {
+        self.order.peek()
+    }
+
+    /// Releases the head: the policy found it a worker.
+    pub fn pop(&mut self, now: Instant) -> Option<Released> {
+        let waiting = self.order.pop()?;
+        self.drain.add(waiting.work_tokens, now);
+        let entry = self.entries.remove(&waiting.ticket);
+        Some(Released {
+            ticket: waiting.ticket,
+            class: waiting.class,
+            waited: now.saturating_duration_since(entry.map_or(now, |entry| entry.arrived)),
+        })
+    }
+
+    /// A request that never waited went to a worker: its work counts
+    /// toward the drain rate.
+    pub fn dispatched(&mut self, work_tokens: u64, now: Instant) {
+        self.drain.add(work_tokens, now);
+    }
+
+    /// A request of this class and tenant finished with `output_tokens`
+    /// generated: orders that share by token work count them.
+    pub fn finished(&mut self, class: &str, tenant: &str, output_tokens: u64) {
+        self.order.served(class, tenant, output_tokens);
+    }
+
+    /// Removes a queued request whose client left. `false` if it was not
+    /// queued (already released or turned away).
+    pub fn remove(&mut self, ticket: u64) -> bool {
+        self.entries.remove(&ticket);
+        self.order.remove(ticket).is_some()
+    }
+
+    /// Turns away the queued requests that can no longer meet their
+    /// deadline: passed, or so close that even dispatched now, at the
+    /// least busy worker's queue (`queue_secs`) plus their own prefill,
+    /// they would miss it. Requests admitted are not re-judged on the
+    /// queue ahead of them, so a rejection comes at arrival where it can.
+    pub fn shed(&mut self, expected: Option<ExpectedWait>, now: Instant) -> Vec<Shed> {
+        let queue = duration_from_secs(expected.map_or(0.0, |wait| wait.queue_secs));
+        let late: Vec<(u64, Option<Duration>)> = self
+            .entries
+            .iter()
+            .filter_map(|(ticket, entry)| {
+                let due = entry.due?;
+                if now >= due {
+                    return Some((*ticket, None));
+                }
+                let predicted = queue + entry.prefill;
+                (now + predicted > due).then_some((*ticket, Some(predicted)))
+            })
+            .collect();
+        let mut shed = Vec::with_capacity(late.len());
+        for (ticket, predicted) in late {
+            let Some(entry) = self.entries.remove(&ticket) else {
+                continue;
+            };
+            self.order.remove(ticket);
+            let waited = now.saturating_duration_since(entry.arrived);
+            let rejection = match predicted {
+                None => Rejection {
+                    reason: RejectReason::DeadlinePassed,
+                    retry_after_s: 1,
+                    predicted_wait: None,
+                },
+                Some(predicted) => Rejection {
+                    reason: RejectReason::DeadlineUnmeetable,
+                    retry_after_s: retry_after_s(predicted),
+                    predicted_wait: Some(predicted),
+                },
+            };
+            shed.push(Shed {
+                ticket,
+                class: entry.class,
+                waited,
+                rejection,
+            });
+        }
+        shed.sort_by_key(|shed| shed.ticket);
+        shed
+    }
+
+    /// The earliest deadline among the queued requests.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.entries.values().filter_map(|entry| entry.due).min()
+    }
+
+    /// Moves every queued request to `order`, oldest first (a live swap).
+    pub fn swap_order(&mut self, mut order: Box<dyn Admission>) {
+        for waiting in self.order.drain() {
+            order.push(waiting);
+        }
+        self.order = order;
+    }
+
+    /// Queued requests per class.
+    pub fn queued_by_class(&self) -> BTreeMap<Arc<str>, usize> {
+        let mut by_class = BTreeMap::new();
+        for entry in self.entries.values() {
+            *by_class.entry(entry.class.clone()).or_insert(0) += 1;
+        }
+        by_class
+    }
+
+    pub fn view(&self, now: Instant) -> RoomView {
+        RoomView {
+            order: self.order.name(),
+            queued_requests: self.order.len(),
+            max_queue_requests: self.config.max_queue_requests,
+            queue_above_wait_s: secs(self.config.queue_above_wait),
+            drain_tokens_per_s: self.drain.tokens_per_s(now),
+            oldest_wait_s: self
+                .entries
+                .values()
+                .map(|entry| secs(now.saturating_duration_since(entry.arrived)))
+                .fold(0.0, f64::max),
+            flows: self.order.flows(),
+        }
+    }
+}
+
+impl std::fmt::Debug for AdmissionRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdmissionRoom")
+            .field("order", &self.order.name())
+            .field("queued", &self.order.len())
+            .field("config", &self.config)
+            .finish()
+    }
+}

@@ -1,0 +1,465 @@
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use policy_core::{Admission, ExpectedWait, Waiting};
+use proptest::prelude::*;
+
+use crate::{
+    AdmissionRoom, Arrival, ClassConfig, Decision, FAIR_SHARE, FIFO, PRIORITY, RejectReason,
+    RoomConfig, RoomConfigError, default_class_weight, registry,
+};
+
+fn order(name: &str) -> Box<dyn Admission> {
+    registry()
+        .build(name, &serde_json::Value::Null)
+        .expect("a built-in order")
+}
+
+fn waiting(ticket: u64, priority: i32, tenant: &str, work_tokens: u64, at: Instant) -> Waiting {
+    Waiting {
+        ticket,
+        class: Arc::from(priority.to_string()),
+        priority,
+        class_weight: default_class_weight(priority),
+        tenant: Arc::from(tenant),
+        tenant_weight: 1.0,
+        work_tokens,
+        arrived: at,
+    }
+}
+
+fn pop_all(order: &mut dyn Admission) -> Vec<u64> {
+    std::iter::from_fn(|| {
+        let peeked = order.peek().map(|w| w.ticket);
+        let popped = order.pop().map(|w| w.ticket);
+        assert_eq!(peeked, popped, "pop takes what peek showed");
+        popped
+    })
+    .collect()
+}
+
+#[test]
+fn fifo_serves_in_arrival_order_whatever_the_priority_or_tenant() {
+    let now = Instant::now();
+    let mut fifo = order(FIFO);
+    fifo.push(waiting(1, 5, "a", 100, now));
+    fifo.push(waiting(2, 0, "b", 100, now + Duration::from_millis(1)));
+    fifo.push(waiting(3, -3, "a", 100, now + Duration::from_millis(2)));
+    assert_eq!(fifo.work_ahead(&waiting(4, -9, "c", 1, now)), 300);
+    assert_eq!(pop_all(fifo.as_mut()), vec![1, 2, 3]);
+}
+
+#[test]
+fn priority_serves_the_lower_value_first_and_does_not_starve_the_higher() {
+    let now = Instant::now();
+    let mut priority = order(PRIORITY);
+    for ticket in 0..90 {
+        priority.push(waiting(ticket, 1, "", 100, now));
+    }
+    // An urgent request behind 90 batch ones has nothing ahead of it.
+    let urgent = waiting(1000, 0, "", 100, now);
+    assert_eq!(priority.work_ahead(&urgent), 0);
+    for ticket in 1000..1090 {
+        priority.push(waiting(ticket, 0, "", 100, now));
+    }
+    let served = pop_all(priority.as_mut());
+    assert_eq!(served.len(), 180);
+    assert_eq!(served[0], 1000, "the lower value goes first");
+    // Both waiting, value 0 takes 8 of every 9 dispatches: the batch class
+    // progresses, and has been served about 10 by the time class 0 is done.
+    let last_urgent = served.iter().position(|t| *t == 1089).expect("served");
+    let batch_before = served[..last_urgent].iter().filter(|t| **t < 1000).count();
+    assert!((9..=12).contains(&batch_before), "{batch_before}");
+}
+
+#[test]
+fn fair_share_gives_a_light_tenant_its_turn_ahead_of_a_flood() {
+    let now = Instant::now();
+    let mut fair = order(FAIR_SHARE);
+    for ticket in 0..100 {
+        fair.push(waiting(ticket, 0, "flood", 200, now));
+    }
+    let light = waiting(500, 0, "light", 200, now + Duration::from_secs(1));
+    assert_eq!(fair.work_ahead(&light), 0);
+    fair.push(light);
+    assert_eq!(fair.pop().map(|w| w.ticket), Some(0), "the flood's head was ahead");
+    assert_eq!(fair.pop().map(|w| w.ticket), Some(500));
+    // With both backlogged, equal weights alternate.
+    for ticket in 501..510 {
+        fair.push(waiting(ticket, 0, "light", 200, now + Duration::from_secs(2)));
+    }
+    let next: Vec<u64> = (0..6).filter_map(|_| fair.pop().map(|w| w.ticket)).collect();
+    assert_eq!(next.iter().filter(|t| **t >= 500).count(), 3, "{next:?}");
+}
+
+#[test]
+fn fair_share_weighs_tenants_and_counts_output_tokens() {
+    let now = Instant::now();
+    let mut fair = order(FAIR_SHARE);
+    let heavy = |ticket, tenant: &str, weight| Waiting {
+        tenant_weight: weight,
+        ..waiting(ticket, 0, tenant, 100, now)
+    };
+    for ticket in 0..30 {
+        fair.push(heavy(ticket, "gold", 2.0));
+        fair.push(heavy(100 + ticket, "bronze", 1.0));
+    }
+    let first: Vec<u64> = (0..30).filter_map(|_| fair.pop().map(|w| w.ticket)).collect();
+    let gold = first.iter().filter(|t| **t < 100).count();
+    assert!((19..=21).contains(&gold), "gold's share of 30: {gold}");
+    // Gold's answers were long: its output counts, and bronze catches up.
+    fair.served("0", "gold", 10_000);
+    let next: Vec<u64> = (0..10).filter_map(|_| fair.pop().map(|w| w.ticket)).collect();
+    assert!(next.iter().all(|t| *t >= 100), "{next:?}");
+}
+
+#[test]
+fn an_idle_tenant_banks_no_credit() {
+    let now = Instant::now();
+    let mut fair = order(FAIR_SHARE);
+    for ticket in 0..50 {
+        fair.push(waiting(ticket, 0, "busy", 100, now));
+    }
+    for _ in 0..40 {
+        fair.pop();
+    }
+    // "late" arrives after "busy" has been served 4000 tokens: it is lifted
+    // to busy's count, so the two alternate rather than late taking 40 turns.
+    for ticket in 100..120 {
+        fair.push(waiting(ticket, 0, "late", 100, now));
+    }
+    let next: Vec<u64> = (0..10).filter_map(|_| fair.pop().map(|w| w.ticket)).collect();
+    let late = next.iter().filter(|t| **t >= 100).count();
+    assert!((4..=6).contains(&late), "{next:?}");
+}
+
+#[test]
+fn predictions_of_work_ahead_match_the_order_served() {
+    let now = Instant::now();
+    for name in [FIFO, PRIORITY, FAIR_SHARE] {
+        let mut queue = order(name);
+        let mut work = BTreeMap::new();
+        for ticket in 0..40u64 {
+            let tokens = 50 + (ticket * 37) % 400;
+            let priority = if name == FIFO { 0 } else { (ticket % 2) as i32 };
+            let tenant = ["a", "b", "c"][(ticket % 3) as usize];
+            let tenant = if name == FAIR_SHARE { tenant } else { "" };
+            queue.push(waiting(ticket, priority, tenant, tokens, now));
+            work.insert(ticket, tokens);
+        }
+        let predicted: BTreeMap<u64, u64> = queue.queued_work_ahead().into_iter().collect();
+        let mut served_before = 0u64;
+        let mut worst_error = 0f64;
+        for ticket in pop_all(queue.as_mut()) {
+            let error = (predicted[&ticket] as f64 - served_before as f64).abs();
+            worst_error = worst_error.max(error);
+            served_before += work[&ticket];
+        }
+        // Exact for one flow; within a few requests' work (about 250
+        // tokens each) where flows interleave, and two levels of them.
+        let allowed = match name {
+            FIFO => 0.0,
+            PRIORITY => 900.0,
+            _ => 2500.0,
+        };
+        assert!(worst_error <= allowed, "{name}: off by {worst_error} tokens");
+    }
+}
+
+#[test]
+fn the_registry_names_the_orders_and_refuses_parameters() {
+    assert_eq!(registry().names(), vec![FAIR_SHARE, FIFO, PRIORITY]);
+    let unknown = registry().build("lifo", &serde_json::Value::Null);
+    assert!(unknown.err().is_some_and(|e| e.to_string().contains("fifo")));
+    let with_params = registry().build(FIFO, &serde_json::json!({"depth": 3}));
+    assert!(with_params.is_err());
+}
+
+fn room(config: RoomConfig) -> AdmissionRoom {
+    AdmissionRoom::new(order(PRIORITY), config.validated().expect("valid config"))
+}
+
+fn arrival(priority: i32, deadline_ms: Option<u64>) -> Arrival {
+    Arrival {
+        priority: Some(priority),
+        tenant: Arc::from("t"),
+        ttft_deadline: deadline_ms.map(Duration::from_millis),
+        work_tokens: 1000,
+    }
+}
+
+fn wait(queue_secs: f64) -> Option<ExpectedWait> {
+    Some(ExpectedWait {
+        queue_secs,
+        prefill_secs: 0.1,
+    })
+}
+
+#[test]
+fn a_room_dispatches_at_once_below_the_threshold_and_queues_above_it() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    assert_eq!(room.arrive(&arrival(0, None), wait(0.1), now), Decision::DispatchNow);
+    assert!(matches!(room.arrive(&arrival(0, None), wait(2.0), now), Decision::Queued(_)));
+    // Once one waits, later arrivals wait behind it even if the fleet has room.
+    assert!(matches!(room.arrive(&arrival(0, None), wait(0.0), now), Decision::Queued(_)));
+    // A policy with no model of wait never queues by the threshold.
+    let mut baseline = AdmissionRoom::new(order(FIFO), RoomConfig::default());
+    assert_eq!(baseline.arrive(&arrival(0, None), None, now), Decision::DispatchNow);
+    assert!(matches!(baseline.enqueue(&arrival(0, None), None, now), Decision::Queued(_)));
+}
+
+#[test]
+fn a_full_queue_turns_requests_away() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig {
+        max_queue_requests: 2,
+        ..RoomConfig::default()
+    });
+    for _ in 0..2 {
+        assert!(matches!(room.arrive(&arrival(0, None), wait(5.0), now), Decision::Queued(_)));
+    }
+    let Decision::Rejected(rejection) = room.arrive(&arrival(0, None), wait(5.0), now) else {
+        panic!("a third request does not fit");
+    };
+    assert_eq!(rejection.reason, RejectReason::QueueFull);
+    assert!(rejection.retry_after_s >= 1);
+}
+
+#[test]
+fn a_deadline_the_prediction_cannot_meet_is_refused_at_arrival_with_retry_after() {
+    let start = Instant::now();
+    let mut room = room(RoomConfig::default());
+    // Two seconds of history at 10 000 prompt tokens a second.
+    for step in 0..200u64 {
+        room.dispatched(100, start + Duration::from_millis(10 * step));
+    }
+    let now = start + Duration::from_secs(2);
+    // 30 000 tokens queued: about 3 s at the drain rate.
+    for _ in 0..30 {
+        assert!(matches!(room.arrive(&arrival(0, None), wait(0.3), now), Decision::Queued(_)));
+    }
+    let Decision::Rejected(rejection) = room.arrive(&arrival(0, Some(2000)), wait(0.3), now)
+    else {
+        panic!("3.4 s predicted against a 2 s deadline");
+    };
+    assert_eq!(rejection.reason, RejectReason::DeadlineUnmeetable);
+    let predicted = rejection.predicted_wait.expect("predicted").as_secs_f64();
+    assert!((3.0..4.5).contains(&predicted), "{predicted}");
+    assert_eq!(rejection.retry_after_s, 2);
+    // A higher class jumps the queue, so the same deadline is kept.
+    assert!(matches!(
+        room.arrive(&arrival(-1, Some(2000)), wait(0.3), now),
+        Decision::Queued(_)
+    ));
+    // No history: no queue-based prediction, only the policy's.
+    let mut fresh = self::room(RoomConfig::default());
+    assert!(matches!(
+        fresh.arrive(&arrival(0, Some(50)), wait(0.0), now),
+        Decision::Rejected(_)
+    ));
+    assert_eq!(
+        fresh.arrive(&arrival(0, Some(200)), wait(0.0), now),
+        Decision::DispatchNow
+    );
+}
+
+#[test]
+fn shedding_turns_away_requests_past_or_certain_to_miss_their_deadline() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let Decision::Queued(soon) = room.arrive(&arrival(0, Some(1000)), wait(0.5), now) else {
+        panic!("queued");
+    };
+    let Decision::Queued(later) = room.arrive(&arrival(0, Some(5000)), wait(0.5), now) else {
+        panic!("queued");
+    };
+    let Decision::Queued(never) = room.arrive(&arrival(0, None), wait(0.5), now) else {
+        panic!("queued");
+    };
+    assert!(room.shed(wait(0.5), now).is_empty());
+    // 0.95 s later a dispatch now would take 0.5 + 0.1 s: past 1 s.
+    let shed = room.shed(wait(0.5), now + Duration::from_millis(950));
+    assert_eq!(shed.len(), 1);
+    assert_eq!(shed[0].ticket, soon);
+    assert_eq!(shed[0].rejection.reason, RejectReason::DeadlineUnmeetable);
+    let shed = room.shed(wait(0.0), now + Duration::from_secs(6));
+    assert_eq!(shed.len(), 1);
+    assert_eq!(shed[0].ticket, later);
+    assert_eq!(shed[0].rejection.reason, RejectReason::DeadlinePassed);
+    assert_eq!(room.len(), 1);
+    assert!(room.remove(never));
+    assert!(!room.remove(never), "removed once");
+    assert!(room.is_empty());
+}
+
+#[test]
+fn configured_classes_take_ranges_of_priority_values_and_their_deadlines() {
+    let room = room(RoomConfig {
+        classes: vec![
+            ClassConfig {
+                name: "batch".into(),
+                priority: 10,
+                weight: 1.0,
+                ttft_deadline: None,
+            },
+            ClassConfig {
+                name: "chat".into(),
+                priority: 0,
+                weight: 4.0,
+                ttft_deadline: Some(Duration::from_secs(2)),
+            },
+        ],
+        ..RoomConfig::default()
+    });
+    let chat = room.classify(&arrival(-5, None));
+    assert_eq!(&*chat.class, "chat");
+    assert_eq!(chat.ttft_deadline, Some(Duration::from_secs(2)));
+    assert_eq!(&*room.classify(&arrival(3, None)).class, "batch");
+    assert_eq!(&*room.classify(&arrival(99, None)).class, "batch");
+    let own = room.classify(&arrival(0, Some(500)));
+    assert_eq!(own.ttft_deadline, Some(Duration::from_millis(500)));
+}
+
+#[test]
+fn invalid_room_configs_are_refused_with_their_reason() {
+    let class = |name: &str, priority, weight| ClassConfig {
+        name: name.into(),
+        priority,
+        weight,
+        ttft_deadline: None,
+    };
+    let cases = [
+        (
+            RoomConfig {
+                max_queue_requests: 0,
+                ..RoomConfig::default()
+            },
+            RoomConfigError::EmptyQueue,
+        ),
+        (
+            RoomConfig {
+                classes: vec![class("a", 0, f64::NAN)],
+                ..RoomConfig::default()
+            },
+            RoomConfigError::ClassWeight {
+                name: "a".into(),
+                weight: f64::NAN,
+            },
+        ),
+        (
+            RoomConfig {
+                classes: vec![class("a", 0, 1.0), class("b", 0, 1.0)],
+                ..RoomConfig::default()
+            },
+            RoomConfigError::SamePriority {
+                first: "a".into(),
+                second: "b".into(),
+                priority: 0,
+            },
+        ),
+        (
+            RoomConfig {
+                classes: vec![class("a", 0, 1.0), class("a", 1, 1.0)],
+                ..RoomConfig::default()
+            },
+            RoomConfigError::SameName { name: "a".into() },
+        ),
+        (
+            RoomConfig {
+                tenant_weights: [("x".to_owned(), -1.0)].into(),
+                ..RoomConfig::default()
+            },
+            RoomConfigError::TenantWeight {
+                tenant: "x".into(),
+                weight: -1.0,
+            },
+        ),
+    ];
+    for (config, expected) in cases {
+        let error = config.validated().expect_err("invalid");
+        // NaN is not equal to itself: compare the messages.
+        assert_eq!(error.to_string(), expected.to_string());
+    }
+}
+
+#[test]
+fn a_live_swap_keeps_every_queued_request() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let mut tickets = BTreeSet::new();
+    for priority in [3, 1, 2, 0] {
+        if let Decision::Queued(ticket) = room.arrive(&arrival(priority, None), wait(9.0), now) {
+            tickets.insert(ticket);
+        }
+    }
+    room.swap_order(order(FIFO));
+    assert_eq!(room.order_name(), FIFO);
+    let released: BTreeSet<u64> = std::iter::from_fn(|| room.pop(now).map(|r| r.ticket)).collect();
+    assert_eq!(released, tickets);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Push { priority: i32, tenant: u8, tokens: u64 },
+    Pop,
+    Remove(u64),
+    Served { tenant: u8, tokens: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (-2i32..3, 0u8..4, 0u64..5000).prop_map(|(priority, tenant, tokens)| Op::Push {
+            priority,
+            tenant,
+            tokens
+        }),
+        Just(Op::Pop),
+        (0u64..40).prop_map(Op::Remove),
+        (0u8..4, 0u64..5000).prop_map(|(tenant, tokens)| Op::Served { tenant, tokens }),
+    ]
+}
+
+proptest! {
+    /// Whatever happens, every pushed request leaves exactly once, by pop,
+    /// remove or the final drain, and the length agrees.
+    #[test]
+    fn no_request_is_lost_or_served_twice(ops in prop::collection::vec(op(), 0..120)) {
+        let now = Instant::now();
+        for name in [FIFO, PRIORITY, FAIR_SHARE] {
+            let mut queue = order(name);
+            let mut inside = BTreeSet::new();
+            let mut next = 0u64;
+            for op in &ops {
+                match op {
+                    Op::Push { priority, tenant, tokens } => {
+                        queue.push(waiting(next, *priority, &tenant.to_string(), *tokens, now));
+                        inside.insert(next);
+                        next += 1;
+                    }
+                    Op::Pop => {
+                        let popped = queue.pop().map(|w| w.ticket);
+                        if let Some(ticket) = popped {
+                            prop_assert!(inside.remove(&ticket));
+                        } else {
+                            prop_assert!(inside.is_empty());
+                        }
+                    }
+                    Op::Remove(ticket) => {
+                        let removed = queue.remove(*ticket).is_some();
+                        prop_assert_eq!(removed, inside.remove(ticket));
+                    }
+                    Op::Served { tenant, tokens } => {
+                        queue.served("0", &tenant.to_string(), *tokens);
+                    }
+                }
+                prop_assert_eq!(queue.len(), inside.len());
+                prop_assert_eq!(queue.queued_work_ahead().len(), inside.len());
+            }
+            let drained: BTreeSet<u64> = queue.drain().into_iter().map(|w| w.ticket).collect();
+            prop_assert_eq!(drained, inside);
+            prop_assert!(queue.is_empty());
+        }
+    }
+}
