@@ -1,15 +1,17 @@
 //! The three built-in orders, one structure: flows of waiting requests,
 //! grouped by class and, for `fair_share`, by tenant within a class.
 //!
-//! Between flows the order is a virtual token counter (as in "Fairness in
-//! Serving Large Language Models", Sheng et al., 2024): each flow counts
-//! the token work it has been served over its weight, and the waiting flow
-//! with the least count goes next. A flow that starts waiting is lifted to
-//! the least count among those already waiting, so time spent idle banks
-//! no credit. Because every waiting flow's count is passed in turn, no
-//! class or tenant starves: a request's relative standing rises as the
-//! others are served, which is the order's aging. Within a flow, requests
-//! go oldest first.
+//! Between flows the order is weighted fair queuing on a virtual token
+//! counter (after "Fairness in Serving Large Language Models", Sheng et
+//! al., 2024): each flow counts the token work it has been served over its
+//! weight, and the waiting flow whose head would finish first on that count
+//! (its count plus the head's work over the weight) goes next, so a flow of
+//! weight 8 takes eight requests' worth of work for each one of a flow of
+//! weight one. A flow that starts waiting is lifted to the least count among those
+//! already waiting, so time spent idle banks no credit. Because every
+//! waiting flow's count is passed in turn, no class or tenant starves: a
+//! request's standing rises as the others are served, which is the order's
+//! aging. Within a flow, requests go oldest first.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -91,31 +93,42 @@ impl FlowOrder {
         )
     }
 
-    /// The waiting class served next.
+    /// The waiting class served next: the least finish of its next
+    /// request, the lower priority value on a tie.
     fn next_class(&self) -> Option<(&Arc<str>, &ClassFlow)> {
         self.classes
             .iter()
-            .filter(|(_, class)| class.queued > 0)
-            .min_by(|(_, a), (_, b)| {
-                a.served
-                    .total_cmp(&b.served)
+            .filter_map(|(key, class)| {
+                let (_, tenant) = FlowOrder::next_tenant(class)?;
+                let head_work = tenant.queue.front()?.work_tokens;
+                Some((key, class, class.served + head_work as f64 / class.weight))
+            })
+            .min_by(|(_, a, a_finish), (_, b, b_finish)| {
+                a_finish
+                    .total_cmp(b_finish)
                     .then(a.priority.cmp(&b.priority))
             })
+            .map(|(key, class, _)| (key, class))
     }
 
-    /// The waiting tenant of `class` served next.
+    /// The waiting tenant of `class` served next: the least finish of its
+    /// head, the older head on a tie.
     fn next_tenant(class: &ClassFlow) -> Option<(&Arc<str>, &TenantFlow)> {
+        let finish = |tenant: &TenantFlow| {
+            let head = tenant.queue.front()?;
+            Some((
+                tenant.served + head.work_tokens as f64 / tenant.weight,
+                head.arrived,
+            ))
+        };
         class
             .tenants
             .iter()
-            .filter(|(_, tenant)| !tenant.queue.is_empty())
-            .min_by(|(_, a), (_, b)| {
-                a.served.total_cmp(&b.served).then_with(|| {
-                    let a_head = a.queue.front().map(|w| w.arrived);
-                    let b_head = b.queue.front().map(|w| w.arrived);
-                    a_head.cmp(&b_head)
-                })
+            .filter_map(|(key, tenant)| Some((key, tenant, finish(tenant)?)))
+            .min_by(|(_, _, (a, a_head)), (_, _, (b, b_head))| {
+                a.total_cmp(b).then(a_head.cmp(b_head))
             })
+            .map(|(key, tenant, _)| (key, tenant))
     }
 
     /// The count a flow starting to wait is lifted to: the least among
@@ -124,16 +137,18 @@ impl FlowOrder {
         counts.min_by(f64::total_cmp).unwrap_or(floor)
     }
 
-    /// Work served before a request that waits behind `own_ahead` work in
-    /// its own flow (count `own_served`, weight `own_weight`), given the
-    /// other waiting flows as (count, weight, queued work).
+    /// Work served before a request of `own_work` that waits behind
+    /// `own_ahead` work in its own flow (count `own_served`, weight
+    /// `own_weight`), given the other waiting flows as (count, weight,
+    /// queued work): theirs that would finish before it does.
     fn ahead_among(
         own_ahead: u64,
+        own_work: u64,
         own_served: f64,
         own_weight: f64,
         others: impl Iterator<Item = (f64, f64, u64)>,
     ) -> u64 {
-        let reached = own_served + own_ahead as f64 / own_weight;
+        let reached = own_served + own_ahead.saturating_add(own_work) as f64 / own_weight;
         let mut ahead = own_ahead;
         for (served, weight, queued_work) in others {
             let share = ((reached - served).max(0.0) * weight).min(queued_work as f64);
@@ -150,6 +165,7 @@ impl FlowOrder {
         class_key: &Arc<str>,
         tenant_key: &Arc<str>,
         tenant_ahead: u64,
+        own_work: u64,
         class_weight: f64,
         tenant_weight: f64,
     ) -> u64 {
@@ -177,6 +193,7 @@ impl FlowOrder {
                 };
                 let in_class = FlowOrder::ahead_among(
                     tenant_ahead,
+                    own_work,
                     tenant_served,
                     tenant_weight,
                     waiting_tenants().map(|(_, t)| (t.served, t.weight, t.queued_work)),
@@ -198,6 +215,7 @@ impl FlowOrder {
         };
         FlowOrder::ahead_among(
             in_class,
+            own_work,
             class_served,
             class_weight,
             waiting_classes().map(|(_, c)| (c.served, c.weight, c.queued_work)),
@@ -333,6 +351,7 @@ impl FlowOrder {
             &class_key,
             &tenant_key,
             tenant_ahead,
+            request.work_tokens,
             class_weight,
             tenant_weight,
         )
@@ -344,8 +363,14 @@ impl FlowOrder {
             for (tenant_key, tenant) in &class.tenants {
                 let mut before = 0u64;
                 for request in &tenant.queue {
-                    let ahead =
-                        self.ahead_of(class_key, tenant_key, before, class.weight, tenant.weight);
+                    let ahead = self.ahead_of(
+                        class_key,
+                        tenant_key,
+                        before,
+                        request.work_tokens,
+                        class.weight,
+                        tenant.weight,
+                    );
                     out.push((request.ticket, ahead));
                     before = before.saturating_add(request.work_tokens);
                 }

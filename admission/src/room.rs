@@ -317,6 +317,12 @@ impl AdmissionRoom {
         &self.config
     }
 
+    /// Takes a new config (a live change). Waiting requests keep their
+    /// class and deadline; the bound applies to arrivals from now on.
+    pub fn set_config(&mut self, config: RoomConfig) {
+        self.config = config;
+    }
+
     pub fn order_name(&self) -> &'static str {
         self.order.name()
     }

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use load_protocols::WorkerLoad;
 use policy_core::{
-    ArgMin, Dispatch, ExpectedWait, Policy, PolicyContext, PolicyError, PollMark, PrefillSample, PrefixBlocks,
-    PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate, ReplicaUpdateOutcome,
-    RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId, WorkerInfo,
-    WorkerLedger, WorkerSlots, WorkerStats, describe_request,
+    ArgMin, Dispatch, ExpectedWait, Policy, PolicyContext, PolicyError, PollMark, PrefillSample,
+    PrefixBlocks, PrefixSnapshot, ReplicaPending, ReplicaPendingOutcome, ReplicaUpdate,
+    ReplicaUpdateOutcome, RequestInfo, ScoreRow, ScoreTable, Slot, SlotsView, TieBreaker, WorkerId,
+    WorkerInfo, WorkerLedger, WorkerSlots, WorkerStats, describe_request,
 };
 
 use crate::fleet_memo::FleetMemo;

@@ -36,6 +36,9 @@ pub struct ReadRequest {
     pub prefix_unhashed: Option<Unhashed>,
     /// As [`stream_usage`].
     pub stream_usage: StreamUsage,
+    /// The body's `priority` (vLLM's: lower is served first), when it is
+    /// an integer.
+    pub priority: Option<i64>,
 }
 
 /// Whether the client asked for OpenAI's closing usage chunk on a stream
@@ -74,6 +77,7 @@ const TOP_FIELDS: [&str; TOP_FIELD_COUNT] = [
     "stream",
     "max_completion_tokens",
     "max_tokens",
+    "priority",
     "input_ids",
     "prompt",
     "text",
@@ -81,11 +85,11 @@ const TOP_FIELDS: [&str; TOP_FIELD_COUNT] = [
     "sampling_params",
     "stream_options",
 ];
-const TOP_FIELD_COUNT: usize = 10;
+const TOP_FIELD_COUNT: usize = 11;
 /// How many of [`TOP_FIELDS`] are scalars.
-const SCALAR_COUNT: usize = 4;
+const SCALAR_COUNT: usize = 5;
 /// `messages`' place in [`TOP_FIELDS`].
-const MESSAGES: usize = 7;
+const MESSAGES: usize = 8;
 
 /// Reads the routing facts from a raw OpenAI or SGLang-native body, as
 /// [`request_info`] and [`max_output_tokens`] read them from a parsed one.
@@ -104,7 +108,7 @@ pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest,
         Err(error) => return Err(RequestBodyError::Invalid(error)),
     };
     de.end().map_err(RequestBodyError::Invalid)?;
-    let [model, stream, max_completion, max_tokens] = top.scalars;
+    let [model, stream, max_completion, max_tokens, priority] = top.scalars;
     let [input_ids, prompt, text, _, sampling, stream_options] = top.raw;
     let model = match model {
         Some(Scalar::Str(model)) => Some(model),
@@ -142,6 +146,11 @@ pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest,
             _ => StreamUsage::Declined,
         },
     };
+    let priority = match priority {
+        Some(Scalar::Uint(value)) => i64::try_from(value).ok(),
+        Some(Scalar::Int(value)) => Some(value),
+        _ => None,
+    };
     Ok(ReadRequest {
         info: RequestInfo {
             tokens,
@@ -152,6 +161,7 @@ pub fn read_request(body: &[u8], hashing: &PrefixHashing) -> Result<ReadRequest,
         max_output_tokens,
         prefix_unhashed,
         stream_usage,
+        priority,
     })
 }
 
@@ -306,6 +316,8 @@ enum Scalar {
     Bool(bool),
     /// An integer from 0 to `u64::MAX`.
     Uint(u64),
+    /// A negative integer.
+    Int(i64),
     /// Any other value (negative, fractional, null, a list or an object).
     Other,
 }
@@ -340,7 +352,7 @@ impl<'de> Visitor<'de> for ScalarSeed {
     }
 
     fn visit_i64<E>(self, value: i64) -> Result<Scalar, E> {
-        Ok(u64::try_from(value).map_or(Scalar::Other, Scalar::Uint))
+        Ok(u64::try_from(value).map_or(Scalar::Int(value), Scalar::Uint))
     }
 
     fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
@@ -597,6 +609,12 @@ pub fn stream_usage(body: &Value) -> StreamUsage {
     }
 }
 
+/// The body's `priority` (vLLM's convention: lower first), when it is an
+/// integer.
+pub fn priority(body: &Value) -> Option<i64> {
+    body.get("priority")?.as_i64()
+}
+
 /// A list of integers (or a batch of such lists) counts tokens exactly.
 fn token_ids(value: Option<&Value>) -> Option<u64> {
     let items = value?.as_array()?;
@@ -724,6 +742,12 @@ mod tests {
             r#"{"stream": true, "stream_options": null}"#,
             r#"{"stream": true, "stream_options": [true]}"#,
             r#"{"stream_options": {"continuous_usage_stats": true, "include_usage": true}}"#,
+            r#"{"priority": 3}"#,
+            r#"{"priority": -2}"#,
+            r#"{"priority": "high", "priority": 1}"#,
+            r#"{"priority": 1.5}"#,
+            r#"{"priority": 9223372036854775808}"#,
+            r#"{"priority": null}"#,
         ];
         for raw in bodies {
             let parsed: Value = serde_json::from_str(raw).unwrap();
@@ -733,8 +757,15 @@ mod tests {
             assert_eq!(read.info.streaming, expected.streaming, "{raw}");
             assert_eq!(read.max_output_tokens, max_output_tokens(&parsed), "{raw}");
             assert_eq!(read.stream_usage, stream_usage(&parsed), "{raw}");
+            assert_eq!(read.priority, priority(&parsed), "{raw}");
         }
         let read = |raw: &str| read_request(raw.as_bytes(), &cpt(4.0)).unwrap();
+        assert_eq!(read(bodies[28]).priority, Some(3));
+        assert_eq!(read(bodies[29]).priority, Some(-2));
+        assert_eq!(read(bodies[30]).priority, Some(1));
+        for not_an_integer in &bodies[31..=33] {
+            assert_eq!(read(not_an_integer).priority, None);
+        }
         assert_eq!(read(bodies[0]).stream_usage, StreamUsage::Unset);
         assert_eq!(read(bodies[20]).stream_usage, StreamUsage::Asked);
         for declined in &bodies[21..=26] {

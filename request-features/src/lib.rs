@@ -41,7 +41,7 @@ mod estimate;
 mod prefix_hash;
 
 pub use estimate::{
-    ReadRequest, RequestBodyError, StreamUsage, max_output_tokens, read_request, request_info,
-    stream_usage,
+    ReadRequest, RequestBodyError, StreamUsage, max_output_tokens, priority, read_request,
+    request_info, stream_usage,
 };
 pub use prefix_hash::{MAX_TEXT_BLOCK_BYTES, PrefixHashing, Unhashed, extend_token_id_chain};

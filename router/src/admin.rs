@@ -1,4 +1,5 @@
-//! The admin API under `/admin`: workers, the policy, and explain.
+//! The admin API under `/admin`: workers, the policy, explain, and the
+//! admission queue.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use policy_core::{RequestInfo, TokenCount, WorkerId, error_chain, tokio_now};
 use serde::Deserialize;
 
 use crate::app::App;
-use crate::config::{PolicyConfig, WorkerConfig};
+use crate::config::{AdmissionConfig, PolicyConfig, WorkerConfig};
 use crate::outlier::Standing;
 use crate::proxy::error_response;
 use crate::workers::Worker;
@@ -23,6 +24,7 @@ pub(crate) fn routes(app: Arc<App>) -> Router<Arc<App>> {
         .route("/admin/workers/{id}", axum::routing::delete(remove_worker))
         .route("/admin/policy", get(get_policy).put(put_policy))
         .route("/admin/policy/explain", get(explain).post(explain_request))
+        .route("/admin/admission", get(get_admission).put(put_admission))
         .layer(axum::middleware::from_fn_with_state(app, authorize))
 }
 
@@ -184,6 +186,42 @@ async fn put_policy(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Res
     };
     match app.swap_policy(section).await {
         Ok(()) => get_policy(State(app)).await,
+        Err(error) => error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            error_chain(&error),
+        ),
+    }
+}
+
+/// `GET /admin/admission`: the section in force, and the queue: how many
+/// wait, for how long, the drain rate its predictions use, and each
+/// waiting flow (class, and tenant under `fair_share`).
+async fn get_admission(State(app): State<Arc<App>>) -> Response {
+    let (room, enabled) = app.admission.view();
+    Json(serde_json::json!({
+        "enabled": enabled,
+        "config": app.admission.config(),
+        "queue": room,
+    }))
+    .into_response()
+}
+
+/// `PUT /admin/admission` with a whole `[admission]` section as JSON: a
+/// live swap. Waiting requests move to the new order.
+async fn put_admission(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+    let section: AdmissionConfig = match serde_json::from_slice(&body) {
+        Ok(section) => section,
+        Err(error) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("invalid admission section: {error}"),
+            );
+        }
+    };
+    match app.swap_admission(section) {
+        Ok(()) => get_admission(State(app)).await,
         Err(error) => error_response(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use policy_core::{
-    BackendRegistry, BackendSpec, Policy, PolicyContext, PolicyRegistry, SourceOptions, error_chain,
+    AdmissionRegistry, BackendRegistry, BackendSpec, Policy, PolicyContext, PolicyRegistry,
+    SourceOptions, error_chain,
 };
 
-use crate::config::{PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
+use crate::admission::Gate;
+use crate::config::{AdmissionConfig, PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
 use crate::outlier::Failure;
@@ -36,6 +38,8 @@ pub struct App {
     /// Tells the replica-sync publisher about dispatches (a no-op without
     /// `[sync]`).
     pub(crate) sync_signal: crate::replica_sync::DispatchSignal,
+    /// Where requests wait while the fleet is saturated.
+    pub(crate) admission: Gate,
 }
 
 impl std::fmt::Debug for App {
@@ -54,8 +58,10 @@ impl App {
         config_file: Option<PathBuf>,
         policies: PolicyRegistry,
         backends: BackendRegistry,
+        admissions: AdmissionRegistry,
     ) -> Result<Arc<App>, RouterError> {
         let policy = build_policy(&policies, &config, &config.policy)?;
+        let admission = Gate::new(admissions, &config.admission)?;
         let upstream = upstream_client(config.server.connect_timeout());
         Ok(Arc::new(App {
             topology: Topology::new(policy, config.policy.clone()),
@@ -66,6 +72,7 @@ impl App {
             backends,
             upstream,
             metrics: Metrics::new(),
+            admission,
         }))
     }
 
@@ -153,6 +160,15 @@ impl App {
         let name = policy.name();
         self.topology.swap_policy(policy, section);
         tracing::info!(policy = name, "policy swapped");
+        Ok(())
+    }
+
+    /// Replaces the `[admission]` section; the waiting requests move to the
+    /// new order. On error the old section stays.
+    pub(crate) fn swap_admission(&self, section: AdmissionConfig) -> Result<(), RouterError> {
+        let order = section.order.clone();
+        self.admission.swap(section)?;
+        tracing::info!(order, "admission section swapped");
         Ok(())
     }
 

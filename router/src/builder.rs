@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use policy_core::{BackendRegistry, PolicyRegistry};
+use policy_core::{AdmissionRegistry, BackendRegistry, PolicyRegistry};
 
 use crate::app::{App, complete_policy_sections};
 use crate::config::{Layers, RouterConfig};
@@ -34,6 +34,7 @@ use crate::server;
 pub struct RouterBuilder {
     policies: PolicyRegistry,
     backends: BackendRegistry,
+    admissions: AdmissionRegistry,
 }
 
 impl Default for RouterBuilder {
@@ -44,11 +45,13 @@ impl Default for RouterBuilder {
 
 impl RouterBuilder {
     /// The baseline policies (`round_robin`, `random`, `least_requests`,
-    /// `cache_aware`, `consistent_hash`) and no backend: a router of your own parts.
+    /// `cache_aware`, `consistent_hash`), the admission orders (`fifo`,
+    /// `priority`, `fair_share`) and no backend: a router of your own parts.
     pub fn new() -> RouterBuilder {
         RouterBuilder {
             policies: PolicyRegistry::with_baselines(),
             backends: BackendRegistry::new(),
+            admissions: admission::registry(),
         }
     }
 
@@ -73,6 +76,12 @@ impl RouterBuilder {
         &mut self.backends
     }
 
+    /// The admission-order registry, to register an order of your own
+    /// (`[admission] order`).
+    pub fn admissions(&mut self) -> &mut AdmissionRegistry {
+        &mut self.admissions
+    }
+
     /// Merges the config layers and validates the result against the
     /// registries: policy names and sections, backend names and the load
     /// address each backend declared. Every policy's effective knobs are
@@ -81,6 +90,14 @@ impl RouterBuilder {
         let mut config = RouterConfig::load(layers)?;
         config.validate_workers(&self.backends)?;
         complete_policy_sections(&self.policies, &mut config)?;
+        let order = &config.admission.order;
+        if !self.admissions.names().contains(&order.as_str()) {
+            return Err(ConfigError::Invalid {
+                key: "admission.order".into(),
+                value: format!("{order:?}"),
+                allowed: format!("one of {}", self.admissions.names().join(", ")),
+            });
+        }
         Ok(config)
     }
 
@@ -92,7 +109,13 @@ impl RouterBuilder {
         config: RouterConfig,
         config_file: Option<PathBuf>,
     ) -> Result<Arc<App>, RouterError> {
-        let app = App::new(config, config_file, self.policies, self.backends)?;
+        let app = App::new(
+            config,
+            config_file,
+            self.policies,
+            self.backends,
+            self.admissions,
+        )?;
         server::start(app).await
     }
 

@@ -28,6 +28,7 @@ pub struct RouterConfig {
     pub workers: Vec<WorkerConfig>,
     pub admin: AdminConfig,
     pub sync: SyncConfig,
+    pub admission: AdmissionConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -403,6 +404,120 @@ pub struct AdminConfig {
     /// when not, mutating calls are accepted only from loopback.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
+}
+
+/// Admission at saturation (`docs/admission.md`): while every candidate's
+/// expected wait is above `queue_above_wait_s`, or every worker is at its
+/// cap, requests wait in the router, and the policy chooses a worker for
+/// each as it leaves. On by default, in `priority` order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Off: every request is dispatched on arrival, and answered 503 when
+    /// every worker is at its cap.
+    pub enabled: bool,
+    /// The order waiting requests leave in: `fifo`, `priority` (classes by
+    /// priority value) or `fair_share` (classes, then tenants), or an order
+    /// a custom router registered.
+    pub order: String,
+    /// Requests wait in the router while the least busy candidate's
+    /// expected wait, before the request's own prefill, is above this.
+    /// Only policies with a model of wait (`least_load`, `power_of_two`)
+    /// give one; with the others, requests wait only when every worker is
+    /// capped.
+    pub queue_above_wait_s: f64,
+    /// Requests beyond this many waiting are answered 429 (`queue_full`).
+    pub max_queue_requests: usize,
+    /// The header that names a request's tenant. A request without it
+    /// belongs to the tenant of its API key (`Authorization: Bearer`, kept
+    /// as a hash), or to the unnamed tenant.
+    pub tenant_header: String,
+    /// Named classes of priority values. A request goes to the first class
+    /// (by `priority`) whose `priority` is at least its own, or the last.
+    /// With none, each priority value is a class of its own, and each step
+    /// down (a higher value) takes an eighth of the share.
+    pub classes: Vec<AdmissionClass>,
+    /// Tenants' shares within a class under `fair_share` (others weigh 1).
+    pub tenant_weights: BTreeMap<String, f64>,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> AdmissionConfig {
+        AdmissionConfig {
+            enabled: true,
+            order: admission::DEFAULT_ORDER.into(),
+            queue_above_wait_s: admission::DEFAULT_QUEUE_ABOVE_WAIT_MS as f64 / 1000.0,
+            max_queue_requests: admission::DEFAULT_MAX_QUEUE_REQUESTS,
+            tenant_header: "x-tenant-id".into(),
+            classes: Vec::new(),
+            tenant_weights: BTreeMap::new(),
+        }
+    }
+}
+
+/// One `[[admission.classes]]` entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionClass {
+    pub name: String,
+    /// The highest priority value the class takes (lower values are served
+    /// first).
+    pub priority: i32,
+    /// The class's share when classes compete.
+    #[serde(default = "one")]
+    pub weight: f64,
+    /// The TTFT deadline of the class's requests that name none
+    /// (`x-ttft-deadline-ms`).
+    #[serde(default)]
+    pub ttft_deadline_ms: Option<u64>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+impl AdmissionConfig {
+    /// The room's config, checked.
+    pub(crate) fn room(&self) -> Result<admission::RoomConfig, ConfigError> {
+        let wait = self.queue_above_wait_s;
+        let queue_above_wait = Duration::try_from_secs_f64(wait)
+            .ok()
+            .filter(|_| wait.is_finite() && wait <= 3600.0)
+            .ok_or_else(|| ConfigError::Invalid {
+                key: "admission.queue_above_wait_s".into(),
+                value: wait.to_string(),
+                allowed: "a number of seconds from 0 to 3600".into(),
+            })?;
+        if self.tenant_header.is_empty()
+            || http::HeaderName::from_bytes(self.tenant_header.as_bytes()).is_err()
+        {
+            return Err(ConfigError::Invalid {
+                key: "admission.tenant_header".into(),
+                value: format!("{:?}", self.tenant_header),
+                allowed: "an HTTP header name".into(),
+            });
+        }
+        let room = admission::RoomConfig {
+            queue_above_wait,
+            max_queue_requests: self.max_queue_requests,
+            classes: self
+                .classes
+                .iter()
+                .map(|class| admission::ClassConfig {
+                    name: class.name.clone(),
+                    priority: class.priority,
+                    weight: class.weight,
+                    ttft_deadline: class.ttft_deadline_ms.map(Duration::from_millis),
+                })
+                .collect(),
+            tenant_weights: self.tenant_weights.clone(),
+        };
+        room.validated().map_err(|error| ConfigError::Invalid {
+            key: "admission".into(),
+            value: "this section".into(),
+            allowed: error.to_string(),
+        })
+    }
 }
 
 /// Replica sync: router replicas share their pending token-work per worker
@@ -808,6 +923,7 @@ impl RouterConfig {
                 }
             })?;
         }
+        self.admission.room()?;
         self.validate_sync()
     }
 

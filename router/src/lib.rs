@@ -33,6 +33,7 @@
 //! ```
 
 mod admin;
+mod admission;
 mod app;
 mod builder;
 mod cached_tokens;
@@ -57,7 +58,7 @@ pub use app::App;
 pub use builder::RouterBuilder;
 pub use config::{Layers, RouterConfig, WorkerConfig, parse_worker_flag};
 pub use error::{ConfigError, RouterError};
-pub use policy_core::{BackendRegistry, PolicyRegistry};
+pub use policy_core::{AdmissionRegistry, BackendRegistry, PolicyRegistry};
 pub use server::{serve, termination};
 
 /// A few internals, for this crate's benchmarks (`benches/`) only, behind

@@ -41,6 +41,27 @@ pub(crate) struct ReasonLabel {
     pub(crate) reason: String,
 }
 
+/// An admission class.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ClassLabel {
+    pub(crate) class: String,
+}
+
+/// How a request's wait in the admission queue ended: `dispatched`,
+/// `rejected` or `left` (its client went away).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ClassOutcomeLabels {
+    pub(crate) class: String,
+    pub(crate) outcome: &'static str,
+}
+
+/// Why the admission room turned a request away.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ClassReasonLabels {
+    pub(crate) class: String,
+    pub(crate) reason: &'static str,
+}
+
 /// A replica-sync subject: `pending`, `prefix` or `snapshot`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct SubjectLabel {
@@ -414,6 +435,9 @@ pub struct Metrics {
     pub(crate) dispatched_tokens: Family<WorkerLabel, PerThreadCounter>,
     pub(crate) retries: Counter,
     pub(crate) rejected: Counter,
+    pub(crate) admission_queue_depth: Family<ClassLabel, Gauge>,
+    pub(crate) admission_wait: Family<ClassOutcomeLabels, Histogram, fn() -> Histogram>,
+    pub(crate) admission_rejections: Family<ClassReasonLabels, Counter>,
     pub(crate) poll_duration: HistogramFamily,
     pub(crate) poll_failures: Family<WorkerLabel, Counter>,
     pub(crate) selected_score: ShardedHistogram,
@@ -516,8 +540,29 @@ impl Metrics {
         let rejected = Counter::default();
         registry.register(
             "rejected",
-            "Requests answered 503 because no worker could take them",
+            "Requests answered 503 because no worker could take them (admission off, or a retry found every worker capped)",
             rejected.clone(),
+        );
+        let admission_queue_depth = Family::<ClassLabel, Gauge>::default();
+        registry.register(
+            "admission_queue_depth",
+            "Requests waiting in the admission queue, by class",
+            admission_queue_depth.clone(),
+        );
+        let admission_wait =
+            Family::<ClassOutcomeLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
+        registry.register(
+            "admission_wait_seconds",
+            "Time requests spent in the admission queue, by class and how the wait ended (dispatched, rejected, left)",
+            admission_wait.clone(),
+        );
+        let admission_rejections = Family::<ClassReasonLabels, Counter>::default();
+        registry.register(
+            "admission_rejections",
+            "Requests the admission room answered 429, by class and reason (queue_full, deadline_unmeetable, deadline_passed)",
+            admission_rejections.clone(),
         );
         let poll_duration =
             HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
@@ -753,6 +798,9 @@ impl Metrics {
             dispatched_tokens,
             retries,
             rejected,
+            admission_queue_depth,
+            admission_wait,
+            admission_rejections,
             poll_duration,
             poll_failures,
             selected_score,

@@ -87,7 +87,7 @@ async fn run_spread_rounds<T, F>(
     }
 }
 
-async fn poll_one(app: &App, worker: &Arc<Worker>) {
+async fn poll_one(app: &Arc<App>, worker: &Arc<Worker>) {
     // The policy is taken once, so the poll starts and completes on the same one.
     let policy = app.policy();
     let started = Instant::now();
@@ -113,6 +113,8 @@ async fn poll_one(app: &App, worker: &Arc<Worker>) {
             }
         }
     }
+    // A fresh report may show room for requests waiting in the router.
+    app.admission.release(app);
 }
 
 fn recovered(worker: &Worker, load: Option<load_protocols::WorkerLoad>) {

@@ -28,6 +28,7 @@ use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
 use request_features::{StreamUsage, Unhashed, read_request};
 
+use crate::admission::{Admission, Admitted, admit};
 use crate::app::{App, SilentStream};
 use crate::cached_tokens::CachedTokensScanner;
 use crate::client_body::read_client_body;
@@ -69,7 +70,7 @@ pub(crate) type Answer = http::Response<ProxyBody>;
 
 /// One of the router's own responses (an error, or a page of its own) as
 /// an [`Answer`].
-fn own(response: Response) -> Answer {
+pub(crate) fn own(response: Response) -> Answer {
     response.map(ProxyBody::Boxed)
 }
 
@@ -165,6 +166,16 @@ where
         // The policy scores the request without prefix affinity.
         tracing::debug!(reason = reason.as_str(), "prompt prefix not hashed");
     }
+    let admission = match Admission::read(
+        &parts.headers,
+        read.priority,
+        &app.admission.tenant_header(),
+    ) {
+        Ok(admission) => admission,
+        Err(message) => {
+            return gateway_error(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+        }
+    };
     let info = read.info;
     let head_timeout = server.head_timeout(info.streaming, read.max_output_tokens);
     // Only a prompt with hashed blocks has a prediction to check.
@@ -185,6 +196,7 @@ where
         received_at,
         deadline,
         head_timeout,
+        admission,
     };
     forward(&app, &request).await
 }
@@ -201,6 +213,8 @@ struct ClientRequest {
     deadline: tokio::time::Instant,
     /// How long one attempt may wait for the response head.
     head_timeout: std::time::Duration,
+    /// Its priority, tenant and TTFT deadline, for the admission gate.
+    admission: Admission,
 }
 
 impl ClientRequest {
@@ -231,7 +245,7 @@ enum Attempt {
 }
 
 /// What one selection gave: the worker to try, or why none.
-enum Chosen {
+pub(crate) enum Chosen {
     Worker(RequestTracker),
     /// The policy chose a worker the snapshot does not list (it was just
     /// forgotten): try another.
@@ -244,9 +258,10 @@ enum Chosen {
 /// Chooses a worker among the current candidates not yet `tried`, with one
 /// lock-free snapshot load, and credits it. The candidate slice is the
 /// snapshot's own; only a retry (some worker already tried) filters a copy.
-fn choose(
-    app: &App,
-    request: &ClientRequest,
+pub(crate) fn choose(
+    app: &Arc<App>,
+    info: &RequestInfo,
+    received_at: Instant,
     tried: &[WorkerId],
     now: tokio::time::Instant,
 ) -> Chosen {
@@ -267,19 +282,20 @@ fn choose(
         return Chosen::NoCandidate;
     }
     let now = now.into_std();
-    let Some(dispatch) = snapshot.policy.select(candidates, &request.info, now) else {
+    let Some(dispatch) = snapshot.policy.select(candidates, info, now) else {
         return Chosen::Capped;
     };
     app.sync_signal
-        .dispatched(dispatch.worker, snapshot.policy.as_ref(), &request.info);
+        .dispatched(dispatch.worker, snapshot.policy.as_ref(), info);
     match snapshot.route(dispatch.worker) {
         Some(route) => Chosen::Worker(RequestTracker::new(
+            app,
             route.clone(),
             dispatch,
-            request.received_at,
+            received_at,
             // Only a prompt with hashed blocks can have been predicted a
             // hit, or be placed; for others the engine's report is not read.
-            !request.info.prefix.is_empty(),
+            !info.prefix.is_empty(),
         )),
         None => {
             snapshot.policy.finish(&dispatch, now);
@@ -299,7 +315,27 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         if now >= request.deadline {
             break;
         }
-        let tracker = match choose(app, request, &tried, now) {
+        // The first attempt passes the admission gate; a retry goes
+        // straight to another worker, its wait already served.
+        let chosen = if attempt == 0 {
+            match admit(
+                app,
+                &request.info,
+                request.received_at,
+                &request.admission,
+                request.deadline,
+            )
+            .await
+            {
+                Admitted::Chosen(chosen) => chosen,
+                Admitted::Answer(answer) => return answer,
+            }
+        } else {
+            choose(app, &request.info, request.received_at, &tried, now)
+        };
+        // The wait may have been long: the attempt's clock starts now.
+        let now = tokio::time::Instant::now();
+        let tracker = match chosen {
             Chosen::Worker(tracker) => tracker,
             Chosen::Gone(id) => {
                 tried.push(id);
@@ -346,14 +382,7 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         }
     }
     if tokio::time::Instant::now() >= request.deadline {
-        return gateway_error(
-            StatusCode::GATEWAY_TIMEOUT,
-            "timeout",
-            format!(
-                "no worker answered within the request deadline (server.request_deadline_ms = {})",
-                app.config.server.request_deadline_ms
-            ),
-        );
+        return deadline_passed(app);
     }
     if let Some(answer) = last_answer {
         return answer;
@@ -363,6 +392,18 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         return unavailable("no worker is in rotation");
     }
     gateway_error(StatusCode::BAD_GATEWAY, "upstream_error", last_reason)
+}
+
+/// The answer to a request whose deadline passed before any worker answered.
+pub(crate) fn deadline_passed(app: &App) -> Answer {
+    gateway_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "timeout",
+        format!(
+            "no worker answered within the request deadline (server.request_deadline_ms = {})",
+            app.config.server.request_deadline_ms
+        ),
+    )
 }
 
 /// Sends the request to the tracker's worker and waits for its first byte:
@@ -695,8 +736,10 @@ async fn worker_error(
 }
 
 /// Holds a request's dispatch and in-flight count until its response ends,
-/// then finishes the dispatch against the policy that credited it.
-struct RequestTracker {
+/// then finishes the dispatch against the policy that credited it. Its
+/// first token and its end let waiting requests through the admission gate.
+pub(crate) struct RequestTracker {
+    app: Arc<App>,
     route: Arc<Route>,
     dispatch: Dispatch,
     first_token_seen: bool,
@@ -708,6 +751,7 @@ struct RequestTracker {
 
 impl RequestTracker {
     fn new(
+        app: &Arc<App>,
         route: Arc<Route>,
         dispatch: Dispatch,
         received_at: Instant,
@@ -715,6 +759,7 @@ impl RequestTracker {
     ) -> RequestTracker {
         route.worker.request_started();
         RequestTracker {
+            app: app.clone(),
             route,
             dispatch,
             first_token_seen: false,
@@ -780,6 +825,7 @@ impl RequestTracker {
                 .metrics
                 .time_to_first_token
                 .observe(since(self.received_at, now));
+            self.app.admission.release(&self.app);
         }
     }
 }
@@ -794,6 +840,7 @@ impl Drop for RequestTracker {
             .request_duration
             .observe(since(self.received_at, now));
         self.route.policy.finish(&self.dispatch, now);
+        self.app.admission.release(&self.app);
     }
 }
 

@@ -86,6 +86,7 @@ pub(crate) async fn start(app: Arc<App>) -> Result<Arc<App>, RouterError> {
     tokio::spawn(run_load_monitor(app.clone()));
     tokio::spawn(run_health_checker(app.clone()));
     tokio::spawn(run_outlier_prober(app.clone()));
+    tokio::spawn(crate::admission::run_ticker(app.clone()));
     crate::replica_sync::start(app.clone()).await;
     Ok(app)
 }
@@ -324,8 +325,9 @@ async fn serve_handler(
     Ok(())
 }
 
-/// Re-reads the config file's `[policy]` section on SIGHUP and swaps the
-/// policy; an invalid section is logged and the old policy kept.
+/// Re-reads the config file's `[policy]` and `[admission]` sections on
+/// SIGHUP and swaps them in; an invalid section is logged and the old one
+/// kept.
 #[cfg(unix)]
 pub(crate) async fn reload_on_sighup(app: Arc<App>) {
     use tokio::signal::unix::{SignalKind, signal};
@@ -349,12 +351,18 @@ pub(crate) async fn reload_policy_from_file(app: &Arc<App>) {
         file: Some(&path),
         ..crate::config::Layers::default()
     });
-    let result = match reloaded {
-        Ok(config) => app.swap_policy(config.policy).await,
-        Err(error) => Err(error.into()),
+    let config = match reloaded {
+        Ok(config) => config,
+        Err(error) => {
+            tracing::error!(error = %error_chain(&error), "config reload rejected; keeping the current policy and admission");
+            return;
+        }
     };
-    if let Err(error) = result {
+    if let Err(error) = app.swap_policy(config.policy).await {
         tracing::error!(error = %error_chain(&error), "policy reload rejected; keeping the current policy");
+    }
+    if let Err(error) = app.swap_admission(config.admission) {
+        tracing::error!(error = %error_chain(&error), "admission reload rejected; keeping the current section");
     }
 }
 

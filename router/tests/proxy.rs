@@ -169,12 +169,13 @@ async fn a_client_disconnect_releases_pending_and_in_flight_work() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_cap_answers_503_with_retry_after() {
+async fn with_admission_off_the_cap_answers_503_with_retry_after() {
     let upstream = Upstream::start().await;
     upstream.switches.hold.store(true, Ordering::SeqCst);
     let router = start_router(fast_config(
         vec![worker("sglang", &upstream.url)],
-        "[policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
+        "[policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n\
+         [admission]\nenabled = false\n",
     ))
     .await;
     wait_until("the worker is healthy", || async {

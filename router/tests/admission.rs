@@ -1,0 +1,429 @@
+//! The admission gate through the router's public port: requests wait
+//! while every worker is capped, leave in the room's order, and are turned
+//! away with 429 and `Retry-After` when the queue is full or their TTFT
+//! deadline cannot be met.
+
+// Test helpers outside #[test] functions fail loudly on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::upstream::Upstream;
+use common::{TestRouter, fast_config, metric_sum, start_router, wait_until, worker};
+use serde_json::{Value, json};
+
+/// One worker that takes one request at a time (`max_waiting_requests = 1`
+/// counts the router's pending request), holding each until released.
+async fn capped_router(admission_toml: &str) -> (Upstream, TestRouter) {
+    let upstream = Upstream::start().await;
+    upstream.switches.hold.store(true, Ordering::SeqCst);
+    let router = start_router(fast_config(
+        vec![worker("sglang", &upstream.url)],
+        &format!(
+            "[policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n{admission_toml}"
+        ),
+    ))
+    .await;
+    wait_until("the worker is healthy", || async {
+        router.healthy_count().await == 1
+    })
+    .await;
+    (upstream, router)
+}
+
+/// Sends a chat request with `headers` in the background; its status and
+/// body when it ends.
+fn send(
+    router: &TestRouter,
+    text: &str,
+    body_priority: Option<i64>,
+    headers: &[(&'static str, String)],
+) -> tokio::task::JoinHandle<(u16, Option<String>, Value)> {
+    let mut body = json!({"model": "test-model", "messages": [{"role": "user", "content": text}]});
+    if let Some(priority) = body_priority {
+        body["priority"] = json!(priority);
+    }
+    let mut request = router
+        .client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(&body);
+    for (name, value) in headers {
+        request = request.header(*name, value);
+    }
+    tokio::spawn(async move {
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .map(|value| value.to_str().unwrap().to_owned());
+        let body = response.json().await.unwrap_or(Value::Null);
+        (status, retry_after, body)
+    })
+}
+
+async fn admission_json(router: &TestRouter) -> Value {
+    router
+        .client
+        .get(format!("{}/admin/admission", router.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn queued(router: &TestRouter) -> u64 {
+    admission_json(router).await["queue"]["queued_requests"]
+        .as_u64()
+        .unwrap()
+}
+
+/// The prompts the engine received, in order.
+fn prompts(upstream: &Upstream) -> Vec<String> {
+    upstream
+        .switches
+        .bodies
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|body| {
+            let body: Value = serde_json::from_slice(body).unwrap();
+            body["messages"][0]["content"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// Lets the held requests go as they come, until `count` have reached the
+/// engine; the releasing goes on (for the last ones) until the returned
+/// guard is dropped.
+async fn serve_until(upstream: &Upstream, count: usize) -> Releasing {
+    let switches = upstream.switches.clone();
+    let releasing = Releasing(tokio::spawn(async move {
+        loop {
+            switches.release.notify_waiters();
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }));
+    wait_until("the queue drains to the engine", || async {
+        prompts(upstream).len() >= count
+    })
+    .await;
+    releasing
+}
+
+/// Stops releasing held requests when dropped.
+struct Releasing(tokio::task::JoinHandle<()>);
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capped_requests_wait_and_leave_lower_priority_value_first() {
+    let (upstream, router) = capped_router("").await;
+    let first = send(&router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let batch = send(&router, "batch", Some(5), &[]);
+    wait_until("the batch request waits", || async {
+        queued(&router).await == 1
+    })
+    .await;
+    // The header outranks the body's priority.
+    let urgent = send(
+        &router,
+        "urgent",
+        Some(9),
+        &[("x-request-priority", "0".into())],
+    );
+    wait_until("both wait", || async { queued(&router).await == 2 }).await;
+    let view = admission_json(&router).await;
+    assert_eq!(view["queue"]["order"], "priority");
+    assert_eq!(
+        view["queue"]["flows"].as_array().unwrap().len(),
+        2,
+        "{view}"
+    );
+    assert_eq!(
+        metric_sum(&router, "router_admission_queue_depth").await,
+        2.0
+    );
+
+    let _releasing = serve_until(&upstream, 3).await;
+    for task in [first, batch, urgent] {
+        assert_eq!(task.await.unwrap().0, 200);
+    }
+    assert_eq!(prompts(&upstream), ["first", "urgent", "batch"]);
+    assert_eq!(queued(&router).await, 0);
+    assert_eq!(
+        metric_sum(&router, "router_admission_queue_depth").await,
+        0.0
+    );
+    let dispatched = metric_sum(
+        &router,
+        "router_admission_wait_seconds_count{class=\"0\",outcome=\"dispatched\"}",
+    )
+    .await;
+    assert!(dispatched >= 1.0, "{dispatched}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_share_serves_a_light_tenant_ahead_of_a_heavy_one_s_backlog() {
+    let (upstream, router) =
+        capped_router("[admission]\norder = \"fair_share\"\ntenant_header = \"x-team\"\n").await;
+    let first = send(&router, "first", None, &[("x-team", "heavy".into())]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let mut tasks = vec![first];
+    for index in 0..3 {
+        tasks.push(send(
+            &router,
+            &format!("heavy-{index}"),
+            None,
+            &[("x-team", "heavy".into())],
+        ));
+        let expected = index + 1;
+        wait_until("the heavy backlog waits", || async {
+            queued(&router).await == expected
+        })
+        .await;
+    }
+    // A tenant by API key: its requests share as one tenant.
+    tasks.push(send(
+        &router,
+        "light",
+        None,
+        &[("authorization", "Bearer light-key".into())],
+    ));
+    wait_until("four wait", || async { queued(&router).await == 4 }).await;
+    let tenants: Vec<String> = admission_json(&router).await["queue"]["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|flow| flow["tenant"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(tenants.contains(&"heavy".to_owned()), "{tenants:?}");
+    assert!(
+        tenants
+            .iter()
+            .any(|t| t.starts_with("key-") && !t.contains("light")),
+        "an API key's tenant is a hash of it: {tenants:?}"
+    );
+
+    let _releasing = serve_until(&upstream, 5).await;
+    for task in tasks {
+        assert_eq!(task.await.unwrap().0, 200);
+    }
+    let order = prompts(&upstream);
+    let light = order.iter().position(|p| p == "light").unwrap();
+    assert!(
+        light <= 2,
+        "the light tenant waited behind the backlog: {order:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_with_retry_after() {
+    let (upstream, router) = capped_router("[admission]\nmax_queue_requests = 1\n").await;
+    let first = send(&router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let waiting = send(&router, "waiting", None, &[]);
+    wait_until("one waits", || async { queued(&router).await == 1 }).await;
+
+    let (status, retry_after, body) = send(&router, "turned away", None, &[]).await.unwrap();
+    assert_eq!(status, 429);
+    assert!(retry_after.is_some_and(|s| s.parse::<u64>().unwrap() >= 1));
+    assert_eq!(body["error"]["code"], "queue_full", "{body}");
+    assert_eq!(
+        metric_sum(&router, "router_admission_rejections_total").await,
+        1.0
+    );
+
+    let _releasing = serve_until(&upstream, 2).await;
+    assert_eq!(first.await.unwrap().0, 200);
+    assert_eq!(waiting.await.unwrap().0, 200);
+    assert_eq!(prompts(&upstream), ["first", "waiting"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_whose_deadline_cannot_be_met_is_answered_429() {
+    let (upstream, router) = capped_router("").await;
+    let first = send(&router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    // The worker stays held: the request cannot start before its deadline.
+    let (status, retry_after, body) = send(
+        &router,
+        "hurried",
+        None,
+        &[("x-ttft-deadline-ms", "300".into())],
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 429, "{body}");
+    assert!(retry_after.is_some());
+    let code = body["error"]["code"].as_str().unwrap();
+    assert!(
+        code == "deadline_unmeetable" || code == "deadline_passed",
+        "{body}"
+    );
+    assert_eq!(upstream.requests(), 1, "it never reached the engine");
+    assert_eq!(queued(&router).await, 0);
+
+    let _releasing = serve_until(&upstream, 1).await;
+    assert_eq!(first.await.unwrap().0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_is_taken_out_of_the_queue_at_once() {
+    let (upstream, router) = capped_router("").await;
+    let first = send(&router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let gone = send(&router, "gone", None, &[]);
+    wait_until("it waits", || async { queued(&router).await == 1 }).await;
+    gone.abort();
+    wait_until("its wait is over", || async { queued(&router).await == 0 }).await;
+    let left = metric_sum(
+        &router,
+        "router_admission_wait_seconds_count{class=\"0\",outcome=\"left\"}",
+    )
+    .await;
+    assert_eq!(left, 1.0);
+
+    let after = send(&router, "after", None, &[]);
+    let _releasing = serve_until(&upstream, 2).await;
+    assert_eq!(first.await.unwrap().0, 200);
+    assert_eq!(after.await.unwrap().0, 200);
+    assert_eq!(
+        prompts(&upstream),
+        ["first", "after"],
+        "the one that left never went"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_admission_headers_are_the_client_s_error() {
+    let (upstream, router) = capped_router("").await;
+    upstream.switches.hold.store(false, Ordering::SeqCst);
+    for (name, value) in [
+        ("x-request-priority", "high"),
+        ("x-request-priority", "1.5"),
+        ("x-ttft-deadline-ms", "0"),
+        ("x-ttft-deadline-ms", "-5"),
+        ("x-ttft-deadline-ms", "soon"),
+    ] {
+        let (status, _, body) = send(&router, "bad", None, &[(name, value.into())])
+            .await
+            .unwrap();
+        assert_eq!(status, 400, "{name}: {value}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(name),
+            "{body}"
+        );
+    }
+    assert_eq!(upstream.requests(), 0);
+    // A body priority that is not an integer is the engine's to judge.
+    let (status, _, _) = send(&router, "fine", None, &[]).await.unwrap();
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admission_section_swaps_live_and_refuses_an_invalid_one() {
+    let (upstream, router) = capped_router("").await;
+    let first = send(&router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let waiting = send(&router, "waiting", None, &[]);
+    wait_until("one waits", || async { queued(&router).await == 1 }).await;
+
+    let put = |section: Value| {
+        router
+            .client
+            .put(format!("{}/admin/admission", router.base))
+            .json(&section)
+            .send()
+    };
+    let swapped = put(json!({"order": "fair_share", "queue_above_wait_s": 0.5}))
+        .await
+        .unwrap();
+    assert_eq!(swapped.status(), 200);
+    let view: Value = swapped.json().await.unwrap();
+    assert_eq!(view["queue"]["order"], "fair_share");
+    assert_eq!(
+        view["queue"]["queued_requests"], 1,
+        "the waiting request moved over"
+    );
+    assert_eq!(view["config"]["queue_above_wait_s"], 0.5);
+
+    for invalid in [
+        json!({"order": "lifo"}),
+        json!({"queue_above_wait_s": -1.0}),
+        json!({"max_queue_requests": 0}),
+        json!({"classes": [{"name": "a", "priority": 0, "weight": 0.0}]}),
+        json!({"tenant_header": "bad header"}),
+        json!({"unknown_key": 1}),
+    ] {
+        let refused = put(invalid.clone()).await.unwrap();
+        assert_eq!(refused.status(), 400, "{invalid}");
+    }
+    assert_eq!(
+        admission_json(&router).await["queue"]["order"],
+        "fair_share"
+    );
+
+    let _releasing = serve_until(&upstream, 2).await;
+    assert_eq!(first.await.unwrap().0, 200);
+    assert_eq!(waiting.await.unwrap().0, 200);
+}
+
+#[test]
+fn an_invalid_admission_config_is_refused_at_load() {
+    for (toml, key) in [
+        ("[admission]\norder = \"lifo\"\n", "admission.order"),
+        (
+            "[admission]\nqueue_above_wait_s = nan\n",
+            "admission.queue_above_wait_s",
+        ),
+        (
+            "[admission]\n[[admission.classes]]\nname = \"a\"\npriority = 0\n[[admission.classes]]\nname = \"b\"\npriority = 0\n",
+            "admission",
+        ),
+        (
+            "[admission]\ntenant_header = \"\"\n",
+            "admission.tenant_header",
+        ),
+    ] {
+        let path = std::env::temp_dir().join(format!(
+            "router-admission-{}-{key}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&path, toml).unwrap();
+        let loaded = router::RouterBuilder::with_builtins().load_config(router::Layers {
+            file: Some(&path),
+            ..router::Layers::default()
+        });
+        let _ = std::fs::remove_file(&path);
+        let error = loaded.expect_err(toml).to_string();
+        assert!(error.contains(key), "{toml}: {error}");
+    }
+}
