@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use parking_lot::Mutex;
-use policy_core::{AdmissionRegistry, ExpectedWait, RequestInfo, TokenCount, tokio_now};
+use policy_core::{AdmissionRegistry, RequestInfo, TokenCount, tokio_now};
 use tokio::sync::{Notify, oneshot};
 
 use crate::app::App;
@@ -213,6 +213,10 @@ impl Gate {
         self.state.lock().config.clone()
     }
 
+    fn max_queue_requests(&self) -> usize {
+        self.state.lock().room.config().max_queue_requests
+    }
+
     /// The room, and each waiting request's class and wait so far.
     pub(crate) fn view(&self) -> (RoomView, bool) {
         let state = self.state.lock();
@@ -326,6 +330,16 @@ impl Gate {
     fn dispatched(&self, work_tokens: u64) {
         self.state.lock().room.dispatched(work_tokens, tokio_now());
     }
+
+    /// An answer of this class and tenant ended with `output_tokens`
+    /// generated, as its engine reported: orders that share by token work
+    /// count them.
+    pub(crate) fn finished(&self, class: &str, tenant: &str, output_tokens: u64) {
+        self.state
+            .lock()
+            .room
+            .finished(class, tenant, output_tokens);
+    }
 }
 
 /// Moves the class's queue-depth gauge by `delta`.
@@ -412,98 +426,81 @@ pub(crate) async fn admit(
     };
     let (sender, receiver) = oneshot::channel();
     let mut sender = Some(sender);
-    let decision = gate.state.lock().room.arrive(&arrival, expected, now_std);
+    // The decision and the waiter's registration are one critical section,
+    // so no release can pop a ticket whose task it cannot reach.
+    let (decision, class) = {
+        let mut state = gate.state.lock();
+        let class = state.room.classify(&arrival).class;
+        let decision = state.room.arrive(&arrival, expected, now_std);
+        if let Decision::Queued(ticket) = decision {
+            let waiter = (info, received_at, &class);
+            register(gate, app, &mut state, ticket, waiter, &mut sender);
+        }
+        (decision, class)
+    };
     let decision = match decision {
         Decision::DispatchNow => match choose(app, info, received_at, &[], now) {
-            Chosen::Capped => queue(
-                gate,
-                app,
-                &arrival,
-                info,
-                received_at,
-                expected,
-                &mut sender,
-            ),
+            Chosen::Capped => {
+                let mut state = gate.state.lock();
+                let decision = state.room.enqueue(&arrival, expected, tokio_now());
+                if let Decision::Queued(ticket) = decision {
+                    let waiter = (info, received_at, &class);
+                    register(gate, app, &mut state, ticket, waiter, &mut sender);
+                }
+                decision
+            }
             chosen => {
                 if matches!(chosen, Chosen::Worker(_)) {
                     gate.dispatched(arrival.work_tokens);
                 }
-                return Admitted::Chosen(chosen);
+                return Admitted::Chosen(charged(chosen, &class, &arrival.tenant));
             }
         },
-        Decision::Queued(ticket) => {
-            let mut state = gate.state.lock();
-            register(
-                gate,
-                app,
-                &mut state,
-                ticket,
-                info,
-                received_at,
-                &arrival,
-                &mut sender,
-            );
-            Decision::Queued(ticket)
-        }
-        rejected @ Decision::Rejected(_) => rejected,
+        other => other,
     };
     match decision {
         Decision::Queued(ticket) => {
-            let class = gate.state.lock().room.classify(&arrival).class;
-            wait(app, ticket, class, receiver, deadline).await
+            match wait(app, ticket, class.clone(), receiver, deadline).await {
+                Admitted::Chosen(chosen) => {
+                    Admitted::Chosen(charged(chosen, &class, &arrival.tenant))
+                }
+                answer => answer,
+            }
         }
         Decision::Rejected(rejection) => {
-            let class = gate.state.lock().room.classify(&arrival).class;
             count_rejection(&app.metrics, &class, rejection.reason);
-            Admitted::Answer(rejected(&rejection, &gate.config()))
+            Admitted::Answer(rejected(&rejection, gate.max_queue_requests()))
         }
         Decision::DispatchNow => Admitted::Chosen(Chosen::Capped),
     }
 }
 
-/// Queues a request the policy found no uncapped worker for.
-fn queue(
-    gate: &Gate,
-    app: &Arc<App>,
-    arrival: &Arrival,
-    info: &RequestInfo,
-    received_at: Instant,
-    expected: Option<ExpectedWait>,
-    sender: &mut Option<oneshot::Sender<Turn>>,
-) -> Decision {
-    let mut state = gate.state.lock();
-    let decision = state.room.enqueue(arrival, expected, tokio_now());
-    if let Decision::Queued(ticket) = decision {
-        register(
-            gate,
-            app,
-            &mut state,
-            ticket,
-            info,
-            received_at,
-            arrival,
-            sender,
-        );
+/// `chosen` with its answer's output charged to the request's class and
+/// tenant.
+fn charged(chosen: Chosen, class: &Arc<str>, tenant: &Arc<str>) -> Chosen {
+    match chosen {
+        Chosen::Worker(mut tracker) => {
+            tracker.charge_output_to(class.clone(), tenant.clone());
+            Chosen::Worker(tracker)
+        }
+        other => other,
     }
-    decision
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Registers a queued request's task (its body's facts, when it arrived,
+/// its class) to be sent its turn.
 fn register(
     gate: &Gate,
     app: &App,
     state: &mut State,
     ticket: u64,
-    info: &RequestInfo,
-    received_at: Instant,
-    arrival: &Arrival,
+    (info, received_at, class): (&RequestInfo, Instant, &Arc<str>),
     sender: &mut Option<oneshot::Sender<Turn>>,
 ) {
     let Some(sender) = sender.take() else {
         return;
     };
-    let class = state.room.classify(arrival).class;
-    queue_depth(&app.metrics, &class, 1);
+    queue_depth(&app.metrics, class, 1);
     state.waiters.insert(
         ticket,
         Waiter {
@@ -569,7 +566,7 @@ async fn wait(
         }
         Ok(Ok(Turn::Rejected(rejection))) => {
             waiting.over = true;
-            Admitted::Answer(rejected(&rejection, &app.admission.config()))
+            Admitted::Answer(rejected(&rejection, app.admission.max_queue_requests()))
         }
         // The gate dropped the waiter without a turn: not reachable, as
         // every removal sends one; answered as a lack of capacity.
@@ -582,12 +579,12 @@ async fn wait(
 }
 
 /// The 429 the room's rejection is answered with.
-fn rejected(rejection: &Rejection, config: &AdmissionConfig) -> Answer {
+fn rejected(rejection: &Rejection, max_queue_requests: usize) -> Answer {
     let predicted = rejection.predicted_wait.map(|wait| wait.as_secs_f64());
     let message = match rejection.reason {
         RejectReason::QueueFull => format!(
             "the router's admission queue is full (admission.max_queue_requests = {}); retry after {} s",
-            config.max_queue_requests, rejection.retry_after_s
+            max_queue_requests, rejection.retry_after_s
         ),
         RejectReason::DeadlineUnmeetable => format!(
             "the predicted time to first token ({:.2} s) is past the request's TTFT deadline; retry after {} s",

@@ -1,10 +1,12 @@
-//! Reads the prefix-cache hit an engine reports in its response, as the
-//! bytes pass through the proxy: OpenAI's
+//! Reads a count an engine reports in its response, as the bytes pass
+//! through the proxy: the prefix-cache hit, OpenAI's
 //! `usage.prompt_tokens_details.cached_tokens` (a whole answer, or a
 //! stream's closing usage chunk) and SGLang `/generate`'s
-//! `meta_info.cached_tokens` (every chunk; the last one's is the total).
+//! `meta_info.cached_tokens` (every chunk; the last one's is the total);
+//! and the tokens generated, `usage.completion_tokens` and
+//! `meta_info.completion_tokens` in the same places.
 //!
-//! The scanner looks for the key `"cached_tokens"` followed by optional
+//! A scanner looks for its key (`"cached_tokens"`) followed by optional
 //! whitespace, `:`, optional whitespace and a non-negative integer, in any
 //! number of pieces split anywhere: the key and the number may straddle
 //! piece boundaries. The last value seen wins. It does not parse JSON: the
@@ -21,15 +23,45 @@ use std::sync::LazyLock;
 
 use memchr::memmem::Finder;
 
-/// The key, with its quotes.
-const KEY: &[u8] = b"\"cached_tokens\"";
-const KEY_LEN: usize = KEY.len();
-/// Bytes of a key that can be left at the end of a piece without a match.
-const CARRY: usize = KEY_LEN - 1;
+/// The key a scanner looks for.
+pub(crate) trait CountKey {
+    /// The key, with its quotes; at most [`MAX_KEY_LEN`] bytes.
+    const KEY: &'static [u8];
+    fn finder() -> &'static Finder<'static>;
+}
+
+/// `"cached_tokens"`: the prompt tokens the engine's prefix cache served.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CachedTokens;
+
+/// `"completion_tokens"`: the tokens the engine generated.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CompletionTokens;
+
+static CACHED_TOKENS: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(CachedTokens::KEY));
+static COMPLETION_TOKENS: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(CompletionTokens::KEY));
+
+impl CountKey for CachedTokens {
+    const KEY: &'static [u8] = b"\"cached_tokens\"";
+    fn finder() -> &'static Finder<'static> {
+        &CACHED_TOKENS
+    }
+}
+
+impl CountKey for CompletionTokens {
+    const KEY: &'static [u8] = b"\"completion_tokens\"";
+    fn finder() -> &'static Finder<'static> {
+        &COMPLETION_TOKENS
+    }
+}
+
+const MAX_KEY_LEN: usize = 24;
+/// Bytes of the longest key that can be left at the end of a piece without
+/// a match.
+const MAX_CARRY: usize = MAX_KEY_LEN - 1;
 /// Digits of the largest `u64`.
 const MAX_DIGITS: u8 = 20;
-
-static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
 
 /// Where the scanner is in the text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,11 +77,12 @@ enum State {
     Digits,
 }
 
-/// The incremental scanner (see the module docs).
+/// The incremental scanner of one key (see the module docs).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct CachedTokensScanner {
+pub(crate) struct CountScanner<K> {
+    key: std::marker::PhantomData<K>,
     state: State,
-    carry: [u8; CARRY],
+    carry: [u8; MAX_CARRY],
     carry_len: u8,
     value: u64,
     digits: u8,
@@ -58,11 +91,18 @@ pub(crate) struct CachedTokensScanner {
     last: Option<u64>,
 }
 
-impl Default for CachedTokensScanner {
-    fn default() -> CachedTokensScanner {
-        CachedTokensScanner {
+/// Reads `cached_tokens`.
+pub(crate) type CachedTokensScanner = CountScanner<CachedTokens>;
+/// Reads `completion_tokens`.
+pub(crate) type CompletionTokensScanner = CountScanner<CompletionTokens>;
+
+impl<K: CountKey> Default for CountScanner<K> {
+    fn default() -> CountScanner<K> {
+        const { assert!(K::KEY.len() <= MAX_KEY_LEN) };
+        CountScanner {
+            key: std::marker::PhantomData,
             state: State::Key,
-            carry: [0; CARRY],
+            carry: [0; MAX_CARRY],
             carry_len: 0,
             value: 0,
             digits: 0,
@@ -72,7 +112,11 @@ impl Default for CachedTokensScanner {
     }
 }
 
-impl CachedTokensScanner {
+impl<K: CountKey> CountScanner<K> {
+    /// Bytes of this key that can be left at the end of a piece without a
+    /// match.
+    const CARRY: usize = K::KEY.len() - 1;
+
     /// The last value seen so far, including a number the text ends in.
     pub(crate) fn value(&self) -> Option<u64> {
         if self.state == State::Digits && !self.overflow && self.digits > 0 {
@@ -148,32 +192,35 @@ impl CachedTokensScanner {
     /// key was found, its tail then carried).
     fn find_key(&mut self, piece: &[u8], at: usize) -> usize {
         let rest = &piece[at..];
+        let carry = Self::CARRY;
+        let key_len = K::KEY.len();
+        let finder = K::finder();
         let carried = usize::from(self.carry_len);
         // A key that starts in the carried bytes ends within the first
         // CARRY bytes of this piece.
-        let mut joined = [0u8; 2 * CARRY];
-        let head = rest.len().min(CARRY);
+        let mut joined = [0u8; 2 * MAX_CARRY];
+        let head = rest.len().min(carry);
         joined[..carried].copy_from_slice(&self.carry[..carried]);
         joined[carried..carried + head].copy_from_slice(&rest[..head]);
         let joined = &joined[..carried + head];
         if carried > 0
-            && let Some(start) = FINDER.find(joined)
+            && let Some(start) = finder.find(joined)
         {
             self.carry_len = 0;
             self.state = State::Colon;
-            return at + start + KEY_LEN - carried;
+            return at + start + key_len - carried;
         }
-        if let Some(start) = FINDER.find(rest) {
+        if let Some(start) = finder.find(rest) {
             self.carry_len = 0;
             self.state = State::Colon;
-            return at + start + KEY_LEN;
+            return at + start + key_len;
         }
         // Keep the last CARRY bytes read: of this piece, or of the carried
         // bytes and this short piece.
-        let tail = if rest.len() >= CARRY {
-            &rest[rest.len() - CARRY..]
+        let tail = if rest.len() >= carry {
+            &rest[rest.len() - carry..]
         } else {
-            &joined[joined.len().saturating_sub(CARRY)..]
+            &joined[joined.len().saturating_sub(carry)..]
         };
         self.carry[..tail.len()].copy_from_slice(tail);
         self.carry_len = tail.len() as u8;
@@ -265,6 +312,21 @@ mod tests {
         );
         // A text that ends in the number.
         assert_eq!(whole(r#""cached_tokens":42"#), Some(42));
+    }
+
+    #[test]
+    fn the_completion_scanner_reads_its_own_key_split_anywhere() {
+        let text = br#"{"usage":{"prompt_tokens":900,"completion_tokens":57,"prompt_tokens_details":{"cached_tokens":768}}}"#;
+        for cut in 0..text.len() {
+            let mut completion = CompletionTokensScanner::default();
+            let mut cached = CachedTokensScanner::default();
+            for piece in [&text[..cut], &text[cut..]] {
+                completion.feed(piece);
+                cached.feed(piece);
+            }
+            assert_eq!(completion.value(), Some(57), "cut at {cut}");
+            assert_eq!(cached.value(), Some(768), "cut at {cut}");
+        }
     }
 
     #[test]

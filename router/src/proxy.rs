@@ -30,7 +30,7 @@ use request_features::{StreamUsage, Unhashed, read_request};
 
 use crate::admission::{Admission, Admitted, admit};
 use crate::app::{App, SilentStream};
-use crate::cached_tokens::CachedTokensScanner;
+use crate::cached_tokens::{CachedTokensScanner, CompletionTokensScanner};
 use crate::client_body::read_client_body;
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
@@ -747,6 +747,16 @@ pub(crate) struct RequestTracker {
     /// Reads the engine's `cached_tokens` report from the response, when
     /// the prompt had hashed blocks.
     cache_scan: Option<CachedTokensScanner>,
+    /// The class and tenant the admission room charges the answer's
+    /// generated tokens to, and the scanner that reads their count (boxed:
+    /// a router with admission off carries only the pointer).
+    output_charge: Option<Box<OutputCharge>>,
+}
+
+struct OutputCharge {
+    class: Arc<str>,
+    tenant: Arc<str>,
+    scan: CompletionTokensScanner,
 }
 
 impl RequestTracker {
@@ -765,7 +775,18 @@ impl RequestTracker {
             first_token_seen: false,
             received_at,
             cache_scan: read_cache_report.then(CachedTokensScanner::default),
+            output_charge: None,
         }
+    }
+
+    /// Charges the answer's generated tokens (as the engine reports them)
+    /// to this class and tenant when it ends.
+    pub(crate) fn charge_output_to(&mut self, class: Arc<str>, tenant: Arc<str>) {
+        self.output_charge = Some(Box::new(OutputCharge {
+            class,
+            tenant,
+            scan: CompletionTokensScanner::default(),
+        }));
     }
 
     fn worker(&self) -> &Arc<Worker> {
@@ -777,6 +798,9 @@ impl RequestTracker {
     fn scan(&mut self, bytes: &[u8]) {
         if let Some(scan) = self.cache_scan.as_mut() {
             scan.feed(bytes);
+        }
+        if let Some(charge) = self.output_charge.as_mut() {
+            charge.scan.feed(bytes);
         }
     }
 
@@ -840,6 +864,13 @@ impl Drop for RequestTracker {
             .request_duration
             .observe(since(self.received_at, now));
         self.route.policy.finish(&self.dispatch, now);
+        if let Some(charge) = self.output_charge.take()
+            && let Some(tokens) = charge.scan.value()
+        {
+            self.app
+                .admission
+                .finished(&charge.class, &charge.tenant, tokens);
+        }
         self.app.admission.release(&self.app);
     }
 }
