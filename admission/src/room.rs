@@ -196,6 +196,55 @@ pub struct Shed {
     pub rejection: Rejection,
 }
 
+/// What the room would decide for a request, and why
+/// ([`AdmissionRoom::explain`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Explanation {
+    /// `dispatch_now`, `queue`, or the reason it would be turned away
+    /// ([`RejectReason::as_str`]).
+    pub decision: &'static str,
+    pub class: String,
+    pub priority: i32,
+    pub class_weight: f64,
+    pub tenant: String,
+    pub tenant_weight: f64,
+    pub ttft_deadline_s: Option<f64>,
+    /// The policy's expected wait at the least busy worker, and the
+    /// request's own prefill (`None`: the policy has no model of wait).
+    pub expected_queue_s: Option<f64>,
+    pub expected_prefill_s: Option<f64>,
+    /// Queued work dispatched before it, were it queued now.
+    pub work_ahead_tokens: u64,
+    pub drain_tokens_per_s: Option<f64>,
+    pub predicted_ttft_s: Option<f64>,
+}
+
+enum Verdict {
+    DispatchNow,
+    Queue,
+    Reject(Rejection),
+}
+
+struct Judged {
+    verdict: Verdict,
+    ahead: u64,
+    predicted: Option<Duration>,
+}
+
+/// `classified`'s request as the order sees it.
+fn waiting(ticket: u64, classified: &Classified, work_tokens: u64, now: Instant) -> Waiting {
+    Waiting {
+        ticket,
+        class: classified.class.clone(),
+        priority: classified.priority,
+        class_weight: classified.class_weight,
+        tenant: classified.tenant.clone(),
+        tenant_weight: classified.tenant_weight,
+        work_tokens,
+        arrived: now,
+    }
+}
+
 /// A request's class, tenant and deadline, as the room resolved them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Classified {
@@ -385,14 +434,7 @@ impl AdmissionRoom {
         expected: Option<ExpectedWait>,
         now: Instant,
     ) -> Decision {
-        let classified = self.classify(arrival);
-        if self.order.is_empty() && self.has_room(expected) {
-            if let Some(rejection) = self.too_late(&classified, 0, expected, now) {
-                return Decision::Rejected(rejection);
-            }
-            return Decision::DispatchNow;
-        }
-        self.enqueue_classified(arrival, classified, expected, now)
+        self.admit(arrival, expected, now, true)
     }
 
     /// Queues a request whatever the fleet's wait (the policy found every
@@ -403,52 +445,120 @@ impl AdmissionRoom {
         expected: Option<ExpectedWait>,
         now: Instant,
     ) -> Decision {
-        let classified = self.classify(arrival);
-        self.enqueue_classified(arrival, classified, expected, now)
+        self.admit(arrival, expected, now, false)
     }
 
-    fn enqueue_classified(
-        &mut self,
+    /// What [`arrive`](Self::arrive) would decide for `arrival` now, and
+    /// why; nothing changes.
+    pub fn explain(
+        &self,
         arrival: &Arrival,
-        classified: Classified,
         expected: Option<ExpectedWait>,
         now: Instant,
-    ) -> Decision {
-        let ticket = self.next_ticket;
-        let waiting = Waiting {
-            ticket,
-            class: classified.class.clone(),
+    ) -> Explanation {
+        let classified = self.classify(arrival);
+        let judged = self.judge(&classified, arrival.work_tokens, expected, now, true);
+        Explanation {
+            decision: match judged.verdict {
+                Verdict::DispatchNow => "dispatch_now",
+                Verdict::Queue => "queue",
+                Verdict::Reject(rejection) => rejection.reason.as_str(),
+            },
+            class: classified.class.to_string(),
             priority: classified.priority,
             class_weight: classified.class_weight,
-            tenant: classified.tenant.clone(),
+            tenant: classified.tenant.to_string(),
             tenant_weight: classified.tenant_weight,
-            work_tokens: arrival.work_tokens,
-            arrived: now,
-        };
+            ttft_deadline_s: classified.ttft_deadline.map(secs),
+            expected_queue_s: expected.map(|wait| wait.queue_secs),
+            expected_prefill_s: expected.map(|wait| wait.prefill_secs),
+            work_ahead_tokens: judged.ahead,
+            drain_tokens_per_s: self.drain.tokens_per_s(now),
+            predicted_ttft_s: judged.predicted.map(secs),
+        }
+    }
+
+    fn admit(
+        &mut self,
+        arrival: &Arrival,
+        expected: Option<ExpectedWait>,
+        now: Instant,
+        may_dispatch_now: bool,
+    ) -> Decision {
+        let classified = self.classify(arrival);
+        let judged = self.judge(
+            &classified,
+            arrival.work_tokens,
+            expected,
+            now,
+            may_dispatch_now,
+        );
+        match judged.verdict {
+            Verdict::DispatchNow => Decision::DispatchNow,
+            Verdict::Reject(rejection) => Decision::Rejected(rejection),
+            Verdict::Queue => {
+                let ticket = self.next_ticket;
+                self.next_ticket += 1;
+                self.entries.insert(
+                    ticket,
+                    Entry {
+                        class: classified.class.clone(),
+                        arrived: now,
+                        due: classified.ttft_deadline.map(|deadline| now + deadline),
+                        prefill: duration_from_secs(expected.map_or(0.0, |wait| wait.prefill_secs)),
+                    },
+                );
+                self.order
+                    .push(waiting(ticket, &classified, arrival.work_tokens, now));
+                Decision::Queued(ticket)
+            }
+        }
+    }
+
+    /// The room's verdict on a request: dispatched now (when allowed, the
+    /// queue is empty and the fleet has room), turned away (the bound, or a
+    /// deadline the prediction cannot meet), or queued.
+    fn judge(
+        &self,
+        classified: &Classified,
+        work_tokens: u64,
+        expected: Option<ExpectedWait>,
+        now: Instant,
+        may_dispatch_now: bool,
+    ) -> Judged {
+        if may_dispatch_now && self.order.is_empty() && self.has_room(expected) {
+            let predicted = self.predicted_ttft(0, expected, now);
+            return Judged {
+                verdict: self
+                    .too_late(classified, predicted)
+                    .map_or(Verdict::DispatchNow, Verdict::Reject),
+                ahead: 0,
+                predicted: Some(predicted),
+            };
+        }
         if self.order.len() >= self.config.max_queue_requests {
             let drain_wait = self.drain_secs(self.queued_work(), now);
-            return Decision::Rejected(Rejection {
-                reason: RejectReason::QueueFull,
-                retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
-                predicted_wait: drain_wait.map(duration_from_secs),
-            });
+            return Judged {
+                verdict: Verdict::Reject(Rejection {
+                    reason: RejectReason::QueueFull,
+                    retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
+                    predicted_wait: drain_wait.map(duration_from_secs),
+                }),
+                ahead: 0,
+                predicted: None,
+            };
         }
-        let ahead = self.order.work_ahead(&waiting);
-        if let Some(rejection) = self.too_late(&classified, ahead, expected, now) {
-            return Decision::Rejected(rejection);
+        let ahead = self
+            .order
+            .work_ahead(&waiting(self.next_ticket, classified, work_tokens, now));
+        let predicted = self.predicted_ttft(ahead, expected, now);
+        Judged {
+            verdict: self
+                .too_late(classified, predicted)
+                .map_or(Verdict::Queue, Verdict::Reject),
+            ahead,
+            predicted: Some(predicted),
         }
-        self.next_ticket += 1;
-        self.entries.insert(
-            ticket,
-            Entry {
-                class: classified.class.clone(),
-                arrived: now,
-                due: classified.ttft_deadline.map(|deadline| now + deadline),
-                prefill: duration_from_secs(expected.map_or(0.0, |wait| wait.prefill_secs)),
-            },
-        );
-        self.order.push(waiting);
-        Decision::Queued(ticket)
     }
 
     fn queued_work(&self) -> u64 {
@@ -469,19 +579,18 @@ impl AdmissionRoom {
             .map(|rate| tokens as f64 / rate)
     }
 
-    /// The rejection due to a request with `ahead` work queued before it,
-    /// if its predicted TTFT is beyond its deadline.
-    fn too_late(
-        &self,
-        classified: &Classified,
-        ahead: u64,
-        expected: Option<ExpectedWait>,
-        now: Instant,
-    ) -> Option<Rejection> {
-        let deadline = classified.ttft_deadline?;
+    /// A request's predicted TTFT with `ahead` work queued before it: the
+    /// policy's expected wait and prefill, and the queue ahead at the
+    /// recent drain rate (none before there is history enough).
+    fn predicted_ttft(&self, ahead: u64, expected: Option<ExpectedWait>, now: Instant) -> Duration {
         let policy_secs = expected.map_or(0.0, |wait| wait.queue_secs + wait.prefill_secs);
-        let predicted_secs = policy_secs + self.drain_secs(ahead, now).unwrap_or(0.0);
-        let predicted = duration_from_secs(predicted_secs);
+        duration_from_secs(policy_secs + self.drain_secs(ahead, now).unwrap_or(0.0))
+    }
+
+    /// The rejection due to a request predicted to take `predicted` to its
+    /// first token, if that is past its deadline.
+    fn too_late(&self, classified: &Classified, predicted: Duration) -> Option<Rejection> {
+        let deadline = classified.ttft_deadline?;
         (predicted > deadline).then(|| Rejection {
             reason: RejectReason::DeadlineUnmeetable,
             retry_after_s: retry_after_s(predicted - deadline),

@@ -314,6 +314,44 @@ fn a_deadline_the_prediction_cannot_meet_is_refused_at_arrival_with_retry_after(
 }
 
 #[test]
+fn explain_says_what_arrive_then_does_and_changes_nothing() {
+    let start = Instant::now();
+    let mut room = room(RoomConfig {
+        max_queue_requests: 3,
+        ..RoomConfig::default()
+    });
+    for step in 0..100u64 {
+        room.dispatched(100, start + Duration::from_millis(10 * step));
+    }
+    let now = start + Duration::from_secs(1);
+    let cases = [
+        (arrival(0, None), wait(0.1), "dispatch_now"),
+        (arrival(0, Some(50)), wait(0.1), "deadline_unmeetable"),
+        (arrival(0, None), wait(3.0), "queue"),
+        (arrival(1, None), wait(0.0), "queue"),
+        (arrival(0, Some(60_000)), wait(0.0), "queue"),
+        (arrival(0, None), wait(0.0), "queue_full"),
+    ];
+    for (request, expected, decision) in cases {
+        let explained = room.explain(&request, expected, now);
+        assert_eq!(explained.decision, decision, "{explained:?}");
+        let queued = room.len();
+        let arrived = room.arrive(&request, expected, now);
+        let agrees = match arrived {
+            Decision::DispatchNow => decision == "dispatch_now",
+            Decision::Queued(_) => decision == "queue" && room.len() == queued + 1,
+            Decision::Rejected(rejection) => rejection.reason.as_str() == decision,
+        };
+        assert!(agrees, "{decision}: {arrived:?}");
+    }
+    room.pop(now);
+    let behind = room.explain(&arrival(1, Some(60_000)), wait(0.0), now);
+    assert!(behind.work_ahead_tokens >= 1000, "{behind:?}");
+    assert_eq!(behind.class, "1");
+    assert!(behind.predicted_ttft_s.is_some_and(|s| s > 0.0));
+}
+
+#[test]
 fn shedding_turns_away_requests_past_or_certain_to_miss_their_deadline() {
     let now = Instant::now();
     let mut room = room(RoomConfig::default());

@@ -25,6 +25,10 @@ pub(crate) fn routes(app: Arc<App>) -> Router<Arc<App>> {
         .route("/admin/policy", get(get_policy).put(put_policy))
         .route("/admin/policy/explain", get(explain).post(explain_request))
         .route("/admin/admission", get(get_admission).put(put_admission))
+        .route(
+            "/admin/admission/explain",
+            axum::routing::post(explain_admission),
+        )
         .layer(axum::middleware::from_fn_with_state(app, authorize))
 }
 
@@ -47,9 +51,11 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
         return next.run(request).await;
     }
     // Explaining a request's body changes nothing, whatever its method.
+    let path = request.uri().path();
     let mutating = request.method() != Method::GET
         && request.method() != Method::HEAD
-        && request.uri().path() != "/admin/policy/explain";
+        && path != "/admin/policy/explain"
+        && path != "/admin/admission/explain";
     let loopback = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -227,6 +233,32 @@ async fn put_admission(State(app): State<Arc<App>>, body: axum::body::Bytes) -> 
             "invalid_request_error",
             error_chain(&error),
         ),
+    }
+}
+
+/// `POST /admin/admission/explain` with a generation request's body and
+/// headers: what the admission room would do with it now (dispatch, queue
+/// or turn away) and why: its class, tenant and deadline, the policy's
+/// expected wait, the work ahead of it and the predicted TTFT. Nothing is
+/// queued or dispatched.
+async fn explain_admission(
+    State(app): State<Arc<App>>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let read = match request_features::read_request(&body, &app.config.request.prefix_hashing()) {
+        Ok(read) => read,
+        Err(error) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                error.to_string(),
+            );
+        }
+    };
+    match app.admission.explain(&app, &headers, &read) {
+        Ok(explained) => Json(explained).into_response(),
+        Err(message) => error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message),
     }
 }
 

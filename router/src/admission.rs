@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use admission::{AdmissionRoom, Arrival, Decision, RejectReason, Rejection, RoomView};
+use admission::{AdmissionRoom, Arrival, Decision, Explanation, RejectReason, Rejection, RoomView};
 use arc_swap::ArcSwap;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
@@ -213,6 +213,25 @@ impl Gate {
         self.state.lock().config.clone()
     }
 
+    /// What the room would do with this request now, and why.
+    pub(crate) fn explain(
+        &self,
+        app: &App,
+        headers: &HeaderMap,
+        read: &request_features::ReadRequest,
+    ) -> Result<Explanation, String> {
+        let admission = Admission::read(headers, read.priority, &self.tenant_header())?;
+        let arrival = arrival(&admission, &read.info);
+        let now = tokio_now();
+        let expected = {
+            let snapshot = app.topology.load();
+            snapshot
+                .policy
+                .expected_wait(snapshot.candidates(), &read.info, now)
+        };
+        Ok(self.state.lock().room.explain(&arrival, expected, now))
+    }
+
     fn max_queue_requests(&self) -> usize {
         self.state.lock().room.config().max_queue_requests
     }
@@ -387,6 +406,16 @@ pub(crate) async fn run_ticker(app: Arc<App>) {
     }
 }
 
+/// The room's view of a request.
+fn arrival(admission: &Admission, info: &RequestInfo) -> Arrival {
+    Arrival {
+        priority: admission.priority,
+        tenant: admission.tenant.clone(),
+        ttft_deadline: admission.ttft_deadline,
+        work_tokens: info.tokens.or(UNKNOWN_PROMPT_TOKENS),
+    }
+}
+
 /// How [`admit`] ended.
 pub(crate) enum Admitted {
     /// A worker was chosen (or why none could be): go on as without
@@ -411,12 +440,7 @@ pub(crate) async fn admit(
     if !gate.enabled.load(Ordering::Acquire) {
         return Admitted::Chosen(choose(app, info, received_at, &[], now));
     }
-    let arrival = Arrival {
-        priority: admission.priority,
-        tenant: admission.tenant.clone(),
-        ttft_deadline: admission.ttft_deadline,
-        work_tokens: info.tokens.or(UNKNOWN_PROMPT_TOKENS),
-    };
+    let arrival = arrival(admission, info);
     let now_std = now.into_std();
     let expected = {
         let snapshot = app.topology.load();

@@ -396,6 +396,48 @@ async fn the_admission_section_swaps_live_and_refuses_an_invalid_one() {
     assert_eq!(waiting.await.unwrap().0, 200);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_says_what_the_room_would_do_and_changes_nothing() {
+    let (upstream, router) = capped_router(
+        "[admission]\n[[admission.classes]]\nname = \"chat\"\npriority = 0\nweight = 4\nttft_deadline_ms = 2000\n\
+         [[admission.classes]]\nname = \"batch\"\npriority = 9\n",
+    )
+    .await;
+    let explain = |priority: &'static str| {
+        router
+            .client
+            .post(format!("{}/admin/admission/explain", router.base))
+            .header("x-request-priority", priority)
+            .header("x-tenant-id", "team-a")
+            .json(&json!({"messages": [{"role": "user", "content": "hello there"}]}))
+            .send()
+    };
+    let idle: Value = explain("0").await.unwrap().json().await.unwrap();
+    assert_eq!(idle["decision"], "dispatch_now", "{idle}");
+    assert_eq!(idle["class"], "chat");
+    assert_eq!(idle["tenant"], "team-a");
+    assert_eq!(idle["ttft_deadline_s"], 2.0);
+    assert!(idle["expected_queue_s"].is_number(), "{idle}");
+
+    let first = send(&router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let waiting = send(&router, "waiting", None, &[]);
+    wait_until("one waits", || async { queued(&router).await == 1 }).await;
+    let behind: Value = explain("5").await.unwrap().json().await.unwrap();
+    assert_eq!(behind["decision"], "queue", "{behind}");
+    assert_eq!(behind["class"], "batch");
+    assert_eq!(queued(&router).await, 1, "explaining queued nothing");
+    let bad = explain("high").await.unwrap();
+    assert_eq!(bad.status(), 400);
+
+    let _releasing = serve_until(&upstream, 2).await;
+    assert_eq!(first.await.unwrap().0, 200);
+    assert_eq!(waiting.await.unwrap().0, 200);
+}
+
 #[test]
 fn an_invalid_admission_config_is_refused_at_load() {
     for (toml, key) in [
