@@ -47,6 +47,13 @@ pub enum SimError {
         #[source]
         source: policy_core::PolicyError,
     },
+    /// An admission order could not be built.
+    #[error("could not build admission order {order}")]
+    Admission {
+        order: &'static str,
+        #[source]
+        source: policy_core::PolicyError,
+    },
     /// A policy returned no worker although every worker was a candidate.
     #[error("policy {policy} selected no worker for request {request}")]
     NoWorker { policy: &'static str, request: u64 },

@@ -41,12 +41,24 @@
 //!   placement (`Policy::placement`), each cache bound a `cache_report`
 //!   changed and each prefill sample a `first_token` closed, to the other
 //!   replicas' `replica_update`.
+//! - **admission** (router points with an admission order): each replica
+//!   drives its own `admission::AdmissionRoom` as the router does. An
+//!   arrival is dispatched at once, waits in the room, or is turned away
+//!   (`arrive` with the policy's `expected_wait`; `enqueue` when `select`
+//!   finds every worker capped). After every first token, finish, poll
+//!   completion and arrival, and every [`ADMISSION_TICK_S`] while requests
+//!   wait, the replica releases the room's head to the worker its policy
+//!   picks then (late binding) while the room `has_room`; each tick first
+//!   `shed`s the waiting requests that can no longer meet their deadline,
+//!   as the router's ticker does. A released request reaches its engine at
+//!   its release; its TTFT counts from its arrival at the router.
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use admission::{AdmissionRoom, Arrival, Decision, RejectReason, RoomConfig};
 use load_protocols::WorkerLoad;
 use policy_core::{
     Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, PrefixBlocks, RequestInfo,
@@ -57,6 +69,7 @@ use rand::{Rng, SeedableRng};
 
 use super::error::SimError;
 use super::metrics::{CellStats, percentile, summarize};
+use super::outcome::{CellOutcomes, Outcome, cell_outcomes};
 use super::scenario::{
     LoadReport, PhaseMode, PolicyName, ReportAt, RouterPoint, SharedPrefixConfig,
 };
@@ -85,7 +98,18 @@ pub struct Cell<'a> {
     pub slowdown: Option<Slowdown>,
     /// One replica's restart, if any (cells with that replica).
     pub restart: Option<Restart>,
+    /// Each replica's admission room config, when the scenario sets
+    /// admission: a room runs where the router point's order is not `off`
+    /// (not for the references), and request deadlines take its classes'.
+    pub room: Option<&'a RoomConfig>,
 }
+
+/// How often a replica's admission room is released and checked for
+/// deadlines while requests wait: the router's ticker.
+pub const ADMISSION_TICK_S: f64 = 0.01;
+/// Virtual seconds a room may wait, with nothing left to arrive and every
+/// engine idle, without releasing anything, before the cell counts as stuck.
+const STUCK_AFTER_S: f64 = 60.0;
 
 /// One router replica's restart in a cell (the scenario's `restart`,
 /// resolved to a time).
@@ -206,6 +230,24 @@ pub fn build_policy(
             policy: name.as_str(),
             source,
         })
+}
+
+/// Whether a fresh instance of policy `name` predicts a request's wait
+/// (`Policy::expected_wait`): only such policies run with an admission
+/// room, since a room dispatches every other policy's requests at once
+/// (unless it finds every worker capped, which the simulated policies never
+/// do). The references have no policy and no room.
+pub fn predicts_wait(registry: &PolicyRegistry, name: PolicyName) -> bool {
+    let context = PolicyContext::default();
+    let Ok(Some(policy)) = build_policy(registry, name, &context) else {
+        return false;
+    };
+    let id = WorkerId::new(0, 0);
+    policy.add_worker(id, WorkerInfo::new(worker_url(0), "sglang"));
+    let request = RequestInfo::new(TokenCount::Exact(200));
+    policy
+        .expected_wait(&[id], &request, Instant::now())
+        .is_some()
 }
 
 /// `least_true_queue` (`docs/engine-model.md`, "The policies compared"):
@@ -429,6 +471,11 @@ enum Kind {
     SyncDeliver,
     /// A replica restarts (cells with a restart).
     Restart,
+    /// A replica's admission room is released and checked (while requests
+    /// wait in it).
+    AdmissionTick {
+        replica: u32,
+    },
 }
 
 #[derive(Debug)]
@@ -495,6 +542,17 @@ pub fn run_cell(cell: &Cell<'_>, registry: &PolicyRegistry) -> Result<CellStats,
     let mut run = CellRun::new(cell, registry)?;
     run.run_events()?;
     run.results()
+}
+
+/// Runs one cell to the last request's end; returns the served requests'
+/// records, in the order they finished.
+pub(crate) fn run_cell_records(
+    cell: &Cell<'_>,
+    registry: &PolicyRegistry,
+) -> Result<Vec<RequestRecord>, SimError> {
+    let mut run = CellRun::new(cell, registry)?;
+    run.run_events()?;
+    Ok(run.records)
 }
 
 /// Virtual seconds as the `Instant`s the policies take.
@@ -612,6 +670,18 @@ struct Router {
     dispatches: Vec<Option<(u32, Dispatch)>>,
     /// The policy a restarting replica takes (cells with a restart).
     spare: Option<Box<dyn Policy>>,
+    /// Each replica's admission room (none at points without admission,
+    /// and for the references).
+    rooms: Vec<Room>,
+}
+
+/// One replica's admission room, and the request and arrival time behind
+/// each of its tickets.
+struct Room {
+    room: AdmissionRoom,
+    requests: HashMap<u64, (usize, f64)>,
+    /// Whether its next tick is scheduled.
+    ticking: bool,
 }
 
 impl Router {
@@ -646,6 +716,27 @@ impl Router {
             }
             _ => None,
         };
+        let mut rooms = Vec::new();
+        if let Some(config) = cell.room
+            && !cell.router.admission.is_off()
+        {
+            let order_name = cell.router.admission.as_str();
+            let orders = admission::registry();
+            for _ in 0..policies.len() {
+                let order =
+                    orders
+                        .build(order_name, &serde_json::Value::Null)
+                        .map_err(|source| SimError::Admission {
+                            order: order_name,
+                            source,
+                        })?;
+                rooms.push(Room {
+                    room: AdmissionRoom::new(order, config.clone()),
+                    requests: HashMap::new(),
+                    ticking: false,
+                });
+            }
+        }
         Ok(Router {
             policy: cell.policy,
             ids,
@@ -657,6 +748,7 @@ impl Router {
                 .collect(),
             dispatches: vec![None; cell.requests.len()],
             spare,
+            rooms,
         })
     }
 
@@ -664,43 +756,41 @@ impl Router {
         self.policies.is_empty()
     }
 
-    /// Picks request `id`'s worker: the policy of a replica drawn at random
-    /// (the same draw for every policy), or the reference. `request` builds
-    /// the request for one engine's parameters.
-    fn route(
+    /// A reference's pick for a request: `request` builds it for one
+    /// engine's parameters.
+    fn reference_pick(
         &mut self,
-        id: usize,
-        info: &RequestInfo,
         request: impl Fn(&EngineParams) -> (EngineRequest, Arc<[u64]>),
         engines: &[Engine],
         now_s: f64,
-        now: Instant,
-    ) -> Result<usize, SimError> {
-        let policy = self.policy;
-        match policy {
-            PolicyName::Oracle => {
-                return Ok(oracle_pick(engines, now_s, request, &mut self.oracle_rng));
-            }
-            PolicyName::LeastTrueQueue => {
-                return Ok(least_true_queue_pick(engines, &mut self.oracle_rng));
-            }
-            _ => {}
+    ) -> usize {
+        match self.policy {
+            PolicyName::LeastTrueQueue => least_true_queue_pick(engines, &mut self.oracle_rng),
+            _ => oracle_pick(engines, now_s, request, &mut self.oracle_rng),
         }
+    }
+
+    /// The replica an arrival goes to: drawn at random (the same draw for
+    /// every policy).
+    fn pick_replica(&mut self) -> usize {
         let replicas = self.policies.len();
-        let replica = if replicas > 1 {
+        if replicas > 1 {
             self.replica_rng.random_range(0..replicas)
         } else {
             0
-        };
-        let dispatch =
-            self.policies[replica]
-                .select(&self.ids, info, now)
-                .ok_or(SimError::NoWorker {
-                    policy: policy.as_str(),
-                    request: id as u64,
-                })?;
+        }
+    }
+
+    /// Notes replica `replica`'s dispatch of request `id`; returns its worker.
+    fn dispatched(&mut self, id: usize, replica: usize, dispatch: Dispatch) -> usize {
+        let worker = dispatch.worker.slot().min(self.ids.len() - 1);
         self.dispatches[id] = Some((replica as u32, dispatch));
-        Ok(dispatch.worker.slot().min(self.ids.len() - 1))
+        worker
+    }
+
+    /// Whether no request waits in any replica's room.
+    fn rooms_empty(&self) -> bool {
+        self.rooms.iter().all(|room| room.room.is_empty())
     }
 
     /// The replica and policy that dispatched request `id`, and its
@@ -761,6 +851,47 @@ fn schedule_first_polls(cell: &Cell<'_>, queue: &mut Queue) {
     }
 }
 
+/// What an admission room knows of a request: its priority, tenant
+/// (`""` when none), deadline and prompt size.
+fn arrival_of(spec: &RequestSpec) -> Arrival {
+    Arrival {
+        priority: spec.priority,
+        tenant: spec.tenant.clone().unwrap_or_else(|| Arc::from("")),
+        ttft_deadline: spec
+            .ttft_deadline_s
+            .and_then(|secs| Duration::try_from_secs_f64(secs).ok()),
+        work_tokens: u64::from(spec.prompt_tokens),
+    }
+}
+
+/// Request `id` as an engine of these parameters receives it at `now_s`,
+/// and its chain there: the router's for engines of its block size, hashed
+/// at their own for the others.
+fn engine_request(
+    cell: &Cell<'_>,
+    id: usize,
+    chain: &Arc<[u64]>,
+    params: &EngineParams,
+    now_s: f64,
+) -> (EngineRequest, Arc<[u64]>) {
+    let spec = &cell.requests[id];
+    let request = EngineRequest {
+        id: id as u64,
+        prompt_tokens: spec.prompt_tokens,
+        output_tokens: spec.output_tokens,
+        arrival_s: now_s,
+        prefix_block_hashes: Vec::new(),
+    };
+    if params.block_size_tokens == router_block_tokens(cell.workers) {
+        (request, chain.clone())
+    } else {
+        let own_chain = spec
+            .chained_block_hashes(cell.shared_prefix, params.block_size_tokens)
+            .into();
+        (request, own_chain)
+    }
+}
+
 /// One cell in progress: the event queue, what its events act on, and what
 /// it measures.
 struct CellRun<'a> {
@@ -788,6 +919,17 @@ struct CellRun<'a> {
     predicted_cached_tokens: u64,
     /// Blocks a restarted replica loaded from another's snapshot.
     restart_snapshot_blocks: usize,
+    /// Each request turned away by an admission room: why, and how long
+    /// after its arrival.
+    rejections: Vec<Option<(RejectReason, f64)>>,
+    /// How many were.
+    rejected: usize,
+    /// The router arrival time of each request a room released, until it
+    /// finishes (its engine saw it arrive at its release).
+    waited_from_s: HashMap<usize, f64>,
+    /// Since when a room has waited with nothing to release (see
+    /// [`STUCK_AFTER_S`]).
+    stuck_since_s: Option<f64>,
 }
 
 impl<'a> CellRun<'a> {
@@ -873,13 +1015,17 @@ impl<'a> CellRun<'a> {
             sync,
             predicted_cached_tokens: 0,
             restart_snapshot_blocks: 0,
+            rejections: vec![None; cell.requests.len()],
+            rejected: 0,
+            waited_from_s: HashMap::new(),
+            stuck_since_s: None,
         })
     }
 
     /// Handles events in time order until every request has finished, or
     /// none is left.
     fn run_events(&mut self) -> Result<(), SimError> {
-        while self.records.len() < self.cell.requests.len() {
+        while self.records.len() + self.rejected < self.cell.requests.len() {
             let Some(event) = self.queue.heap.pop() else {
                 break;
             };
@@ -888,7 +1034,7 @@ impl<'a> CellRun<'a> {
                 Kind::Arrival => self.arrive(now_s)?,
                 Kind::StepEnd { worker, generation } => {
                     if self.fleet.generation[worker as usize] == generation {
-                        self.end_step(worker as usize, now_s);
+                        self.end_step(worker as usize, now_s)?;
                     }
                 }
                 Kind::PollSend { replica, worker } => self.send_poll(replica, worker, now_s)?,
@@ -896,13 +1042,17 @@ impl<'a> CellRun<'a> {
                     replica,
                     worker,
                     reply,
-                } => self.complete_poll(
-                    replica as usize,
-                    worker as usize,
-                    reply.mark,
-                    reply.snapshot,
-                    now_s,
-                ),
+                } => {
+                    self.complete_poll(
+                        replica as usize,
+                        worker as usize,
+                        reply.mark,
+                        reply.snapshot,
+                        now_s,
+                    );
+                    self.release(replica as usize, now_s)?;
+                }
+                Kind::AdmissionTick { replica } => self.admission_tick(replica as usize, now_s)?,
                 Kind::Slowdown => self.slow_down(now_s)?,
                 Kind::RateSample => self.sample_rates(now_s),
                 Kind::Restart => self.restart(now_s),
@@ -917,67 +1067,104 @@ impl<'a> CellRun<'a> {
         Ok(())
     }
 
-    /// Dispatch: routes the arriving request and queues it at its engine
-    /// (which starts a step if idle); schedules the next arrival.
+    /// Each request's chained block hashes at the router's block size.
+    fn chain(&self, id: usize) -> Arc<[u64]> {
+        match self.cell.chains.get(id) {
+            Some(chain) => chain.clone(),
+            None => self.cell.requests[id]
+                .chained_block_hashes(
+                    self.cell.shared_prefix,
+                    router_block_tokens(self.cell.workers),
+                )
+                .into(),
+        }
+    }
+
+    /// What a policy knows of request `id`: its exact size, and (not for
+    /// the references) its prefix blocks. Every simulated request is
+    /// measured at its first token, as a stream is.
+    fn request_info(&self, id: usize, chain: &Arc<[u64]>) -> RequestInfo {
+        let spec = &self.cell.requests[id];
+        let info =
+            RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens))).streaming(true);
+        if self.router.is_reference() {
+            return info;
+        }
+        let block_tokens = router_block_tokens(self.cell.workers);
+        info.prefix_blocks(PrefixBlocks::new(block_tokens, chain.clone()))
+    }
+
+    /// Arrival: a reference picks a worker at once; a replica's policy
+    /// routes the request, through its admission room when it has one.
+    /// Schedules the next arrival.
     fn arrive(&mut self, now_s: f64) -> Result<(), SimError> {
         let id = self.next_arrival;
-        let spec = &self.cell.requests[id];
         self.next_arrival += 1;
         if let Some(next) = self.cell.requests.get(self.next_arrival) {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
         }
-        let shared_prefix = self.cell.shared_prefix;
-        let block_tokens = router_block_tokens(self.cell.workers);
         // Chained once: for the policy's prefix index and the engines.
-        let chain: Arc<[u64]> = match self.cell.chains.get(id) {
-            Some(chain) => chain.clone(),
-            None => spec
-                .chained_block_hashes(shared_prefix, block_tokens)
-                .into(),
-        };
-        // The request for an engine, and its chain there: the router's for
-        // engines of its block size, hashed at their own for the others.
-        let request = |params: &EngineParams| {
-            let request = EngineRequest {
-                id: id as u64,
-                prompt_tokens: spec.prompt_tokens,
-                output_tokens: spec.output_tokens,
-                arrival_s: now_s,
-                prefix_block_hashes: Vec::new(),
-            };
-            if params.block_size_tokens == block_tokens {
-                (request, chain.clone())
-            } else {
-                let own_chain = spec
-                    .chained_block_hashes(shared_prefix, params.block_size_tokens)
-                    .into();
-                (request, own_chain)
+        let chain = self.chain(id);
+        let now = self.clock.at(now_s);
+        let info = self.request_info(id, &chain);
+        let worker = match self.router.policy {
+            PolicyName::Oracle | PolicyName::LeastTrueQueue => {
+                // The references read every engine's state at this instant.
+                self.fleet.advance_all(now_s);
+                let cell = self.cell;
+                let request =
+                    |params: &EngineParams| engine_request(&cell, id, &chain, params, now_s);
+                self.router
+                    .reference_pick(request, &self.fleet.engines, now_s)
+            }
+            _ => {
+                let replica = self.router.pick_replica();
+                if !self.router.rooms.is_empty() {
+                    self.admit(id, replica, &chain, &info, now_s)?;
+                    return self.release(replica, now_s);
+                }
+                let dispatch = self.router.policies[replica]
+                    .select(&self.router.ids, &info, now)
+                    .ok_or(SimError::NoWorker {
+                        policy: self.router.policy.as_str(),
+                        request: id as u64,
+                    })?;
+                self.router.dispatched(id, replica, dispatch)
             }
         };
+        self.submit(id, worker, &chain, &info, now_s)
+    }
+
+    /// Request `id` as an engine of these parameters receives it at
+    /// `now_s`, and its chain there: the router's for engines of its block
+    /// size, hashed at their own for the others.
+    fn engine_request(
+        &self,
+        id: usize,
+        chain: &Arc<[u64]>,
+        params: &EngineParams,
+        now_s: f64,
+    ) -> (EngineRequest, Arc<[u64]>) {
+        engine_request(&self.cell, id, chain, params, now_s)
+    }
+
+    /// Sends request `id` to `worker` now (which starts a step if idle),
+    /// sharing the dispatch with the other replicas.
+    fn submit(
+        &mut self,
+        id: usize,
+        worker: usize,
+        chain: &Arc<[u64]>,
+        info: &RequestInfo,
+        now_s: f64,
+    ) -> Result<(), SimError> {
         let now = self.clock.at(now_s);
-        if matches!(
-            self.router.policy,
-            PolicyName::Oracle | PolicyName::LeastTrueQueue
-        ) {
-            // The references read every engine's state at this instant.
-            self.fleet.advance_all(now_s);
-        }
-        // Every simulated request is measured at its first token, as a
-        // stream is.
-        let mut info =
-            RequestInfo::new(TokenCount::Exact(u64::from(spec.prompt_tokens))).streaming(true);
-        if !self.router.is_reference() {
-            info = info.prefix_blocks(PrefixBlocks::new(block_tokens, chain.clone()));
-        }
-        let worker = self
-            .router
-            .route(id, &info, request, &self.fleet.engines, now_s, now)?;
         if let Some((replica, _)) = self.router.dispatches[id] {
             // Where the prompt went, for the other replicas' prefix indexes:
             // before the dispatch's own sync message, which carries it.
             if let Some(sync) = &mut self.sync
                 && sync.is_active()
-                && let Some(prefix) = self.router.policies[replica as usize].placement(&info)
+                && let Some(prefix) = self.router.policies[replica as usize].placement(info)
             {
                 sync.placed(replica as usize, worker, prefix, &self.router.policies, now);
             }
@@ -990,12 +1177,12 @@ impl<'a> CellRun<'a> {
                 now,
             );
         }
-        let engine = &mut self.fleet.engines[worker];
-        let params = engine.params();
+        let spec = &self.cell.requests[id];
+        let params = self.fleet.engines[worker].params();
         self.routed_work_s[worker] += f64::from(spec.prompt_tokens) / params.prefill_tps
             + f64::from(spec.output_tokens) * params.decode_per_req_ms / 1000.0;
-        let (submitted, chain) = request(params);
-        engine.submit_shared(submitted, chain)?;
+        let (submitted, chain) = self.engine_request(id, chain, params, now_s);
+        self.fleet.engines[worker].submit_shared(submitted, chain)?;
         if self.fleet.stepping[worker] {
             self.fleet.reschedule_step_end(worker, &mut self.queue);
         } else {
@@ -1004,15 +1191,186 @@ impl<'a> CellRun<'a> {
         Ok(())
     }
 
+    /// What the admission room knows of request `id`.
+    fn arrival(&self, id: usize) -> Arrival {
+        arrival_of(&self.cell.requests[id])
+    }
+
+    /// An arrival at a replica with an admission room, as the router
+    /// admits it: dispatched now (or queued when the policy finds every
+    /// worker capped), queued, or turned away at once.
+    fn admit(
+        &mut self,
+        id: usize,
+        replica: usize,
+        chain: &Arc<[u64]>,
+        info: &RequestInfo,
+        now_s: f64,
+    ) -> Result<(), SimError> {
+        let now = self.clock.at(now_s);
+        let arrival = self.arrival(id);
+        let policy = &self.router.policies[replica];
+        let expected = policy.expected_wait(&self.router.ids, info, now);
+        let room = &mut self.router.rooms[replica];
+        let decision = match room.room.arrive(&arrival, expected, now) {
+            Decision::DispatchNow => match policy.select(&self.router.ids, info, now) {
+                Some(dispatch) => {
+                    room.room.dispatched(arrival.work_tokens, now);
+                    let worker = self.router.dispatched(id, replica, dispatch);
+                    return self.submit(id, worker, chain, info, now_s);
+                }
+                None => room.room.enqueue(&arrival, expected, now),
+            },
+            decision => decision,
+        };
+        match decision {
+            Decision::Queued(ticket) => {
+                room.requests.insert(ticket, (id, now_s));
+            }
+            Decision::Rejected(rejection) => self.reject(id, rejection.reason, 0.0),
+            // Not reachable: a room answers a request it queues (`enqueue`)
+            // with Queued or Rejected.
+            Decision::DispatchNow => {
+                return Err(SimError::NoWorker {
+                    policy: self.router.policy.as_str(),
+                    request: id as u64,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Request `id` is turned away, `after_s` after its arrival.
+    fn reject(&mut self, id: usize, reason: RejectReason, after_s: f64) {
+        if let Some(slot) = self.rejections.get_mut(id) {
+            *slot = Some((reason, after_s));
+            self.rejected += 1;
+        }
+    }
+
+    /// Work completed at a replica, or a request arrived, or its tick came:
+    /// while the fleet has room, its room's head goes to the worker the
+    /// policy picks now (late binding). Ticks every [`ADMISSION_TICK_S`]
+    /// while any waits.
+    fn release(&mut self, replica: usize, now_s: f64) -> Result<(), SimError> {
+        if self
+            .router
+            .rooms
+            .get(replica)
+            .is_none_or(|room| room.room.is_empty())
+        {
+            return Ok(());
+        }
+        let now = self.clock.at(now_s);
+        loop {
+            let room = &mut self.router.rooms[replica];
+            let Some(ticket) = room.room.head().map(|head| head.ticket) else {
+                break;
+            };
+            let Some(&(id, arrived_s)) = room.requests.get(&ticket) else {
+                // Not reachable: every queued ticket is recorded. Dropped
+                // rather than left to block the queue.
+                room.room.remove(ticket);
+                continue;
+            };
+            let chain = self.chain(id);
+            let info = self.request_info(id, &chain);
+            let policy = &self.router.policies[replica];
+            let expected = policy.expected_wait(&self.router.ids, &info, now);
+            let room = &mut self.router.rooms[replica];
+            if !room.room.has_room(expected) {
+                break;
+            }
+            let Some(dispatch) = policy.select(&self.router.ids, &info, now) else {
+                break;
+            };
+            room.room.pop(now);
+            room.requests.remove(&ticket);
+            self.waited_from_s.insert(id, arrived_s);
+            let worker = self.router.dispatched(id, replica, dispatch);
+            self.submit(id, worker, &chain, &info, now_s)?;
+        }
+        let room = &mut self.router.rooms[replica];
+        if !room.room.is_empty() && !room.ticking {
+            room.ticking = true;
+            self.queue.push(
+                now_s + ADMISSION_TICK_S,
+                Kind::AdmissionTick {
+                    replica: replica as u32,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Turns away the requests waiting in a replica's room that can no
+    /// longer meet their deadline: passed, or missed even if dispatched now
+    /// at the least busy worker (the policy's expected wait for a request of
+    /// unknown size, as the router asks it).
+    fn shed(&mut self, replica: usize, now_s: f64) {
+        let now = self.clock.at(now_s);
+        let expected = self.router.policies[replica].expected_wait(
+            &self.router.ids,
+            &RequestInfo::new(TokenCount::Unknown),
+            now,
+        );
+        let Some(room) = self.router.rooms.get_mut(replica) else {
+            return;
+        };
+        let mut turned_away = Vec::new();
+        for shed in room.room.shed(expected, now) {
+            if let Some((id, _)) = room.requests.remove(&shed.ticket) {
+                turned_away.push((id, shed.rejection.reason, shed.waited.as_secs_f64()));
+            }
+        }
+        for (id, reason, after_s) in turned_away {
+            self.reject(id, reason, after_s);
+        }
+    }
+
+    /// A replica's admission tick, as the router's ticker: the waiting
+    /// requests' deadlines are checked, then the room released; the next
+    /// tick comes while any request waits. A room that waits with nothing
+    /// left to arrive, every engine idle and nothing released for
+    /// [`STUCK_AFTER_S`] is stuck.
+    fn admission_tick(&mut self, replica: usize, now_s: f64) -> Result<(), SimError> {
+        let Some(room) = self.router.rooms.get_mut(replica) else {
+            return Ok(());
+        };
+        room.ticking = false;
+        self.shed(replica, now_s);
+        let waiting = self.router.rooms[replica].room.len();
+        self.release(replica, now_s)?;
+        let idle = self.next_arrival >= self.cell.requests.len() && self.fleet.busy_engines == 0;
+        if idle && self.router.rooms[replica].room.len() == waiting {
+            let since_s = *self.stuck_since_s.get_or_insert(now_s);
+            if now_s - since_s > STUCK_AFTER_S {
+                return Err(SimError::Stalled {
+                    finished: self.records.len(),
+                    total: self.cell.requests.len(),
+                });
+            }
+        } else {
+            self.stuck_since_s = None;
+        }
+        Ok(())
+    }
+
     /// A step's end: the dispatching policies see first tokens and finishes,
     /// finished requests are recorded, and the engine starts its next step.
-    fn end_step(&mut self, worker: usize, now_s: f64) {
+    fn end_step(&mut self, worker: usize, now_s: f64) -> Result<(), SimError> {
         self.fleet.end_step(worker, &mut self.scratch);
         let now = self.clock.at(now_s);
+        let requests = self.cell.requests;
+        // The replicas whose rooms release after these events, in order.
+        let mut release = Vec::new();
         for engine_event in self.scratch.drain(..) {
             match engine_event {
                 EngineEvent::FirstToken { id, .. } => {
                     if let Some((replica, policy, dispatch)) = self.router.dispatch(id) {
+                        if !self.router.rooms.is_empty() && !release.contains(&replica) {
+                            release.push(replica);
+                        }
                         if let Some(sample) = policy.first_token(dispatch, now)
                             && let Some(sync) = &mut self.sync
                             && sync.is_active()
@@ -1035,7 +1393,13 @@ impl<'a> CellRun<'a> {
                         );
                     }
                 }
-                EngineEvent::Finished(record) => {
+                EngineEvent::Finished(mut record) => {
+                    if !self.waited_from_s.is_empty()
+                        && let Some(arrived_s) = self.waited_from_s.remove(&(record.id as usize))
+                    {
+                        // It arrived at the router before the engine saw it.
+                        record.arrival_s = arrived_s;
+                    }
                     if let Some((replica, policy, dispatch)) = self.router.dispatch(record.id) {
                         self.predicted_cached_tokens += dispatch.cached_tokens;
                         // The engine's usage (prompt tokens its prefix cache
@@ -1063,6 +1427,20 @@ impl<'a> CellRun<'a> {
                             now_s,
                             now,
                         );
+                        if let (Some(room), Some(spec)) = (
+                            self.router.rooms.get_mut(replica),
+                            requests.get(record.id as usize),
+                        ) {
+                            let classified = room.room.classify(&arrival_of(spec));
+                            room.room.finished(
+                                &classified.class,
+                                &classified.tenant,
+                                u64::from(record.output_tokens),
+                            );
+                            if !release.contains(&replica) {
+                                release.push(replica);
+                            }
+                        }
                     }
                     self.records.push(record);
                 }
@@ -1070,6 +1448,10 @@ impl<'a> CellRun<'a> {
             }
         }
         self.fleet.start_step(worker, now_s, &mut self.queue);
+        for replica in release {
+            self.release(replica, now_s)?;
+        }
+        Ok(())
     }
 
     /// A replica polls a worker: its policy notes the poll, the report is
@@ -1078,7 +1460,7 @@ impl<'a> CellRun<'a> {
     /// request left to arrive and no engine busy means the cell is stuck.
     fn send_poll(&mut self, replica: u32, worker: u32, now_s: f64) -> Result<(), SimError> {
         let total = self.cell.requests.len();
-        if self.next_arrival >= total && self.fleet.busy_engines == 0 {
+        if self.next_arrival >= total && self.fleet.busy_engines == 0 && self.router.rooms_empty() {
             return Err(SimError::Stalled {
                 finished: self.records.len(),
                 total,
@@ -1265,12 +1647,13 @@ impl<'a> CellRun<'a> {
     /// The cell's statistics, once every request has finished.
     fn results(self) -> Result<CellStats, SimError> {
         let total = self.cell.requests.len();
-        if self.records.len() < total {
+        if self.records.len() + self.rejected < total {
             return Err(SimError::Stalled {
                 finished: self.records.len(),
                 total,
             });
         }
+        let outcomes = self.outcomes()?;
         let preemptions = self
             .fleet
             .engines
@@ -1292,14 +1675,60 @@ impl<'a> CellRun<'a> {
                 .iter()
                 .any(|sample| sample.estimates_tps.iter().any(Option::is_some))
         });
+        stats.outcomes = Some(outcomes);
         Ok(stats)
+    }
+
+    /// What became of every request: served (TTFT from its arrival at the
+    /// router) or turned away. A request's deadline is its own, or its
+    /// class's in the scenario's admission room.
+    fn outcomes(&self) -> Result<CellOutcomes, SimError> {
+        let requests = self.cell.requests;
+        let mut outcomes: Vec<Option<Outcome>> = self
+            .rejections
+            .iter()
+            .map(|rejection| {
+                rejection.map(|(reason, after_s)| Outcome::Rejected { reason, after_s })
+            })
+            .collect();
+        for record in &self.records {
+            if let Some(outcome) = outcomes.get_mut(record.id as usize) {
+                *outcome = Some(Outcome::Served {
+                    ttft_s: record.ttft_s(),
+                    finish_s: record.finish_s,
+                });
+            }
+        }
+        let classifier = match self.cell.room {
+            Some(config) => {
+                let order = admission::registry()
+                    .build(admission::FIFO, &serde_json::Value::Null)
+                    .map_err(|source| SimError::Admission {
+                        order: admission::FIFO,
+                        source,
+                    })?;
+                Some(AdmissionRoom::new(order, config.clone()))
+            }
+            None => None,
+        };
+        let deadline_s = |id: usize| {
+            let spec = requests.get(id)?;
+            match &classifier {
+                Some(room) => room
+                    .classify(&arrival_of(spec))
+                    .ttft_deadline
+                    .map(|deadline| deadline.as_secs_f64()),
+                None => spec.ttft_deadline_s,
+            }
+        };
+        Ok(cell_outcomes(requests, &outcomes, deadline_s))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scenario::{RouterPoint, SyncConfig};
+    use crate::scenario::{AdmissionOrder, RouterPoint, SyncConfig};
 
     fn router() -> RouterPoint {
         RouterPoint {
@@ -1314,6 +1743,8 @@ mod tests {
             sweeps_replicas: false,
             sync: SyncConfig::Off {},
             sweeps_sync: false,
+            admission: AdmissionOrder::Off,
+            sweeps_admission: false,
         }
     }
 
@@ -1449,6 +1880,9 @@ mod tests {
             output_tokens: 1,
             prefix_group: None,
             segments: None,
+            priority: None,
+            tenant: None,
+            ttft_deadline_s: None,
         };
         let requests = vec![spec(0.0, 1000), spec(0.01, 100), spec(0.5, 100)];
         let registry = policy_registry();
@@ -1470,6 +1904,7 @@ mod tests {
                     seed,
                     slowdown: None,
                     restart: None,
+                    room: None,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 let ttft = &stats.ttft_sorted_s;
@@ -1493,6 +1928,97 @@ mod tests {
         }
     }
 
+    /// Two workers of 1000 prompt tokens/s, 200-token prompts every 50 ms
+    /// (twice what they can take) for 12 s, alternately priority 0 (no
+    /// deadline) and priority 1 (a 1 s deadline); `order` decides.
+    fn overloaded_cell_stats(order: AdmissionOrder, room: Option<&RoomConfig>) -> CellStats {
+        let workers = vec![
+            (LoadReport::Sglang, params()),
+            (LoadReport::Sglang, params()),
+        ];
+        let requests: Vec<RequestSpec> = (0..240)
+            .map(|i| RequestSpec {
+                arrival_s: 0.05 * f64::from(i),
+                prompt_tokens: 200,
+                output_tokens: 1,
+                prefix_group: None,
+                segments: None,
+                priority: Some(i % 2),
+                tenant: None,
+                ttft_deadline_s: (i % 2 == 1).then_some(1.0),
+            })
+            .collect();
+        let cell = Cell {
+            workers: &workers,
+            requests: &requests,
+            chains: &[],
+            shared_prefix: None,
+            router: RouterPoint {
+                poll_interval_s: 0.1,
+                stale_after_s: 0.3,
+                admission: order,
+                sweeps_admission: true,
+                ..router()
+            },
+            policy: PolicyName::LeastLoad,
+            seed: 3,
+            slowdown: None,
+            restart: None,
+            room,
+        };
+        run_cell(&cell, &policy_registry()).unwrap()
+    }
+
+    #[test]
+    fn an_admission_room_serves_the_urgent_first_and_turns_away_what_would_be_late() {
+        let config = RoomConfig::default();
+        let without = overloaded_cell_stats(AdmissionOrder::Off, None);
+        // A room config with the order off is no room at all.
+        assert_eq!(
+            overloaded_cell_stats(AdmissionOrder::Off, Some(&config)),
+            without
+        );
+        let with = overloaded_cell_stats(AdmissionOrder::Priority, Some(&config));
+        assert_eq!(
+            with,
+            overloaded_cell_stats(AdmissionOrder::Priority, Some(&config))
+        );
+        let outcomes = |stats: &CellStats| stats.outcomes.clone().unwrap();
+        let (off, on) = (outcomes(&without), outcomes(&with));
+        // Without a room every request is served, the late ones too.
+        assert_eq!(off.all.served_requests, 240);
+        assert!(off.by_class[1].served_late_requests > 50, "{off:?}");
+        // With it, priority 0 goes first and is never turned away; priority
+        // 1 is served within its deadline or turned away.
+        let (urgent, batch) = (&on.by_class[0], &on.by_class[1]);
+        assert_eq!(
+            (urgent.group.as_str(), batch.group.as_str()),
+            ("priority 0", "priority 1")
+        );
+        assert_eq!(urgent.served_requests, 120);
+        assert!(urgent.ttft_p99_s < 1.0, "{urgent:?}");
+        assert!(urgent.ttft_p99_s < off.by_class[0].ttft_p99_s, "{urgent:?}");
+        assert_eq!(batch.served_requests + batch.rejected_requests, 120);
+        assert!(batch.rejected_requests > 20, "{batch:?}");
+        assert_eq!(batch.served_late_requests, 0, "{batch:?}");
+        // Priority 0 alone fills the fleet: priority 1 keeps the share its
+        // weight gives it, served in time.
+        assert!(batch.goodput_requests > 0, "{batch:?}");
+        assert_eq!(with.requests, 240 - batch.rejected_requests);
+        // A request released by the room counts its wait there: TTFT from
+        // its arrival at the router, never less than its own prefill.
+        assert!(with.ttft_sorted_s.iter().all(|&ttft| ttft >= 0.2 - 1e-9));
+    }
+
+    #[test]
+    fn only_policies_with_a_model_of_wait_run_with_a_room() {
+        let registry = policy_registry();
+        assert!(predicts_wait(&registry, PolicyName::LeastLoad));
+        assert!(predicts_wait(&registry, PolicyName::PowerOfTwo));
+        assert!(!predicts_wait(&registry, PolicyName::RoundRobin));
+        assert!(!predicts_wait(&registry, PolicyName::Oracle));
+    }
+
     /// Poisson arrivals of `prompt`-sized prompts with `output_tokens` each.
     fn poisson_traffic(
         prompt: crate::workload::LengthDist,
@@ -1508,6 +2034,9 @@ mod tests {
             }),
             shared_prefix,
             conversation: None,
+            classes: Vec::new(),
+            tenants: Vec::new(),
+            ttft_deadline_s: None,
         }
     }
 
@@ -1539,6 +2068,7 @@ mod tests {
                 seed: 5,
                 slowdown: None,
                 restart: None,
+                room: None,
             };
             let a = run_cell(&cell, &registry).unwrap();
             let b = run_cell(&cell, &registry).unwrap();
@@ -1590,6 +2120,7 @@ mod tests {
                     seed: 11,
                     slowdown: None,
                     restart: None,
+                    room: None,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 assert_eq!(stats.requests, 1500, "{policy:?} {report_at:?}");
@@ -1619,6 +2150,7 @@ mod tests {
             seed,
             slowdown: None,
             restart: None,
+            room: None,
         };
         run_cell(&cell, &policy_registry()).unwrap()
     }
@@ -1708,6 +2240,7 @@ mod tests {
             seed: 3,
             slowdown: None,
             restart: None,
+            room: None,
         };
         let prefixed = requests
             .iter()
@@ -1797,6 +2330,7 @@ mod tests {
                 seed: 4,
                 slowdown,
                 restart: None,
+                room: None,
             };
             run_cell(&cell, &registry).unwrap()
         };

@@ -7,7 +7,10 @@
 //! setting, load level and policy, the simulator runs one independent cell:
 //! the real [`Policy`](policy_core::Policy) implementations, built through the
 //! registry, route every arrival; the engines' events drive `first_token` and
-//! `finish`; polls go through each backend's own conversion to `WorkerLoad`.
+//! `finish`; polls go through each backend's own conversion to `WorkerLoad`;
+//! with admission, each replica runs the router's admission room, and the
+//! report counts what became of each request (served in time or late,
+//! turned away) per priority class and tenant.
 //! Results go to `<out_dir>/<scenario>/report.json`, `report.md` and SVG plots.
 //!
 //! ```no_run
@@ -25,6 +28,7 @@
 mod error;
 mod fleet;
 mod metrics;
+mod outcome;
 mod report;
 mod run;
 mod scenario;
@@ -36,20 +40,22 @@ use std::time::Instant;
 
 pub use error::SimError;
 pub use fleet::{
-    Cell, RATE_COLUMN, RateSample, RateTrace, Restart, RestartStats, Slowdown, build_policy,
-    convert_report, least_true_queue_pick, oracle_pick, policy_registry, router_block_tokens,
-    run_cell,
+    ADMISSION_TICK_S, Cell, RATE_COLUMN, RateSample, RateTrace, Restart, RestartStats, Slowdown,
+    build_policy, convert_report, least_true_queue_pick, oracle_pick, policy_registry,
+    predicts_wait, router_block_tokens, run_cell,
 };
 pub use metrics::{CellStats, coefficient_of_variation, percentile};
-pub use report::{markdown, prefix_table, summary_table, sync_table, write_outputs};
+pub use outcome::{CellOutcomes, GroupStats};
+pub use report::{markdown, outcome_table, prefix_table, summary_table, sync_table, write_outputs};
 pub use run::{
     LoadRate, RATE_TOLERANCE, RateTracking, Report, ResultRow, RunOptions, ScenarioOutcome,
     TrafficCapacity, capacities, capacity_rps, run_scenarios,
 };
 pub use scenario::{
-    ArrivalConfig, DEFAULT_SYNC_ENTRY_TTL_S, DEFAULT_SYNC_LATENCY_S, LoadReport, PhaseMode,
-    PolicyName, ReportAt, RestartConfig, RouterConfig, RouterPoint, STANDARD_SCENARIOS, Scenario,
-    SharedPrefixConfig, SlowdownConfig, SyncConfig, TrafficConfig, WorkerGroup,
+    AdmissionClassConfig, AdmissionConfig, AdmissionOrder, ArrivalConfig, CapacityBasis,
+    DEFAULT_SYNC_ENTRY_TTL_S, DEFAULT_SYNC_LATENCY_S, LoadReport, PhaseMode, PolicyName, ReportAt,
+    RestartConfig, RouterConfig, RouterPoint, STANDARD_SCENARIOS, Scenario, SharedPrefixConfig,
+    SlowdownConfig, SyncConfig, TrafficClass, TrafficConfig, TrafficTenant, WorkerGroup,
 };
 pub use sync::{SyncChannel, SyncStats, counts_replica_pending, replica_id, worker_url};
 pub use workload::{LengthDist, RequestSpec, Trace, generate};
@@ -132,9 +138,13 @@ pub fn run_cli(args: SimArgs) -> Result<(), SimError> {
                     )
                 })
                 .collect();
+            let measured = capacity
+                .formula_capacity_rps
+                .map(|formula| format!(" measured (the formula's {formula:.2})"))
+                .unwrap_or_default();
             println!(
-                "{} / {}: capacity {:.2} req/s over {} workers (mean prompt {:.1}, cached {:.1}, \
-                 output {:.1} tokens); {}",
+                "{} / {}: capacity {:.2} req/s{measured} over {} workers (mean prompt {:.1}, \
+                 cached {:.1}, output {:.1} tokens); {}",
                 scenario.name,
                 capacity.traffic,
                 capacity.capacity_rps,

@@ -49,6 +49,9 @@ pub struct CellStats {
     /// The restarted replica's requests around its restart (cells with a
     /// restart).
     pub restart: Option<crate::fleet::RestartStats>,
+    /// What became of every request: served in time, late, or turned away
+    /// by an admission room; by class and tenant.
+    pub outcomes: Option<crate::outcome::CellOutcomes>,
 }
 
 /// Nearest-rank percentile of sorted values: the smallest value with at
@@ -125,6 +128,7 @@ pub fn summarize(
         reported_cached_tokens: records.iter().map(|r| u64::from(r.cached_tokens)).sum(),
         restart: None,
         predicted_cached_tokens: 0,
+        outcomes: None,
     }
 }
 

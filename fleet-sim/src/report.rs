@@ -61,6 +61,7 @@ struct Sweep {
     interval: Option<f64>,
     replicas: Option<u32>,
     sync: Option<SyncConfig>,
+    admission: Option<&'static str>,
 }
 
 fn sweep_of(row: &ResultRow) -> Sweep {
@@ -68,6 +69,7 @@ fn sweep_of(row: &ResultRow) -> Sweep {
         interval: row.poll_interval_s,
         replicas: row.router_replicas,
         sync: row.sync,
+        admission: row.admission,
     }
 }
 
@@ -84,6 +86,9 @@ impl Sweep {
         if let Some(sync) = self.sync {
             out.push_str(&format!(", sync={}", sync.label()));
         }
+        if let Some(admission) = self.admission {
+            out.push_str(&format!(", admission={admission}"));
+        }
         out
     }
 
@@ -98,6 +103,9 @@ impl Sweep {
         }
         if let Some(sync) = self.sync {
             out.push_str(&format!("-sync{}", sync.label().replace([' ', '%'], "")));
+        }
+        if let Some(admission) = self.admission {
+            out.push_str(&format!("-adm-{admission}"));
         }
         out
     }
@@ -114,6 +122,9 @@ impl Sweep {
         }
         if let Some(sync) = self.sync {
             parts.push(format!("sync={}", sync.label()));
+        }
+        if let Some(admission) = self.admission {
+            parts.push(format!("admission={admission}"));
         }
         if parts.is_empty() {
             "-".to_owned()
@@ -152,9 +163,13 @@ pub fn markdown(report: &Report) -> String {
             .iter()
             .map(|rate| format!("{} → {:.2} req/s", rate.utilization, rate.arrival_rate_rps))
             .collect();
+        let measured = capacity
+            .formula_capacity_rps
+            .map(|formula| format!(" measured (the formula's {formula:.2})"))
+            .unwrap_or_default();
         let _ = writeln!(
             out,
-            "- traffic `{}`: mean prompt {:.1} tokens ({:.1} cached), output {:.1} tokens; capacity {:.2} req/s; {}",
+            "- traffic `{}`: mean prompt {:.1} tokens ({:.1} cached), output {:.1} tokens; capacity {:.2} req/s{measured}; {}",
             capacity.traffic,
             capacity.mean_prompt_tokens,
             capacity.mean_cached_prompt_tokens,
@@ -239,6 +254,21 @@ pub fn markdown(report: &Report) -> String {
         );
         out.push_str(&table);
     }
+    if let Some(table) = outcome_table(report) {
+        let _ = writeln!(
+            out,
+            "\n## Requests served and turned away\n\n\
+             Per cell, for all requests, each priority class and each tenant: requests \
+             offered and served, TTFT of the served ones from their arrival at the router, \
+             goodput (served within their TTFT deadline; every served request without one) \
+             and its share of those offered, requests served past their deadline, requests \
+             the admission room turned away (queue full / deadline unmeetable / deadline \
+             passed) and how many of those only at or after their deadline, how long after \
+             arrival they were turned away, and the served requests per second over the \
+             traffic's capacity (the offered load is the utilization).\n"
+        );
+        out.push_str(&table);
+    }
     if !report.rate_tracking.is_empty() {
         let _ = writeln!(
             out,
@@ -265,6 +295,7 @@ pub fn markdown(report: &Report) -> String {
                 interval: tracking.poll_interval_s,
                 replicas: tracking.router_replicas,
                 sync: tracking.sync,
+                admission: None,
             }
             .setting();
             let _ = writeln!(
@@ -304,6 +335,10 @@ pub fn summary_table(report: &Report) -> String {
         |row| row.ttft_mean_s,
         |row| row.ttft_mean_vs_best_reference,
     ));
+    if let Some(table) = outcome_table(report) {
+        out.push_str("\nrequests served and turned away:\n\n");
+        out.push_str(&table);
+    }
     if let Some(table) = sync_table(report) {
         out.push_str("\np99 TTFT (s) by replicas and sync, and its ratio to one router's:\n\n");
         out.push_str(&table);
@@ -313,6 +348,59 @@ pub fn summary_table(report: &Report) -> String {
         }
     }
     out
+}
+
+/// For scenarios that count each request's outcome: per cell and group
+/// (all requests, each class, each tenant), what was served, in time or
+/// late, what was turned away, why and when. `None` without such rows.
+pub fn outcome_table(report: &Report) -> Option<String> {
+    if report.results.iter().all(|row| row.outcomes.is_none()) {
+        return None;
+    }
+    let mut out = String::from(
+        "| traffic | setting | load | policy | group | offered | served | TTFT p50 (s) | \
+         TTFT p99 (s) | goodput | goodput ÷ offered | served late | turned away (full / \
+         unmeetable / passed) | on arrival | turned away late | turned away after p50 / p99 / max (s) | \
+         throughput ÷ capacity |\n\
+         |---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for row in &report.results {
+        let groups = row
+            .outcomes
+            .iter()
+            .chain(&row.by_class)
+            .chain(&row.by_tenant);
+        for group in groups {
+            let reason = |name: &str| group.rejected_by_reason.get(name).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.3} | {} | {:.1}% | {} | {} ({} / {} / {}) | {} | {} | {:.3} / {:.3} / {:.3} | {:.3} |",
+                row.traffic,
+                sweep_of(row).setting(),
+                row.utilization,
+                row.policy,
+                group.group,
+                group.offered_requests,
+                group.served_requests,
+                group.ttft_p50_s,
+                group.ttft_p99_s,
+                group.goodput_requests,
+                group.goodput_fraction * 100.0,
+                group.served_late_requests,
+                group.rejected_requests,
+                reason("queue_full"),
+                reason("deadline_unmeetable"),
+                reason("deadline_passed"),
+                group.rejected_on_arrival_requests,
+                group.rejected_late_requests,
+                group.rejection_p50_s,
+                group.rejection_p99_s,
+                group.rejection_max_s,
+                group.throughput_vs_capacity,
+            );
+        }
+    }
+    Some(out)
 }
 
 /// For a replica sweep with sync: per traffic, load, policy and replica
@@ -861,7 +949,7 @@ fn line_plot(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{RunOptions, Scenario, run_scenarios};
+    use crate::{AdmissionOrder, RunOptions, Scenario, run_scenarios};
 
     const SCENARIO: &str = r#"
 name = "tiny"
@@ -1028,6 +1116,86 @@ output = { dist = "constant", tokens = 8 }
             Scenario::from_toml_str(SCENARIO, Path::new("tiny.toml"), PathBuf::new()).unwrap();
         let outcomes = run_scenarios(&[plain], &options).unwrap();
         assert!(sync_table(&outcomes[0].report).is_none());
+    }
+
+    #[test]
+    fn an_admission_sweep_reports_what_became_of_each_class_and_tenant() {
+        let text = SCENARIO
+            .replace("name = \"tiny\"", "name = \"tiny-admission\"\ncapacity = \"measured\"")
+            .replace("requests = 300", "requests = 600")
+            .replace("utilizations = [0.5, 0.8]", "utilizations = [1.2]")
+            .replace(
+                "sweep_poll_interval_s = [0.5, 2.0]",
+                "poll_interval_s = 0.2\n[router.admission]\nsweep_order = [\"off\", \"fair_share\"]",
+            )
+            .replace(
+                "output = { dist = \"constant\", tokens = 8 }",
+                "output = { dist = \"constant\", tokens = 8 }\n\
+                 classes = [{ priority = 0, share = 1 }, { priority = 1, share = 1, ttft_deadline_s = 1.0 }]\n\
+                 tenants = [{ name = \"A\", share = 3 }, { name = \"B\", share = 1, alone = true }]",
+            );
+        let scenario =
+            Scenario::from_toml_str(&text, Path::new("tiny-admission.toml"), PathBuf::new())
+                .unwrap();
+        let options = RunOptions {
+            threads: 2,
+            progress: false,
+        };
+        let outcomes = run_scenarios(&[scenario], &options).unwrap();
+        let report = &outcomes[0].report;
+        // Without a room: 3 policies; with it, only least_load (round_robin
+        // has no model of wait, the oracle no policy); for the mix and B alone.
+        let rows: Vec<(&str, &str, Option<&str>)> = report
+            .results
+            .iter()
+            .map(|r| (r.traffic.as_str(), r.policy, r.admission))
+            .collect();
+        assert_eq!(rows.len(), 8, "{rows:?}");
+        assert!(rows.contains(&("size-skew-B-alone", "least_load", Some("fair_share"))));
+        assert!(!rows.contains(&("size-skew", "round_robin", Some("fair_share"))));
+        let capacity = &report.capacity[0];
+        assert!(capacity.formula_capacity_rps.is_some() && capacity.capacity_rps > 0.0);
+        let mix = report
+            .admission_row("size-skew", 1.2, "least_load", AdmissionOrder::FairShare)
+            .unwrap();
+        let all = mix.outcomes.as_ref().unwrap();
+        assert_eq!(all.offered_requests, 600);
+        assert_eq!(
+            all.served_requests + all.rejected_requests,
+            600,
+            "every request is served or turned away"
+        );
+        assert_eq!(mix.requests, all.served_requests);
+        let groups: Vec<&str> = mix
+            .by_class
+            .iter()
+            .chain(&mix.by_tenant)
+            .map(|g| g.group.as_str())
+            .collect();
+        assert_eq!(groups, ["priority 0", "priority 1", "tenant A", "tenant B"]);
+        assert!(all.throughput_vs_capacity > 0.0);
+        // B alone: the same B requests, at B's share of the rate.
+        let alone = report
+            .admission_row("size-skew-B-alone", 1.2, "least_load", AdmissionOrder::Off)
+            .unwrap();
+        let b = &mix.by_tenant[1];
+        assert_eq!(
+            alone.outcomes.as_ref().unwrap().offered_requests,
+            b.offered_requests
+        );
+        assert_eq!(alone.by_tenant.len(), 1);
+        let share = b.offered_requests as f64 / 600.0;
+        assert!((alone.arrival_rate_rps / mix.arrival_rate_rps - share).abs() < 1e-9);
+        let md = markdown(report);
+        assert!(md.contains("## Requests served and turned away"), "{md}");
+        assert!(
+            md.contains("| size-skew | admission=fair_share | 1.2 | least_load | tenant B |"),
+            "{md}"
+        );
+        assert!(md.contains("measured (the formula's"), "{md}");
+        assert!(summary_table(report).contains("| size-skew | admission=off | 1.2 |"));
+        let json = serde_json::to_string(report).unwrap();
+        assert!(json.contains("\"by_tenant\"") && json.contains("\"admission\":\"fair_share\""));
     }
 
     #[test]

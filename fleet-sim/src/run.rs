@@ -4,23 +4,30 @@
 //!
 //! A policy that does not count other replicas' pending work (the
 //! baselines, the references) runs only at the router settings without
-//! sync: with sync on it would make the same choices.
+//! sync: with sync on it would make the same choices. Likewise a policy
+//! with no model of wait (`Policy::expected_wait`) runs only without an
+//! admission room, which would dispatch its every request at once.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::error::SimError;
 use super::fleet::{
-    Cell, RateTrace, Restart, RestartStats, Slowdown, policy_registry, router_block_tokens,
-    run_cell,
+    Cell, RateTrace, Restart, RestartStats, Slowdown, policy_registry, predicts_wait,
+    router_block_tokens, run_cell, run_cell_records,
 };
 use super::metrics::CellStats;
-use super::scenario::{LoadReport, PolicyName, RouterPoint, Scenario, SyncConfig};
+use super::outcome::GroupStats;
+use super::scenario::{
+    AdmissionOrder, CapacityBasis, LoadReport, PolicyName, RouterPoint, Scenario, SyncConfig,
+    TrafficConfig,
+};
 use super::sync::{SyncStats, counts_replica_pending};
 use super::workload::{RequestSpec, Trace, chained_block_hashes_of, generate, mean_lengths};
+use admission::RoomConfig;
 use engine_model::{EngineParams, mix};
 
 /// How to run.
@@ -158,8 +165,13 @@ pub struct TrafficCapacity {
     pub mean_output_tokens: f64,
     /// Mean prompt tokens a warm prefix cache serves (shared prefixes).
     pub mean_cached_prompt_tokens: f64,
-    /// `Σ_workers 1 / ((prompt − cached) / prefill_tps + output × decode_per_req_ms / 1000)`.
+    /// `Σ_workers 1 / ((prompt − cached) / prefill_tps + output × decode_per_req_ms / 1000)`,
+    /// or with `capacity = "measured"` the highest rate `least_load` keeps
+    /// up with.
     pub capacity_rps: f64,
+    /// With `capacity = "measured"`: the formula's capacity.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub formula_capacity_rps: Option<f64>,
     pub rates: Vec<LoadRate>,
 }
 
@@ -221,6 +233,21 @@ pub struct ResultRow {
     /// restart).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub restart: Option<RestartStats>,
+    /// The replicas' admission order, `off` for none (scenarios that set
+    /// admission).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admission: Option<&'static str>,
+    /// What became of every request: served within its deadline, late, or
+    /// turned away (scenarios with admission, classes, tenants or
+    /// deadlines).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcomes: Option<GroupStats>,
+    /// The same per priority class (traffic with classes).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_class: Vec<GroupStats>,
+    /// The same per tenant (traffic with tenants).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_tenant: Vec<GroupStats>,
 }
 
 impl ResultRow {
@@ -260,6 +287,23 @@ impl Report {
         })
     }
 
+    /// The row of this traffic, load, policy and admission order (`off`
+    /// for none), at the first router setting that has it.
+    pub fn admission_row(
+        &self,
+        traffic: &str,
+        utilization: f64,
+        policy: &str,
+        admission: AdmissionOrder,
+    ) -> Option<&ResultRow> {
+        self.results.iter().find(|row| {
+            row.traffic == traffic
+                && (row.utilization - utilization).abs() < 1e-9
+                && row.policy == policy
+                && row.admission.unwrap_or("off") == admission.as_str()
+        })
+    }
+
     /// The row of this traffic, load, policy, replica count and sync
     /// setting (one replica's row is `SyncConfig::Off {}`).
     pub fn sync_row(
@@ -286,13 +330,29 @@ struct Plan<'a> {
     scenario: &'a Scenario,
     workers: Vec<(LoadReport, EngineParams)>,
     points: Vec<RouterPoint>,
+    /// Per traffic mix.
     capacity: Vec<TrafficCapacity>,
-    /// `[traffic][utilization]`.
+    /// Each traffic mix, each followed by its tenants run alone.
+    runs: Vec<TrafficRun>,
+    /// `[run][utilization]`.
     workloads: Vec<Vec<Vec<RequestSpec>>>,
-    /// `[traffic][utilization]`: each request's chained block hashes at the
+    /// `[run][utilization]`: each request's chained block hashes at the
     /// router's block size, made by the first cell of the load level that
     /// runs and shared by the others.
     chains: Vec<Vec<OnceLock<Chains>>>,
+    /// Each replica's admission room config (scenarios that set admission).
+    room: Option<RoomConfig>,
+}
+
+/// The requests of one traffic mix, or of one of its tenants alone.
+#[derive(Debug, Clone, PartialEq)]
+struct TrafficRun {
+    /// The traffic mix's index: its seeds, capacity and settings.
+    traffic: usize,
+    /// The `traffic` value of its rows.
+    name: String,
+    /// The one tenant kept, for a tenant run alone.
+    tenant: Option<String>,
 }
 
 /// Each request's chained block hashes, in request order.
@@ -337,6 +397,7 @@ fn plan(scenario: &Scenario) -> Result<Plan<'_>, SimError> {
         .unwrap_or(0);
     let count = usize::try_from(scenario.requests).unwrap_or(usize::MAX);
     let mut capacity = Vec::new();
+    let mut runs = Vec::new();
     let mut workloads = Vec::new();
     for (t, traffic) in scenario.traffic.iter().enumerate() {
         let trace = traces.get(t).and_then(Option::as_ref);
@@ -353,7 +414,8 @@ fn plan(scenario: &Scenario) -> Result<Plan<'_>, SimError> {
             });
         }
         let (prompt, output, cached) = mean_lengths(traffic, trace);
-        let fleet_rps = capacity_rps(&workers, prompt, output, cached);
+        let formula_rps = capacity_rps(&workers, prompt, output, cached);
+        let fleet_rps = traffic_capacity_rps(scenario, t, trace, &workers, formula_rps)?;
         let mut rates = Vec::new();
         let mut per_load = Vec::new();
         for (u, &utilization) in scenario.utilizations.iter().enumerate() {
@@ -371,9 +433,44 @@ fn plan(scenario: &Scenario) -> Result<Plan<'_>, SimError> {
             mean_output_tokens: output,
             mean_cached_prompt_tokens: cached,
             capacity_rps: fleet_rps,
+            formula_capacity_rps: (scenario.capacity == CapacityBasis::Measured)
+                .then_some(formula_rps),
             rates,
         });
+        // A tenant alone: the same requests (same seed), the others' left out.
+        let alone: Vec<(TrafficRun, Vec<Vec<RequestSpec>>)> = traffic
+            .tenants
+            .iter()
+            .filter(|tenant| tenant.alone)
+            .map(|tenant| {
+                let of_tenant = per_load
+                    .iter()
+                    .map(|requests| {
+                        requests
+                            .iter()
+                            .filter(|spec| spec.tenant.as_deref() == Some(tenant.name.as_str()))
+                            .cloned()
+                            .collect()
+                    })
+                    .collect();
+                let run = TrafficRun {
+                    traffic: t,
+                    name: traffic.alone_name(&tenant.name),
+                    tenant: Some(tenant.name.clone()),
+                };
+                (run, of_tenant)
+            })
+            .collect();
+        runs.push(TrafficRun {
+            traffic: t,
+            name: traffic.name.clone(),
+            tenant: None,
+        });
         workloads.push(per_load);
+        for (run, of_tenant) in alone {
+            runs.push(run);
+            workloads.push(of_tenant);
+        }
     }
     let chains = workloads
         .iter()
@@ -384,8 +481,10 @@ fn plan(scenario: &Scenario) -> Result<Plan<'_>, SimError> {
         workers,
         points: scenario.router_points(),
         capacity,
+        runs,
         workloads,
         chains,
+        room: scenario.room_config()?,
     })
 }
 
@@ -397,19 +496,24 @@ fn workload_seed(seed: u64, traffic: usize, utilization: usize) -> u64 {
 pub fn capacities(scenario: &Scenario) -> Result<Vec<TrafficCapacity>, SimError> {
     let traces = scenario.load_traces()?;
     let workers = scenario.worker_specs();
-    Ok(scenario
+    scenario
         .traffic
         .iter()
         .zip(&traces)
-        .map(|(traffic, trace)| {
+        .enumerate()
+        .map(|(t, (traffic, trace))| {
             let (prompt, output, cached) = mean_lengths(traffic, trace.as_ref());
-            let fleet_rps = capacity_rps(&workers, prompt, output, cached);
-            TrafficCapacity {
+            let formula_rps = capacity_rps(&workers, prompt, output, cached);
+            let fleet_rps =
+                traffic_capacity_rps(scenario, t, trace.as_ref(), &workers, formula_rps)?;
+            Ok(TrafficCapacity {
                 traffic: traffic.name.clone(),
                 mean_prompt_tokens: prompt,
                 mean_output_tokens: output,
                 mean_cached_prompt_tokens: cached,
                 capacity_rps: fleet_rps,
+                formula_capacity_rps: (scenario.capacity == CapacityBasis::Measured)
+                    .then_some(formula_rps),
                 rates: scenario
                     .utilizations
                     .iter()
@@ -418,9 +522,146 @@ pub fn capacities(scenario: &Scenario) -> Result<Vec<TrafficCapacity>, SimError>
                         arrival_rate_rps: utilization * fleet_rps,
                     })
                     .collect(),
-            }
+            })
         })
-        .collect())
+        .collect()
+}
+
+/// The bounds of the measured capacity's bisection, as multiples of the
+/// formula's: the fleet keeps up at the lower, not at the upper (a step's
+/// prefill and decode overlap at most, so it serves at most about twice
+/// the formula's rate).
+const MEASURED_CAPACITY_BOUNDS: (f64, f64) = (0.25, 4.0);
+/// Bisection steps: the capacity to within 3.75 / 2^8 ≈ 1.5 % of the
+/// formula's.
+const MEASURED_CAPACITY_STEPS: u32 = 8;
+/// A run keeps up when at least this share of the requests that arrive in
+/// its window finish in it: the requests in the fleet (queued, or in a
+/// running batch) do not pile up. Not TTFT: a fleet whose decode is
+/// saturated (long answers) grows its running batches, and so every step,
+/// long before its queues and TTFT show it. Poisson noise on 40 % of
+/// 20 000 requests is about 1 %.
+const KEEPS_UP_RATIO: f64 = 0.98;
+/// The window: from the arrival of this share of the requests to that of
+/// this one (after a multi-turn mix's sessions have mostly ramped up).
+const KEEPS_UP_WINDOW: (f64, f64) = (0.5, 0.9);
+
+/// Traffic `t`'s capacity, requests per second: the formula's, or (with
+/// `capacity = "measured"`) the highest arrival rate at which `least_load`,
+/// one replica at the scenario's first poll setting, without admission,
+/// finishes as many requests as arrive over the run's window
+/// ([`KEEPS_UP_RATIO`]), bisected between [`MEASURED_CAPACITY_BOUNDS`] × the
+/// formula's. The traffic's
+/// classes, tenants and deadlines play no part. Measured once per process
+/// for each traffic, fleet, router and seed.
+fn traffic_capacity_rps(
+    scenario: &Scenario,
+    t: usize,
+    trace: Option<&Trace>,
+    workers: &[(LoadReport, EngineParams)],
+    formula_rps: f64,
+) -> Result<f64, SimError> {
+    if scenario.capacity != CapacityBasis::Measured {
+        return Ok(formula_rps);
+    }
+    let Some(traffic) = scenario.traffic.get(t) else {
+        return Ok(formula_rps);
+    };
+    let unlabelled = TrafficConfig {
+        classes: Vec::new(),
+        tenants: Vec::new(),
+        ttft_deadline_s: None,
+        ..traffic.clone()
+    };
+    let Some(base) = scenario.router_points().first().copied() else {
+        return Ok(formula_rps);
+    };
+    let point = RouterPoint {
+        replicas: 1,
+        sync: SyncConfig::Off {},
+        admission: AdmissionOrder::Off,
+        ..base
+    };
+    let key = format!(
+        "{:?}",
+        (
+            scenario.seed,
+            scenario.requests,
+            t,
+            &unlabelled,
+            workers,
+            point.poll_interval_s,
+            point.stale_after_s,
+            point.poll_latency_s,
+            point.worker_phase,
+            point.report_at,
+        )
+    );
+    static MEASURED: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+    if let Some(known) = MEASURED
+        .lock()
+        .ok()
+        .and_then(|known| known.iter().find(|(k, _)| *k == key).map(|(_, rps)| *rps))
+    {
+        return Ok(known);
+    }
+    let count = usize::try_from(scenario.requests).unwrap_or(usize::MAX);
+    let seed = mix(workload_seed(scenario.seed, t, 0) ^ 0xca9a_c17e);
+    let registry = policy_registry();
+    let keeps_up = |utilization: f64| -> Result<bool, SimError> {
+        let requests = generate(&unlabelled, trace, utilization * formula_rps, count, seed);
+        let chains = chained_block_hashes_of(
+            &requests,
+            unlabelled.shared_prefix,
+            router_block_tokens(workers),
+        );
+        let cell = Cell {
+            workers,
+            requests: &requests,
+            chains: &chains,
+            shared_prefix: unlabelled.shared_prefix,
+            router: point,
+            policy: PolicyName::LeastLoad,
+            seed,
+            slowdown: None,
+            restart: None,
+            room: None,
+        };
+        let finished_s: Vec<f64> = run_cell_records(&cell, &registry)?
+            .iter()
+            .map(|record| record.finish_s)
+            .collect();
+        let at = |share: f64| {
+            let index = ((requests.len() as f64 * share) as usize).min(requests.len() - 1);
+            requests[index].arrival_s
+        };
+        let window_s = at(KEEPS_UP_WINDOW.0)..at(KEEPS_UP_WINDOW.1);
+        let arrived = requests
+            .iter()
+            .filter(|spec| window_s.contains(&spec.arrival_s))
+            .count();
+        let finished = finished_s
+            .iter()
+            .filter(|time_s| window_s.contains(time_s))
+            .count();
+        Ok(finished as f64 >= KEEPS_UP_RATIO * arrived as f64)
+    };
+    let (mut low, mut high) = MEASURED_CAPACITY_BOUNDS;
+    if count >= 2 {
+        for _ in 0..MEASURED_CAPACITY_STEPS {
+            let middle = (low + high) / 2.0;
+            if keeps_up(middle)? {
+                low = middle;
+            } else {
+                high = middle;
+            }
+        }
+    }
+    let measured = low * formula_rps;
+    if let Ok(mut known) = MEASURED.lock() {
+        known.push((key, measured));
+    }
+    Ok(measured)
 }
 
 /// Runs every cell of every scenario, `options.threads` at a time, and
@@ -440,11 +681,20 @@ pub fn run_scenarios(
             .iter()
             .map(|&name| counts_replica_pending(&registry, name))
             .collect();
-        for traffic in 0..plan.scenario.traffic.len() {
+        let with_room: Vec<bool> = plan
+            .scenario
+            .policies
+            .iter()
+            .map(|&name| predicts_wait(&registry, name))
+            .collect();
+        for traffic in 0..plan.runs.len() {
             for point in 0..plan.points.len() {
                 for utilization in 0..plan.scenario.utilizations.len() {
                     for (policy, &counts_sync) in counts_sync.iter().enumerate() {
                         if !plan.points[point].sync.is_off() && !counts_sync {
+                            continue;
+                        }
+                        if !plan.points[point].admission.is_off() && !with_room[policy] {
                             continue;
                         }
                         jobs.push(Job {
@@ -478,6 +728,7 @@ pub fn run_scenarios(
         let plan = &plans[job.plan];
         let scenario = plan.scenario;
         let requests = &plan.workloads[job.traffic][job.utilization];
+        let run = &plan.runs[job.traffic];
         let last_arrival_s = requests.last().map_or(0.0, |spec| spec.arrival_s);
         let point = plan.points[job.point];
         // The points of one poll interval and replica count share their
@@ -490,7 +741,7 @@ pub fn run_scenarios(
                 other.poll_interval_s == point.poll_interval_s && other.replicas == point.replicas
             })
             .unwrap_or(job.point);
-        let shared_prefix = scenario.traffic[job.traffic].shared_prefix;
+        let shared_prefix = scenario.traffic[run.traffic].shared_prefix;
         let chains = plan.chains[job.traffic][job.utilization].get_or_init(|| {
             chained_block_hashes_of(requests, shared_prefix, router_block_tokens(&plan.workers))
         });
@@ -502,7 +753,7 @@ pub fn run_scenarios(
             router: point,
             policy: scenario.policies[job.policy],
             seed: mix(
-                workload_seed(scenario.seed, job.traffic, job.utilization) ^ seed_point as u64
+                workload_seed(scenario.seed, run.traffic, job.utilization) ^ seed_point as u64
             ),
             slowdown: scenario.slowdown.map(|slowdown| Slowdown {
                 worker: slowdown.worker as usize,
@@ -515,6 +766,7 @@ pub fn run_scenarios(
                 warm: restart.warm,
                 window_s: restart.window_s,
             }),
+            room: plan.room.as_ref(),
         };
         run_cell(&cell, registry)
     };
@@ -577,8 +829,49 @@ pub fn run_scenarios(
         let plan = &plans[job.plan];
         let scenario = plan.scenario;
         let point = plan.points[job.point];
+        let run = &plan.runs[job.traffic];
+        let capacity = &plan.capacity[run.traffic];
+        let offered_rps = {
+            let rate_rps = capacity.rates[job.utilization].arrival_rate_rps;
+            // A tenant alone arrives at its share of the mix's rate.
+            match run.tenant {
+                Some(_) => {
+                    let mix = plans_workload_len(plan, run.traffic, job.utilization);
+                    let alone = plan.workloads[job.traffic][job.utilization].len();
+                    if mix > 0 {
+                        rate_rps * alone as f64 / mix as f64
+                    } else {
+                        0.0
+                    }
+                }
+                None => rate_rps,
+            }
+        };
+        let (outcomes_all, by_class, by_tenant) =
+            match (&cell.outcomes, scenario.reports_outcomes()) {
+                (Some(outcomes), true) => {
+                    let mut all = outcomes.all.clone();
+                    all.against_capacity(capacity.capacity_rps);
+                    let against = |groups: &[GroupStats]| -> Vec<GroupStats> {
+                        groups
+                            .iter()
+                            .map(|group| {
+                                let mut group = group.clone();
+                                group.against_capacity(capacity.capacity_rps);
+                                group
+                            })
+                            .collect()
+                    };
+                    (
+                        Some(all),
+                        against(&outcomes.by_class),
+                        against(&outcomes.by_tenant),
+                    )
+                }
+                _ => (None, Vec::new(), Vec::new()),
+            };
         let row = ResultRow {
-            traffic: scenario.traffic[job.traffic].name.clone(),
+            traffic: run.name.clone(),
             utilization: scenario.utilizations[job.utilization],
             policy: scenario.policies[job.policy].as_str(),
             poll_interval_s: point.sweeps_poll_interval.then_some(point.poll_interval_s),
@@ -595,7 +888,7 @@ pub fn run_scenarios(
             preemptions: cell.preemptions,
             imbalance_cv: cell.imbalance_cv,
             ttft_mean_s: cell.ttft_mean_s,
-            arrival_rate_rps: plan.capacity[job.traffic].rates[job.utilization].arrival_rate_rps,
+            arrival_rate_rps: offered_rps,
             poll_failures: cell.poll_failures,
             ttft_p99_vs_best_reference: None,
             ttft_mean_vs_best_reference: None,
@@ -620,6 +913,10 @@ pub fn run_scenarios(
                 }
             }),
             restart: cell.restart,
+            admission: point.sweeps_admission.then_some(point.admission.as_str()),
+            outcomes: outcomes_all,
+            by_class,
+            by_tenant,
         };
         let outcome = &mut outcomes[job.plan];
         if let Some(trace) = &cell.rate_trace {
@@ -636,6 +933,17 @@ pub fn run_scenarios(
         compare_with_references(&mut outcome.report.results);
     }
     Ok(outcomes)
+}
+
+/// The requests of traffic mix `traffic` at load level `utilization` (its
+/// own run, the first of its runs).
+fn plans_workload_len(plan: &Plan<'_>, traffic: usize, utilization: usize) -> usize {
+    plan.runs
+        .iter()
+        .position(|run| run.traffic == traffic)
+        .and_then(|index| plan.workloads.get(index))
+        .and_then(|per_load| per_load.get(utilization))
+        .map_or(0, Vec::len)
 }
 
 /// Fills every row's ratios to the best reference of its traffic, setting

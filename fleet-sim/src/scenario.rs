@@ -4,8 +4,11 @@
 //! Every table denies unknown keys; [`Scenario::validate`] rejects impossible
 //! values with a message naming the field.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use admission::{ClassConfig, RoomConfig};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::error::SimError;
@@ -36,6 +39,9 @@ pub const STANDARD_SCENARIOS: [&str; 16] = [
 pub const MAX_WORKERS: u32 = 4096;
 /// The most router replicas a scenario may have.
 pub const MAX_REPLICAS: u32 = 64;
+/// The highest load level a scenario may ask for, as a multiple of the
+/// fleet's capacity: above 1 the fleet is overloaded (what admission is for).
+pub const MAX_UTILIZATION: f64 = 4.0;
 
 /// One scenario file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -50,6 +56,9 @@ pub struct Scenario {
     pub requests: u64,
     /// Target utilizations of fleet capacity.
     pub utilizations: Vec<f64>,
+    /// What a traffic's capacity is: the formula's (default) or measured.
+    #[serde(default)]
+    pub capacity: CapacityBasis,
     /// Policies compared.
     #[serde(default = "PolicyName::all")]
     pub policies: Vec<PolicyName>,
@@ -70,6 +79,23 @@ pub struct Scenario {
     /// scenario file's directory.
     #[serde(skip)]
     pub base_dir: PathBuf,
+}
+
+/// How a traffic's capacity (what `utilizations` multiply) is worked out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CapacityBasis {
+    /// `Σ_workers 1 / ((prompt − cached) / prefill_tps + output ×
+    /// decode_per_req_ms / 1000)`: every worker's prefill and decode work
+    /// summed, though a step overlaps them, so the fleet serves more than
+    /// this (size-skew about 1.2 ×).
+    #[default]
+    Formula,
+    /// The highest arrival rate `least_load` (one replica, no admission)
+    /// keeps up with: found by bisection over simulated runs of the traffic
+    /// (`capacity_rps` is then that rate, `formula_capacity_rps` the
+    /// formula's). For loads above the fleet's real capacity.
+    Measured,
 }
 
 /// The policies the simulator knows.
@@ -431,6 +457,8 @@ pub struct RouterConfig {
     /// of the other sweep (one replica runs once, without sync: it has no
     /// one to share with).
     pub sweep_sync: Option<Vec<SyncConfig>>,
+    /// The admission room in each replica (default: none, dispatch at once).
+    pub admission: Option<AdmissionConfig>,
 }
 
 impl Default for RouterConfig {
@@ -447,8 +475,141 @@ impl Default for RouterConfig {
             sweep_replicas: None,
             sync: SyncConfig::default(),
             sweep_sync: None,
+            admission: None,
         }
     }
+}
+
+/// The order of a router replica's admission room (`admission`'s registry
+/// names), or `off`: no room, every request dispatched at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmissionOrder {
+    #[default]
+    Off,
+    Fifo,
+    Priority,
+    FairShare,
+}
+
+impl AdmissionOrder {
+    /// The name in reports, and the order's registry name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdmissionOrder::Off => "off",
+            AdmissionOrder::Fifo => admission::FIFO,
+            AdmissionOrder::Priority => admission::PRIORITY,
+            AdmissionOrder::FairShare => admission::FAIR_SHARE,
+        }
+    }
+
+    pub fn is_off(self) -> bool {
+        self == AdmissionOrder::Off
+    }
+}
+
+/// `[router.admission]`: each replica's admission room, as the router's
+/// `[admission]` section sets it (`admission::RoomConfig`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// The room's order, or `off`.
+    #[serde(default)]
+    pub order: AdmissionOrder,
+    /// Sweep: run every order listed instead of `order`, at each point of
+    /// the other sweeps.
+    pub sweep_order: Option<Vec<AdmissionOrder>>,
+    /// A request waits in the router while every worker's expected wait is
+    /// above this, seconds (default `admission::DEFAULT_QUEUE_ABOVE_WAIT_MS`).
+    pub queue_above_wait_s: Option<f64>,
+    /// The same threshold while there is something to reorder (default
+    /// `admission::DEFAULT_REORDER_ABOVE_WAIT_MS`).
+    pub reorder_above_wait_s: Option<f64>,
+    /// Requests beyond this many waiting are turned away (default
+    /// `admission::DEFAULT_MAX_QUEUE_REQUESTS`).
+    pub max_queue_requests: Option<usize>,
+    /// Named classes of priority values (default: each value its own class).
+    #[serde(default)]
+    pub classes: Vec<AdmissionClassConfig>,
+    /// Tenants' weights within a class (`fair_share`); others weigh 1.
+    #[serde(default)]
+    pub tenant_weights: BTreeMap<String, f64>,
+}
+
+/// One class of the room: the priority values up to `priority`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionClassConfig {
+    pub name: String,
+    pub priority: i32,
+    /// Its share when classes compete (default
+    /// `admission::default_class_weight(priority)`).
+    pub weight: Option<f64>,
+    /// The TTFT deadline of its requests that carry none, seconds.
+    pub ttft_deadline_s: Option<f64>,
+}
+
+impl AdmissionConfig {
+    /// The orders run: the sweep's, or the one order.
+    pub fn orders(&self) -> Vec<AdmissionOrder> {
+        self.sweep_order.clone().unwrap_or_else(|| vec![self.order])
+    }
+
+    /// The room's config, validated by the room's own rules; the message
+    /// names the offending key.
+    pub fn room_config(&self) -> Result<RoomConfig, String> {
+        let defaults = RoomConfig::default();
+        let queue_above_wait = match self.queue_above_wait_s {
+            Some(secs) => Duration::try_from_secs_f64(secs).map_err(|_| {
+                format!("queue_above_wait_s must be finite and not negative, got {secs}")
+            })?,
+            None => defaults.queue_above_wait,
+        };
+        let mut classes = Vec::with_capacity(self.classes.len());
+        for class in &self.classes {
+            let ttft_deadline = match class.ttft_deadline_s {
+                Some(secs) => Some(positive_duration(secs).ok_or_else(|| {
+                    format!(
+                        "class {:?}: ttft_deadline_s must be finite and positive, got {secs}",
+                        class.name
+                    )
+                })?),
+                None => None,
+            };
+            classes.push(ClassConfig {
+                name: class.name.clone(),
+                priority: class.priority,
+                weight: class
+                    .weight
+                    .unwrap_or_else(|| admission::default_class_weight(class.priority)),
+                ttft_deadline,
+            });
+        }
+        let reorder_above_wait = match self.reorder_above_wait_s {
+            Some(secs) => Duration::try_from_secs_f64(secs).map_err(|_| {
+                format!("reorder_above_wait_s must be finite and not negative, got {secs}")
+            })?,
+            None => defaults.reorder_above_wait,
+        };
+        RoomConfig {
+            queue_above_wait,
+            reorder_above_wait,
+            max_queue_requests: self
+                .max_queue_requests
+                .unwrap_or(defaults.max_queue_requests),
+            classes,
+            tenant_weights: self.tenant_weights.clone(),
+        }
+        .validated()
+        .map_err(|error| error.to_string())
+    }
+}
+
+/// A positive, finite number of seconds as a duration.
+fn positive_duration(secs: f64) -> Option<Duration> {
+    (secs.is_finite() && secs > 0.0)
+        .then(|| Duration::try_from_secs_f64(secs).ok())
+        .flatten()
 }
 
 /// One router-side setting of a run (one point of a sweep).
@@ -470,6 +631,10 @@ pub struct RouterPoint {
     /// Whether this point is part of a sync sweep, or sync is on (report
     /// the sync setting per row).
     pub sweeps_sync: bool,
+    /// Each replica's admission room's order (`off`: none).
+    pub admission: AdmissionOrder,
+    /// Whether the scenario sets admission (report the order per row).
+    pub sweeps_admission: bool,
 }
 
 /// The arrival process.
@@ -611,6 +776,52 @@ pub struct TrafficConfig {
     pub shared_prefix: Option<SharedPrefixConfig>,
     /// Multi-turn sessions; `prompt` is then each turn's new user message.
     pub conversation: Option<ConversationConfig>,
+    /// Priority classes, each drawn with its share (default: none, every
+    /// request without a priority).
+    #[serde(default)]
+    pub classes: Vec<TrafficClass>,
+    /// Tenants, each drawn with its share of the arrivals (default: none).
+    #[serde(default)]
+    pub tenants: Vec<TrafficTenant>,
+    /// Every request's TTFT deadline, seconds, unless its class sets one.
+    pub ttft_deadline_s: Option<f64>,
+}
+
+/// A priority class of a traffic mix: its requests' priority value (lower
+/// first) and their share of the arrivals (relative to the other classes').
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrafficClass {
+    pub priority: i32,
+    pub share: f64,
+    /// The TTFT deadline of this class's requests, seconds (over the
+    /// traffic's `ttft_deadline_s`).
+    pub ttft_deadline_s: Option<f64>,
+}
+
+/// A tenant of a traffic mix and its share of the arrivals (relative to
+/// the other tenants'). With `alone`, the simulator also runs this tenant's
+/// requests by themselves: the same requests, the others left out, as the
+/// traffic `<name>-<tenant>-alone`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrafficTenant {
+    pub name: String,
+    pub share: f64,
+    #[serde(default)]
+    pub alone: bool,
+}
+
+impl TrafficConfig {
+    /// Whether its requests carry a class, a tenant or a deadline.
+    pub fn is_labelled(&self) -> bool {
+        !self.classes.is_empty() || !self.tenants.is_empty() || self.ttft_deadline_s.is_some()
+    }
+
+    /// The name of the traffic of `tenant`'s requests alone.
+    pub fn alone_name(&self, tenant: &str) -> String {
+        format!("{}-{tenant}-alone", self.name)
+    }
 }
 
 impl ConversationConfig {
@@ -712,7 +923,15 @@ impl Scenario {
             .clone()
             .unwrap_or_else(|| vec![router.sync]);
         let sweeps_sync = router.sweep_sync.is_some() || !router.sync.is_off();
-        let point = |poll_interval_s: f64, replicas: u32, sync: SyncConfig| RouterPoint {
+        let admissions = router
+            .admission
+            .as_ref()
+            .map_or_else(|| vec![AdmissionOrder::Off], AdmissionConfig::orders);
+        let sweeps_admission = router.admission.is_some();
+        let point = |poll_interval_s: f64,
+                     replicas: u32,
+                     sync: SyncConfig,
+                     admission: AdmissionOrder| RouterPoint {
             poll_interval_s,
             stale_after_s: router.stale_after_s.unwrap_or(3.0 * poll_interval_s),
             poll_latency_s: router.poll_latency_s,
@@ -724,6 +943,8 @@ impl Scenario {
             sweeps_replicas: router.sweep_replicas.is_some(),
             sync,
             sweeps_sync,
+            admission,
+            sweeps_admission,
         };
         let bases: Vec<(f64, u32)> = if let Some(intervals) = &router.sweep_poll_interval_s {
             intervals.iter().map(|&i| (i, router.replicas)).collect()
@@ -737,15 +958,39 @@ impl Scenario {
         };
         let mut points = Vec::new();
         for (poll_interval_s, replicas) in bases {
-            if replicas == 1 {
-                points.push(point(poll_interval_s, 1, SyncConfig::default()));
-                continue;
-            }
-            for &sync in &syncs {
-                points.push(point(poll_interval_s, replicas, sync));
+            let syncs = if replicas == 1 {
+                &[SyncConfig::Off {}][..]
+            } else {
+                &syncs[..]
+            };
+            for &sync in syncs {
+                for &admission in &admissions {
+                    points.push(point(poll_interval_s, replicas, sync, admission));
+                }
             }
         }
         points
+    }
+
+    /// Each replica's admission room config, when the scenario sets
+    /// admission (validated).
+    pub fn room_config(&self) -> Result<Option<RoomConfig>, SimError> {
+        self.router
+            .admission
+            .as_ref()
+            .map(|admission| {
+                admission
+                    .room_config()
+                    .map_err(|message| self.invalid("router.admission", message))
+            })
+            .transpose()
+    }
+
+    /// Whether the report counts each request's outcome (served in time,
+    /// late, turned away), by class and tenant: with admission, or traffic
+    /// with classes, tenants or deadlines.
+    pub fn reports_outcomes(&self) -> bool {
+        self.router.admission.is_some() || self.traffic.iter().any(TrafficConfig::is_labelled)
     }
 
     fn invalid(&self, field: &str, message: impl Into<String>) -> SimError {
@@ -768,10 +1013,11 @@ impl Scenario {
             return Err(self.invalid("utilizations", "must list at least one load level"));
         }
         for &u in &self.utilizations {
-            if !(u.is_finite() && u > 0.0 && u <= 1.0) {
-                return Err(
-                    self.invalid("utilizations", format!("must each be in (0, 1], got {u}"))
-                );
+            if !(u.is_finite() && u > 0.0 && u <= MAX_UTILIZATION) {
+                return Err(self.invalid(
+                    "utilizations",
+                    format!("must each be in (0, {MAX_UTILIZATION}], got {u}"),
+                ));
             }
         }
         if self.policies.is_empty() {
@@ -944,6 +1190,27 @@ impl Scenario {
                 replicas("router.sweep_replicas", value)?;
             }
         }
+        if let Some(admission) = &router.admission {
+            if let Some(orders) = &admission.sweep_order {
+                if orders.is_empty() {
+                    return Err(self.invalid("router.admission.sweep_order", "must not be empty"));
+                }
+                for (i, order) in orders.iter().enumerate() {
+                    if orders[..i].contains(order) {
+                        return Err(self.invalid(
+                            "router.admission.sweep_order",
+                            format!("lists {} twice", order.as_str()),
+                        ));
+                    }
+                }
+            }
+            if admission.max_queue_requests == Some(0) {
+                return Err(
+                    self.invalid("router.admission.max_queue_requests", "must be at least 1")
+                );
+            }
+            self.room_config()?;
+        }
         if let Some(stale) = router.stale_after_s {
             for point in self.router_points() {
                 if !(stale.is_finite() && stale > point.poll_interval_s) {
@@ -1050,6 +1317,7 @@ impl Scenario {
                     ),
                 ));
             }
+            self.validate_labels(i, traffic)?;
             if let Some(prefix) = &traffic.shared_prefix {
                 if !(prefix.fraction.is_finite() && (0.0..=1.0).contains(&prefix.fraction)) {
                     return Err(self.invalid(
@@ -1066,6 +1334,85 @@ impl Scenario {
             }
         }
         Ok(())
+    }
+
+    /// Checks a traffic mix's classes, tenants and deadlines.
+    fn validate_labels(&self, i: usize, traffic: &TrafficConfig) -> Result<(), SimError> {
+        let field = |name: &str| format!("traffic[{i}].{name}");
+        let deadline = |name: &str, value: Option<f64>| match value {
+            Some(secs) if positive_duration(secs).is_none() => Err(self.invalid(
+                &field(name),
+                format!("must be finite and positive, got {secs}"),
+            )),
+            _ => Ok(()),
+        };
+        let share = |name: &str, value: f64| {
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(self.invalid(
+                    &field(name),
+                    format!("must be finite and positive, got {value}"),
+                ))
+            }
+        };
+        deadline("ttft_deadline_s", traffic.ttft_deadline_s)?;
+        for (c, class) in traffic.classes.iter().enumerate() {
+            share(&format!("classes[{c}].share"), class.share)?;
+            deadline(
+                &format!("classes[{c}].ttft_deadline_s"),
+                class.ttft_deadline_s,
+            )?;
+            if traffic.classes[..c]
+                .iter()
+                .any(|other| other.priority == class.priority)
+            {
+                return Err(self.invalid(
+                    &field(&format!("classes[{c}].priority")),
+                    format!("{} is used twice", class.priority),
+                ));
+            }
+        }
+        for (t, tenant) in traffic.tenants.iter().enumerate() {
+            share(&format!("tenants[{t}].share"), tenant.share)?;
+            if tenant.name.trim().is_empty() {
+                return Err(
+                    self.invalid(&field(&format!("tenants[{t}].name")), "must not be empty")
+                );
+            }
+            if traffic.tenants[..t]
+                .iter()
+                .any(|other| other.name == tenant.name)
+            {
+                return Err(self.invalid(
+                    &field(&format!("tenants[{t}].name")),
+                    format!("{:?} is used twice", tenant.name),
+                ));
+            }
+            if tenant.alone {
+                let alone = traffic.alone_name(&tenant.name);
+                if self.traffic_names().filter(|name| *name == alone).count() > 1 {
+                    return Err(self.invalid(
+                        &field(&format!("tenants[{t}].alone")),
+                        format!("names the traffic {alone:?}, which is used already"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every traffic's name, and the names of the tenants' `alone` runs.
+    fn traffic_names(&self) -> impl Iterator<Item = String> + '_ {
+        self.traffic.iter().flat_map(|traffic| {
+            std::iter::once(traffic.name.clone()).chain(
+                traffic
+                    .tenants
+                    .iter()
+                    .filter(|tenant| tenant.alone)
+                    .map(|tenant| traffic.alone_name(&tenant.name)),
+            )
+        })
     }
 
     /// Loads the traces of the traffic mixes that use one (`None` for the others).
@@ -1197,8 +1544,8 @@ output = { dist = "constant", tokens = 10 }
         let cases: [(&str, &str, &str); 17] = [
             (
                 "utilizations = [0.5]",
-                "utilizations = [1.5]",
-                "utilizations must each be in (0, 1], got 1.5",
+                "utilizations = [4.5]",
+                "utilizations must each be in (0, 4], got 4.5",
             ),
             (
                 "utilizations = [0.5]",
@@ -1467,6 +1814,211 @@ output = { dist = "constant", tokens = 10 }
         );
         let text = format!("{MINIMAL}[router]\nsweep_sync = []\n");
         assert!(error_text(&parse(&text).unwrap_err()).contains("must not be empty"));
+    }
+
+    #[test]
+    fn classes_tenants_and_deadlines_parse() {
+        let text = MINIMAL.replace(
+            "output = { dist = \"constant\", tokens = 10 }",
+            "output = { dist = \"constant\", tokens = 10 }\n\
+             classes = [{ priority = 0, share = 0.2 }, { priority = 1, share = 0.8, ttft_deadline_s = 2.0 }]\n\
+             tenants = [{ name = \"A\", share = 10 }, { name = \"B\", share = 1, alone = true }]\n\
+             ttft_deadline_s = 5.0",
+        );
+        let text = text.replace("utilizations = [0.5]", "utilizations = [0.5, 1.3]");
+        let scenario = parse(&text).unwrap();
+        let traffic = &scenario.traffic[0];
+        assert_eq!(
+            traffic.classes,
+            [
+                TrafficClass {
+                    priority: 0,
+                    share: 0.2,
+                    ttft_deadline_s: None
+                },
+                TrafficClass {
+                    priority: 1,
+                    share: 0.8,
+                    ttft_deadline_s: Some(2.0)
+                },
+            ]
+        );
+        assert_eq!(traffic.tenants[1].name, "B");
+        assert!(traffic.tenants[1].alone && !traffic.tenants[0].alone);
+        assert_eq!(traffic.ttft_deadline_s, Some(5.0));
+        assert!(traffic.is_labelled());
+        assert_eq!(traffic.alone_name("B"), "uniform-B-alone");
+        // Loads above capacity are allowed; the outcomes are reported.
+        assert_eq!(scenario.utilizations, [0.5, 1.3]);
+        assert!(scenario.reports_outcomes());
+        assert!(!parse(MINIMAL).unwrap().reports_outcomes());
+        assert_eq!(parse(MINIMAL).unwrap().capacity, CapacityBasis::Formula);
+        let measured = format!("capacity = \"measured\"\n{MINIMAL}");
+        assert_eq!(parse(&measured).unwrap().capacity, CapacityBasis::Measured);
+    }
+
+    #[test]
+    fn impossible_classes_tenants_and_deadlines_are_clear_errors() {
+        let with = |extra: &str| {
+            MINIMAL.replace(
+                "output = { dist = \"constant\", tokens = 10 }",
+                &format!("output = {{ dist = \"constant\", tokens = 10 }}\n{extra}"),
+            )
+        };
+        for (extra, expected) in [
+            (
+                "classes = [{ priority = 0, share = 0.0 }]",
+                "traffic[0].classes[0].share must be finite and positive, got 0",
+            ),
+            (
+                "classes = [{ priority = 0, share = 1.0 }, { priority = 0, share = 1.0 }]",
+                "traffic[0].classes[1].priority 0 is used twice",
+            ),
+            (
+                "classes = [{ priority = 0, share = 1.0, ttft_deadline_s = -2.0 }]",
+                "traffic[0].classes[0].ttft_deadline_s must be finite and positive, got -2",
+            ),
+            (
+                "classes = [{ priority = 0, share = 1.0, weight = 2.0 }]",
+                "unknown field `weight`",
+            ),
+            (
+                "tenants = [{ name = \"A\", share = -1.0 }]",
+                "traffic[0].tenants[0].share must be finite and positive, got -1",
+            ),
+            (
+                "tenants = [{ name = \"A\", share = 1.0 }, { name = \"A\", share = 2.0 }]",
+                "traffic[0].tenants[1].name \"A\" is used twice",
+            ),
+            (
+                "tenants = [{ name = \" \", share = 1.0 }]",
+                "traffic[0].tenants[0].name must not be empty",
+            ),
+            (
+                "ttft_deadline_s = 0.0",
+                "traffic[0].ttft_deadline_s must be finite and positive, got 0",
+            ),
+            (
+                "ttft_deadline_s = nan",
+                "must be finite and positive, got NaN",
+            ),
+        ] {
+            let message = error_text(&parse(&with(extra)).unwrap_err());
+            assert!(
+                message.contains(expected),
+                "expected {expected:?} in {message:?}"
+            );
+        }
+        // A tenant alone must not take another traffic's name.
+        let mut text = with("tenants = [{ name = \"B\", share = 1.0, alone = true }]");
+        text.push_str(
+            "[[traffic]]\nname = \"uniform-B-alone\"\narrival = { process = \"poisson\" }\n\
+             prompt = { dist = \"constant\", tokens = 200 }\noutput = { dist = \"constant\", tokens = 10 }\n",
+        );
+        assert!(
+            error_text(&parse(&text).unwrap_err())
+                .contains("names the traffic \"uniform-B-alone\", which is used already")
+        );
+    }
+
+    #[test]
+    fn admission_settings_parse_and_sweep() {
+        let mut text = MINIMAL.replace("utilizations = [0.5]", "utilizations = [0.5, 1.2]");
+        text.push_str(
+            "[router]\nreplicas = 2\n[router.admission]\nsweep_order = [\"off\", \"fifo\", \"fair_share\"]\n\
+             queue_above_wait_s = 0.1\nmax_queue_requests = 64\n\
+             classes = [{ name = \"chat\", priority = 0, ttft_deadline_s = 2.0 }, { name = \"batch\", priority = 5, weight = 0.5 }]\n\
+             tenant_weights = { A = 2.0 }\n",
+        );
+        let scenario = parse(&text).unwrap();
+        let orders: Vec<AdmissionOrder> = scenario
+            .router_points()
+            .iter()
+            .map(|point| point.admission)
+            .collect();
+        assert_eq!(
+            orders,
+            [
+                AdmissionOrder::Off,
+                AdmissionOrder::Fifo,
+                AdmissionOrder::FairShare
+            ]
+        );
+        assert!(scenario.router_points().iter().all(|p| p.sweeps_admission));
+        let room = scenario.room_config().unwrap().unwrap();
+        assert_eq!(room.queue_above_wait, Duration::from_millis(100));
+        assert_eq!(room.max_queue_requests, 64);
+        assert_eq!(room.classes[0].name, "chat");
+        assert_eq!(room.classes[0].weight, admission::default_class_weight(0));
+        assert_eq!(room.classes[0].ttft_deadline, Some(Duration::from_secs(2)));
+        assert_eq!(room.classes[1].weight, 0.5);
+        assert_eq!(room.tenant_weights["A"], 2.0);
+        assert!(scenario.reports_outcomes());
+        // The defaults: the router's, one order.
+        let mut text = MINIMAL.to_owned();
+        text.push_str("[router.admission]\norder = \"priority\"\n");
+        let scenario = parse(&text).unwrap();
+        assert_eq!(
+            scenario.room_config().unwrap().unwrap(),
+            RoomConfig::default()
+        );
+        let points = scenario.router_points();
+        assert_eq!(points.len(), 1);
+        assert_eq!(points[0].admission, AdmissionOrder::Priority);
+        // Without the section: no room, no admission column.
+        let points = parse(MINIMAL).unwrap().router_points();
+        assert!(points[0].admission.is_off() && !points[0].sweeps_admission);
+        assert_eq!(parse(MINIMAL).unwrap().room_config().unwrap(), None);
+    }
+
+    #[test]
+    fn impossible_admission_settings_are_clear_errors() {
+        for (admission, expected) in [
+            ("order = \"lifo\"", "unknown variant `lifo`"),
+            (
+                "sweep_order = []",
+                "router.admission.sweep_order must not be empty",
+            ),
+            (
+                "sweep_order = [\"fifo\", \"fifo\"]",
+                "router.admission.sweep_order lists fifo twice",
+            ),
+            (
+                "max_queue_requests = 0",
+                "router.admission.max_queue_requests must be at least 1",
+            ),
+            (
+                "queue_above_wait_s = -0.1",
+                "queue_above_wait_s must be finite and not negative, got -0.1",
+            ),
+            (
+                "classes = [{ name = \"a\", priority = 0 }, { name = \"b\", priority = 0 }]",
+                "have the same priority 0",
+            ),
+            (
+                "classes = [{ name = \"a\", priority = 0, weight = 0.0 }]",
+                "weight 0 must be a finite number above 0",
+            ),
+            (
+                "classes = [{ name = \"a\", priority = 0, ttft_deadline_s = 0.0 }]",
+                "class \"a\": ttft_deadline_s must be finite and positive, got 0",
+            ),
+            (
+                "tenant_weights = { A = -1.0 }",
+                "tenant \"A\": weight -1 must be a finite number above 0",
+            ),
+            (
+                "queue_above_wait_ms = 250",
+                "unknown field `queue_above_wait_ms`",
+            ),
+        ] {
+            let text = format!("{MINIMAL}[router.admission]\n{admission}\n");
+            let message = error_text(&parse(&text).unwrap_err());
+            assert!(
+                message.contains(expected),
+                "expected {expected:?} in {message:?}"
+            );
+        }
     }
 
     #[test]

@@ -333,6 +333,12 @@ pub struct RequestSpec {
     /// The whole prompt as segments (multi-turn traffic: system prompt,
     /// then each turn's user message and answer); `None` for the other mixes.
     pub segments: Option<Arc<[Segment]>>,
+    /// Its priority value (lower first), if its traffic has classes.
+    pub priority: Option<i32>,
+    /// Who sent it, if its traffic has tenants.
+    pub tenant: Option<Arc<str>>,
+    /// Its TTFT deadline, seconds, if its traffic or class sets one.
+    pub ttft_deadline_s: Option<f64>,
 }
 
 impl RequestSpec {
@@ -476,8 +482,84 @@ pub fn mean_lengths(traffic: &TrafficConfig, trace: Option<&Trace>) -> (f64, f64
     (prompt, output, cached)
 }
 
-/// Generates `count` requests at a mean rate of `rate_rps`.
+/// Generates `count` requests at a mean rate of `rate_rps`, each with its
+/// class, tenant and deadline drawn from the traffic's shares.
 pub fn generate(
+    traffic: &TrafficConfig,
+    trace: Option<&Trace>,
+    rate_rps: f64,
+    count: usize,
+    seed: u64,
+) -> Vec<RequestSpec> {
+    let mut requests = generate_unlabelled(traffic, trace, rate_rps, count, seed);
+    if traffic.is_labelled() {
+        label(&mut requests, traffic, seed);
+    }
+    requests
+}
+
+/// Draws each request's class and tenant by the traffic's shares, and sets
+/// its deadline. The draws come from a generator of their own, so the
+/// requests themselves are those of the same traffic without labels. A
+/// multi-turn session's turns share their draws: one session, one sender.
+fn label(requests: &mut [RequestSpec], traffic: &TrafficConfig, seed: u64) {
+    let seed = mix(seed ^ 0x1abe_1ed0_0000_0000);
+    let mut per_request = SmallRng::seed_from_u64(seed);
+    let class_total: f64 = traffic.classes.iter().map(|class| class.share).sum();
+    let tenant_total: f64 = traffic.tenants.iter().map(|tenant| tenant.share).sum();
+    let tenants: Vec<Arc<str>> = traffic
+        .tenants
+        .iter()
+        .map(|tenant| Arc::from(tenant.name.as_str()))
+        .collect();
+    for request in requests {
+        // A session is named by its first user message (the system prompt
+        // is its app's, shared with other sessions).
+        let session = request
+            .segments
+            .as_ref()
+            .and_then(|segments| segments.get(1))
+            .map(|message| message.id);
+        let mut per_session;
+        let rng = match session {
+            Some(id) => {
+                per_session = SmallRng::seed_from_u64(mix(seed ^ id));
+                &mut per_session
+            }
+            None => &mut per_request,
+        };
+        let class = pick(traffic.classes.iter().map(|c| c.share), class_total, rng)
+            .and_then(|index| traffic.classes.get(index));
+        let tenant = pick(traffic.tenants.iter().map(|t| t.share), tenant_total, rng)
+            .and_then(|index| tenants.get(index));
+        request.priority = class.map(|class| class.priority);
+        request.tenant = tenant.cloned();
+        request.ttft_deadline_s = class
+            .and_then(|class| class.ttft_deadline_s)
+            .or(traffic.ttft_deadline_s);
+    }
+}
+
+/// An index drawn with probability share / total; `None` without shares.
+fn pick(shares: impl Iterator<Item = f64>, total: f64, rng: &mut SmallRng) -> Option<usize> {
+    if total <= 0.0 {
+        return None;
+    }
+    let point = rng.random::<f64>() * total;
+    let mut below = 0.0;
+    let mut last = None;
+    for (index, share) in shares.enumerate() {
+        below += share;
+        last = Some(index);
+        if point < below {
+            return last;
+        }
+    }
+    // Rounding left the point at the very top.
+    last
+}
+
+fn generate_unlabelled(
     traffic: &TrafficConfig,
     trace: Option<&Trace>,
     rate_rps: f64,
@@ -501,6 +583,9 @@ pub fn generate(
                 output_tokens: output,
                 prefix_group: prefix_group(traffic.shared_prefix.as_ref(), &mut rng),
                 segments: None,
+                priority: None,
+                tenant: None,
+                ttft_deadline_s: None,
             });
         }
         return requests;
@@ -520,6 +605,9 @@ pub fn generate(
             output_tokens: output.sample(&mut rng),
             prefix_group: prefix_group(traffic.shared_prefix.as_ref(), &mut rng),
             segments: None,
+            priority: None,
+            tenant: None,
+            ttft_deadline_s: None,
         });
     }
     requests
@@ -689,6 +777,9 @@ fn generate_conversations(
                 output_tokens: turn.output_tokens,
                 prefix_group: None,
                 segments: Some(turn.segments),
+                priority: None,
+                tenant: None,
+                ttft_deadline_s: None,
             });
         }
         session += 1;
@@ -806,6 +897,9 @@ mod tests {
             output: Some(LengthDist::Constant { tokens: 10 }),
             shared_prefix: None,
             conversation: None,
+            classes: Vec::new(),
+            tenants: Vec::new(),
+            ttft_deadline_s: None,
         }
     }
 
@@ -947,6 +1041,96 @@ mod tests {
         );
     }
 
+    /// One class in five priority 0 (no deadline), the rest priority 1
+    /// with a 2 s deadline; tenant A at ten times tenant B's rate; 5 s for
+    /// every other request.
+    fn labelled(mut traffic: TrafficConfig) -> TrafficConfig {
+        traffic.classes = vec![
+            crate::scenario::TrafficClass {
+                priority: 0,
+                share: 0.2,
+                ttft_deadline_s: None,
+            },
+            crate::scenario::TrafficClass {
+                priority: 1,
+                share: 0.8,
+                ttft_deadline_s: Some(2.0),
+            },
+        ];
+        traffic.tenants = vec![
+            crate::scenario::TrafficTenant {
+                name: "A".into(),
+                share: 10.0,
+                alone: false,
+            },
+            crate::scenario::TrafficTenant {
+                name: "B".into(),
+                share: 1.0,
+                alone: true,
+            },
+        ];
+        traffic.ttft_deadline_s = Some(5.0);
+        traffic
+    }
+
+    #[test]
+    fn labels_follow_the_shares_and_leave_the_requests_as_they_were() {
+        let plain = traffic(
+            ArrivalConfig::Poisson {},
+            LengthDist::Constant { tokens: 100 },
+        );
+        let t = labelled(plain.clone());
+        let requests = super::generate(&t, None, 10.0, 20_000, 3);
+        assert_eq!(requests, super::generate(&t, None, 10.0, 20_000, 3));
+        let unlabelled = super::generate(&plain, None, 10.0, 20_000, 3);
+        for (a, b) in requests.iter().zip(&unlabelled) {
+            assert_eq!(
+                (a.arrival_s, a.prompt_tokens, a.output_tokens),
+                (b.arrival_s, b.prompt_tokens, b.output_tokens)
+            );
+            assert!(b.priority.is_none() && b.tenant.is_none() && b.ttft_deadline_s.is_none());
+        }
+        let share = |keep: &dyn Fn(&RequestSpec) -> bool| {
+            requests.iter().filter(|r| keep(r)).count() as f64 / requests.len() as f64
+        };
+        let high = share(&|r| r.priority == Some(0));
+        assert!((0.19..0.21).contains(&high), "{high}");
+        let b = share(&|r| r.tenant.as_deref() == Some("B"));
+        assert!((0.085..0.097).contains(&b), "{b}");
+        // The class's deadline, else the traffic's.
+        assert!(requests.iter().all(|r| r.ttft_deadline_s
+            == if r.priority == Some(1) {
+                Some(2.0)
+            } else {
+                Some(5.0)
+            }));
+        // Class and tenant are drawn independently.
+        let high_b = share(&|r| r.priority == Some(0) && r.tenant.as_deref() == Some("B"));
+        assert!((high_b / (high * b) - 1.0).abs() < 0.15, "{high_b}");
+    }
+
+    #[test]
+    fn a_session_keeps_its_class_and_tenant_for_every_turn() {
+        let (plain, _) = conversation_traffic();
+        let t = labelled(plain);
+        let requests = super::generate(&t, None, 20.0, 5000, 5);
+        let mut sessions: HashMap<u64, (Option<i32>, Option<Arc<str>>)> = HashMap::new();
+        for request in &requests {
+            let session = request.segments.as_ref().unwrap()[1].id;
+            let labels = (request.priority, request.tenant.clone());
+            assert!(labels.0.is_some() && labels.1.is_some());
+            let first = sessions.entry(session).or_insert_with(|| labels.clone());
+            assert_eq!(*first, labels);
+        }
+        let high = sessions.values().filter(|l| l.0 == Some(0)).count() as f64;
+        let share = high / sessions.len() as f64;
+        assert!(
+            (0.15..0.25).contains(&share),
+            "{share} of {}",
+            sessions.len()
+        );
+    }
+
     #[test]
     fn the_same_seed_gives_the_same_requests() {
         let dist = LengthDist::LogNormal {
@@ -978,6 +1162,9 @@ mod tests {
             output_tokens: 1,
             prefix_group,
             segments: (!segments.is_empty()).then(|| Arc::from(segments)),
+            priority: None,
+            tenant: None,
+            ttft_deadline_s: None,
         }
     }
 
@@ -1078,6 +1265,9 @@ mod tests {
             output: None,
             shared_prefix: None,
             conversation: None,
+            classes: Vec::new(),
+            tenants: Vec::new(),
+            ttft_deadline_s: None,
         };
         // Twice the trace's rate: half the gaps; the fourth request starts a second lap.
         let requests = super::generate(&t, Some(&trace), 4.0, 5, 1);
@@ -1229,6 +1419,9 @@ mod tests {
             output_tokens: 1,
             prefix_group: None,
             segments: Some(Arc::from(*segments)),
+            priority: None,
+            tenant: None,
+            ttft_deadline_s: None,
         }));
         for block_tokens in [16, 7, 48, 1] {
             let chains = chained_block_hashes_of(&requests, None, block_tokens);
