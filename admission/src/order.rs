@@ -334,6 +334,58 @@ impl FlowOrder {
         self.len
     }
 
+    pub(crate) fn same_flow(&self, a: &Waiting, b: &Waiting) -> bool {
+        self.class_key(a) == self.class_key(b) && self.tenant_key(a) == self.tenant_key(b)
+    }
+
+    /// The newest request of the flow that would finish last, if it would
+    /// finish after `request` would: first among classes, then among the
+    /// tenants of the newcomer's class. A flow's tail finishes at its count
+    /// plus its queued work over its weight.
+    pub(crate) fn eviction_for(&self, request: &Waiting) -> Option<u64> {
+        let class_key = self.class_key(request);
+        let tenant_key = self.tenant_key(request);
+        let (class_weight, tenant_weight) = match self.grouping {
+            Grouping::Fifo => return None,
+            Grouping::Classes => (request.class_weight, 1.0),
+            Grouping::ClassesAndTenants => (request.class_weight, request.tenant_weight),
+        };
+        let work = request.work_tokens as f64;
+        let own_class = self.classes.get(&class_key);
+        let own_class_finish = own_class
+            .map_or(0.0, |c| c.served + c.queued_work as f64 / c.weight)
+            + work / class_weight;
+        let last_class = self
+            .classes
+            .iter()
+            .filter(|(_, class)| class.queued > 0)
+            .map(|(key, class)| {
+                (
+                    key,
+                    class,
+                    class.served + class.queued_work as f64 / class.weight,
+                )
+            })
+            .max_by(|(_, _, a), (_, _, b)| a.total_cmp(b));
+        match last_class {
+            Some((key, class, finish)) if *key != class_key && finish > own_class_finish => {
+                let (_, tenant, _) = last_tenant(class, None)?;
+                return tenant.queue.back().map(|w| w.ticket);
+            }
+            _ => {}
+        }
+        let class = own_class?;
+        let own_tenant_finish = class
+            .tenants
+            .get(&tenant_key)
+            .map_or(0.0, |t| t.served + t.queued_work as f64 / t.weight)
+            + work / tenant_weight;
+        let (_, tenant, finish) = last_tenant(class, Some(&tenant_key))?;
+        (finish > own_tenant_finish)
+            .then(|| tenant.queue.back().map(|w| w.ticket))
+            .flatten()
+    }
+
     pub(crate) fn work_ahead(&self, request: &Waiting) -> u64 {
         let class_key = self.class_key(request);
         let tenant_key = self.tenant_key(request);
@@ -430,6 +482,23 @@ impl FlowOrder {
     }
 }
 
+/// The tenant of `class` (other than `skip`) whose queued requests would
+/// finish last, and when.
+fn last_tenant<'a>(
+    class: &'a ClassFlow,
+    skip: Option<&Arc<str>>,
+) -> Option<(&'a Arc<str>, &'a TenantFlow, f64)> {
+    class
+        .tenants
+        .iter()
+        .filter(|(key, tenant)| !tenant.queue.is_empty() && Some(*key) != skip)
+        .map(|(key, tenant)| {
+            let finish = tenant.served + tenant.queued_work as f64 / tenant.weight;
+            (key, tenant, finish)
+        })
+        .max_by(|(_, _, a), (_, _, b)| a.total_cmp(b))
+}
+
 /// A built-in order: its name and its flows.
 pub(crate) struct BuiltinOrder {
     name: &'static str,
@@ -472,6 +541,14 @@ impl Admission for BuiltinOrder {
 
     fn len(&self) -> usize {
         self.flows.len()
+    }
+
+    fn eviction_for(&self, request: &Waiting) -> Option<u64> {
+        self.flows.eviction_for(request)
+    }
+
+    fn same_flow(&self, a: &Waiting, b: &Waiting) -> bool {
+        self.flows.same_flow(a, b)
     }
 
     fn work_ahead(&self, request: &Waiting) -> u64 {

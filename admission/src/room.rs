@@ -12,6 +12,11 @@ pub struct RoomConfig {
     /// A request waits in the router while every candidate's expected
     /// wait (the policy's, before the request's own prefill) is above this.
     pub queue_above_wait: Duration,
+    /// The same threshold while there is something to reorder: arrivals of
+    /// different classes or tenants, or with a TTFT deadline, within the
+    /// last [`REORDER_WINDOW`]. Lower: the backlog waits in the router,
+    /// where the order applies, rather than at the engines.
+    pub reorder_above_wait: Duration,
     /// Requests beyond this many are turned away (`QueueFull`).
     pub max_queue_requests: usize,
     /// Named classes of priority values. Empty: each priority value is a
@@ -25,6 +30,7 @@ impl Default for RoomConfig {
     fn default() -> RoomConfig {
         RoomConfig {
             queue_above_wait: Duration::from_millis(DEFAULT_QUEUE_ABOVE_WAIT_MS),
+            reorder_above_wait: Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS),
             max_queue_requests: DEFAULT_MAX_QUEUE_REQUESTS,
             classes: Vec::new(),
             tenant_weights: BTreeMap::new(),
@@ -32,7 +38,16 @@ impl Default for RoomConfig {
     }
 }
 
-pub const DEFAULT_QUEUE_ABOVE_WAIT_MS: u64 = 250;
+pub const DEFAULT_QUEUE_ABOVE_WAIT_MS: u64 = 1500;
+pub const DEFAULT_REORDER_ABOVE_WAIT_MS: u64 = 250;
+/// How long after an arrival that differs from the one before it (or has
+/// a deadline) the room keeps to `reorder_above_wait`.
+pub const REORDER_WINDOW: Duration = Duration::from_secs(10);
+/// At arrival, a request is turned away when its predicted TTFT is above
+/// this share of its deadline: the prediction is a point estimate, and a
+/// request admitted close to its deadline would more often be turned away
+/// later, after a wait, or served late.
+const ARRIVAL_DEADLINE_SHARE: f64 = 0.75;
 pub const DEFAULT_MAX_QUEUE_REQUESTS: usize = 1024;
 
 /// A class of requests: those whose priority value is at most `priority`
@@ -229,6 +244,8 @@ struct Judged {
     verdict: Verdict,
     ahead: u64,
     predicted: Option<Duration>,
+    /// The queued request to drop to make room (a full queue).
+    evicts: Option<u64>,
 }
 
 /// `classified`'s request as the order sees it.
@@ -322,6 +339,14 @@ pub struct AdmissionRoom {
     entries: HashMap<u64, Entry>,
     drain: DrainRate,
     next_ticket: u64,
+    /// The last arrival, to tell whether the next one differs from it.
+    last_arrival: Option<Waiting>,
+    /// Until when `reorder_above_wait` applies.
+    reorder_until: Option<Instant>,
+    /// Whether it applied at the last call that had the time.
+    reordering: bool,
+    /// Requests evicted for a newcomer, reported by the next `shed`.
+    evicted: Vec<Shed>,
 }
 
 /// The room as the admin API shows it.
@@ -331,6 +356,9 @@ pub struct RoomView {
     pub queued_requests: usize,
     pub max_queue_requests: usize,
     pub queue_above_wait_s: f64,
+    pub reorder_above_wait_s: f64,
+    /// The threshold in force now.
+    pub threshold_s: f64,
     /// Prompt tokens per second leaving the room lately; `None` before
     /// there is history enough.
     pub drain_tokens_per_s: Option<f64>,
@@ -359,6 +387,10 @@ impl AdmissionRoom {
             entries: HashMap::new(),
             drain: DrainRate::default(),
             next_ticket: 1,
+            last_arrival: None,
+            reorder_until: None,
+            reordering: false,
+            evicted: Vec::new(),
         }
     }
 
@@ -420,10 +452,39 @@ impl AdmissionRoom {
     }
 
     /// Whether the fleet takes more work now: the policy predicts a wait
-    /// at most `queue_above_wait` (a policy with no model of wait always
-    /// does; its caps decide).
+    /// at most the threshold in force, `reorder_above_wait` while there is
+    /// something to reorder, else `queue_above_wait` (a policy with no model
+    /// of wait always does; its caps decide).
     pub fn has_room(&self, expected: Option<ExpectedWait>) -> bool {
-        expected.is_none_or(|wait| wait.queue_secs <= secs(self.config.queue_above_wait))
+        expected.is_none_or(|wait| wait.queue_secs <= secs(self.threshold()))
+    }
+
+    /// The threshold in force (as of the last call that had the time).
+    pub fn threshold(&self) -> Duration {
+        if self.reordering {
+            self.config.reorder_above_wait
+        } else {
+            self.config.queue_above_wait
+        }
+    }
+
+    /// Notes an arrival: one that differs from the one before it in its
+    /// order's flow, or has a deadline, starts a window of reordering.
+    fn note_arrival(&mut self, arrival: &Waiting, has_deadline: bool, now: Instant) {
+        let differs = self
+            .last_arrival
+            .as_ref()
+            .is_some_and(|last| !self.order.same_flow(last, arrival));
+        if differs || has_deadline {
+            self.reorder_until = Some(now + REORDER_WINDOW);
+        }
+        self.last_arrival = Some(arrival.clone());
+        self.tick(now);
+    }
+
+    /// Brings the threshold in force up to `now`.
+    fn tick(&mut self, now: Instant) {
+        self.reordering = self.reorder_until.is_some_and(|until| now < until);
     }
 
     /// Decides on an arriving request, given the policy's expected wait for
@@ -486,6 +547,8 @@ impl AdmissionRoom {
         may_dispatch_now: bool,
     ) -> Decision {
         let classified = self.classify(arrival);
+        let incoming = waiting(self.next_ticket, &classified, arrival.work_tokens, now);
+        self.note_arrival(&incoming, classified.ttft_deadline.is_some(), now);
         let judged = self.judge(
             &classified,
             arrival.work_tokens,
@@ -493,6 +556,9 @@ impl AdmissionRoom {
             now,
             may_dispatch_now,
         );
+        if let Some(ticket) = judged.evicts {
+            self.evict(ticket, now);
+        }
         match judged.verdict {
             Verdict::DispatchNow => Decision::DispatchNow,
             Verdict::Reject(rejection) => Decision::Rejected(rejection),
@@ -534,28 +600,36 @@ impl AdmissionRoom {
                     .map_or(Verdict::DispatchNow, Verdict::Reject),
                 ahead: 0,
                 predicted: Some(predicted),
+                evicts: None,
             };
         }
+        let incoming = waiting(self.next_ticket, classified, work_tokens, now);
+        let mut evicts = None;
         if self.order.len() >= self.config.max_queue_requests {
-            let drain_wait = self.drain_secs(self.queued_work(), now);
-            return Judged {
-                verdict: Verdict::Reject(Rejection {
-                    reason: RejectReason::QueueFull,
-                    retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
-                    predicted_wait: drain_wait.map(duration_from_secs),
-                }),
-                ahead: 0,
-                predicted: None,
-            };
+            // The order may rather drop a request it would serve after
+            // this one (the tail of a heavier flow) than turn this away.
+            evicts = self.order.eviction_for(&incoming);
+            if evicts.is_none() {
+                let drain_wait = self.drain_secs(self.queued_work(), now);
+                return Judged {
+                    verdict: Verdict::Reject(Rejection {
+                        reason: RejectReason::QueueFull,
+                        retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
+                        predicted_wait: drain_wait.map(duration_from_secs),
+                    }),
+                    ahead: 0,
+                    predicted: None,
+                    evicts: None,
+                };
+            }
         }
-        let ahead = self
-            .order
-            .work_ahead(&waiting(self.next_ticket, classified, work_tokens, now));
+        let ahead = self.order.work_ahead(&incoming);
         let predicted = self.predicted_ttft(ahead, expected, now);
+        let rejection = self.too_late(classified, predicted);
         Judged {
-            verdict: self
-                .too_late(classified, predicted)
-                .map_or(Verdict::Queue, Verdict::Reject),
+            // A newcomer turned away evicts nobody.
+            evicts: evicts.filter(|_| rejection.is_none()),
+            verdict: rejection.map_or(Verdict::Queue, Verdict::Reject),
             ahead,
             predicted: Some(predicted),
         }
@@ -588,14 +662,36 @@ impl AdmissionRoom {
     }
 
     /// The rejection due to a request predicted to take `predicted` to its
-    /// first token, if that is past its deadline.
+    /// first token, if that is past its share of its deadline
+    /// ([`ARRIVAL_DEADLINE_SHARE`]).
     fn too_late(&self, classified: &Classified, predicted: Duration) -> Option<Rejection> {
         let deadline = classified.ttft_deadline?;
-        (predicted > deadline).then(|| Rejection {
+        let admissible = deadline.mul_f64(ARRIVAL_DEADLINE_SHARE);
+        (predicted > admissible).then(|| Rejection {
             reason: RejectReason::DeadlineUnmeetable,
-            retry_after_s: retry_after_s(predicted - deadline),
+            retry_after_s: retry_after_s(predicted.saturating_sub(admissible)),
             predicted_wait: Some(predicted),
         })
+    }
+
+    /// Drops a queued request to make room for a newcomer; the next
+    /// [`shed`](Self::shed) reports it (`QueueFull`).
+    fn evict(&mut self, ticket: u64, now: Instant) {
+        let Some(entry) = self.entries.remove(&ticket) else {
+            return;
+        };
+        self.order.remove(ticket);
+        let drain_wait = self.drain_secs(self.queued_work(), now);
+        self.evicted.push(Shed {
+            ticket,
+            class: entry.class,
+            waited: now.saturating_duration_since(entry.arrived),
+            rejection: Rejection {
+                reason: RejectReason::QueueFull,
+                retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
+                predicted_wait: drain_wait.map(duration_from_secs),
+            },
+        });
     }
 
     /// The request to release next, if the fleet has room for it (see
@@ -607,6 +703,7 @@ impl AdmissionRoom {
 
     /// Releases the head: the policy found it a worker.
     pub fn pop(&mut self, now: Instant) -> Option<Released> {
+        self.tick(now);
         let waiting = self.order.pop()?;
         self.drain.add(waiting.work_tokens, now);
         let entry = self.entries.remove(&waiting.ticket);
@@ -642,6 +739,7 @@ impl AdmissionRoom {
     /// they would miss it. Requests admitted are not re-judged on the
     /// queue ahead of them, so a rejection comes at arrival where it can.
     pub fn shed(&mut self, expected: Option<ExpectedWait>, now: Instant) -> Vec<Shed> {
+        self.tick(now);
         let queue = duration_from_secs(expected.map_or(0.0, |wait| wait.queue_secs));
         let late: Vec<(u64, Option<Duration>)> = self
             .entries
@@ -655,7 +753,7 @@ impl AdmissionRoom {
                 (now + predicted > due).then_some((*ticket, Some(predicted)))
             })
             .collect();
-        let mut shed = Vec::with_capacity(late.len());
+        let mut shed = std::mem::take(&mut self.evicted);
         for (ticket, predicted) in late {
             let Some(entry) = self.entries.remove(&ticket) else {
                 continue;
@@ -713,6 +811,8 @@ impl AdmissionRoom {
             queued_requests: self.order.len(),
             max_queue_requests: self.config.max_queue_requests,
             queue_above_wait_s: secs(self.config.queue_above_wait),
+            reorder_above_wait_s: secs(self.config.reorder_above_wait),
+            threshold_s: secs(self.threshold()),
             drain_tokens_per_s: self.drain.tokens_per_s(now),
             oldest_wait_s: self
                 .entries

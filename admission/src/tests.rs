@@ -6,8 +6,8 @@ use policy_core::{Admission, ExpectedWait, Waiting};
 use proptest::prelude::*;
 
 use crate::{
-    AdmissionRoom, Arrival, ClassConfig, Decision, FAIR_SHARE, FIFO, PRIORITY, RejectReason,
-    RoomConfig, RoomConfigError, default_class_weight, registry,
+    AdmissionRoom, Arrival, ClassConfig, Decision, FAIR_SHARE, FIFO, PRIORITY, REORDER_WINDOW,
+    RejectReason, RoomConfig, RoomConfigError, default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -276,29 +276,35 @@ fn a_full_queue_turns_requests_away() {
 #[test]
 fn a_deadline_the_prediction_cannot_meet_is_refused_at_arrival_with_retry_after() {
     let start = Instant::now();
-    let mut room = room(RoomConfig::default());
+    let one_second = RoomConfig {
+        queue_above_wait: Duration::from_secs(1),
+        ..RoomConfig::default()
+    };
+    let mut room = room(one_second);
     // Two seconds of history at 10 000 prompt tokens a second.
     for step in 0..200u64 {
         room.dispatched(100, start + Duration::from_millis(10 * step));
     }
     let now = start + Duration::from_secs(2);
-    // 30 000 tokens queued: about 3 s at the drain rate.
+    // Every worker 1.2 s deep (above the 1 s threshold), and 30 000
+    // tokens queued: about 3 s at the drain rate.
     for _ in 0..30 {
         assert!(matches!(
-            room.arrive(&arrival(0, None), wait(0.3), now),
+            room.arrive(&arrival(0, None), wait(1.2), now),
             Decision::Queued(_)
         ));
     }
-    let Decision::Rejected(rejection) = room.arrive(&arrival(0, Some(2000)), wait(0.3), now) else {
-        panic!("3.4 s predicted against a 2 s deadline");
+    let Decision::Rejected(rejection) = room.arrive(&arrival(0, Some(2000)), wait(1.2), now) else {
+        panic!("4.3 s predicted against a 2 s deadline");
     };
     assert_eq!(rejection.reason, RejectReason::DeadlineUnmeetable);
     let predicted = rejection.predicted_wait.expect("predicted").as_secs_f64();
-    assert!((3.0..4.5).contains(&predicted), "{predicted}");
-    assert_eq!(rejection.retry_after_s, 2);
+    assert!((3.8..5.0).contains(&predicted), "{predicted}");
+    // Admitted only below 3/4 of the deadline: in about 3 s.
+    assert_eq!(rejection.retry_after_s, 3);
     // A higher class jumps the queue, so the same deadline is kept.
     assert!(matches!(
-        room.arrive(&arrival(-1, Some(2000)), wait(0.3), now),
+        room.arrive(&arrival(-1, Some(2000)), wait(1.2), now),
         Decision::Queued(_)
     ));
     // No history: no queue-based prediction, only the policy's.
@@ -330,7 +336,10 @@ fn explain_says_what_arrive_then_does_and_changes_nothing() {
         (arrival(0, None), wait(3.0), "queue"),
         (arrival(1, None), wait(0.0), "queue"),
         (arrival(0, Some(60_000)), wait(0.0), "queue"),
-        (arrival(0, None), wait(0.0), "queue_full"),
+        // Full: a newcomer of class 0 takes the place of the class 1 one,
+        // which the order would serve after it; one of class 1 takes none.
+        (arrival(0, None), wait(0.0), "queue"),
+        (arrival(1, None), wait(0.0), "queue_full"),
     ];
     for (request, expected, decision) in cases {
         let explained = room.explain(&request, expected, now);
@@ -339,16 +348,109 @@ fn explain_says_what_arrive_then_does_and_changes_nothing() {
         let arrived = room.arrive(&request, expected, now);
         let agrees = match arrived {
             Decision::DispatchNow => decision == "dispatch_now",
-            Decision::Queued(_) => decision == "queue" && room.len() == queued + 1,
+            // Queued: one more waits, or (a full queue) as many as before.
+            Decision::Queued(_) => decision == "queue" && room.len() >= queued,
             Decision::Rejected(rejection) => rejection.reason.as_str() == decision,
         };
         assert!(agrees, "{decision}: {arrived:?}");
     }
+    let evicted = room.shed(wait(0.0), now);
+    assert_eq!(evicted.len(), 1, "{evicted:?}");
+    assert_eq!(&*evicted[0].class, "1");
+    assert_eq!(evicted[0].rejection.reason, RejectReason::QueueFull);
     room.pop(now);
     let behind = room.explain(&arrival(1, Some(60_000)), wait(0.0), now);
     assert!(behind.work_ahead_tokens >= 1000, "{behind:?}");
     assert_eq!(behind.class, "1");
     assert!(behind.predicted_ttft_s.is_some_and(|s| s > 0.0));
+}
+
+#[test]
+fn the_threshold_drops_while_there_is_something_to_reorder() {
+    let now = Instant::now();
+    let one_second = RoomConfig {
+        queue_above_wait: Duration::from_secs(1),
+        ..RoomConfig::default()
+    };
+    let mut room = room(one_second.clone());
+    let alike = |tenant: &str| Arrival {
+        tenant: Arc::from(tenant),
+        ..arrival(0, None)
+    };
+    // Alike arrivals: engines may hold up to a second of work.
+    assert_eq!(
+        room.arrive(&alike("t"), wait(0.6), now),
+        Decision::DispatchNow
+    );
+    assert_eq!(
+        room.arrive(&alike("t"), wait(0.6), now),
+        Decision::DispatchNow
+    );
+    assert_eq!(room.threshold(), Duration::from_secs(1));
+    // Another class arrives: a quarter second, for the window.
+    assert!(matches!(
+        room.arrive(&arrival(1, None), wait(0.6), now),
+        Decision::Queued(_)
+    ));
+    assert_eq!(room.threshold(), Duration::from_millis(250));
+    let later = now + REORDER_WINDOW + Duration::from_millis(1);
+    room.pop(later);
+    assert_eq!(room.threshold(), Duration::from_secs(1));
+    // Tenants differ only for an order that separates them.
+    let mut priority = self::room(one_second.clone());
+    priority.arrive(&alike("t"), wait(0.0), now);
+    priority.arrive(&alike("u"), wait(0.0), now);
+    assert_eq!(
+        priority.threshold(),
+        Duration::from_secs(1),
+        "priority keeps tenants in one flow"
+    );
+    let mut fair = AdmissionRoom::new(order(FAIR_SHARE), one_second);
+    fair.arrive(&alike("t"), wait(0.0), now);
+    fair.arrive(&alike("u"), wait(0.0), now);
+    assert_eq!(fair.threshold(), Duration::from_millis(250));
+}
+
+#[test]
+fn a_full_fair_share_queue_drops_the_heaviest_tenant_s_newest_for_a_light_one() {
+    let now = Instant::now();
+    let mut fair = AdmissionRoom::new(
+        order(FAIR_SHARE),
+        RoomConfig {
+            max_queue_requests: 4,
+            ..RoomConfig::default()
+        },
+    );
+    let from = |tenant: &str| Arrival {
+        tenant: Arc::from(tenant),
+        ..arrival(0, None)
+    };
+    let mut heavy = Vec::new();
+    for _ in 0..4 {
+        let Decision::Queued(ticket) = fair.arrive(&from("heavy"), wait(5.0), now) else {
+            panic!("room for four");
+        };
+        heavy.push(ticket);
+    }
+    assert!(matches!(
+        fair.arrive(&from("heavy"), wait(5.0), now),
+        Decision::Rejected(_)
+    ));
+    assert!(matches!(
+        fair.arrive(&from("light"), wait(5.0), now),
+        Decision::Queued(_)
+    ));
+    let evicted = fair.shed(wait(5.0), now);
+    assert_eq!(evicted.len(), 1);
+    assert_eq!(evicted[0].ticket, heavy[3], "the heavy tenant's newest");
+    assert_eq!(evicted[0].rejection.reason, RejectReason::QueueFull);
+    // Light's two still finish before heavy's tail: heavy loses another.
+    assert!(matches!(
+        fair.arrive(&from("light"), wait(5.0), now),
+        Decision::Queued(_)
+    ));
+    assert_eq!(fair.shed(wait(5.0), now)[0].ticket, heavy[2]);
+    assert_eq!(fair.len(), 4);
 }
 
 #[test]

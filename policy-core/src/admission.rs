@@ -93,6 +93,21 @@ pub trait Admission: Send + Sync {
         let _ = (class, tenant, tokens);
     }
 
+    /// The queue is full and `request` arrives: the queued request this
+    /// order would rather drop (one it would serve after `request`), or
+    /// `None` to turn `request` away. The default turns it away.
+    fn eviction_for(&self, request: &Waiting) -> Option<u64> {
+        let _ = request;
+        None
+    }
+
+    /// Whether the order keeps `a` and `b` in one flow (so the order
+    /// between them is their arrival). The room keeps engines' queues
+    /// shorter while arrivals differ. The default: same class and tenant.
+    fn same_flow(&self, a: &Waiting, b: &Waiting) -> bool {
+        a.class == b.class && a.tenant == b.tenant
+    }
+
     /// Removes every queued request, oldest first (to move them to another
     /// order on a live swap).
     fn drain(&mut self) -> Vec<Waiting>;

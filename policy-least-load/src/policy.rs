@@ -1238,6 +1238,46 @@ impl LeastLoad {
         }
     }
 
+    /// As [`floor_wait_secs`](Self::floor_wait_secs), with each worker's
+    /// wait at least its waiting requests (others' and the router fleet's
+    /// pending ones) over the rate its requests finish: a worker whose batch
+    /// slots are full starts a waiting request only as a running one ends,
+    /// however few prompt tokens wait. For the admission room, not the
+    /// score: what the fleet can take now, not which worker is best.
+    fn slot_aware_floor_secs(
+        &self,
+        view: &SlotsView<'_, WorkerState>,
+        candidates: &[WorkerId],
+        now_nanos: i64,
+    ) -> f64 {
+        let mut floor_secs = f64::INFINITY;
+        for id in candidates {
+            let Some(slot) = view.get(*id) else {
+                continue;
+            };
+            let token_secs = self.floor_wait_secs(view, std::slice::from_ref(id), now_nanos);
+            let state = &slot.state;
+            let waiting = self
+                .fresh_hot(state, now_nanos)
+                .map_or(0, |hot| hot.others_waiting_requests)
+                .saturating_add(state.ledger.stats().pending_requests)
+                .saturating_add(self.remote(state).requests);
+            let slot_secs = match state.finishes.per_second(now_nanos) {
+                Some(rate) if waiting > 0 => waiting as f64 / rate,
+                _ => 0.0,
+            };
+            floor_secs = floor_secs.min(token_secs.max(slot_secs));
+            if floor_secs <= 0.0 {
+                break;
+            }
+        }
+        if floor_secs.is_finite() {
+            floor_secs
+        } else {
+            0.0
+        }
+    }
+
     /// Whether [`LeastLoad::priced`] may raise `own`'s miss weight.
     #[inline]
     fn prices(&self, own: &OwnWork) -> bool {
@@ -1852,10 +1892,11 @@ impl Policy for LeastLoad {
         })
     }
 
-    fn finish(&self, dispatch: &Dispatch, _now: Instant) {
+    fn finish(&self, dispatch: &Dispatch, now: Instant) {
         if let Some(slot) = self.workers.read().get(dispatch.worker)
             && slot.state.ledger.finish(dispatch.seq)
         {
+            slot.state.finishes.record(self.timeline.nanos(now));
             self.refresh_hot(slot);
         }
     }
@@ -1947,7 +1988,7 @@ impl Policy for LeastLoad {
         // The prompt as if nothing were cached: a prediction that errs
         // long, so that a deadline it admits is kept.
         Some(ExpectedWait {
-            queue_secs: self.floor_wait_secs(&view, candidates, now_nanos),
+            queue_secs: self.slot_aware_floor_secs(&view, candidates, now_nanos),
             prefill_secs: tokens as f64 / self.fleet_rate.tps(),
         })
     }

@@ -708,6 +708,8 @@ pub(crate) struct WorkerState {
     pub rate: LearnedRate,
     /// Other router replicas' pending work here, as they published it.
     pub remote: RemotePending,
+    /// How fast this router's requests on the worker finish.
+    pub finishes: FinishRate,
 }
 
 impl WorkerState {
@@ -718,6 +720,7 @@ impl WorkerState {
             snapshot: SnapshotCell::default(),
             since_poll: SincePollTally::default(),
             last_dispatch: LastDispatch::default(),
+            finishes: FinishRate::default(),
             rate: LearnedRate::new(RateEstimator::new(
                 prior_tps,
                 // The prior is worth a quarter of a typical request, so the
@@ -878,6 +881,54 @@ fn sum(entries: &[RemoteEntry]) -> PendingWork {
 }
 
 /// When this router last dispatched to the worker, on the policy's
+/// Requests finished per second on one worker: a count decaying with a
+/// time constant of [`FINISH_TIME_CONSTANT_NANOS`], over the window it has
+/// had time to fill. A worker whose batch slots are all taken starts a
+/// waiting request only when a running one finishes, so its waiting
+/// requests over this rate is how long a new one waits for a slot.
+#[derive(Debug, Default)]
+pub(crate) struct FinishRate(parking_lot::Mutex<FinishCount>);
+
+#[derive(Debug, Default, Clone, Copy)]
+struct FinishCount {
+    decayed: f64,
+    last_nanos: Option<i64>,
+    first_nanos: Option<i64>,
+}
+
+const FINISH_TIME_CONSTANT_NANOS: f64 = 5e9;
+/// Less history than this gives no rate.
+const FINISH_WARMUP_NANOS: i64 = 1_000_000_000;
+
+impl FinishRate {
+    pub fn record(&self, now_nanos: i64) {
+        let mut count = self.0.lock();
+        if let Some(last) = count.last_nanos {
+            let elapsed = now_nanos.saturating_sub(last).max(0) as f64;
+            count.decayed *= (-elapsed / FINISH_TIME_CONSTANT_NANOS).exp();
+        }
+        count.decayed += 1.0;
+        count.last_nanos = Some(now_nanos.max(count.last_nanos.unwrap_or(now_nanos)));
+        count.first_nanos.get_or_insert(now_nanos);
+    }
+
+    /// Finishes per second lately; `None` before a second of history.
+    pub fn per_second(&self, now_nanos: i64) -> Option<f64> {
+        let count = *self.0.lock();
+        let history = now_nanos.saturating_sub(count.first_nanos?);
+        if history < FINISH_WARMUP_NANOS {
+            return None;
+        }
+        let since_last = now_nanos.saturating_sub(count.last_nanos?).max(0) as f64;
+        let decayed = count.decayed * (-since_last / FINISH_TIME_CONSTANT_NANOS).exp();
+        let window_secs = FINISH_TIME_CONSTANT_NANOS
+            * (1.0 - (-(history as f64) / FINISH_TIME_CONSTANT_NANOS).exp())
+            / 1e9;
+        let rate = decayed / window_secs;
+        (rate.is_finite() && rate > 0.0).then_some(rate)
+    }
+}
+
 /// [`Timeline`]: the tie-break among near-equal scores. Never dispatched is
 /// the oldest of all.
 #[derive(Debug)]

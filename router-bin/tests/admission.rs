@@ -177,14 +177,18 @@ async fn two_tenants_and_two_priorities_are_served_in_the_room_s_order() {
         order[1].starts_with("a-urgent") && order[2].starts_with("a-urgent"),
         "{order:?}"
     );
-    // Within the batch class the tenants alternate: b waits behind one of
-    // a's requests, not behind a's whole backlog.
+    // Within the batch class the tenants alternate: b waits behind at most
+    // one of a's requests, not behind a's whole backlog.
     let b_places: Vec<usize> = order
         .iter()
         .enumerate()
         .filter(|(_, label)| label.starts_with("b-batch"))
         .map(|(place, _)| place)
         .collect();
-    assert_eq!(b_places, [4, 6], "{order:?}");
+    // (b may even go first: a's blocker's generated tokens count to a.)
+    assert!(
+        b_places.len() == 2 && b_places[0] <= 4 && b_places[1] <= 6,
+        "{order:?}"
+    );
     drop(fleet);
 }

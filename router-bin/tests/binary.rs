@@ -254,3 +254,114 @@ async fn sighup_rereads_the_policy_section() {
     assert!(status.success(), "{status}");
     engines.shutdown().await;
 }
+
+/// A child process killed when dropped, so a failed assertion leaves no
+/// router running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    probe.local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_can_have_a_listener_of_their_own() {
+    let engines = mock_engines::start_many(&SimEngineConfig::new(Flavour::Sglang), 1)
+        .await
+        .unwrap();
+    let engine_url = engines.engines()[0].http_url();
+    let (port, metrics_port) = (free_port(), free_port());
+    let mut child = KillOnDrop(
+        router()
+            .args(["--port", &port.to_string(), "--policy", "round_robin"])
+            .args(["--worker", &format!("sglang={engine_url}")])
+            .env("ROUTER__SERVER__METRICS_PORT", metrics_port.to_string())
+            .env("ROUTER__SERVER__METRICS_HOST", "127.0.0.1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let client = reqwest::Client::new();
+    let main = format!("http://127.0.0.1:{port}");
+    let metrics = format!("http://127.0.0.1:{metrics_port}");
+    let status = |url: String| {
+        let client = client.clone();
+        async move {
+            match client.get(&url).send().await {
+                Ok(response) => Some(response.status().as_u16()),
+                Err(_) => None,
+            }
+        }
+    };
+    wait_until("both listeners answer", || async {
+        status(format!("{main}/health")).await == Some(200)
+            && status(format!("{metrics}/metrics")).await == Some(200)
+    })
+    .await;
+    // A request through the main listener shows on the metrics listener.
+    let answer = client
+        .post(format!("{main}/v1/completions"))
+        .json(&serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status().as_u16(), 200);
+    let text = client
+        .get(format!("{metrics}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("router_requests_total"), "{text}");
+    assert_eq!(
+        status(format!("{main}/metrics")).await,
+        Some(404),
+        "/metrics moved to its own listener"
+    );
+    assert_eq!(status(format!("{metrics}/health")).await, Some(404));
+    let proxied = client
+        .post(format!("{metrics}/v1/completions"))
+        .json(&serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        proxied.status().as_u16(),
+        404,
+        "the metrics listener proxies nothing"
+    );
+
+    Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    let exited = child.0.wait().unwrap();
+    assert!(exited.success(), "{exited}");
+    engines.shutdown().await;
+}
+
+#[test]
+fn a_taken_metrics_port_is_an_error_at_start() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let metrics_port = taken.local_addr().unwrap().port();
+    let (code, stderr) = stderr_of(
+        router()
+            .args(["--port", &free_port().to_string()])
+            .env("ROUTER__SERVER__METRICS_PORT", metrics_port.to_string()),
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains(&format!("could not bind 127.0.0.1:{metrics_port}")),
+        "{stderr}"
+    );
+}

@@ -120,7 +120,8 @@ impl RouterBuilder {
     }
 
     /// Runs the router from a loaded config, as the `router` binary does:
-    /// binds `server.host:server.port`, starts the router, re-reads the
+    /// binds `server.host:server.port` (and, with `server.metrics_port`
+    /// set, the metrics listener), starts the router, re-reads the
     /// `[policy]` section of `config_file` on SIGHUP, and serves until
     /// SIGTERM or SIGINT ([`termination`](crate::termination)).
     pub async fn run(
@@ -128,19 +129,46 @@ impl RouterBuilder {
         config: RouterConfig,
         config_file: Option<PathBuf>,
     ) -> Result<(), RouterError> {
-        let address = format!("{}:{}", config.server.host, config.server.port);
-        let listener = tokio::net::TcpListener::bind(&address)
-            .await
-            .map_err(|source| RouterError::Bind {
-                address: address.clone(),
-                source,
-            })?;
+        let listener = bind(format!("{}:{}", config.server.host, config.server.port)).await?;
+        let metrics_listener = match config.server.metrics_address() {
+            Some(address) => Some(bind(address).await?),
+            None => None,
+        };
         let app = self.start(config, config_file).await?;
         #[cfg(unix)]
         tokio::spawn(server::reload_on_sighup(app.clone()));
-        tracing::info!(%address, policy = app.policy().name(), workers = app.workers().len(), "router listening");
-        server::serve(app, listener, server::termination()).await?;
+        let address = local_address(&listener);
+        let metrics = metrics_listener.as_ref().map(local_address);
+        tracing::info!(%address, metrics = metrics.as_deref().unwrap_or("on the same address"), policy = app.policy().name(), workers = app.workers().len(), "router listening");
+        // The metrics listener serves on through the main one's grace period,
+        // and stops with it.
+        let metrics_server = metrics_listener.map(|listener| {
+            tokio::spawn(server::serve_metrics(
+                app.clone(),
+                listener,
+                std::future::pending(),
+            ))
+        });
+        let served = server::serve(app, listener, server::termination()).await;
+        if let Some(task) = metrics_server {
+            task.abort();
+        }
+        served?;
         tracing::info!("router stopped");
         Ok(())
     }
+}
+
+async fn bind(address: String) -> Result<tokio::net::TcpListener, RouterError> {
+    tokio::net::TcpListener::bind(&address)
+        .await
+        .map_err(|source| RouterError::Bind { address, source })
+}
+
+/// The address a listener is bound to (its real port when asked for 0).
+fn local_address(listener: &tokio::net::TcpListener) -> String {
+    listener.local_addr().map_or_else(
+        |error| format!("(unknown: {error})"),
+        |address| address.to_string(),
+    )
 }

@@ -70,6 +70,14 @@ pub struct ServerConfig {
     pub keepalive_timeout_ms: u64,
     /// Most client connections open at once; more wait in the listen backlog.
     pub max_connections: usize,
+    /// Serve `/metrics` on a listener of its own, on this port (at
+    /// `metrics_host`), instead of on `port`. Unset: on `port`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_port: Option<u16>,
+    /// The metrics listener's address; unset: `host`. Only with
+    /// `metrics_port`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_host: Option<String>,
     /// Replaced by `first_byte_timeout_ms`, `stream_idle_timeout_ms` and
     /// `request_deadline_ms`; kept only to explain that when it is set.
     #[serde(default, skip_serializing)]
@@ -93,6 +101,8 @@ impl Default for ServerConfig {
             client_body_timeout_ms: 30_000,
             keepalive_timeout_ms: 60_000,
             max_connections: 8192,
+            metrics_port: None,
+            metrics_host: None,
             request_timeout_ms: None,
         }
     }
@@ -144,6 +154,13 @@ impl ServerConfig {
 
     pub(crate) fn keepalive_timeout(&self) -> Duration {
         Duration::from_millis(self.keepalive_timeout_ms)
+    }
+
+    /// The metrics listener's `host:port`, when `/metrics` has one of its own.
+    pub(crate) fn metrics_address(&self) -> Option<String> {
+        let port = self.metrics_port?;
+        let host = self.metrics_host.as_deref().unwrap_or(&self.host);
+        Some(format!("{host}:{port}"))
     }
 }
 
@@ -426,6 +443,11 @@ pub struct AdmissionConfig {
     /// give one; with the others, requests wait only when every worker is
     /// capped.
     pub queue_above_wait_s: f64,
+    /// The same threshold while there is something to reorder: for 10 s
+    /// after an arrival of another class (or, under `fair_share`, another
+    /// tenant) than the one before it, or with a TTFT deadline. Lower keeps
+    /// the backlog in the router, where the order applies.
+    pub reorder_above_wait_s: f64,
     /// Requests beyond this many waiting are answered 429 (`queue_full`).
     pub max_queue_requests: usize,
     /// The header that names a request's tenant. A request without it
@@ -447,6 +469,7 @@ impl Default for AdmissionConfig {
             enabled: true,
             order: admission::DEFAULT_ORDER.into(),
             queue_above_wait_s: admission::DEFAULT_QUEUE_ABOVE_WAIT_MS as f64 / 1000.0,
+            reorder_above_wait_s: admission::DEFAULT_REORDER_ABOVE_WAIT_MS as f64 / 1000.0,
             max_queue_requests: admission::DEFAULT_MAX_QUEUE_REQUESTS,
             tenant_header: "x-tenant-id".into(),
             classes: Vec::new(),
@@ -479,15 +502,18 @@ fn one() -> f64 {
 impl AdmissionConfig {
     /// The room's config, checked.
     pub(crate) fn room(&self) -> Result<admission::RoomConfig, ConfigError> {
-        let wait = self.queue_above_wait_s;
-        let queue_above_wait = Duration::try_from_secs_f64(wait)
-            .ok()
-            .filter(|_| wait.is_finite() && wait <= 3600.0)
-            .ok_or_else(|| ConfigError::Invalid {
-                key: "admission.queue_above_wait_s".into(),
-                value: wait.to_string(),
-                allowed: "a number of seconds from 0 to 3600".into(),
-            })?;
+        let seconds = |key: &str, wait: f64| {
+            Duration::try_from_secs_f64(wait)
+                .ok()
+                .filter(|_| wait.is_finite() && wait <= 3600.0)
+                .ok_or_else(|| ConfigError::Invalid {
+                    key: format!("admission.{key}"),
+                    value: wait.to_string(),
+                    allowed: "a number of seconds from 0 to 3600".into(),
+                })
+        };
+        let queue_above_wait = seconds("queue_above_wait_s", self.queue_above_wait_s)?;
+        let reorder_above_wait = seconds("reorder_above_wait_s", self.reorder_above_wait_s)?;
         if self.tenant_header.is_empty()
             || http::HeaderName::from_bytes(self.tenant_header.as_bytes()).is_err()
         {
@@ -499,6 +525,7 @@ impl AdmissionConfig {
         }
         let room = admission::RoomConfig {
             queue_above_wait,
+            reorder_above_wait,
             max_queue_requests: self.max_queue_requests,
             classes: self
                 .classes
@@ -803,6 +830,38 @@ impl RouterConfig {
         }
         if server.max_connections == 0 {
             return invalid("server.max_connections", "0".into(), "at least 1");
+        }
+        if let Some(host) = &server.metrics_host {
+            if server.metrics_port.is_none() {
+                return invalid(
+                    "server.metrics_host",
+                    format!("{host:?}"),
+                    "set only with server.metrics_port",
+                );
+            }
+            if host.trim().is_empty() {
+                return invalid(
+                    "server.metrics_host",
+                    format!("{host:?}"),
+                    "a host name or IP address",
+                );
+            }
+        }
+        if let Some(metrics_port) = server.metrics_port {
+            let same_host = server
+                .metrics_host
+                .as_ref()
+                .is_none_or(|host| *host == server.host);
+            if metrics_port != 0 && metrics_port == server.port && same_host {
+                return invalid(
+                    "server.metrics_port",
+                    metrics_port.to_string(),
+                    &format!(
+                        "a port other than server.port ({}) on the same host",
+                        server.port
+                    ),
+                );
+            }
         }
         if server.first_byte_timeout_ms > server.request_deadline_ms {
             return invalid(
@@ -1171,6 +1230,7 @@ mod tests {
         assert_eq!(config.server.first_byte_timeout_ms, 30_000);
         assert_eq!(config.server.stream_idle_timeout_ms, 60_000);
         assert_eq!(config.server.request_deadline_ms, 600_000);
+        assert_eq!(config.server.metrics_address(), None, "/metrics on port");
         assert_eq!(config.outlier_detection.consecutive_failures, 3);
         assert_eq!(
             config.outlier_detection.probe_for("sglang"),
@@ -1221,6 +1281,35 @@ mod tests {
             generated.ends_with(&format!("-{}", std::process::id())),
             "{generated}"
         );
+    }
+
+    #[test]
+    fn a_metrics_listener_is_set_by_port_and_host() {
+        let config = RouterConfig::load(Layers {
+            environment: env(&[("ROUTER__SERVER__METRICS_PORT", "29000")]),
+            ..Layers::default()
+        })
+        .unwrap();
+        assert_eq!(config.server.metrics_port, Some(29000));
+        assert_eq!(
+            config.server.metrics_address().as_deref(),
+            Some("127.0.0.1:29000"),
+            "the main listener's host"
+        );
+        let config = RouterConfig::load(Layers {
+            environment: env(&[
+                ("ROUTER__SERVER__METRICS_PORT", "29000"),
+                ("ROUTER__SERVER__METRICS_HOST", "0.0.0.0"),
+            ]),
+            ..Layers::default()
+        })
+        .unwrap();
+        assert_eq!(
+            config.server.metrics_address().as_deref(),
+            Some("0.0.0.0:29000")
+        );
+        let text = config.to_toml().unwrap();
+        assert!(text.contains("metrics_port = 29000"), "{text}");
     }
 
     #[test]
@@ -1497,6 +1586,22 @@ mod tests {
             (
                 "[server]\nmax_connections = 0",
                 "invalid server.max_connections = 0: must be at least 1",
+            ),
+            (
+                "[server]\nport = 9000\nmetrics_port = 9000",
+                "invalid server.metrics_port = 9000: must be a port other than server.port (9000) on the same host",
+            ),
+            (
+                "[server]\nport = 9000\nmetrics_port = 9000\nmetrics_host = \"127.0.0.1\"",
+                "invalid server.metrics_port = 9000: must be a port other than server.port (9000) on the same host",
+            ),
+            (
+                "[server]\nmetrics_host = \"0.0.0.0\"",
+                "invalid server.metrics_host = \"0.0.0.0\": must be set only with server.metrics_port",
+            ),
+            (
+                "[server]\nmetrics_port = 29000\nmetrics_host = \" \"",
+                "invalid server.metrics_host = \" \": must be a host name or IP address",
             ),
             (
                 "[outlier_detection]\nmax_ejection_ms = 5000\nbase_ejection_ms = 10000",

@@ -13,7 +13,8 @@
 //! an [`App`], an opaque handle that [`serve`] serves until a shutdown
 //! future ([`termination`]: SIGTERM or SIGINT) resolves.
 //! [`RouterBuilder::run`] does all of it from a config, as the `router`
-//! binary does; the binary's command line is the `router-bin` crate.
+//! binary does (and, with `server.metrics_port` set, [`serve_metrics`] on
+//! a second listener); the binary's command line is the `router-bin` crate.
 //!
 //! ```no_run
 //! use router::RouterBuilder;
@@ -59,7 +60,7 @@ pub use builder::RouterBuilder;
 pub use config::{Layers, RouterConfig, WorkerConfig, parse_worker_flag};
 pub use error::{ConfigError, RouterError};
 pub use policy_core::{AdmissionRegistry, BackendRegistry, PolicyRegistry};
-pub use server::{serve, termination};
+pub use server::{serve, serve_metrics, termination};
 
 /// A few internals, for this crate's benchmarks (`benches/`) only, behind
 /// the `bench-internals` feature. Not an API: anything here may change or

@@ -42,15 +42,18 @@ use crate::{admin, proxy};
 
 /// Every route the router serves besides the generation routes
 /// ([`proxy::GENERATE_PATHS`]), which [`serve_routes`] sends to
-/// [`proxy::handle`] before any route table.
+/// [`proxy::handle`] before any route table. `/metrics` is among them
+/// unless it has a listener of its own (`server.metrics_port`,
+/// [`serve_metrics`]).
 pub(crate) fn routes(app: Arc<App>) -> Router {
-    Router::new()
+    let mut routes = Router::new()
         .route("/v1/models", get(proxy::models))
         .route("/health", get(health))
-        .route("/readiness", get(readiness))
-        .route("/metrics", get(metrics))
-        .merge(admin::routes(app.clone()))
-        .with_state(app)
+        .route("/readiness", get(readiness));
+    if app.config.server.metrics_port.is_none() {
+        routes = routes.route("/metrics", get(metrics));
+    }
+    routes.merge(admin::routes(app.clone())).with_state(app)
 }
 
 async fn health() -> &'static str {
@@ -139,8 +142,31 @@ pub(crate) async fn serve_routes(
     let handler = Handler {
         routes: TowerToHyperService::new(routes),
         app,
+        generate: true,
     };
     serve_handler(handler, &server, listener, open_connections, shutdown).await
+}
+
+/// Serves `GET /metrics` alone on `listener`, the listener of
+/// `server.metrics_port` (every other path is 404 there), under the same
+/// client limits as [`serve`], until `shutdown` resolves. With
+/// `server.metrics_port` set, [`serve`] leaves `/metrics` out.
+pub async fn serve_metrics(
+    app: Arc<App>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    let server = app.config.server.clone();
+    let routes = Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(app.clone());
+    let handler = Handler {
+        routes: TowerToHyperService::new(routes),
+        app,
+        generate: false,
+    };
+    // Scrapes are not client connections: a gauge of their own, unregistered.
+    serve_handler(handler, &server, listener, Gauge::default(), shutdown).await
 }
 
 /// Where a connection's requests go.
@@ -148,6 +174,9 @@ pub(crate) async fn serve_routes(
 struct Handler {
     routes: TowerToHyperService<Router>,
     app: Arc<App>,
+    /// Whether the generation paths go to the proxy (not on the metrics
+    /// listener).
+    generate: bool,
 }
 
 impl Handler {
@@ -161,7 +190,7 @@ impl Handler {
     ) -> impl Future<Output = Result<http::Response<GuardedBody>, Infallible>> + Send + use<> {
         let route = if let Some(response) = refused(&request, &self.app.config.server) {
             Routed::Refused(response)
-        } else if proxy::generate_path(request.uri().path()).is_some() {
+        } else if self.generate && proxy::generate_path(request.uri().path()).is_some() {
             Routed::Generate(self.app.clone(), request)
         } else {
             request.extensions_mut().insert(ConnectInfo(peer));

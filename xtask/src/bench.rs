@@ -264,7 +264,7 @@ fn machine_note() -> String {
 }
 
 /// `GET path` on a loopback port; the status code, if anything answered.
-fn http_status(port: u16, path: &str) -> Option<u16> {
+pub(crate) fn http_status(port: u16, path: &str) -> Option<u16> {
     http_send(port, "GET", path, None)
 }
 
@@ -304,7 +304,7 @@ fn wait_until_ok(port: u16, path: &str, what: &str, limit: Duration) -> Result<(
 /// Checks `condition` every 100 ms until it holds; an error after `limit`
 /// (or the condition's own error) says what was waited for. Used instead of
 /// fixed sleeps: a warm-up takes as long as it takes, and no longer.
-fn wait_for(
+pub(crate) fn wait_for(
     what: &str,
     limit: Duration,
     mut condition: impl FnMut() -> Result<bool, String>,
@@ -378,7 +378,7 @@ fn router_has_fresh_loads(port: u16, workers: usize, max_age_s: f64) -> Result<b
 
 /// The router's `/admin/workers` listing, one object per worker; `None`
 /// while it does not answer.
-fn router_workers(port: u16) -> Result<Option<Vec<serde_json::Value>>, String> {
+pub(crate) fn router_workers(port: u16) -> Result<Option<Vec<serde_json::Value>>, String> {
     let Some(body) = http_get_body(port, "/admin/workers") else {
         return Ok(None);
     };

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 mod bench;
 mod chaos;
 mod demo;
+mod python;
 // The workspace's one SplitMix64, compiled here from its source: xtask
 // depends on no workspace crate (see Cargo.toml). xtask uses the generator,
 // not every function of the module.
@@ -28,7 +29,7 @@ tasks:
   chaos [--rate R] [--duration-s S]  a fleet with one engine per fault mode vs good
                           engines only: target/chaos/report.md
   ci                      format check, unused dependencies, clippy and rustdoc
-                          (warnings are errors), every test
+                          (warnings are errors), every test, then `python`
   demo [--replicas N] [--multi-turn]
                           start a mixed engine-sim fleet and the router (N replicas
                           sharing pending work through nats-server, installed
@@ -37,6 +38,10 @@ tasks:
                           30 s of multi-turn chat sessions, ending with each
                           engine's prefix-cache hit rate), print per-worker
                           results and a live score table
+  python                  build the Python wheel (maturin), install it into a fresh
+                          venv, run its unit tests and drive the OpenAI client
+                          through `python -m llm_router.launch_router` over
+                          engine-sim engines (part of ci)
   sim [--scenario PATH]   run the fleet simulator (the standard set, or one
                           scenario file); reports under target/sim/";
 
@@ -47,6 +52,7 @@ fn main() -> ExitCode {
         Some("bench") => bench::run(&args[1..]),
         Some("chaos") => chaos::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
+        Some("python") => python::run(&args[1..]),
         Some("sim") => sim(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
@@ -151,6 +157,10 @@ fn ci() -> Result<(), String> {
     let mut test = cargo();
     test.args(["test", "--workspace"]).env("INSTA_UPDATE", "no");
     run("cargo test --workspace", test)?;
+
+    // The Python package: its wheel, its unit tests, and the OpenAI client
+    // through the sglang-router-compatible launcher.
+    python::run(&[])?;
 
     eprintln!("xtask: ci passed");
     Ok(())
@@ -277,7 +287,16 @@ type EngineUrls = (String, Option<String>);
 /// One engine-sim process; returns it with its engines' URLs. Port 0 lets
 /// each engine bind a free port, so parallel runs never collide.
 fn start_engines(flavour: &str, extra: &[&str]) -> Result<(Process, Vec<EngineUrls>), String> {
-    let mut command = Command::new(release_binary("engine-sim"));
+    start_engines_of(&release_binary("engine-sim"), flavour, extra)
+}
+
+/// [`start_engines`] with the engine-sim binary at `binary`.
+fn start_engines_of(
+    binary: &std::path::Path,
+    flavour: &str,
+    extra: &[&str],
+) -> Result<(Process, Vec<EngineUrls>), String> {
+    let mut command = Command::new(binary);
     command
         .args(["serve", "--flavour", flavour, "--count", "1"])
         .args(["--base-port", "0", "--grpc-base-port", "0"])
