@@ -60,9 +60,10 @@ fn benches(c: &mut Criterion) {
     group.bench_function("pass_through", |b| {
         b.iter(|| {
             index += 1;
-            let decision = pass.arrive(black_box(&arrival(index, &tenants)), IDLE, now);
+            let request = arrival(index, &tenants);
+            let decision = pass.arrive(black_box(&request), IDLE, now);
             if decision == Decision::DispatchNow {
-                pass.dispatched(200, now);
+                pass.dispatched(&request, now);
             }
             black_box(decision)
         })

@@ -62,7 +62,14 @@ pub(crate) struct FlowOrder {
     len: usize,
     /// Where an idle class is lifted to when none waits.
     class_floor: f64,
+    /// Pops since idle flows were last swept.
+    pops_since_sweep: u32,
 }
+
+/// Every this many pops, every flow that waits for nothing and that a push
+/// would lift anyway is dropped, so tenants seen once (a name is the
+/// client's to choose) are not kept for ever.
+const SWEEP_EVERY_POPS: u32 = 1024;
 
 fn key(separate: bool, name: &Arc<str>) -> Arc<str> {
     if separate {
@@ -79,6 +86,7 @@ impl FlowOrder {
             classes: BTreeMap::new(),
             len: 0,
             class_floor: 0.0,
+            pops_since_sweep: 0,
         }
     }
 
@@ -287,7 +295,25 @@ impl FlowOrder {
         class.queued_work = class.queued_work.saturating_sub(work);
         self.len -= 1;
         self.forget_idle(&class_key, &tenant_key);
+        self.pops_since_sweep += 1;
+        if self.pops_since_sweep >= SWEEP_EVERY_POPS {
+            self.sweep_idle();
+        }
         Some(request)
+    }
+
+    /// Drops every flow that waits for nothing and whose count a push
+    /// would lift anyway.
+    fn sweep_idle(&mut self) {
+        self.pops_since_sweep = 0;
+        let class_floor = self.class_floor;
+        self.classes.retain(|_, class| {
+            let tenant_floor = class.tenant_floor;
+            class
+                .tenants
+                .retain(|_, tenant| !tenant.queue.is_empty() || tenant.served > tenant_floor);
+            class.queued > 0 || !class.tenants.is_empty() || class.served > class_floor
+        });
     }
 
     pub(crate) fn remove(&mut self, ticket: u64) -> Option<Waiting> {

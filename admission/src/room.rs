@@ -715,9 +715,14 @@ impl AdmissionRoom {
     }
 
     /// A request that never waited went to a worker: its work counts
-    /// toward the drain rate.
-    pub fn dispatched(&mut self, work_tokens: u64, now: Instant) {
-        self.drain.add(work_tokens, now);
+    /// toward the drain rate, and toward its flow's share as if it had
+    /// waited (a tenant whose requests pass straight through is served
+    /// too).
+    pub fn dispatched(&mut self, arrival: &Arrival, now: Instant) {
+        self.drain.add(arrival.work_tokens, now);
+        let classified = self.classify(arrival);
+        self.order
+            .served(&classified.class, &classified.tenant, arrival.work_tokens);
     }
 
     /// A request of this class and tenant finished with `output_tokens`

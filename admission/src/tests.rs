@@ -283,7 +283,13 @@ fn a_deadline_the_prediction_cannot_meet_is_refused_at_arrival_with_retry_after(
     let mut room = room(one_second);
     // Two seconds of history at 10 000 prompt tokens a second.
     for step in 0..200u64 {
-        room.dispatched(100, start + Duration::from_millis(10 * step));
+        room.dispatched(
+            &Arrival {
+                work_tokens: 100,
+                ..arrival(0, None)
+            },
+            start + Duration::from_millis(10 * step),
+        );
     }
     let now = start + Duration::from_secs(2);
     // Every worker 1.2 s deep (above the 1 s threshold), and 30 000
@@ -327,7 +333,13 @@ fn explain_says_what_arrive_then_does_and_changes_nothing() {
         ..RoomConfig::default()
     });
     for step in 0..100u64 {
-        room.dispatched(100, start + Duration::from_millis(10 * step));
+        room.dispatched(
+            &Arrival {
+                work_tokens: 100,
+                ..arrival(0, None)
+            },
+            start + Duration::from_millis(10 * step),
+        );
     }
     let now = start + Duration::from_secs(1);
     let cases = [
@@ -451,6 +463,28 @@ fn a_full_fair_share_queue_drops_the_heaviest_tenant_s_newest_for_a_light_one() 
     ));
     assert_eq!(fair.shed(wait(5.0), now)[0].ticket, heavy[2]);
     assert_eq!(fair.len(), 4);
+}
+
+#[test]
+fn a_request_that_passes_straight_through_counts_toward_its_tenant_s_share() {
+    let now = Instant::now();
+    let mut fair = AdmissionRoom::new(order(FAIR_SHARE), RoomConfig::default());
+    let from = |tenant: &str| Arrival {
+        tenant: Arc::from(tenant),
+        ..arrival(0, None)
+    };
+    let Decision::Queued(a) = fair.arrive(&from("a"), wait(5.0), now) else {
+        panic!("queued");
+    };
+    let Decision::Queued(b) = fair.arrive(&from("b"), wait(5.0), now) else {
+        panic!("queued");
+    };
+    // Tied, a came first; but a's requests that went straight to a worker
+    // were served too.
+    fair.dispatched(&from("a"), now);
+    assert_eq!(fair.head().map(|w| w.ticket), Some(b));
+    assert_eq!(fair.pop(now).map(|r| r.ticket), Some(b));
+    assert_eq!(fair.pop(now).map(|r| r.ticket), Some(a));
 }
 
 #[test]

@@ -1215,7 +1215,7 @@ impl<'a> CellRun<'a> {
         let decision = match room.room.arrive(&arrival, expected, now) {
             Decision::DispatchNow => match policy.select(&self.router.ids, info, now) {
                 Some(dispatch) => {
-                    room.room.dispatched(arrival.work_tokens, now);
+                    room.room.dispatched(&arrival, now);
                     let worker = self.router.dispatched(id, replica, dispatch);
                     return self.submit(id, worker, chain, info, now_s);
                 }

@@ -346,8 +346,8 @@ impl Gate {
     }
 
     /// A request that never waited went to a worker.
-    fn dispatched(&self, work_tokens: u64) {
-        self.state.lock().room.dispatched(work_tokens, tokio_now());
+    fn dispatched(&self, arrival: &Arrival) {
+        self.state.lock().room.dispatched(arrival, tokio_now());
     }
 
     /// An answer of this class and tenant ended with `output_tokens`
@@ -475,7 +475,7 @@ pub(crate) async fn admit(
             }
             chosen => {
                 if matches!(chosen, Chosen::Worker(_)) {
-                    gate.dispatched(arrival.work_tokens);
+                    gate.dispatched(&arrival);
                 }
                 return Admitted::Chosen(charged(chosen, &class, &arrival.tenant));
             }

@@ -97,6 +97,31 @@ fn prompts(upstream: &Upstream) -> Vec<String> {
         .collect()
 }
 
+/// Sends the request that takes the only slot (held at the engine), once
+/// it is there.
+async fn hold_the_slot(
+    router: &TestRouter,
+    upstream: &Upstream,
+) -> tokio::task::JoinHandle<(u16, Option<String>, Value)> {
+    let first = send(router, "first", None, &[]);
+    wait_until("the first request holds the slot", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    first
+}
+
+/// Sends a request that waits in the router's queue, once it waits there.
+async fn wait_behind(
+    router: &TestRouter,
+    text: &str,
+) -> tokio::task::JoinHandle<(u16, Option<String>, Value)> {
+    let before = queued(router).await;
+    let waiting = send(router, text, None, &[]);
+    wait_until("it waits", || async { queued(router).await == before + 1 }).await;
+    waiting
+}
+
 /// Lets the held requests go as they come, until `count` have reached the
 /// engine; the releasing goes on (for the last ones) until the returned
 /// guard is dropped.
@@ -127,11 +152,7 @@ impl Drop for Releasing {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capped_requests_wait_and_leave_lower_priority_value_first() {
     let (upstream, router) = capped_router("").await;
-    let first = send(&router, "first", None, &[]);
-    wait_until("the first request holds the slot", || async {
-        upstream.requests() == 1
-    })
-    .await;
+    let first = hold_the_slot(&router, &upstream).await;
     let batch = send(&router, "batch", Some(5), &[]);
     wait_until("the batch request waits", || async {
         queued(&router).await == 1
@@ -235,13 +256,8 @@ async fn fair_share_serves_a_light_tenant_ahead_of_a_heavy_one_s_backlog() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_429_with_retry_after() {
     let (upstream, router) = capped_router("[admission]\nmax_queue_requests = 1\n").await;
-    let first = send(&router, "first", None, &[]);
-    wait_until("the first request holds the slot", || async {
-        upstream.requests() == 1
-    })
-    .await;
-    let waiting = send(&router, "waiting", None, &[]);
-    wait_until("one waits", || async { queued(&router).await == 1 }).await;
+    let first = hold_the_slot(&router, &upstream).await;
+    let waiting = wait_behind(&router, "waiting").await;
 
     let (status, retry_after, body) = send(&router, "turned away", None, &[]).await.unwrap();
     assert_eq!(status, 429);
@@ -261,11 +277,7 @@ async fn a_full_queue_answers_429_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_request_whose_deadline_cannot_be_met_is_answered_429() {
     let (upstream, router) = capped_router("").await;
-    let first = send(&router, "first", None, &[]);
-    wait_until("the first request holds the slot", || async {
-        upstream.requests() == 1
-    })
-    .await;
+    let first = hold_the_slot(&router, &upstream).await;
     // The worker stays held: the request cannot start before its deadline.
     let (status, retry_after, body) = send(
         &router,
@@ -292,11 +304,7 @@ async fn a_waiting_request_whose_deadline_cannot_be_met_is_answered_429() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_is_taken_out_of_the_queue_at_once() {
     let (upstream, router) = capped_router("").await;
-    let first = send(&router, "first", None, &[]);
-    wait_until("the first request holds the slot", || async {
-        upstream.requests() == 1
-    })
-    .await;
+    let first = hold_the_slot(&router, &upstream).await;
     let gone = send(&router, "gone", None, &[]);
     wait_until("it waits", || async { queued(&router).await == 1 }).await;
     gone.abort();
@@ -348,13 +356,8 @@ async fn unreadable_admission_headers_are_the_client_s_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admission_section_swaps_live_and_refuses_an_invalid_one() {
     let (upstream, router) = capped_router("").await;
-    let first = send(&router, "first", None, &[]);
-    wait_until("the first request holds the slot", || async {
-        upstream.requests() == 1
-    })
-    .await;
-    let waiting = send(&router, "waiting", None, &[]);
-    wait_until("one waits", || async { queued(&router).await == 1 }).await;
+    let first = hold_the_slot(&router, &upstream).await;
+    let waiting = wait_behind(&router, "waiting").await;
 
     let put = |section: Value| {
         router
@@ -419,13 +422,8 @@ async fn explain_says_what_the_room_would_do_and_changes_nothing() {
     assert_eq!(idle["ttft_deadline_s"], 2.0);
     assert!(idle["expected_queue_s"].is_number(), "{idle}");
 
-    let first = send(&router, "first", None, &[]);
-    wait_until("the first request holds the slot", || async {
-        upstream.requests() == 1
-    })
-    .await;
-    let waiting = send(&router, "waiting", None, &[]);
-    wait_until("one waits", || async { queued(&router).await == 1 }).await;
+    let first = hold_the_slot(&router, &upstream).await;
+    let waiting = wait_behind(&router, "waiting").await;
     let behind: Value = explain("5").await.unwrap().json().await.unwrap();
     assert_eq!(behind["decision"], "queue", "{behind}");
     assert_eq!(behind["class"], "batch");
