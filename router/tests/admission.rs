@@ -122,31 +122,13 @@ async fn wait_behind(
     waiting
 }
 
-/// Lets the held requests go as they come, until `count` have reached the
-/// engine; the releasing goes on (for the last ones) until the returned
-/// guard is dropped.
-async fn serve_until(upstream: &Upstream, count: usize) -> Releasing {
-    let switches = upstream.switches.clone();
-    let releasing = Releasing(tokio::spawn(async move {
-        loop {
-            switches.release.notify_waiters();
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    }));
-    wait_until("the queue drains to the engine", || async {
-        prompts(upstream).len() >= count
-    })
-    .await;
-    releasing
-}
-
-/// Stops releasing held requests when dropped.
-struct Releasing(tokio::task::JoinHandle<()>);
-
-impl Drop for Releasing {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+/// Lets the held request go, and every later one through unheld. The
+/// worker takes one request at a time, so the engine still receives them
+/// in the router's order. `notify_one` keeps its permit for a request that
+/// has not started waiting yet.
+fn release_all(upstream: &Upstream) {
+    upstream.switches.hold.store(false, Ordering::SeqCst);
+    upstream.switches.release.notify_one();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,7 +160,7 @@ async fn capped_requests_wait_and_leave_lower_priority_value_first() {
         2.0
     );
 
-    let _releasing = serve_until(&upstream, 3).await;
+    release_all(&upstream);
     for task in [first, batch, urgent] {
         assert_eq!(task.await.unwrap().0, 200);
     }
@@ -241,7 +223,7 @@ async fn fair_share_serves_a_light_tenant_ahead_of_a_heavy_one_s_backlog() {
         "an API key's tenant is a hash of it: {tenants:?}"
     );
 
-    let _releasing = serve_until(&upstream, 5).await;
+    release_all(&upstream);
     for task in tasks {
         assert_eq!(task.await.unwrap().0, 200);
     }
@@ -268,7 +250,7 @@ async fn a_full_queue_answers_429_with_retry_after() {
         1.0
     );
 
-    let _releasing = serve_until(&upstream, 2).await;
+    release_all(&upstream);
     assert_eq!(first.await.unwrap().0, 200);
     assert_eq!(waiting.await.unwrap().0, 200);
     assert_eq!(prompts(&upstream), ["first", "waiting"]);
@@ -297,7 +279,7 @@ async fn a_waiting_request_whose_deadline_cannot_be_met_is_answered_429() {
     assert_eq!(upstream.requests(), 1, "it never reached the engine");
     assert_eq!(queued(&router).await, 0);
 
-    let _releasing = serve_until(&upstream, 1).await;
+    release_all(&upstream);
     assert_eq!(first.await.unwrap().0, 200);
 }
 
@@ -317,7 +299,7 @@ async fn a_client_that_leaves_is_taken_out_of_the_queue_at_once() {
     assert_eq!(left, 1.0);
 
     let after = send(&router, "after", None, &[]);
-    let _releasing = serve_until(&upstream, 2).await;
+    release_all(&upstream);
     assert_eq!(first.await.unwrap().0, 200);
     assert_eq!(after.await.unwrap().0, 200);
     assert_eq!(
@@ -394,7 +376,7 @@ async fn the_admission_section_swaps_live_and_refuses_an_invalid_one() {
         "fair_share"
     );
 
-    let _releasing = serve_until(&upstream, 2).await;
+    release_all(&upstream);
     assert_eq!(first.await.unwrap().0, 200);
     assert_eq!(waiting.await.unwrap().0, 200);
 }
@@ -431,7 +413,7 @@ async fn explain_says_what_the_room_would_do_and_changes_nothing() {
     let bad = explain("high").await.unwrap();
     assert_eq!(bad.status(), 400);
 
-    let _releasing = serve_until(&upstream, 2).await;
+    release_all(&upstream);
     assert_eq!(first.await.unwrap().0, 200);
     assert_eq!(waiting.await.unwrap().0, 200);
 }
