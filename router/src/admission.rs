@@ -19,6 +19,7 @@ use admission::{AdmissionRoom, Arrival, Decision, Explanation, RejectReason, Rej
 use arc_swap::ArcSwap;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
+use opentelemetry::KeyValue;
 use parking_lot::Mutex;
 use policy_core::{AdmissionRegistry, RequestInfo, TokenCount, tokio_now};
 use tokio::sync::{Notify, oneshot};
@@ -28,6 +29,7 @@ use crate::config::AdmissionConfig;
 use crate::error::ConfigError;
 use crate::metrics::{ClassLabel, ClassOutcomeLabels, ClassReasonLabels, Metrics};
 use crate::proxy::{Answer, Chosen, choose, own};
+use crate::telemetry::SpanGuard;
 
 /// The header that sets a request's priority (over its body's `priority`).
 pub(crate) const PRIORITY_HEADER: &str = "x-request-priority";
@@ -427,13 +429,16 @@ pub(crate) enum Admitted {
 }
 
 /// Admits one request: dispatched now, or after a wait in the queue, or
-/// turned away. `deadline` is the whole request's.
+/// turned away. `deadline` is the whole request's. `span`, the request's
+/// `admission` span when it is traced, gets the class and the `queued` or
+/// `rejected` event.
 pub(crate) async fn admit(
     app: &Arc<App>,
     info: &RequestInfo,
     received_at: Instant,
     admission: &Admission,
     deadline: tokio::time::Instant,
+    mut span: Option<&mut SpanGuard>,
 ) -> Admitted {
     let gate = &app.admission;
     let now = tokio::time::Instant::now();
@@ -482,6 +487,20 @@ pub(crate) async fn admit(
         },
         other => other,
     };
+    if let Some(span) = span.as_mut() {
+        span.set(KeyValue::new("llm_router.class", class.to_string()));
+        match &decision {
+            Decision::Queued(_) => span.event("queued", Vec::new()),
+            Decision::Rejected(rejection) => span.event(
+                "rejected",
+                vec![KeyValue::new(
+                    "llm_router.reason",
+                    rejection.reason.as_str(),
+                )],
+            ),
+            Decision::DispatchNow => {}
+        }
+    }
     match decision {
         Decision::Queued(ticket) => {
             match wait(app, ticket, class.clone(), receiver, deadline).await {

@@ -40,6 +40,8 @@ pub struct App {
     pub(crate) sync_signal: crate::replica_sync::DispatchSignal,
     /// Where requests wait while the fleet is saturated.
     pub(crate) admission: Gate,
+    /// Request traces (`[tracing]`); empty when off.
+    pub(crate) telemetry: crate::telemetry::Telemetry,
 }
 
 impl std::fmt::Debug for App {
@@ -63,6 +65,7 @@ impl App {
         let policy = build_policy(&policies, &config, &config.policy)?;
         let admission = Gate::new(admissions, &config.admission)?;
         let upstream = upstream_client(config.server.connect_timeout());
+        let telemetry = crate::telemetry::Telemetry::new(&config.tracing)?;
         Ok(Arc::new(App {
             topology: Topology::new(policy, config.policy.clone()),
             sync_signal: crate::replica_sync::DispatchSignal::new(&config.sync),
@@ -73,6 +76,7 @@ impl App {
             upstream,
             metrics: Metrics::new(),
             admission,
+            telemetry,
         }))
     }
 
@@ -226,15 +230,16 @@ impl App {
     }
 
     /// A gateway failure of one request on `worker`: counted toward its
-    /// ejection, which happens within the fleet-wide cap.
-    pub(crate) fn request_failed(&self, worker: &Worker, failure: Failure) {
+    /// ejection, which happens within the fleet-wide cap. How long the
+    /// worker is out for, when this failure ejected it.
+    pub(crate) fn request_failed(&self, worker: &Worker, failure: Failure) -> Option<Duration> {
         let outlier = &self.config.outlier_detection;
         let (due, failures) = worker.with_outlier(|state| {
             let due = state.failed(outlier);
             (due, state.consecutive_failures())
         });
         if !due {
-            return;
+            return None;
         }
         let now = tokio::time::Instant::now();
         let mut ejected_for = None;
@@ -264,6 +269,7 @@ impl App {
                 );
             }
         }
+        ejected.then(|| ejected_for.unwrap_or_default())
     }
 
     /// Probes one ejected worker whose ejection time is over: back in

@@ -149,15 +149,20 @@ impl RouterBuilder {
                 std::future::pending(),
             ))
         });
-        let served = server::serve(app, listener, server::termination()).await;
+        let served = server::serve(app.clone(), listener, server::termination()).await;
         if let Some(task) = metrics_server {
             task.abort();
         }
+        app.telemetry.shutdown(TRACE_FLUSH_TIMEOUT).await;
         served?;
         tracing::info!("router stopped");
         Ok(())
     }
 }
+
+/// How long the spans still buffered at shutdown may take to reach the
+/// collector.
+const TRACE_FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 async fn bind(address: String) -> Result<tokio::net::TcpListener, RouterError> {
     tokio::net::TcpListener::bind(&address)

@@ -2,7 +2,7 @@
 //! (`ROUTER__SECTION__KEY`) < command-line flags, validated after merging.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use policy_core::{BackendRegistry, LoadAddress};
@@ -29,6 +29,8 @@ pub struct RouterConfig {
     pub admin: AdminConfig,
     pub sync: SyncConfig,
     pub admission: AdmissionConfig,
+    pub worker_tls: WorkerTlsConfig,
+    pub tracing: TracingConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -78,6 +80,9 @@ pub struct ServerConfig {
     /// `metrics_port`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_host: Option<String>,
+    /// TLS on the client listener (`[server.tls]`); absent: plain HTTP.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ListenerTlsConfig>,
     /// Replaced by `first_byte_timeout_ms`, `stream_idle_timeout_ms` and
     /// `request_deadline_ms`; kept only to explain that when it is set.
     #[serde(default, skip_serializing)]
@@ -103,6 +108,7 @@ impl Default for ServerConfig {
             max_connections: 8192,
             metrics_port: None,
             metrics_host: None,
+            tls: None,
             request_timeout_ms: None,
         }
     }
@@ -412,6 +418,59 @@ pub struct WorkerConfig {
     pub load_url: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
+}
+
+/// The client listener's certificate (`[server.tls]`): HTTP/1.1 and HTTP/2
+/// (ALPN) over TLS 1.2 and 1.3. Both files are read again on SIGHUP.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTlsConfig {
+    /// PEM: the certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// PEM: the leaf's private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+}
+
+/// How the router trusts `https://` workers, for generation requests and
+/// load polls alike.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerTlsConfig {
+    /// PEM: the certificates that sign workers' certificates; unset: the
+    /// system's roots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+}
+
+/// OpenTelemetry traces (`docs/observability.md`): spans for each request's
+/// receive, admission, selection, dispatch, first token and finish,
+/// exported over OTLP/gRPC. Off by default; an incoming `traceparent` is
+/// passed on to the worker either way.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TracingConfig {
+    pub enabled: bool,
+    /// The OTLP/gRPC collector.
+    pub otlp_endpoint: String,
+    /// The `service.name` resource attribute.
+    pub service_name: String,
+    /// Share of requests traced that arrive without a sampled parent; a
+    /// request whose `traceparent` is sampled is always traced.
+    pub sample_ratio: f64,
+    /// How often finished spans are sent to the collector.
+    pub export_interval_ms: u64,
+}
+
+impl Default for TracingConfig {
+    fn default() -> TracingConfig {
+        TracingConfig {
+            enabled: false,
+            otlp_endpoint: "http://127.0.0.1:4317".into(),
+            service_name: "llm-router".into(),
+            sample_ratio: 1.0,
+            export_interval_ms: 1000,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -983,7 +1042,45 @@ impl RouterConfig {
             })?;
         }
         self.admission.room()?;
+        self.validate_tracing()?;
         self.validate_sync()
+    }
+
+    /// The `[tracing]` section, checked whether or not it is enabled.
+    fn validate_tracing(&self) -> Result<(), ConfigError> {
+        let tracing = &self.tracing;
+        let invalid = |key: &str, value: String, allowed: &str| {
+            Err(ConfigError::Invalid {
+                key: format!("tracing.{key}"),
+                value,
+                allowed: allowed.to_owned(),
+            })
+        };
+        let endpoint_ok = tracing
+            .otlp_endpoint
+            .parse::<http::Uri>()
+            .is_ok_and(|uri| uri.scheme_str() == Some("http") && uri.authority().is_some());
+        if !endpoint_ok {
+            return invalid(
+                "otlp_endpoint",
+                format!("{:?}", tracing.otlp_endpoint),
+                "an http://host:port URL of an OTLP/gRPC collector",
+            );
+        }
+        if tracing.service_name.trim().is_empty() {
+            return invalid("service_name", "\"\"".into(), "a non-empty name");
+        }
+        if !(0.0..=1.0).contains(&tracing.sample_ratio) {
+            return invalid(
+                "sample_ratio",
+                tracing.sample_ratio.to_string(),
+                "a number from 0 to 1",
+            );
+        }
+        if tracing.export_interval_ms == 0 {
+            return invalid("export_interval_ms", "0".into(), "at least 1");
+        }
+        Ok(())
     }
 
     /// The `[sync]` section, checked whether or not it is enabled, so a typo

@@ -44,4 +44,10 @@ pub enum RouterError {
     },
     #[error("server error")]
     Serve(#[source] std::io::Error),
+    #[error("cannot start the OTLP trace exporter to {endpoint}")]
+    Tracing {
+        endpoint: String,
+        #[source]
+        source: opentelemetry_otlp::ExporterBuildError,
+    },
 }

@@ -51,6 +51,7 @@ mod replica_sync;
 mod server;
 mod sse;
 mod stream_usage;
+mod telemetry;
 mod topology;
 mod upstream;
 mod workers;

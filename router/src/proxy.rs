@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
-use policy_core::{Dispatch, RequestInfo, WorkerId, error_chain, tokio_now};
+use policy_core::{Dispatch, RequestInfo, TokenCount, WorkerId, error_chain, tokio_now};
 use request_features::{StreamUsage, Unhashed, read_request};
 
 use crate::admission::{Admission, Admitted, admit};
@@ -35,6 +35,7 @@ use crate::client_body::read_client_body;
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
 use crate::stream_usage::{UsageChunkFilter, with_usage_asked};
+use crate::telemetry::{DispatchTrace, RequestTrace, Selection};
 use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
@@ -177,6 +178,14 @@ where
         }
     };
     let info = read.info;
+    let trace = app.telemetry.request(&parts.headers, head.path);
+    if let Some(trace) = &trace {
+        let prompt_tokens = match info.tokens {
+            TokenCount::Exact(tokens) | TokenCount::Estimated(tokens) => Some(tokens),
+            TokenCount::Unknown => None,
+        };
+        trace.describe(info.streaming, prompt_tokens);
+    }
     let head_timeout = server.head_timeout(info.streaming, read.max_output_tokens);
     // Only a prompt with hashed blocks has a prediction to check.
     let ask_usage = app.config.request.ask_stream_usage
@@ -197,8 +206,13 @@ where
         deadline,
         head_timeout,
         admission,
+        trace,
     };
-    forward(&app, &request).await
+    let answer = forward(&app, &request).await;
+    if let Some(trace) = &request.trace {
+        trace.answered(answer.status());
+    }
+    answer
 }
 
 /// A client's request, read and parsed, as every attempt sends it.
@@ -215,16 +229,23 @@ struct ClientRequest {
     head_timeout: std::time::Duration,
     /// Its priority, tenant and TTFT deadline, for the admission gate.
     admission: Admission,
+    /// Its spans, when `[tracing]` is on and the request is sampled.
+    trace: Option<RequestTrace>,
 }
 
 impl ClientRequest {
-    /// The request as `worker` gets it, with the worker's key.
-    fn outgoing<'a>(&'a self, worker: &'a Worker) -> h1::Outgoing<'a> {
+    /// The request as `worker` gets it, with the worker's key, and the
+    /// attempt's trace context when it is traced.
+    fn outgoing<'a>(
+        &'a self,
+        worker: &'a Worker,
+        trace: Option<&'a DispatchTrace>,
+    ) -> h1::Outgoing<'a> {
         h1::Outgoing {
             method: &Method::POST,
             path: self.head.path,
             query: self.head.query.as_deref(),
-            headers: &self.head.headers,
+            headers: trace.map_or(&self.head.headers, |trace| &trace.headers),
             authorization: worker.authorization.as_ref(),
             body: &self.body,
         }
@@ -318,12 +339,17 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         // The first attempt passes the admission gate; a retry goes
         // straight to another worker, its wait already served.
         let chosen = if attempt == 0 {
+            let mut admission_span = request.trace.as_ref().map(|trace| {
+                let admission = &request.admission;
+                trace.admission(admission.priority.unwrap_or(0), &admission.tenant)
+            });
             match admit(
                 app,
                 &request.info,
                 request.received_at,
                 &request.admission,
                 request.deadline,
+                admission_span.as_mut(),
             )
             .await
             {
@@ -335,7 +361,7 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         };
         // The wait may have been long: the attempt's clock starts now.
         let now = tokio::time::Instant::now();
-        let tracker = match chosen {
+        let mut tracker = match chosen {
             Chosen::Worker(tracker) => tracker,
             Chosen::Gone(id) => {
                 tried.push(id);
@@ -361,6 +387,22 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         if attempt > 0 {
             app.metrics.retries.inc();
         }
+        let mut dispatch_trace = None;
+        if let Some(trace) = &request.trace {
+            if attempt > 0 {
+                trace.retry(attempt, &last_reason);
+            }
+            trace.selection(&Selection {
+                policy: tracker.route.policy.name(),
+                worker_url: &worker.url,
+                worker_id: worker.id,
+                score: dispatch.score,
+                cached_tokens: dispatch.cached_tokens,
+                tokens: Some(dispatch.tokens),
+                attempt,
+            });
+            dispatch_trace = Some(Box::new(trace.dispatch(&worker.url, attempt)));
+        }
         if !worker.pool.is_usable() {
             // Config validation rejects such URLs; a worker added some other
             // way is skipped rather than trusted.
@@ -369,6 +411,7 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
             continue;
         }
         let worker_id = worker.id;
+        tracker.trace = dispatch_trace;
         match attempt_on(app, tracker, request, now).await {
             Attempt::Done(response) => return response,
             Attempt::Retry { answer, reason } => {
@@ -420,7 +463,7 @@ async fn attempt_on(
     let first_byte_by = now
         .checked_add(request.head_timeout)
         .map_or(request.deadline, |by| by.min(request.deadline));
-    let outgoing = request.outgoing(worker);
+    let outgoing = request.outgoing(worker, tracker.trace.as_deref());
     let sent = h1::send_at(
         &worker.pool,
         &outgoing,
@@ -433,7 +476,7 @@ async fn attempt_on(
             // The connection failed, or closed before any answer: the
             // engine is not generating this request.
             worker.metrics.request_status(&app.metrics, "error");
-            app.request_failed(worker, Failure::Connect);
+            tracker.failed(app, Failure::Connect);
             return Attempt::Retry {
                 answer: None,
                 reason: format!(
@@ -445,7 +488,7 @@ async fn attempt_on(
         }
         Err(_elapsed) => {
             worker.metrics.request_status(&app.metrics, "timeout");
-            app.request_failed(worker, Failure::FirstByteTimeout);
+            tracker.failed(app, Failure::FirstByteTimeout);
             let reason = format!(
                 "worker {} sent no response head within {} ms (server.first_byte_timeout_ms)",
                 worker.url, server.first_byte_timeout_ms
@@ -479,9 +522,12 @@ async fn attempt_on(
         .time_to_first_byte
         .observe(since(request.received_at, head_at));
     worker.metrics.request_status(&app.metrics, status.as_str());
+    if let Some(trace) = &tracker.trace {
+        trace.answered(status);
+    }
     if status.is_client_error() || status.is_server_error() {
         if status.is_server_error() {
-            app.request_failed(worker, Failure::ServerError(status.as_u16()));
+            tracker.failed(app, Failure::ServerError(status.as_u16()));
         }
         let answer = worker_error(status, &headers, inner, first_byte_by).await;
         // Only an engine that refused the work (overloaded, rate-limited)
@@ -512,7 +558,7 @@ async fn attempt_on(
             worker
                 .metrics
                 .request_status(&app.metrics, Failure::Cut.label());
-            app.request_failed(worker, Failure::Cut);
+            tracker.failed(app, Failure::Cut);
             return Attempt::Done(gateway_error(
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
@@ -525,7 +571,7 @@ async fn attempt_on(
         }
         Err(_elapsed) => {
             worker.metrics.request_status(&app.metrics, "timeout");
-            app.request_failed(worker, Failure::FirstByteTimeout);
+            tracker.failed(app, Failure::FirstByteTimeout);
             return Attempt::Done(gateway_error(
                 StatusCode::GATEWAY_TIMEOUT,
                 "timeout",
@@ -673,7 +719,7 @@ async fn whole_answer(
         };
     let (failure, status, message) = failure;
     worker.metrics.request_status(&app.metrics, failure.label());
-    app.request_failed(worker, failure);
+    tracker.failed(app, failure);
     gateway_error(status, "upstream_error", message)
 }
 
@@ -751,6 +797,9 @@ pub(crate) struct RequestTracker {
     /// generated tokens to, and the scanner that reads their count (boxed:
     /// a router with admission off carries only the pointer).
     output_charge: Option<Box<OutputCharge>>,
+    /// The attempt's `dispatch` span, when the request is traced; it ends
+    /// with the tracker.
+    trace: Option<Box<DispatchTrace>>,
 }
 
 struct OutputCharge {
@@ -776,6 +825,16 @@ impl RequestTracker {
             received_at,
             cache_scan: read_cache_report.then(CachedTokensScanner::default),
             output_charge: None,
+            trace: None,
+        }
+    }
+
+    /// The attempt failed: counts it against the worker (which may eject
+    /// it), and marks the attempt's span.
+    fn failed(&self, app: &App, failure: Failure) {
+        let ejected_for = app.request_failed(self.worker(), failure);
+        if let Some(trace) = &self.trace {
+            trace.failed(failure.label(), ejected_for);
         }
     }
 
@@ -844,11 +903,15 @@ impl RequestTracker {
                 app.sync_signal
                     .prefill_sampled(self.dispatch.worker, sample);
             }
+            let ttft_s = since(self.received_at, now);
             self.route
                 .worker
                 .metrics
                 .time_to_first_token
-                .observe(since(self.received_at, now));
+                .observe(ttft_s);
+            if let Some(trace) = &self.trace {
+                trace.first_token(ttft_s);
+            }
             self.app.admission.release(&self.app);
         }
     }
@@ -976,7 +1039,7 @@ impl TrackedBody {
                 worker
                     .metrics
                     .request_status(&self.app.metrics, failure.label());
-                self.app.request_failed(worker, failure);
+                tracker.failed(&self.app, failure);
             }
             tracing::debug!(worker = %worker.url, %message, "response ended early");
         }

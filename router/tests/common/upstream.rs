@@ -36,6 +36,8 @@ pub struct Switches {
     pub prompt_chars: AtomicU64,
     /// Every generation request's body, in arrival order.
     pub bodies: std::sync::Mutex<Vec<Bytes>>,
+    /// Each generation request's `traceparent` header, in arrival order.
+    pub traceparents: std::sync::Mutex<Vec<Option<String>>>,
     pub waiting_reqs: AtomicU64,
     /// Report `cached_tokens` as the prompt tokens the prefix cache
     /// served: in `usage.prompt_tokens_details` (a whole answer, and the
@@ -142,7 +144,16 @@ async fn models(State(switches): State<Arc<Switches>>) -> Response {
     .into_response()
 }
 
-async fn generate(State(switches): State<Arc<Switches>>, body: Bytes) -> Response {
+async fn generate(
+    State(switches): State<Arc<Switches>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    switches.traceparents.lock().unwrap().push(
+        headers
+            .get("traceparent")
+            .map(|value| value.to_str().unwrap().to_owned()),
+    );
     switches.requests.fetch_add(1, Ordering::SeqCst);
     switches
         .prompt_chars
