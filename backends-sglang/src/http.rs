@@ -59,12 +59,15 @@ struct Detection {
 }
 
 impl SglangHttpLoadSource {
-    /// A source polling `base_url` (`http://host:port`, optionally with a
-    /// path prefix; a trailing `/` is ignored).
+    /// A source polling `base_url` (`http://host:port` or
+    /// `https://host:port`, optionally with a path prefix; a trailing `/` is
+    /// ignored). An `https://` worker is polled over TLS, trusting
+    /// `options.ca_file` or the system's roots.
     ///
     /// Fails with [`BackendError::InvalidAddress`] for anything but an
-    /// `http://` URL with a host (this build has no TLS), and with
-    /// [`BackendError::Client`] for an API key that cannot be a header value.
+    /// `http://` or `https://` URL with a host, and with
+    /// [`BackendError::Client`] for an API key that cannot be a header value
+    /// or a CA file (or system store) that cannot be loaded.
     pub fn new(
         base_url: &str,
         options: &SourceOptions,
@@ -77,12 +80,14 @@ impl SglangHttpLoadSource {
                 "/v1/loads?include=core",
                 ReportFormat::Json,
                 "/v1/loads",
+                options,
             )?,
             metrics_url: ReportUrl::new(
                 &base_url,
                 "/metrics",
                 ReportFormat::PrometheusText,
                 "/metrics",
+                options,
             )?,
             base_url,
             deadline: options.deadline,

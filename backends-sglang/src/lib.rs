@@ -91,7 +91,7 @@ pub const HTTP_BACKEND: &str = "sglang";
 pub const GRPC_BACKEND: &str = "sglang-grpc";
 
 /// Registers `sglang` (HTTP with the `/metrics` fallback; the load address is
-/// optional and defaults to the worker's URL, `http://` only) and
+/// optional and defaults to the worker's URL, `http://` or `https://`) and
 /// `sglang-grpc` (the load address is required, `grpc://host:port`).
 pub fn register(registry: &mut BackendRegistry) {
     registry.register(HTTP_BACKEND, LoadAddress::Http, |spec| {
@@ -116,12 +116,15 @@ mod tests {
         assert_eq!(source.load_url(), "http://127.0.0.1:30000");
         let source = build(BackendSpec::new("http://w:1").with_load_url("http://m:2")).unwrap();
         assert_eq!(source.load_url(), "http://m:2");
-        for bad in [
-            "127.0.0.1:30000",
-            "https://w:1",
-            "ftp://w:1",
-            "http://w:1/?x=1",
-        ] {
+        // An https:// worker is polled over TLS, with the CA file it names.
+        let mut tls_spec = BackendSpec::new("https://w:1");
+        tls_spec.options.ca_file =
+            Some(std::env::temp_dir().join("backends-sglang-no-such-ca.pem"));
+        assert!(
+            matches!(build(tls_spec), Err(BackendError::Client { .. })),
+            "a CA file that cannot be read fails the build"
+        );
+        for bad in ["127.0.0.1:30000", "ftp://w:1", "http://w:1/?x=1"] {
             assert!(
                 matches!(
                     build(BackendSpec::new(bad)),

@@ -55,6 +55,7 @@ impl VllmMetricsLoadSource {
             "/metrics",
             ReportFormat::PrometheusText,
             "vllm /metrics",
+            &spec.options,
         )?;
         Ok(VllmMetricsLoadSource {
             client: ReportClient::new(url.as_str(), &spec.options)?,

@@ -1,14 +1,18 @@
 //! What every HTTP load source shares, behind the `http` feature: the check
-//! of an `http://` base address, and one GET of a load report (accept and
-//! bearer headers, status, content type, a capped body) with every failure
-//! as a [`LoadError`]. The router's control-plane client ([`pooled_client`],
-//! [`read_capped`]) is built from the same pieces.
+//! of an `http://` or `https://` base address, and one GET of a load report
+//! (accept and bearer headers, status, content type, a capped body) with
+//! every failure as a [`LoadError`]. The router's control-plane clients
+//! ([`pooled_client`], [`pooled_https_client`], [`read_capped`]) are built
+//! from the same pieces.
 //!
 //! A poll runs on the router's own HTTP/1.1 client ([`worker_h1`]): one
 //! kept-alive connection per load endpoint, a request head written in one
 //! system call and the answer read in the polling task, with no URL parsed,
 //! no client built and no connection task woken, so polling a thousand
-//! workers every second stays a few percent of one core.
+//! workers every second stays a few percent of one core. An `https://`
+//! endpoint is polled over TLS, its certificate verified against the
+//! source's CA file ([`SourceOptions::ca_file`]) or, without one, the
+//! system's roots: the same trust the router forwards requests with.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,9 +21,11 @@ use bytes::{Bytes, BytesMut};
 use http::header::{ACCEPT, CONTENT_TYPE, InvalidHeaderValue};
 use http::{HeaderValue, Method, StatusCode, Uri};
 use http_body_util::BodyExt;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use worker_h1::WorkerTls;
 
 use policy_core::{BackendError, LoadError, SourceOptions};
 
@@ -27,16 +33,16 @@ use policy_core::{BackendError, LoadError, SourceOptions};
 /// interval, so a worker polled every few seconds keeps one connection.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// Checks an HTTP base address (`http://host:port[/prefix]`) and removes any
-/// trailing `/`.
+/// Checks an HTTP base address (`http://host:port[/prefix]` or
+/// `https://host:port[/prefix]`) and removes any trailing `/`.
 pub fn http_base(raw: &str) -> Result<String, BackendError> {
     let invalid = |reason| BackendError::InvalidAddress {
         url: raw.to_owned(),
         reason,
     };
     let uri: Uri = raw.parse().map_err(|_| invalid("not a valid URL"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(invalid("expected an http:// URL (this build has no TLS)"));
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(invalid("expected an http:// or https:// URL"));
     }
     if uri.host().is_none_or(str::is_empty) {
         return Err(invalid("missing host"));
@@ -123,11 +129,15 @@ pub struct ReportUrl {
 
 impl ReportUrl {
     /// `base` (already checked by [`http_base`]) joined with `path_and_query`.
+    /// An `https://` base is reached over TLS, trusting `options.ca_file`
+    /// (read now) or, without one, the system's roots; a file or a store
+    /// that cannot be loaded is [`BackendError::Client`].
     pub fn new(
         base: &str,
         path_and_query: &str,
         format: ReportFormat,
         what: &'static str,
+        options: &SourceOptions,
     ) -> Result<ReportUrl, BackendError> {
         let url = format!("{base}{path_and_query}");
         let invalid = |reason| BackendError::InvalidAddress {
@@ -135,9 +145,17 @@ impl ReportUrl {
             reason,
         };
         url.parse::<Uri>().map_err(|_| invalid("not a valid URL"))?;
-        let pool = worker_h1::Pool::new(base);
+        let pool = if worker_h1::wants_tls(base) {
+            let tls = worker_tls(options).map_err(|source| BackendError::Client {
+                url: url.clone(),
+                source: source.into(),
+            })?;
+            worker_h1::Pool::with_tls(base, tls)
+        } else {
+            worker_h1::Pool::new(base)
+        };
         if !pool.is_usable() {
-            return Err(invalid("expected http://host[:port][/prefix]"));
+            return Err(invalid("expected http(s)://host[:port][/prefix]"));
         }
         let (path, query) = match path_and_query.split_once('?') {
             Some((path, query)) => (path, Some(query.to_owned())),
@@ -161,6 +179,15 @@ impl ReportUrl {
 
     pub fn as_str(&self) -> &str {
         &self.url
+    }
+}
+
+/// The trust `options` asks for `https://` workers: the certificates of its
+/// CA file, or the system's roots (read once per process).
+pub fn worker_tls(options: &SourceOptions) -> Result<WorkerTls, worker_h1::TlsConfigError> {
+    match &options.ca_file {
+        Some(path) => WorkerTls::from_ca_file(path),
+        None => WorkerTls::system_roots(),
     }
 }
 
@@ -201,7 +228,8 @@ impl ReportClient {
 
     /// One GET of `report`, its body read into memory. Errors:
     /// - connection refused, unreachable or not made within the source's
-    ///   deadline → [`LoadError::Connect`];
+    ///   deadline, or a failed TLS handshake (an untrusted certificate) →
+    ///   [`LoadError::Connect`];
     /// - HTTP 404, 405 or 501 → [`LoadError::Unsupported`]; any other non-200
     ///   status → [`LoadError::HttpStatus`];
     /// - a content type the format does not admit → [`LoadError::ContentType`];
@@ -225,7 +253,8 @@ impl ReportClient {
             .await
             .map_err(|error| match error {
                 worker_h1::SendError::Connect { .. }
-                | worker_h1::SendError::ConnectTimeout { .. } => LoadError::Connect {
+                | worker_h1::SendError::ConnectTimeout { .. }
+                | worker_h1::SendError::Handshake { .. } => LoadError::Connect {
                     url: report.url.clone(),
                     source: error.into(),
                 },
@@ -271,19 +300,54 @@ impl ReportClient {
 
 /// hyper's pooled client as every HTTP caller here configures it: no Nagle
 /// delay (requests and streamed answers are small writes), `connect_timeout`
-/// on the TCP connect, idle connections kept 90 s.
+/// on the TCP connect, idle connections kept 90 s. `http://` only; see
+/// [`pooled_https_client`].
 pub fn pooled_client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
 where
     B: hyper::body::Body + Send + 'static,
     B::Data: Send,
 {
+    pooled_builder().build(tcp_connector(connect_timeout))
+}
+
+/// The client [`pooled_https_client`] builds.
+pub type PooledHttpsClient<B> = Client<HttpsConnector<HttpConnector>, B>;
+
+/// [`pooled_client`] for `https://` (and `http://`) URLs: HTTP/1.1 over TLS
+/// with `tls`'s trust (hyper-rustls), the TLS handshake after a TCP connect
+/// bounded by `connect_timeout`.
+pub fn pooled_https_client<B>(connect_timeout: Duration, tls: &WorkerTls) -> PooledHttpsClient<B>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+{
+    let mut tcp = tcp_connector(connect_timeout);
+    // The TLS connector wraps it, and hands it https:// URLs too.
+    tcp.enforce_http(false);
+    // hyper-rustls sets the ALPN list itself (none for HTTP/1.1 alone).
+    let mut config = (**tls.client_config()).clone();
+    config.alpn_protocols.clear();
+    let connector = HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(tcp);
+    pooled_builder().build(connector)
+}
+
+fn tcp_connector(connect_timeout: Duration) -> HttpConnector {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(connect_timeout));
-    Client::builder(TokioExecutor::new())
+    connector
+}
+
+fn pooled_builder() -> hyper_util::client::legacy::Builder {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
         .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .pool_timer(TokioTimer::new())
-        .build(connector)
+        .pool_timer(TokioTimer::new());
+    builder
 }
 
 /// Why [`read_capped`] returned no body.
@@ -334,19 +398,20 @@ mod tests {
             http_base("http://h:1/engine-a/").unwrap(),
             "http://h:1/engine-a"
         );
+        assert_eq!(http_base("https://h:8443/").unwrap(), "https://h:8443");
         let base = http_base("http://gw:80/vllm-0/").unwrap();
-        let report = ReportUrl::new(&base, "/metrics", ReportFormat::PrometheusText, "m").unwrap();
+        let report = ReportUrl::new(
+            &base,
+            "/metrics",
+            ReportFormat::PrometheusText,
+            "m",
+            &SourceOptions::default(),
+        )
+        .unwrap();
         assert_eq!(report.as_str(), "http://gw:80/vllm-0/metrics");
         for (raw, reason) in [
-            ("h:1", "expected an http:// URL (this build has no TLS)"),
-            (
-                "https://h:1",
-                "expected an http:// URL (this build has no TLS)",
-            ),
-            (
-                "ftp://h:1",
-                "expected an http:// URL (this build has no TLS)",
-            ),
+            ("h:1", "expected an http:// or https:// URL"),
+            ("ftp://h:1", "expected an http:// or https:// URL"),
             ("http://h:1/?x=1", "expected no query or fragment"),
             ("not a url", "not a valid URL"),
         ] {
@@ -447,13 +512,19 @@ mod tests {
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 64\r\n\r\n",
         ])
         .await;
-        let report =
-            ReportUrl::new(&base, "/v1/loads?rank=0", ReportFormat::Json, "/v1/loads").unwrap();
         let options = SourceOptions {
             api_key: Some("sk-1".into()),
             body_limit_bytes: 32,
             ..SourceOptions::default()
         };
+        let report = ReportUrl::new(
+            &base,
+            "/v1/loads?rank=0",
+            ReportFormat::Json,
+            "/v1/loads",
+            &options,
+        )
+        .unwrap();
         let client = ReportClient::new(&base, &options).unwrap();
         assert_eq!(client.get(&report).await.unwrap(), "{\"a\": 1}");
         let (connection, head) = heads.recv().await.unwrap();
@@ -506,6 +577,7 @@ mod tests {
             "/metrics",
             ReportFormat::PrometheusText,
             "/metrics",
+            &SourceOptions::default(),
         )
         .unwrap();
         let client = ReportClient::new(&closed, &SourceOptions::default()).unwrap();
@@ -515,18 +587,199 @@ mod tests {
         ));
         let (base, _heads) =
             scripted_worker(vec!["HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\ncut"]).await;
-        let report =
-            ReportUrl::new(&base, "/metrics", ReportFormat::PrometheusText, "/metrics").unwrap();
+        let report = ReportUrl::new(
+            &base,
+            "/metrics",
+            ReportFormat::PrometheusText,
+            "/metrics",
+            &SourceOptions::default(),
+        )
+        .unwrap();
         assert!(matches!(
             client.get(&report).await,
             Err(LoadError::Transport { .. })
         ));
     }
 
+    /// A CA made for one test, in a PEM file of its own, and a leaf
+    /// certificate it signed for `127.0.0.1`, with its key.
+    fn test_ca(
+        name: &str,
+    ) -> (
+        std::path::PathBuf,
+        rustls_pki_types::CertificateDer<'static>,
+        rustls_pki_types::PrivateKeyDer<'static>,
+    ) {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf_key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "load-transport-ca-{}-{name}.pem",
+            std::process::id()
+        ));
+        std::fs::write(&path, ca_pem).unwrap();
+        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into());
+        (path, leaf.der().clone(), key)
+    }
+
+    /// A worker on loopback over TLS with `certificate`: every request on
+    /// every connection gets `answer`. Its base URL.
+    async fn tls_worker(
+        certificate: rustls_pki_types::CertificateDer<'static>,
+        key: rustls_pki_types::PrivateKeyDer<'static>,
+        answer: &'static str,
+    ) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![certificate], key)
+        .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("https://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut buffer = Vec::new();
+                    loop {
+                        while !buffer.windows(4).any(|w| w == b"\r\n\r\n") {
+                            let mut chunk = [0u8; 1024];
+                            match tls.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        let end = buffer.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                        buffer.drain(..end);
+                        if tls.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        base
+    }
+
+    #[tokio::test]
+    async fn an_https_worker_is_polled_with_the_sources_ca_file() {
+        let (ca_file, certificate, key) = test_ca("trusted");
+        let base = tls_worker(
+            certificate,
+            key,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\r\n{\"a\": 1}",
+        )
+        .await;
+        let base = http_base(&base).unwrap();
+        let options = SourceOptions {
+            ca_file: Some(ca_file.clone()),
+            ..SourceOptions::default()
+        };
+        let report = ReportUrl::new(
+            &base,
+            "/v1/loads",
+            ReportFormat::Json,
+            "/v1/loads",
+            &options,
+        )
+        .unwrap();
+        let client = ReportClient::new(&base, &options).unwrap();
+        for _ in 0..2 {
+            assert_eq!(client.get(&report).await.unwrap(), "{\"a\": 1}");
+        }
+
+        // The control plane's client, with the same trust.
+        let tls = worker_tls(&options).unwrap();
+        let control =
+            pooled_https_client::<http_body_util::Empty<Bytes>>(Duration::from_secs(5), &tls);
+        let response = control
+            .get(format!("{base}/health").parse().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = read_capped(response.into_body(), 1024).await.unwrap();
+        assert_eq!(body, "{\"a\": 1}");
+
+        // Another CA's trust: the handshake fails, as a connect failure.
+        let (other_ca, _, _) = test_ca("other");
+        let untrusting = SourceOptions {
+            ca_file: Some(other_ca.clone()),
+            ..SourceOptions::default()
+        };
+        let report = ReportUrl::new(
+            &base,
+            "/v1/loads",
+            ReportFormat::Json,
+            "/v1/loads",
+            &untrusting,
+        )
+        .unwrap();
+        let error = client.get(&report).await.unwrap_err();
+        assert!(matches!(error, LoadError::Connect { .. }), "{error:?}");
+
+        // A CA file that is not there: the source cannot be built.
+        let missing = SourceOptions {
+            ca_file: Some(ca_file.with_extension("missing")),
+            ..SourceOptions::default()
+        };
+        let error = ReportUrl::new(
+            &base,
+            "/v1/loads",
+            ReportFormat::Json,
+            "/v1/loads",
+            &missing,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&error, BackendError::Client { url, .. } if url.starts_with("https://")),
+            "{error:?}"
+        );
+        assert!(
+            policy_core::error_chain(&error).contains("missing"),
+            "{}",
+            policy_core::error_chain(&error)
+        );
+        // A plain base never reads the CA file.
+        assert!(
+            ReportUrl::new(
+                "http://h:1",
+                "/metrics",
+                ReportFormat::PrometheusText,
+                "m",
+                &missing
+            )
+            .is_ok()
+        );
+        std::fs::remove_file(&ca_file).unwrap();
+        std::fs::remove_file(&other_ca).unwrap();
+    }
+
     #[test]
     fn a_report_path_must_be_absolute() {
         assert!(matches!(
-            ReportUrl::new("http://h:1", "v1/loads", ReportFormat::Json, "x"),
+            ReportUrl::new(
+                "http://h:1",
+                "v1/loads",
+                ReportFormat::Json,
+                "x",
+                &SourceOptions::default()
+            ),
             Err(BackendError::InvalidAddress { .. })
         ));
     }

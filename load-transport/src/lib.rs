@@ -4,10 +4,12 @@
 //! [`LoadError`](policy_core::LoadError)) are `policy-core`'s; this crate
 //! is the clients, and maps every failure into those errors.
 //!
-//! - [`http`] (feature `http`): the `http://` address check, the bearer
-//!   header, one GET of a load report on the router's own HTTP/1.1 client,
-//!   [`worker_h1`] (accept header, status, content type, capped body), and
-//!   the router's control-plane client ([`http::pooled_client`],
+//! - [`http`] (feature `http`): the `http://` and `https://` address
+//!   check, the bearer header, one GET of a load report on the router's own
+//!   HTTP/1.1 client, [`worker_h1`] (accept header, status, content type,
+//!   capped body; TLS to an `https://` worker with the source's CA file or
+//!   the system's roots), and the router's control-plane clients
+//!   ([`http::pooled_client`], [`http::pooled_https_client`],
 //!   [`http::read_capped`]).
 //! - [`grpc`] (feature `grpc`): the `grpc://` endpoint, bearer metadata, a
 //!   failed call's status as a `LoadError`, and
@@ -30,10 +32,11 @@
 //!
 //! // An HTTP load source checks its base once and parses its URL once…
 //! let base = http_base("http://10.0.0.3:8000/")?;
-//! let metrics = ReportUrl::new(&base, "/metrics", ReportFormat::PrometheusText, "/metrics")?;
+//! let options = SourceOptions::default();
+//! let metrics = ReportUrl::new(&base, "/metrics", ReportFormat::PrometheusText, "/metrics", &options)?;
 //! assert_eq!(metrics.as_str(), "http://10.0.0.3:8000/metrics");
 //! // …then each poll is `client.get(&metrics).await`: the body, or a `LoadError`.
-//! let _client = ReportClient::new(&base, &SourceOptions::default())?;
+//! let _client = ReportClient::new(&base, &options)?;
 //!
 //! // A gRPC one gets its endpoint from the `grpc://` load address.
 //! let endpoint = grpc_endpoint("grpc://10.0.0.2:19000")?;

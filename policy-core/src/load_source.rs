@@ -1,3 +1,4 @@
+use std::path::PathBuf;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -62,6 +63,9 @@ pub struct SourceOptions {
     pub body_limit_bytes: usize,
     /// Sent as `Authorization: Bearer <key>` when set.
     pub api_key: Option<String>,
+    /// For an `https://` load address: a PEM file of the certificates that
+    /// may sign the worker's certificate; unset, the system's roots.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for SourceOptions {
@@ -70,6 +74,7 @@ impl Default for SourceOptions {
             deadline: Duration::from_millis(500),
             body_limit_bytes: 1024 * 1024,
             api_key: None,
+            ca_file: None,
         }
     }
 }

@@ -21,6 +21,7 @@ SGLANG_PORT = 30000
 SGLANG_POLICY = "cache_aware"
 SGLANG_PROMETHEUS_HOST = "127.0.0.1"
 SGLANG_PROMETHEUS_PORT = 29000
+SGLANG_OTLP_ENDPOINT = "localhost:4317"
 
 #: This router's policies (`[policy] kind`); sglang-router's four are among them.
 POLICIES = (
@@ -57,7 +58,10 @@ CACHE_AWARE_KEYS = {
     "max_tree_size": "max_tree_tokens",
 }
 
-_NO_TLS = "this router has no TLS (put a TLS-terminating proxy in front of it)"
+_NO_MTLS = (
+    "this router presents no client certificate to its workers (no mutual TLS); "
+    "it verifies https:// workers against --ca-cert-paths or the system's roots"
+)
 _NO_PD = "this router has no prefill-decode disaggregation; route to whole workers with --worker-urls"
 _NO_K8S = "this router has no Kubernetes service discovery; list workers with --worker-urls, or add them with POST /admin/workers"
 _NO_TOKENIZER = "this router does not tokenize, parse or template requests: it forwards them to the workers as they are"
@@ -147,13 +151,8 @@ REFUSED: Dict[str, str] = {
     "--redis-key-prefix": "this router has no manual (routing-key) policy",
     "--redis-pool-max": _NO_HISTORY,
     "--redis-retention-days": _NO_HISTORY,
-    "--client-cert-path": _NO_TLS,
-    "--client-key-path": _NO_TLS,
-    "--ca-cert-paths": _NO_TLS,
-    "--tls-cert-path": _NO_TLS,
-    "--tls-key-path": _NO_TLS,
-    "--enable-trace": "this router exports no OpenTelemetry traces yet",
-    "--otlp-traces-endpoint": "this router exports no OpenTelemetry traces yet",
+    "--client-cert-path": _NO_MTLS,
+    "--client-key-path": _NO_MTLS,
     "--control-plane-api-keys": _NO_AUTH,
     "--control-plane-audit-enabled": _NO_AUTH,
     "--jwt-issuer": _NO_AUTH,
@@ -190,6 +189,9 @@ class RouterCommand:
     metrics_host: Optional[str]
     metrics_port: Optional[int]
     worker_specs: List[str]
+    #: Whether the router's port speaks TLS (`--tls-cert-path`): its URL is
+    #: https://. The metrics listener stays plain HTTP.
+    tls: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -216,8 +218,8 @@ def build_parser(prog: str = "python -m llm_router.launch_router") -> argparse.A
     )
     add = parser.add_argument
     add("--worker-urls", nargs="+", action="extend", default=[], metavar="URL",
-        help="SGLang workers (http://host:port); BACKEND=URL names another backend "
-        "(vllm=..., tokenspeed=URL,loads=grpc://...)")
+        help="SGLang workers (http://host:port or https://host:port); BACKEND=URL names "
+        "another backend (vllm=..., tokenspeed=URL,loads=grpc://...)")
     add("--policy", default=None,
         help=f"{', '.join(POLICIES)} (default: {SGLANG_POLICY}, as sglang-router)")
     add("--host", default=None, help=f"listen address (default: {SGLANG_HOST})")
@@ -248,6 +250,19 @@ def build_parser(prog: str = "python -m llm_router.launch_router") -> argparse.A
     add("--eviction-interval-secs", "--eviction-interval", dest="eviction_interval_secs",
         type=int, default=None, help="policy.cache_aware.eviction_interval_secs")
     add("--max-tree-size", type=int, default=None, help="policy.cache_aware.max_tree_tokens")
+    add("--tls-cert-path", default=None,
+        help="serve TLS on --port with this PEM certificate chain (server.tls.cert_file; "
+        "with --tls-key-path)")
+    add("--tls-key-path", default=None,
+        help="the PEM private key of --tls-cert-path (server.tls.key_file)")
+    add("--enable-trace", action="store_true",
+        help="export OpenTelemetry traces over OTLP/gRPC (tracing.enabled)")
+    add("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
+        help="the OTLP/gRPC collector, host:port or http://host:port (tracing.otlp_endpoint; "
+        f"default {SGLANG_OTLP_ENDPOINT}, as sglang-router)")
+    add("--ca-cert-paths", nargs="*", default=[], metavar="PATH",
+        help="one PEM file of the CA certificates https:// workers are verified against "
+        "(worker_tls.ca_file; default: the system's roots)")
     return parser
 
 
@@ -304,10 +319,10 @@ def _worker_spec(url: str) -> str:
         # sglang-router's workers are SGLang servers; naming the backend
         # means a worker that is down at start is only out of rotation.
         backend, address, url = "sglang", head, "sglang=" + url
-    if address.startswith("https://"):
-        raise FlagError("--worker-urls", f"{url!r} cannot be honoured: {_NO_TLS}")
-    if not address.startswith("http://") or len(address) <= len("http://"):
-        raise FlagError("--worker-urls", f"{url!r} is not an http://host:port URL (or BACKEND=URL)")
+    scheme = next((s for s in ("http://", "https://") if address.startswith(s)), None)
+    if scheme is None or len(address) <= len(scheme):
+        raise FlagError("--worker-urls", f"{url!r} is not an http://host:port or https://host:port URL "
+                        "(or BACKEND=URL)")
     if not backend:
         raise FlagError("--worker-urls", f"{url!r} names no backend before '='")
     return url
@@ -435,6 +450,9 @@ def _map(args: argparse.Namespace) -> RouterCommand:
     if args.log_level is not None:
         env["RUST_LOG"] = LOG_LEVELS[args.log_level]
 
+    tls = _map_tls(args, env)
+    _map_tracing(args, env)
+
     specs = [_worker_spec(url) for url in args.worker_urls]
     config_toml = None
     if args.api_key is not None:
@@ -457,4 +475,45 @@ def _map(args: argparse.Namespace) -> RouterCommand:
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         worker_specs=specs,
+        tls=tls,
     )
+
+
+def _map_tracing(args: argparse.Namespace, env: Dict[str, str]) -> None:
+    """`[tracing]` from sglang-router's trace flags. sglang-router takes the
+    endpoint as host:port; the router's key is a URL."""
+    endpoint = args.otlp_traces_endpoint
+    if endpoint is not None and not args.enable_trace:
+        raise FlagError("--otlp-traces-endpoint", "is used only with --enable-trace")
+    if not args.enable_trace:
+        return
+    endpoint = endpoint if endpoint is not None else SGLANG_OTLP_ENDPOINT
+    if not endpoint.strip() or "://" in endpoint and not endpoint.startswith("http://"):
+        raise FlagError("--otlp-traces-endpoint",
+                        f"{endpoint!r} cannot be honoured: must be host:port or http://host:port (OTLP/gRPC)")
+    env["ROUTER__TRACING__ENABLED"] = "true"
+    env["ROUTER__TRACING__OTLP_ENDPOINT"] = endpoint if "://" in endpoint else f"http://{endpoint}"
+
+
+def _map_tls(args: argparse.Namespace, env: Dict[str, str]) -> bool:
+    """`[server.tls]` and `[worker_tls]` from sglang-router's TLS flags;
+    whether the router's port speaks TLS."""
+    cert, key = args.tls_cert_path, args.tls_key_path
+    if (cert is None) != (key is None):
+        given, missing = ("--tls-cert-path", "--tls-key-path") if key is None else ("--tls-key-path", "--tls-cert-path")
+        raise FlagError(given, f"needs {missing} too: the certificate and its key")
+    for flag, value in (("--tls-cert-path", cert), ("--tls-key-path", key)):
+        if value is not None and not value.strip():
+            raise FlagError(flag, "must be a file path")
+    if cert is not None:
+        env["ROUTER__SERVER__TLS__CERT_FILE"] = cert
+        env["ROUTER__SERVER__TLS__KEY_FILE"] = key
+    ca_paths = args.ca_cert_paths
+    if len(ca_paths) > 1:
+        raise FlagError("--ca-cert-paths", f"{len(ca_paths)} files cannot be honoured: this router reads "
+                        "one PEM file of CA certificates (worker_tls.ca_file); concatenate them into one")
+    if ca_paths:
+        if not ca_paths[0].strip():
+            raise FlagError("--ca-cert-paths", "must be a file path")
+        env["ROUTER__WORKER_TLS__CA_FILE"] = ca_paths[0]
+    return cert is not None

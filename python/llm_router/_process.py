@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -147,11 +148,21 @@ def _connect_host(host: str) -> str:
     return host
 
 
-def _url(host: str, port: int) -> str:
+def _url(host: str, port: int, tls: bool = False) -> str:
     host = _connect_host(host)
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+def _probe_context() -> ssl.SSLContext:
+    """TLS for the readiness checks of a router this process started, on
+    the port it chose: its certificate names the host clients use, which
+    need not be the loopback address probed, so it is not verified here."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 def _flags(options: Dict[str, object]) -> List[str]:
@@ -239,10 +250,11 @@ class Router:
 
     @property
     def url(self) -> str:
-        """`http://host:port` of the running router (no trailing slash)."""
+        """`http://host:port` of the running router (no trailing slash);
+        `https://` with `tls_cert_path`."""
         if self.port is None:
             raise RouterError("the router is not started")
-        return _url(self.host, self.port)
+        return _url(self.host, self.port, self._command is not None and self._command.tls)
 
     @property
     def metrics_url(self) -> str:
@@ -351,8 +363,12 @@ class Router:
             tail,
         )
 
+    def _open(self, path: str, timeout: float):
+        context = _probe_context() if self.url.startswith("https://") else None
+        return urllib.request.urlopen(self.url + path, timeout=timeout, context=context)
+
     def _get_json(self, path: str, timeout: float):
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+        with self._open(path, timeout=timeout) as response:
             return response.status, json.loads(response.read() or b"null")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -368,7 +384,7 @@ class Router:
             if self._process.poll() is not None:
                 raise self._exited()
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                with self._open("/health", timeout=2) as response:
                     healthy = response.status == 200
                 if healthy and not (self.wait_for_workers and self.worker_urls):
                     return

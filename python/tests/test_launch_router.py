@@ -53,9 +53,49 @@ class EachFlag(unittest.TestCase):
         workers = [command.args[i + 1] for i, arg in enumerate(command.args) if arg == "--worker"]
         self.assertEqual(workers, ["sglang=http://a:1", "sglang=http://b:2", "vllm=http://c:3",
                                    "tokenspeed=http://d:4,loads=grpc://d:5"])
-        refused(self, ["--worker-urls", "https://a:1"], "--worker-urls", "TLS")
         refused(self, ["--worker-urls", "a:1"], "--worker-urls", "http://host:port")
+        refused(self, ["--worker-urls", "https://"], "--worker-urls", "https://host:port")
         refused(self, ["--worker-urls", "=http://a:1"], "--worker-urls", "backend")
+
+    def test_https_workers_are_taken_as_they_are(self):
+        command = parse(["--worker-urls", "https://a:8443", "vllm=https://b:8443/engine"])
+        workers = [command.args[i + 1] for i, arg in enumerate(command.args) if arg == "--worker"]
+        self.assertEqual(workers, ["sglang=https://a:8443", "vllm=https://b:8443/engine"])
+        self.assertEqual(command.env, {}, "the system's roots unless --ca-cert-paths says otherwise")
+        self.assertFalse(command.tls, "https workers say nothing of the router's own port")
+
+    def test_tls_on_the_routers_port(self):
+        command = parse(["--tls-cert-path", "/etc/router/cert.pem", "--tls-key-path", "/etc/router/key.pem"])
+        self.assertEqual(command.env, {
+            "ROUTER__SERVER__TLS__CERT_FILE": "/etc/router/cert.pem",
+            "ROUTER__SERVER__TLS__KEY_FILE": "/etc/router/key.pem",
+        })
+        self.assertTrue(command.tls)
+        refused(self, ["--tls-cert-path", "c.pem"], "--tls-cert-path", "--tls-key-path")
+        refused(self, ["--tls-key-path", "k.pem"], "--tls-key-path", "--tls-cert-path")
+        refused(self, ["--tls-cert-path", " ", "--tls-key-path", "k.pem"], "--tls-cert-path", "file path")
+
+    def test_ca_cert_paths_is_the_trust_in_https_workers(self):
+        command = parse(["--worker-urls", "https://a:8443", "--ca-cert-paths", "/etc/router/workers-ca.pem"])
+        self.assertEqual(command.env, {"ROUTER__WORKER_TLS__CA_FILE": "/etc/router/workers-ca.pem"})
+        self.assertFalse(command.tls)
+        self.assertEqual(parse(["--ca-cert-paths"]).env, {}, "no path: the system's roots")
+        message = refused(self, ["--ca-cert-paths", "a.pem", "b.pem"], "--ca-cert-paths", "one PEM file")
+        self.assertIn("concatenate", message)
+
+    def test_traces_go_to_the_otlp_endpoint(self):
+        command = parse(["--enable-trace"])
+        self.assertEqual(command.env, {
+            "ROUTER__TRACING__ENABLED": "true",
+            "ROUTER__TRACING__OTLP_ENDPOINT": "http://localhost:4317",
+        })
+        command = parse(["--enable-trace", "--otlp-traces-endpoint", "collector:4317"])
+        self.assertEqual(command.env["ROUTER__TRACING__OTLP_ENDPOINT"], "http://collector:4317")
+        command = parse(["--enable-trace", "--otlp-traces-endpoint", "http://collector:4317"])
+        self.assertEqual(command.env["ROUTER__TRACING__OTLP_ENDPOINT"], "http://collector:4317")
+        refused(self, ["--otlp-traces-endpoint", "c:4317"], "--otlp-traces-endpoint", "--enable-trace")
+        refused(self, ["--enable-trace", "--otlp-traces-endpoint", "https://c:4317"],
+                "--otlp-traces-endpoint", "host:port")
 
     def test_policy(self):
         for policy in ("cache_aware", "round_robin", "random", "power_of_two",

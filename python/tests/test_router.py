@@ -2,9 +2,14 @@
 or $LLM_ROUTER_BINARY), with no workers or with unreachable ones: startup,
 readiness, stop, and each error it explains."""
 
+import http.client
 import json
 import os
+import shutil
 import socket
+import ssl
+import subprocess
+import tempfile
 import unittest
 import urllib.error
 import urllib.request
@@ -115,6 +120,42 @@ class Errors(unittest.TestCase):
             router.start()
         self.assertIn(DEAD_WORKER, str(caught.exception))
         self.assertIsNone(router.pid, "stopped after the timeout")
+
+
+def self_signed_certificate(directory: str):
+    """A certificate for localhost and 127.0.0.1 and its key, made by openssl."""
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", key, "-out", cert],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+@unittest.skipUnless(shutil.which("openssl"), "openssl makes the test certificate")
+class Tls(unittest.TestCase):
+    def test_tls_cert_path_serves_https_on_the_port(self):
+        with tempfile.TemporaryDirectory() as directory:
+            cert, key = self_signed_certificate(directory)
+            with Router(port=0, tls_cert_path=cert, tls_key_path=key) as router:
+                self.assertTrue(router.url.startswith("https://127.0.0.1:"), router.url)
+                trusting = ssl.create_default_context(cafile=cert)
+                with urllib.request.urlopen(router.url + "/health", timeout=10, context=trusting) as response:
+                    self.assertEqual(response.status, 200)
+                # Closed, after at most a TLS alert: never an HTTP answer.
+                with self.assertRaises((OSError, http.client.HTTPException), msg="plain HTTP gets no answer"):
+                    urllib.request.urlopen(router.url.replace("https://", "http://") + "/health", timeout=10)
+
+    def test_a_missing_certificate_stops_the_router_naming_it(self):
+        with tempfile.TemporaryDirectory() as directory:
+            _, key = self_signed_certificate(directory)
+            missing = os.path.join(directory, "no-such-cert.pem")
+            router = Router(port=0, tls_cert_path=missing, tls_key_path=key)
+            with self.assertRaises(RouterExitedError) as caught:
+                router.start()
+            self.assertIn(f"{missing} does not exist", caught.exception.stderr_tail)
 
 
 if __name__ == "__main__":

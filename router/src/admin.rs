@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{ConnectInfo, Path, Query, Request, State};
 use axum::http::{Method, StatusCode, header};
 use axum::middleware::Next;
@@ -148,7 +149,30 @@ async fn add_worker(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Res
     }
 }
 
-async fn remove_worker(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+/// `DELETE /admin/workers/{id}[?grace_ms=N]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainQuery {
+    /// How long in-flight requests may finish where they are; then its
+    /// streams continue on other workers. Unset: as long as they take.
+    grace_ms: Option<u64>,
+}
+
+async fn remove_worker(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    query: Result<Query<DrainQuery>, QueryRejection>,
+) -> Response {
+    let grace = match query {
+        Ok(Query(query)) => query.grace_ms.map(std::time::Duration::from_millis),
+        Err(rejection) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("{rejection}: the only parameter is grace_ms, in milliseconds"),
+            );
+        }
+    };
     let id: WorkerId = match id.parse() {
         Ok(id) => id,
         Err(error) => {
@@ -159,7 +183,7 @@ async fn remove_worker(State(app): State<Arc<App>>, Path(id): Path<String>) -> R
             );
         }
     };
-    if app.remove_worker(id).await {
+    if app.remove_worker(id, grace).await {
         (
             StatusCode::ACCEPTED,
             Json(serde_json::json!({"id": id.to_string(), "status": "draining"})),

@@ -16,6 +16,7 @@ use crate::config::{AdmissionConfig, PolicyConfig, RouterConfig, WorkerConfig, v
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
 use crate::outlier::Failure;
+use crate::server::tls::{ListenerTls, WorkerTrust};
 use crate::topology::Topology;
 use crate::upstream::{UpstreamClient, control_get, upstream_client};
 use crate::workers::{HealthChange, Worker};
@@ -42,6 +43,10 @@ pub struct App {
     pub(crate) admission: Gate,
     /// Request traces (`[tracing]`); empty when off.
     pub(crate) telemetry: crate::telemetry::Telemetry,
+    /// The client listener's certificate (`[server.tls]`), swapped on SIGHUP.
+    pub(crate) listener_tls: Option<ListenerTls>,
+    /// How `https://` workers are trusted (`[worker_tls]`).
+    pub(crate) worker_trust: WorkerTrust,
 }
 
 impl std::fmt::Debug for App {
@@ -64,7 +69,13 @@ impl App {
     ) -> Result<Arc<App>, RouterError> {
         let policy = build_policy(&policies, &config, &config.policy)?;
         let admission = Gate::new(admissions, &config.admission)?;
-        let upstream = upstream_client(config.server.connect_timeout());
+        // A bad certificate, key or CA file stops the router here, at start.
+        let listener_tls = match &config.server.tls {
+            Some(files) => Some(ListenerTls::load(files).map_err(RouterError::ListenerTls)?),
+            None => None,
+        };
+        let worker_trust = WorkerTrust::load(&config.worker_tls).map_err(RouterError::WorkerTls)?;
+        let upstream = upstream_client(config.server.connect_timeout(), worker_trust.clone());
         let telemetry = crate::telemetry::Telemetry::new(&config.tracing)?;
         Ok(Arc::new(App {
             topology: Topology::new(policy, config.policy.clone()),
@@ -77,6 +88,8 @@ impl App {
             metrics: Metrics::new(),
             admission,
             telemetry,
+            listener_tls,
+            worker_trust,
         }))
     }
 
@@ -114,6 +127,7 @@ impl App {
             options: SourceOptions {
                 deadline: self.config.load_monitor.timeout(),
                 api_key: worker.api_key.clone(),
+                ca_file: self.config.worker_tls.ca_file.clone(),
                 ..SourceOptions::default()
             },
         };
@@ -124,11 +138,17 @@ impl App {
                     url: worker.url.clone(),
                     source,
                 })?;
+        let pool = self.worker_trust.pool(&worker.url);
+        let pool = pool.map_err(|source| RouterError::WorkerTrust {
+            url: worker.url.clone(),
+            source,
+        })?;
         let metrics = WorkerMetrics::new(&self.metrics, worker.url.trim_end_matches('/'));
         let entry = self.topology.add(|id| {
             Arc::new(Worker::new(
                 id,
                 worker.url.clone(),
+                pool,
                 backend,
                 worker.api_key.clone(),
                 source,
@@ -142,14 +162,28 @@ impl App {
     }
 
     /// Drains a worker: no new requests go to it; in-flight ones finish, then
-    /// it is forgotten. Returns false when no such worker exists.
-    pub(crate) async fn remove_worker(self: &Arc<Self>, id: policy_core::WorkerId) -> bool {
+    /// it is forgotten. With a `grace` period, the streams still running at
+    /// its end continue on other workers (with migration on). Returns false
+    /// when no such worker exists.
+    pub(crate) async fn remove_worker(
+        self: &Arc<Self>,
+        id: policy_core::WorkerId,
+        grace: Option<Duration>,
+    ) -> bool {
         let Some(worker) = self.topology.start_draining(id) else {
             return false;
         };
-        tracing::info!(worker = %worker.url, in_flight = worker.in_flight(), "worker draining");
+        tracing::info!(worker = %worker.url, in_flight = worker.in_flight(), ?grace, "worker draining");
         let app = self.clone();
         tokio::spawn(async move {
+            if let Some(grace) = grace
+                && tokio::time::timeout(grace, worker.until_idle())
+                    .await
+                    .is_err()
+            {
+                tracing::info!(worker = %worker.url, in_flight = worker.in_flight(), "drain grace over; its streams continue on other workers");
+                worker.set_drained();
+            }
             worker.until_idle().await;
             app.topology.forget(id);
             tracing::info!(worker = %worker.url, "worker removed");

@@ -31,6 +31,7 @@ pub struct RouterConfig {
     pub admission: AdmissionConfig,
     pub worker_tls: WorkerTlsConfig,
     pub tracing: TracingConfig,
+    pub migration: MigrationConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -440,6 +441,39 @@ pub struct WorkerTlsConfig {
     /// system's roots.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+}
+
+/// Answers that survive their worker (`docs/reliability.md`, "Migration"):
+/// a stream that breaks after generation began is continued on another
+/// worker with what was already sent, and spliced into one stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MigrationConfig {
+    /// Continuations per request; 0 turns migration off (a broken stream
+    /// ends with an SSE error event).
+    pub max_migrations: u32,
+    /// Send non-streaming chat and completion requests upstream as streams
+    /// and assemble the answer, so that they are retried before their
+    /// first token and continued after it like streams.
+    pub non_streaming_as_stream: bool,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> MigrationConfig {
+        MigrationConfig {
+            max_migrations: 2,
+            non_streaming_as_stream: true,
+        }
+    }
+}
+
+/// Most continuations a request may have: each resends the whole context.
+const MAX_MIGRATIONS: u32 = 16;
+
+impl MigrationConfig {
+    pub(crate) fn enabled(&self) -> bool {
+        self.max_migrations > 0
+    }
 }
 
 /// OpenTelemetry traces (`docs/observability.md`): spans for each request's
@@ -1042,6 +1076,13 @@ impl RouterConfig {
             })?;
         }
         self.admission.room()?;
+        if self.migration.max_migrations > MAX_MIGRATIONS {
+            return invalid(
+                "migration.max_migrations",
+                self.migration.max_migrations.to_string(),
+                &format!("0 (off) to {MAX_MIGRATIONS}"),
+            );
+        }
         self.validate_tracing()?;
         self.validate_sync()
     }
@@ -1174,7 +1215,7 @@ pub(crate) fn validate_worker_address(worker: &WorkerConfig) -> Result<(), Worke
         return Err((
             "url",
             format!("{:?}", worker.url),
-            "an http://host:port URL without a query (this build has no TLS)".into(),
+            "an http:// or https://host:port URL without a query".into(),
         ));
     }
     if let Some(key) = &worker.api_key
@@ -1574,11 +1615,11 @@ mod tests {
         let cases = [
             (
                 "h:1",
-                r#"invalid --worker url = "h:1": must be an http://host:port URL without a query (this build has no TLS)"#,
+                r#"invalid --worker url = "h:1": must be an http:// or https://host:port URL without a query"#,
             ),
             (
-                "sglang=https://h:1",
-                r#"invalid --worker url = "https://h:1": must be an http://host:port URL without a query (this build has no TLS)"#,
+                "sglang=ftp://h:1",
+                r#"invalid --worker url = "ftp://h:1": must be an http:// or https://host:port URL without a query"#,
             ),
             (
                 "sglang=http://h:1,weight=2",

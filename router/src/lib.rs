@@ -43,6 +43,7 @@ pub mod config;
 mod error;
 mod metric_shards;
 mod metrics;
+mod migration;
 mod monitor;
 mod outlier;
 mod probe;

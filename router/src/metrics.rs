@@ -62,6 +62,13 @@ pub(crate) struct ClassReasonLabels {
     pub(crate) reason: &'static str,
 }
 
+/// Why a stream was continued on another worker, and how that went.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct MigrationLabels {
+    pub(crate) reason: &'static str,
+    pub(crate) outcome: &'static str,
+}
+
 /// A replica-sync subject: `pending`, `prefix` or `snapshot`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct SubjectLabel {
@@ -438,6 +445,8 @@ pub struct Metrics {
     pub(crate) admission_queue_depth: Family<ClassLabel, Gauge>,
     pub(crate) admission_wait: Family<ClassOutcomeLabels, Histogram, fn() -> Histogram>,
     pub(crate) admission_rejections: Family<ClassReasonLabels, Counter>,
+    pub(crate) migrations: Family<MigrationLabels, Counter>,
+    pub(crate) migration_resume: Histogram,
     pub(crate) poll_duration: HistogramFamily,
     pub(crate) poll_failures: Family<WorkerLabel, Counter>,
     pub(crate) selected_score: ShardedHistogram,
@@ -563,6 +572,18 @@ impl Metrics {
             "admission_rejections",
             "Requests the admission room answered 429, by class and reason (queue_full, deadline_unmeetable, deadline_passed)",
             admission_rejections.clone(),
+        );
+        let migrations = Family::<MigrationLabels, Counter>::default();
+        registry.register(
+            "migrations",
+            "Broken answers continued on another worker, by reason (cut, stalled, error_event, server_error, first_byte_timeout, drained) and outcome (resumed, failed, refused)",
+            migrations.clone(),
+        );
+        let migration_resume = latency_histogram();
+        registry.register(
+            "migration_resume_seconds",
+            "From an answer's break to the continuing worker's first event",
+            migration_resume.clone(),
         );
         let poll_duration =
             HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
@@ -801,6 +822,8 @@ impl Metrics {
             admission_queue_depth,
             admission_wait,
             admission_rejections,
+            migrations,
+            migration_resume,
             poll_duration,
             poll_failures,
             selected_score,

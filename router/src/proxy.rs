@@ -28,10 +28,13 @@ use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, TokenCount, WorkerId, error_chain, tokio_now};
 use request_features::{StreamUsage, Unhashed, read_request};
 
+mod resume;
+
 use crate::admission::{Admission, Admitted, admit};
 use crate::app::{App, SilentStream};
 use crate::cached_tokens::{CachedTokensScanner, CompletionTokensScanner};
 use crate::client_body::read_client_body;
+use crate::migration::{Api, as_stream};
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
 use crate::stream_usage::{UsageChunkFilter, with_usage_asked};
@@ -40,6 +43,8 @@ use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
 use worker_h1::{self as h1, WorkerBody};
+
+use resume::{Break, Resume, Whole, assembled};
 
 /// An OpenAI-shaped error response: `{"error": {"message", "type"}}`.
 pub(crate) fn error_response(
@@ -94,7 +99,7 @@ pub(crate) fn generate_path(path: &str) -> Option<&'static str> {
 
 /// A generation request's head as it goes on to a worker (always a
 /// `POST`).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct ClientHead {
     /// One of [`GENERATE_PATHS`].
     pub(crate) path: &'static str,
@@ -186,7 +191,6 @@ where
         };
         trace.describe(info.streaming, prompt_tokens);
     }
-    let head_timeout = server.head_timeout(info.streaming, read.max_output_tokens);
     // Only a prompt with hashed blocks has a prediction to check.
     let ask_usage = app.config.request.ask_stream_usage
         && info.streaming
@@ -197,7 +201,25 @@ where
         Some(asked) => (asked, true),
         None => (body, false),
     };
-    let request = ClientRequest {
+    let api = Api::from_path(head.path);
+    let migration = &app.config.migration;
+    // A non-streaming request goes upstream as a stream where its answer
+    // can be assembled faithfully, so it is retried and continued as one.
+    let (body, assemble) = match api {
+        Some(api) if !info.streaming && migration.non_streaming_as_stream => {
+            match as_stream(api, &body) {
+                Ok(streamed) => (streamed, Some(api)),
+                Err(reason) => {
+                    tracing::debug!(%reason, "non-streaming request passed through whole");
+                    (body, None)
+                }
+            }
+        }
+        _ => (body, None),
+    };
+    let upstream_streaming = info.streaming || assemble.is_some();
+    let head_timeout = server.head_timeout(upstream_streaming, read.max_output_tokens);
+    let request = Arc::new(ClientRequest {
         head,
         body,
         hide_usage_chunk,
@@ -207,8 +229,16 @@ where
         head_timeout,
         admission,
         trace,
-    };
-    let answer = forward(&app, &request).await;
+        api,
+        upstream_streaming,
+        migrations_left: migration.max_migrations,
+        exclude: Vec::new(),
+        continued: false,
+    });
+    let mut answer = forward(&app, &request).await;
+    if let Some(api) = assemble {
+        answer = assembled(api, answer).await;
+    }
     if let Some(trace) = &request.trace {
         trace.answered(answer.status());
     }
@@ -231,9 +261,48 @@ struct ClientRequest {
     admission: Admission,
     /// Its spans, when `[tracing]` is on and the request is sampled.
     trace: Option<RequestTrace>,
+    /// Which generation API it is on (`None`: not one the router can
+    /// continue).
+    api: Option<Api>,
+    /// Whether the worker is asked for a stream: the client's own, or one
+    /// the router assembles into a whole answer.
+    upstream_streaming: bool,
+    /// Continuations on another worker it may still have.
+    migrations_left: u32,
+    /// Workers not to try: those its earlier parts broke on.
+    exclude: Vec<WorkerId>,
+    /// A continuation of a broken answer: already admitted.
+    continued: bool,
 }
 
 impl ClientRequest {
+    /// The request that continues this one's broken answer with `body`,
+    /// anywhere but on `broken`.
+    fn continuation(&self, app: &App, body: Bytes, broken: WorkerId) -> ClientRequest {
+        let mut exclude = self.exclude.clone();
+        exclude.push(broken);
+        ClientRequest {
+            head: self.head.clone(),
+            body,
+            hide_usage_chunk: false,
+            info: RequestInfo {
+                streaming: true,
+                ..self.info.clone()
+            },
+            // Its own clock: the metrics of the attempt time the resume.
+            received_at: tokio_now(),
+            deadline: self.deadline,
+            head_timeout: app.config.server.first_byte_timeout(),
+            admission: self.admission.clone(),
+            trace: None,
+            api: self.api,
+            upstream_streaming: true,
+            migrations_left: self.migrations_left.saturating_sub(1),
+            exclude,
+            continued: true,
+        }
+    }
+
     /// The request as `worker` gets it, with the worker's key, and the
     /// attempt's trace context when it is traced.
     fn outgoing<'a>(
@@ -325,8 +394,8 @@ pub(crate) fn choose(
     }
 }
 
-async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
-    let mut tried: Vec<WorkerId> = Vec::new();
+async fn forward(app: &Arc<App>, request: &Arc<ClientRequest>) -> Answer {
+    let mut tried: Vec<WorkerId> = request.exclude.clone();
     let mut last_answer: Option<Answer> = None;
     let mut last_reason = String::new();
     for attempt in 0..=app.config.server.max_retries {
@@ -338,7 +407,7 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         }
         // The first attempt passes the admission gate; a retry goes
         // straight to another worker, its wait already served.
-        let chosen = if attempt == 0 {
+        let chosen = if attempt == 0 && !request.continued {
             let mut admission_span = request.trace.as_ref().map(|trace| {
                 let admission = &request.admission;
                 trace.admission(admission.priority.unwrap_or(0), &admission.tenant)
@@ -431,7 +500,7 @@ async fn forward(app: &Arc<App>, request: &ClientRequest) -> Answer {
         return answer;
     }
     app.metrics.rejected.inc();
-    if tried.is_empty() {
+    if tried.len() == request.exclude.len() {
         return unavailable("no worker is in rotation");
     }
     gateway_error(StatusCode::BAD_GATEWAY, "upstream_error", last_reason)
@@ -454,15 +523,30 @@ pub(crate) fn deadline_passed(app: &App) -> Answer {
 async fn attempt_on(
     app: &Arc<App>,
     mut tracker: RequestTracker,
-    request: &ClientRequest,
+    request: &Arc<ClientRequest>,
     now: tokio::time::Instant,
 ) -> Attempt {
     let worker = tracker.worker();
     let server = &app.config.server;
-    let streaming = request.info.streaming;
+    let streaming = request.upstream_streaming;
+    // With migration on, a stream that failed before its first event goes
+    // to another worker whatever the failure: the engine may have begun
+    // the work, and continuing it elsewhere is what migration accepts.
+    let resumable = streaming && request.api.is_some() && app.config.migration.enabled();
     let first_byte_by = now
         .checked_add(request.head_timeout)
         .map_or(request.deadline, |by| by.min(request.deadline));
+    // A request still waiting for its first event after
+    // `silent_stream_ms` holds its worker back, as a silent stream does:
+    // a hung engine then takes no more requests while its first failure
+    // is still coming.
+    let overdue_at = app
+        .config
+        .outlier_detection
+        .silent_stream()
+        .and_then(|after| now.checked_add(after))
+        .filter(|at| *at < first_byte_by);
+    let mut held_back: Option<SilentStream> = None;
     let outgoing = request.outgoing(worker, tracker.trace.as_deref());
     let sent = h1::send_at(
         &worker.pool,
@@ -470,7 +554,13 @@ async fn attempt_on(
         server.connect_timeout(),
         now.into_std(),
     );
-    let response = match tokio::time::timeout_at(first_byte_by, sent).await {
+    let hold_back = |held_back: &mut Option<SilentStream>| {
+        *held_back = Some(SilentStream::new(app, worker));
+    };
+    let head = first_byte_within(sent, first_byte_by, overdue_at, || {
+        hold_back(&mut held_back)
+    });
+    let response = match head.await {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
             // The connection failed, or closed before any answer: the
@@ -532,7 +622,9 @@ async fn attempt_on(
         let answer = worker_error(status, &headers, inner, first_byte_by).await;
         // Only an engine that refused the work (overloaded, rate-limited)
         // is known not to have started it.
-        if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
+        let refused =
+            status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS;
+        if refused || (resumable && status.is_server_error()) {
             return Attempt::Retry {
                 answer: Some(answer),
                 reason: format!("worker {} answered {status}", worker.url),
@@ -547,31 +639,50 @@ async fn attempt_on(
         return Attempt::Done(answer.await);
     }
     let mut first_event = FirstDataEvent::default();
-    let held = match tokio::time::timeout_at(
-        first_byte_by,
+    let overdue_at = overdue_at.filter(|_| held_back.is_none());
+    let first = first_byte_within(
         until_first_event(&mut inner, &mut first_event),
-    )
-    .await
-    {
+        first_byte_by,
+        overdue_at,
+        || hold_back(&mut held_back),
+    );
+    let held = match first.await {
         Ok(Ok(prefix)) => prefix,
         Ok(Err(error)) => {
             worker
                 .metrics
                 .request_status(&app.metrics, Failure::Cut.label());
             tracker.failed(app, Failure::Cut);
+            let reason = format!(
+                "worker {} broke off its stream before the first event: {}",
+                worker.url,
+                error_chain(&error)
+            );
+            if resumable {
+                return Attempt::Retry {
+                    answer: None,
+                    reason,
+                };
+            }
             return Attempt::Done(gateway_error(
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
-                format!(
-                    "worker {} broke off its stream before the first event: {}",
-                    worker.url,
-                    error_chain(&error)
-                ),
+                reason,
             ));
         }
         Err(_elapsed) => {
             worker.metrics.request_status(&app.metrics, "timeout");
             tracker.failed(app, Failure::FirstByteTimeout);
+            if resumable {
+                return Attempt::Retry {
+                    answer: None,
+                    reason: format!(
+                        "worker {} admitted the stream but sent no event within {} ms \
+                         (server.first_byte_timeout_ms)",
+                        worker.url, server.first_byte_timeout_ms
+                    ),
+                };
+            }
             return Attempt::Done(gateway_error(
                 StatusCode::GATEWAY_TIMEOUT,
                 "timeout",
@@ -611,12 +722,31 @@ async fn attempt_on(
         deadline: request.deadline,
         ended: false,
         usage_filter: request.hide_usage_chunk.then(UsageChunkFilter::default),
+        resume: resumable.then(|| Box::new(Resume::new(request.clone()))),
     };
     Attempt::Done(worker_answer(
         status,
         &headers,
         ProxyBody::Stream(Box::new(body)),
     ))
+}
+
+/// `work` until `by`; `on_overdue` runs if it is still pending at
+/// `overdue_at` (before `by`), and it goes on waiting.
+async fn first_byte_within<F: Future>(
+    work: F,
+    by: tokio::time::Instant,
+    overdue_at: Option<tokio::time::Instant>,
+    on_overdue: impl FnOnce(),
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut work = std::pin::pin!(work);
+    if let Some(at) = overdue_at {
+        match tokio::time::timeout_at(at, work.as_mut()).await {
+            Ok(output) => return Ok(output),
+            Err(_) => on_overdue(),
+        }
+    }
+    tokio::time::timeout_at(by, work).await
 }
 
 /// Most bytes of a non-streaming answer the router holds to pass on whole.
@@ -978,6 +1108,9 @@ pub(crate) struct TrackedBody {
     ended: bool,
     /// Keeps from the client the usage chunk the router asked for.
     usage_filter: Option<UsageChunkFilter>,
+    /// With migration on: what was sent, to continue it on another worker
+    /// when the stream breaks, and the continuation once it runs.
+    resume: Option<Box<Resume>>,
 }
 
 impl std::fmt::Debug for TrackedBody {
@@ -1132,62 +1265,141 @@ impl TrackedBody {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Bytes, std::io::Error>>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        if let Some(held) = self.held.pop_front() {
-            self.scan(&held);
-            if self.held.is_empty() && self.inner.is_end_stream() {
-                self.succeeded();
+        loop {
+            if self.ended {
+                return Poll::Ready(None);
             }
-            return self.pass(held);
-        }
-        match self.inner.poll_data(cx) {
-            Poll::Ready(Some(Ok(piece))) => {
-                self.scan(&piece);
-                if self.inner.is_end_stream() {
+            if let Some(resume) = self.resume.as_mut() {
+                if !resume.is_direct() {
+                    return self.poll_continued(cx);
+                }
+                if resume.take_error_pending() {
+                    return self.broke(
+                        cx,
+                        Break::ErrorEvent,
+                        "the worker sent an error event mid-stream".to_owned(),
+                    );
+                }
+                if resume.may_leave_drained()
+                    && self
+                        .tracker
+                        .as_ref()
+                        .is_some_and(|tracker| tracker.worker().is_drained())
+                {
+                    if self.start_continuation(Break::Drained) {
+                        return self.poll_continued(cx);
+                    }
+                    // It runs on where it is, as without a grace period.
+                    if let Some(resume) = self.resume.as_mut() {
+                        resume.stay_drained();
+                    }
+                }
+            }
+            let piece = if let Some(held) = self.held.pop_front() {
+                self.scan(&held);
+                if self.held.is_empty() && self.inner.is_end_stream() {
                     self.succeeded();
                 }
-                self.pass(piece)
-            }
-            Poll::Ready(Some(Err(error))) => self.end_early(
-                Some(Failure::Cut),
-                "upstream_error",
-                format!("the worker's response broke off: {}", error_chain(&error)),
-            ),
-            Poll::Ready(None) => {
-                self.succeeded();
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                // A fired timer is re-armed (or the stream has stalled, or
-                // reached its deadline); the re-armed one is polled so that
-                // it wakes us.
-                while self.timer.as_mut().poll(cx).is_ready() {
-                    let now = tokio::time::Instant::now();
-                    if now >= self.deadline {
-                        let limit_ms = self.app.config.server.request_deadline_ms;
-                        return self.end_early(
-                            None,
-                            "timeout",
-                            format!("the request ran past its deadline (server.request_deadline_ms = {limit_ms})"),
+                held
+            } else {
+                match self.inner.poll_data(cx) {
+                    Poll::Ready(Some(Ok(piece))) => {
+                        self.scan(&piece);
+                        if self.inner.is_end_stream() {
+                            self.succeeded();
+                        }
+                        piece
+                    }
+                    Poll::Ready(Some(Err(error))) => {
+                        return self.broke(
+                            cx,
+                            Break::Cut,
+                            format!("the worker's response broke off: {}", error_chain(&error)),
                         );
                     }
-                    match self.idle_fired(now) {
-                        IdleCheck::Rearmed | IdleCheck::WentSilent => {}
-                        IdleCheck::Stalled => {
-                            let idle_ms = self.app.config.server.stream_idle_timeout_ms;
-                            return self.end_early(
-                                Some(Failure::Stalled),
-                                "timeout",
-                                format!("the worker sent nothing for {idle_ms} ms (server.stream_idle_timeout_ms)"),
-                            );
-                        }
+                    Poll::Ready(None) => {
+                        self.succeeded();
+                        // An event the worker left unfinished goes out as it is.
+                        let rest = self.resume.as_mut().and_then(|resume| resume.rest());
+                        self.ended = true;
+                        return match rest {
+                            Some(rest) => self.pass(rest),
+                            None => Poll::Ready(None),
+                        };
                     }
+                    Poll::Pending => return self.poll_timer(cx),
                 }
-                Poll::Pending
+            };
+            let Some(resume) = self.resume.as_mut() else {
+                return self.pass(piece);
+            };
+            match resume.take_whole_events(piece) {
+                Whole::Events(events) => return self.pass(events),
+                Whole::Nothing => {}
+                Whole::ErrorEvent { before } => {
+                    if let Some(before) = before {
+                        // The next poll finds the error event again.
+                        return self.pass(before);
+                    }
+                    return self.broke(
+                        cx,
+                        Break::ErrorEvent,
+                        "the worker sent an error event mid-stream".to_owned(),
+                    );
+                }
             }
         }
+    }
+
+    /// Nothing from the worker now: the idle and deadline checks.
+    fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, std::io::Error>>> {
+        // A fired timer is re-armed (or the stream has stalled, or reached
+        // its deadline); the re-armed one is polled so that it wakes us.
+        while self.timer.as_mut().poll(cx).is_ready() {
+            let now = tokio::time::Instant::now();
+            if now >= self.deadline {
+                let limit_ms = self.app.config.server.request_deadline_ms;
+                return self.end_early(
+                    None,
+                    "timeout",
+                    format!(
+                        "the request ran past its deadline (server.request_deadline_ms = {limit_ms})"
+                    ),
+                );
+            }
+            match self.idle_fired(now) {
+                IdleCheck::Rearmed | IdleCheck::WentSilent => {}
+                IdleCheck::Stalled => {
+                    let idle_ms = self.app.config.server.stream_idle_timeout_ms;
+                    return self.broke(
+                        cx,
+                        Break::Stalled,
+                        format!(
+                            "the worker sent nothing for {idle_ms} ms (server.stream_idle_timeout_ms)"
+                        ),
+                    );
+                }
+            }
+        }
+        Poll::Pending
+    }
+
+    /// The worker's answer broke after it began: continued on another
+    /// worker when it can be, or ended with an SSE error event.
+    fn broke(
+        &mut self,
+        cx: &mut Context<'_>,
+        why: Break,
+        message: String,
+    ) -> Poll<Option<Result<Bytes, std::io::Error>>> {
+        if self.start_continuation(why) {
+            return self.poll_continued(cx);
+        }
+        let kind = match why {
+            Break::Stalled => "timeout",
+            Break::Cut | Break::ErrorEvent | Break::Drained => "upstream_error",
+        };
+        self.end_early(why.failure(), kind, message)
     }
 }
 
@@ -1207,12 +1419,20 @@ impl http_body::Body for TrackedBody {
             .usage_filter
             .as_ref()
             .is_some_and(UsageChunkFilter::is_holding);
-        self.ended || (self.held.is_empty() && !filter_holding && self.inner.is_end_stream())
+        let resume_holding = self
+            .resume
+            .as_ref()
+            .is_some_and(|resume| resume.is_holding());
+        self.ended
+            || (self.held.is_empty()
+                && !filter_holding
+                && !resume_holding
+                && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        // A filtered stream's length is not the worker's.
-        if !self.held.is_empty() || self.usage_filter.is_some() {
+        // A filtered or continued stream's length is not the worker's.
+        if !self.held.is_empty() || self.usage_filter.is_some() || self.resume.is_some() {
             return SizeHint::default();
         }
         self.inner.size_hint()

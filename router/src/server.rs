@@ -1,5 +1,7 @@
-//! Serving: the HTTP routes, the background tasks, signals and graceful
-//! shutdown.
+//! Serving: the HTTP routes, TLS on the client listener ([`tls`]), the
+//! background tasks, signals and graceful shutdown.
+
+pub(crate) mod tls;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -28,6 +30,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
 
 use policy_core::error_chain;
 use prometheus_client::metrics::gauge::Gauge;
@@ -39,6 +42,7 @@ use crate::error::RouterError;
 use crate::monitor::{run_health_checker, run_load_monitor, run_outlier_prober};
 use crate::proxy::ProxyBody;
 use crate::{admin, proxy};
+use tls::ListenerTls;
 
 /// Every route the router serves besides the generation routes
 /// ([`proxy::GENERATE_PATHS`]), which [`serve_routes`] sends to
@@ -95,9 +99,10 @@ pub(crate) async fn start(app: Arc<App>) -> Result<Arc<App>, RouterError> {
 }
 
 /// Serves `app` on `listener` (HTTP/1.1 kept alive, and h2c, under the
-/// `[server]` section's client limits) until `shutdown` resolves (for
-/// example [`termination`]), then stops accepting and lets in-flight
-/// requests finish for up to `server.shutdown_grace_ms`.
+/// `[server]` section's client limits; with `[server.tls]`, both over TLS
+/// instead) until `shutdown` resolves (for example [`termination`]), then
+/// stops accepting and lets in-flight requests finish for up to
+/// `server.shutdown_grace_ms`.
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,
@@ -111,6 +116,13 @@ pub async fn serve(
 /// until `shutdown` resolves, then stops accepting, closes idle
 /// connections, lets in-flight requests finish for up to
 /// `shutdown_grace_ms` and returns.
+///
+/// With `[server.tls]` ([`App::listener_tls`]), each connection first
+/// completes a TLS handshake (ALPN `h2` and `http/1.1`), in its own task
+/// and within `client_header_timeout_ms` of its accept, with the
+/// certificate in force when it was accepted; then it is served exactly as
+/// a plain one. A client that fails the handshake (plain HTTP on the TLS
+/// port, say) is closed and logged at debug.
 ///
 /// Every request on every connection takes one path: a head refused
 /// before its body is read (a transfer coding besides `chunked`: 501;
@@ -141,10 +153,19 @@ pub(crate) async fn serve_routes(
     let open_connections = app.metrics.open_connections.clone();
     let handler = Handler {
         routes: TowerToHyperService::new(routes),
-        app,
+        app: app.clone(),
         generate: true,
     };
-    serve_handler(handler, &server, listener, open_connections, shutdown).await
+    let listener_tls = app.listener_tls.as_ref();
+    serve_handler(
+        handler,
+        &server,
+        listener,
+        listener_tls,
+        open_connections,
+        shutdown,
+    )
+    .await
 }
 
 /// Serves `GET /metrics` alone on `listener`, the listener of
@@ -165,8 +186,9 @@ pub async fn serve_metrics(
         app,
         generate: false,
     };
-    // Scrapes are not client connections: a gauge of their own, unregistered.
-    serve_handler(handler, &server, listener, Gauge::default(), shutdown).await
+    // Scrapes are not client connections: a gauge of their own,
+    // unregistered; and plain HTTP, whatever `[server.tls]` says.
+    serve_handler(handler, &server, listener, None, Gauge::default(), shutdown).await
 }
 
 /// Where a connection's requests go.
@@ -296,11 +318,13 @@ fn refusal(status: StatusCode, message: String) -> Response {
     response
 }
 
-/// Serves `handler` as [`serve_routes`] describes.
+/// Serves `handler` as [`serve_routes`] describes, over TLS with
+/// `listener_tls`.
 async fn serve_handler(
     handler: Handler,
     server: &ServerConfig,
     listener: TcpListener,
+    listener_tls: Option<&ListenerTls>,
     open_connections: Gauge,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
@@ -325,6 +349,8 @@ async fn serve_handler(
                 connections.spawn(serve_connection(Connection {
                     builder: builder.clone(),
                     stream,
+                    // The certificate in force at the accept.
+                    tls: listener_tls.map(ListenerTls::acceptor),
                     peer,
                     handler: handler.clone(),
                     deadlines,
@@ -354,9 +380,9 @@ async fn serve_handler(
     Ok(())
 }
 
-/// Re-reads the config file's `[policy]` and `[admission]` sections on
-/// SIGHUP and swaps them in; an invalid section is logged and the old one
-/// kept.
+/// On SIGHUP, re-reads the `[server.tls]` certificate and key files and
+/// the config file's `[policy]` and `[admission]` sections, and swaps them
+/// in ([`App::reload`]); anything invalid is logged and the old one kept.
 #[cfg(unix)]
 pub(crate) async fn reload_on_sighup(app: Arc<App>) {
     use tokio::signal::unix::{SignalKind, signal};
@@ -365,13 +391,45 @@ pub(crate) async fn reload_on_sighup(app: Arc<App>) {
         return;
     };
     while hangups.recv().await.is_some() {
-        reload_policy_from_file(&app).await;
+        app.reload().await;
+    }
+}
+
+impl App {
+    /// What SIGHUP does: reads the client listener's certificate and key
+    /// again (the files `[server.tls]` named at start) for connections
+    /// accepted from now on, and the config file's `[policy]` and
+    /// `[admission]` sections, and swaps each in. Whatever cannot be
+    /// loaded is logged and the one in force kept; open connections keep
+    /// the certificate they were accepted with.
+    pub async fn reload(&self) {
+        reload_listener_tls(self);
+        reload_policy_from_file(self).await;
+    }
+}
+
+/// Reads the client listener's certificate and key again and swaps them in.
+fn reload_listener_tls(app: &App) {
+    let Some(tls) = &app.listener_tls else {
+        return;
+    };
+    let files = tls.files();
+    match tls.reload() {
+        Ok(()) => tracing::info!(
+            cert_file = %files.cert_file.display(),
+            key_file = %files.key_file.display(),
+            "listener certificate reloaded: new connections get it"
+        ),
+        Err(error) => tracing::error!(
+            error = %error_chain(&error),
+            "listener certificate reload rejected; keeping the current one"
+        ),
     }
 }
 
 /// Reads the policy section from the config file (over the defaults) and
 /// swaps it in.
-pub(crate) async fn reload_policy_from_file(app: &Arc<App>) {
+pub(crate) async fn reload_policy_from_file(app: &App) {
     let Some(path) = app.config_file.clone() else {
         tracing::warn!("SIGHUP: no --config file to reload the policy from");
         return;
@@ -506,6 +564,8 @@ fn log_connection_end(ended: Result<(), tokio::task::JoinError>) {
 struct Connection {
     builder: Arc<Builder<TokioExecutor>>,
     stream: TcpStream,
+    /// With `[server.tls]`: the handshake to make first.
+    tls: Option<TlsAcceptor>,
     peer: SocketAddr,
     handler: Handler,
     deadlines: Deadlines,
@@ -537,19 +597,78 @@ async fn serve_connection(connection: Connection) {
     let Connection {
         builder,
         stream,
+        tls,
         peer,
         handler,
         deadlines,
-        mut stopping,
+        stopping,
         _slot,
         _open,
     } = connection;
+    let accepted = Instant::now();
     // Streams are many small writes: without TCP_NODELAY, Nagle holds each
     // one back until the client's (delayed) ACK of the previous, up to 40 ms.
     if let Err(error) = stream.set_nodelay(true) {
         tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted connection");
     }
-    let activity = Arc::new(Activity::new(Instant::now()));
+    let mut serving = Serving {
+        builder,
+        accepted,
+        peer,
+        handler,
+        deadlines,
+        stopping,
+    };
+    let Some(acceptor) = tls else {
+        return serve_stream(stream, serving).await;
+    };
+    // The handshake counts toward the first request head's deadline, so a
+    // client that stalls in it is closed as one that sends no head is.
+    let handshake_by = accepted + deadlines.header;
+    let handshake = tokio::time::timeout_at(handshake_by, acceptor.accept(stream));
+    let stream = tokio::select! {
+        biased;
+        handshake = handshake => match handshake {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(error)) => {
+                tracing::debug!(%peer, %error, "client TLS handshake failed");
+                return;
+            }
+            Err(_elapsed) => {
+                tracing::debug!(%peer, "closing a client connection: TLS handshake not done within client_header_timeout_ms");
+                return;
+            }
+        },
+        _ = serving.stopping.wait_for(|stopping| *stopping) => return,
+    };
+    serve_stream(stream, serving).await;
+}
+
+/// What serving an accepted connection's stream needs besides the stream.
+struct Serving {
+    builder: Arc<Builder<TokioExecutor>>,
+    accepted: Instant,
+    peer: SocketAddr,
+    handler: Handler,
+    deadlines: Deadlines,
+    stopping: watch::Receiver<bool>,
+}
+
+/// Serves one connection's stream (TCP, or TLS over it) from its accept
+/// until it ends, misses a deadline, or the server stops.
+async fn serve_stream<S>(stream: S, serving: Serving)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let Serving {
+        builder,
+        accepted,
+        peer,
+        handler,
+        deadlines,
+        mut stopping,
+    } = serving;
+    let activity = Arc::new(Activity::new(accepted));
     let io = TokioIo::new(TrackedIo {
         stream,
         activity: activity.clone(),
@@ -714,14 +833,15 @@ impl Drop for RequestGuard {
     }
 }
 
-/// The socket, telling the connection's [`Activity`] of each read and write.
+/// The socket (or the TLS stream over it), telling the connection's
+/// [`Activity`] of each read and write.
 #[derive(Debug)]
-struct TrackedIo {
-    stream: TcpStream,
+struct TrackedIo<S> {
+    stream: S,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for TrackedIo {
+impl<S: AsyncRead + Unpin> AsyncRead for TrackedIo<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -737,7 +857,7 @@ impl AsyncRead for TrackedIo {
     }
 }
 
-impl AsyncWrite for TrackedIo {
+impl<S: AsyncWrite + Unpin> AsyncWrite for TrackedIo<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -314,6 +314,7 @@ mod tests {
                     Arc::new(Worker::new(
                         id,
                         url.clone(),
+                        worker_h1::Pool::new(&url),
                         "sglang".into(),
                         None,
                         Arc::new(MockLoadSource::new()),

@@ -3,24 +3,68 @@
 //! checks, backend detection, `/v1/models`). Generation requests are
 //! forwarded, and loads polled, on `worker_h1` instead.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use load_transport::http::{CappedBodyError, pooled_client, read_capped};
+use hyper_util::client::legacy::{Client, ResponseFuture};
+use load_transport::http::{
+    CappedBodyError, PooledHttpsClient, pooled_client, pooled_https_client, read_capped,
+};
+
+use crate::server::tls::WorkerTrust;
 
 /// A request body: the client's bytes, kept so a retry can send them again.
 pub(crate) type UpstreamBody = Full<Bytes>;
 
-/// The control plane's client.
-pub(crate) type UpstreamClient = Client<HttpConnector, UpstreamBody>;
+/// The control plane's client: plain HTTP for `http://` workers, and for
+/// `https://` ones a client over TLS with the router's worker trust, made
+/// on the first such call (so a router of plain workers never reads the
+/// system's certificate store).
+#[derive(Debug)]
+pub(crate) struct UpstreamClient {
+    plain: Client<HttpConnector, UpstreamBody>,
+    https: OnceLock<PooledHttpsClient<UpstreamBody>>,
+    trust: WorkerTrust,
+    connect_timeout: Duration,
+}
 
-/// Builds the control plane's client. `connect_timeout` bounds the TCP
-/// connect; each call's deadline is its caller's.
-pub(crate) fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
-    pooled_client(connect_timeout)
+impl UpstreamClient {
+    /// Sends `request` on the client its URL's scheme needs.
+    fn request(
+        &self,
+        request: http::Request<UpstreamBody>,
+    ) -> Result<ResponseFuture, worker_h1::TlsConfigError> {
+        if request.uri().scheme_str() != Some("https") {
+            return Ok(self.plain.request(request));
+        }
+        let https = match self.https.get() {
+            Some(https) => https,
+            None => {
+                // Fails (and is tried again next call) only when the
+                // system's roots cannot be loaded; both loads are once per
+                // process.
+                let tls = self.trust.for_https()?;
+                self.https
+                    .get_or_init(|| pooled_https_client(self.connect_timeout, &tls))
+            }
+        };
+        Ok(https.request(request))
+    }
+}
+
+/// Builds the control plane's client, trusting `https://` workers by
+/// `trust`. `connect_timeout` bounds the TCP connect; each call's deadline
+/// is its caller's.
+pub(crate) fn upstream_client(connect_timeout: Duration, trust: WorkerTrust) -> UpstreamClient {
+    UpstreamClient {
+        plain: pooled_client(connect_timeout),
+        https: OnceLock::new(),
+        trust,
+        connect_timeout,
+    }
 }
 
 /// Most bytes a control-plane answer (`/health`, `/metrics`, `/v1/models`)
@@ -39,6 +83,12 @@ pub(crate) enum ControlGetError {
         url: String,
         #[source]
         source: hyper_util::client::legacy::Error,
+    },
+    #[error("no trust for https:// worker {url}")]
+    NoTrust {
+        url: String,
+        #[source]
+        source: worker_h1::TlsConfigError,
     },
     #[error("the answer from {url} broke off")]
     Body {
@@ -101,14 +151,16 @@ pub(crate) async fn control_call(
     let url = request.uri().to_string();
     let url = url.as_str();
     let exchange = async {
-        let response =
-            client
-                .request(request)
-                .await
-                .map_err(|source| ControlGetError::Request {
-                    url: url.to_owned(),
-                    source,
-                })?;
+        let sent = client
+            .request(request)
+            .map_err(|source| ControlGetError::NoTrust {
+                url: url.to_owned(),
+                source,
+            })?;
+        let response = sent.await.map_err(|source| ControlGetError::Request {
+            url: url.to_owned(),
+            source,
+        })?;
         let status = response.status();
         let body = read_capped(response.into_body(), limit_bytes)
             .await
@@ -150,7 +202,7 @@ mod tests {
     }
 
     fn client() -> UpstreamClient {
-        upstream_client(Duration::from_secs(5))
+        upstream_client(Duration::from_secs(5), WorkerTrust::default())
     }
 
     #[tokio::test]

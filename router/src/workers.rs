@@ -31,6 +31,8 @@ pub(crate) struct Worker {
     healthy: AtomicBool,
     checked: AtomicBool,
     draining: AtomicBool,
+    /// A drain's grace period is over: its streams continue elsewhere.
+    drained: AtomicBool,
     check_failures: AtomicU32,
     check_successes: AtomicU32,
     /// Mirrors `outlier.is_ejected()`, so rotation is read without a lock.
@@ -67,9 +69,12 @@ pub(crate) enum HealthChange {
 }
 
 impl Worker {
+    /// A worker at `url`, its requests forwarded through `pool` (made for
+    /// that URL, with the router's trust if it is `https://`).
     pub(crate) fn new(
         id: WorkerId,
         url: String,
+        pool: Pool,
         backend: String,
         api_key: Option<String>,
         source: Arc<dyn LoadSource>,
@@ -80,7 +85,7 @@ impl Worker {
         let authorization = api_key.as_deref().and_then(|key| bearer_header(key).ok());
         Worker {
             id,
-            pool: Arc::new(Pool::new(&url)),
+            pool: Arc::new(pool),
             url,
             backend,
             authorization,
@@ -89,6 +94,7 @@ impl Worker {
             healthy: AtomicBool::new(false),
             checked: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            drained: AtomicBool::new(false),
             check_failures: AtomicU32::new(0),
             check_successes: AtomicU32::new(0),
             ejected: AtomicBool::new(false),
@@ -115,6 +121,16 @@ impl Worker {
 
     pub(crate) fn set_draining(&self) {
         self.draining.store(true, Ordering::Release);
+    }
+
+    /// Whether a drain's grace period is over: a stream still running on
+    /// the worker moves to another at its next event.
+    pub(crate) fn is_drained(&self) -> bool {
+        self.drained.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_drained(&self) {
+        self.drained.store(true, Ordering::Release);
     }
 
     pub(crate) fn is_ejected(&self) -> bool {
@@ -283,6 +299,7 @@ mod tests {
         let keyed = Worker::new(
             WorkerId::new(0, 0),
             "http://w:1".into(),
+            Pool::new("http://w:1"),
             "sglang".into(),
             Some("sk-1".into()),
             Arc::new(MockLoadSource::new()),
@@ -299,6 +316,7 @@ mod tests {
         Worker::new(
             WorkerId::new(0, 0),
             "http://w:1/".into(),
+            Pool::new("http://w:1/"),
             "sglang".into(),
             None,
             Arc::new(MockLoadSource::new()),

@@ -58,7 +58,7 @@ async fn workers_are_listed_added_and_drained() {
     let error: serde_json::Value = invalid.json().await.unwrap();
     assert_eq!(
         error["error"]["message"],
-        "invalid worker.url = \"ftp://nope\": must be an http://host:port URL without a query (this build has no TLS)"
+        "invalid worker.url = \"ftp://nope\": must be an http:// or https://host:port URL without a query"
     );
 
     let removed = router

@@ -23,11 +23,14 @@ const PATIENCE: Duration = Duration::from_secs(20);
 const CHAT: &str = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
 const CHAT_STREAM: &str = r#"{"messages":[{"role":"user","content":"hi"}],"stream":true}"#;
 
+/// A router over one upstream; non-streaming requests go upstream as they
+/// came (not as streams), so that the bodies the engine gets are the
+/// client's, byte for byte.
 async fn router_with(extra_toml: &str) -> (Upstream, TestRouter) {
     let upstream = Upstream::start().await;
     let router = start_router(fast_config(
         vec![worker("sglang", &upstream.url)],
-        extra_toml,
+        &format!("{extra_toml}\n[migration]\nnon_streaming_as_stream = false\n"),
     ))
     .await;
     wait_until("the worker is healthy", || async {

@@ -82,7 +82,7 @@ async fn bad_requests_get_openai_shaped_errors() {
     let ok = router.chat("fine", false).await;
     assert_eq!(ok.status(), 200);
     let body: serde_json::Value = ok.json().await.unwrap();
-    assert_eq!(body["choices"][0]["message"]["content"], "hi");
+    assert_eq!(body["choices"][0]["message"]["content"], "t0t1t2t3");
 }
 
 /// `POST` to a generation path skips axum's route table; any other method
@@ -326,7 +326,7 @@ async fn with_no_retry_left_the_workers_own_answer_reaches_the_client() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_answering_500_is_passed_through_and_ejected_not_retried() {
+async fn with_migration_off_a_worker_answering_500_is_passed_through_and_ejected_not_retried() {
     let failing = Upstream::start().await;
     failing.switches.fail_status.store(500, Ordering::SeqCst);
     let healthy = Upstream::start().await;
@@ -338,6 +338,7 @@ async fn a_worker_answering_500_is_passed_through_and_ejected_not_retried() {
         "[policy]\nkind = \"round_robin\"\n",
     );
     config.outlier_detection.base_ejection_ms = 200;
+    migration_off(&mut config);
     let router = start_router(config).await;
     wait_until("both workers are healthy", || async {
         router.healthy_count().await == 2
@@ -511,6 +512,13 @@ async fn a_data_field_split_byte_by_byte_is_still_the_first_token() {
 
 /// One upstream that holds every stream after its first event, and a
 /// healthy router in front of it with `tweak` applied to its config.
+/// Migration off: a broken stream ends with an error event, a non-streaming
+/// request goes upstream as it came.
+fn migration_off(config: &mut router::config::RouterConfig) {
+    config.migration.max_migrations = 0;
+    config.migration.non_streaming_as_stream = false;
+}
+
 async fn held_stream_router(
     tweak: impl FnOnce(&mut router::config::RouterConfig),
 ) -> (Upstream, common::TestRouter) {
@@ -563,8 +571,10 @@ async fn a_stream_past_its_deadline_ends_with_an_error_event() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker() {
+async fn with_migration_off_a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker()
+ {
     let (_upstream, router) = held_stream_router(|config| {
+        migration_off(config);
         config.server.stream_idle_timeout_ms = 300;
     })
     .await;
@@ -584,6 +594,9 @@ async fn a_stalled_stream_ends_with_an_error_event_and_counts_against_the_worker
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_holds_its_worker_back_until_it_sends_again() {
     let (upstream, router) = held_stream_router(|config| {
+        // The second request is non-streaming and must not be held back
+        // by the upstream's gate, which holds every stream.
+        config.migration.non_streaming_as_stream = false;
         config.server.stream_idle_timeout_ms = 60_000;
         config.outlier_detection.silent_stream_ms = 200;
     })

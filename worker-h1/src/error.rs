@@ -14,6 +14,17 @@ pub enum SendError {
     },
     #[error("connecting to {address} took longer than {timeout:?}")]
     ConnectTimeout { address: String, timeout: Duration },
+    /// The TLS handshake with an `https://` worker failed: its certificate
+    /// is not trusted or does not name it, or the connection broke. The
+    /// rustls error, when there is one, is the source's inner error.
+    #[error("the TLS handshake with {address} failed")]
+    Handshake {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the worker's URL cannot be used: {reason}")]
+    UnusableUrl { reason: &'static str },
     #[error("the request could not be written")]
     Write(#[source] std::io::Error),
     #[error("the connection closed before any answer")]

@@ -1,13 +1,14 @@
 //! Socket reads and writes: one vectored write per request, reads into a
-//! buffer's spare room.
+//! buffer's spare room, on plain TCP or TLS alike.
 
 use std::io::IoSlice;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::BytesMut;
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 
 /// Room made in a read buffer when under half of it is free
 /// ([`make_read_room`]).
@@ -18,7 +19,7 @@ const MAX_WRITE_SLICES: usize = 32;
 /// Writes `slices` in order, in as few system calls as the socket allows
 /// (one, normally).
 pub(crate) async fn write_all_vectored(
-    stream: &mut TcpStream,
+    stream: &mut WorkerStream,
     slices: &[&[u8]],
 ) -> std::io::Result<()> {
     // The slice being written, and how much of it is out.
@@ -58,7 +59,9 @@ pub(crate) async fn write_all_vectored(
             }
         }
     }
-    Ok(())
+    // TLS keeps what it has not sent yet in its own buffer; on plain TCP
+    // this returns at once.
+    std::future::poll_fn(|cx| Pin::new(&mut *stream).poll_flush(cx)).await
 }
 
 /// Makes room in `buffer` for a read of up to `room_bytes`, unless half of
@@ -76,11 +79,78 @@ pub(crate) fn make_read_room(buffer: &mut BytesMut, room_bytes: usize) {
 /// socket drained when a read fills less than the room offered, so the
 /// next poll waits for readiness without another system call.
 pub(crate) fn poll_read_buf(
-    stream: &mut TcpStream,
+    stream: &mut WorkerStream,
     buffer: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<std::io::Result<usize>> {
     tokio_util::io::poll_read_buf(Pin::new(stream), cx, buffer)
+}
+
+/// A connection to a worker: plain TCP, or TLS over it. The TLS state is
+/// boxed (it is tens of kilobytes), so a plain connection stays small; a
+/// plain read or write costs one branch more, nothing else.
+#[derive(Debug)]
+pub(crate) enum WorkerStream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for WorkerStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            WorkerStream::Plain(tcp) => Pin::new(tcp).poll_read(cx, buf),
+            WorkerStream::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for WorkerStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            WorkerStream::Plain(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            WorkerStream::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            WorkerStream::Plain(tcp) => Pin::new(tcp).poll_write_vectored(cx, bufs),
+            WorkerStream::Tls(tls) => Pin::new(tls.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            WorkerStream::Plain(tcp) => tcp.is_write_vectored(),
+            WorkerStream::Tls(tls) => tls.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            WorkerStream::Plain(tcp) => Pin::new(tcp).poll_flush(cx),
+            WorkerStream::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            WorkerStream::Plain(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            WorkerStream::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -63,8 +63,19 @@
 //! client over generated and broken responses.
 //!
 //! The pool keeps up to 1024 idle connections per worker, most recently
-//! used first out, for 90 s from their last request. There is no TLS: a
-//! worker's URL is `http://host[:port][/prefix]`.
+//! used first out, for 90 s from their last request.
+//!
+//! A worker's URL is `http://host[:port][/prefix]` or
+//! `https://host[:port][/prefix]`. An `https://` worker is reached over TLS
+//! 1.2 or 1.3 (rustls on ring), its certificate verified against a
+//! [`WorkerTls`]: the system's roots ([`Pool::new`]) or a CA file's
+//! certificates ([`Pool::with_tls`], [`WorkerTls::from_ca_file`]). The
+//! server name is the URL's host (an IP literal is matched against the
+//! certificate's IP addresses) and ALPN offers `http/1.1`. The handshake
+//! happens within the connect timeout, and its failure is
+//! [`SendError::Handshake`]. Over TLS the request is still handed over in
+//! one vectored write and the body is read by whoever polls it; a plain
+//! connection pays one branch per read and write for the choice.
 
 mod body;
 mod chunked;
@@ -74,9 +85,11 @@ mod headers;
 mod io;
 mod pool;
 mod request;
+mod tls;
 
 pub use body::WorkerBody;
 pub use error::{BodyError, SendError};
 pub use headers::HeaderLines;
-pub use pool::Pool;
+pub use pool::{Pool, wants_tls};
 pub use request::{Outgoing, Response, send, send_at};
+pub use tls::{SystemRootsError, TlsConfigError, WorkerTls};

@@ -91,10 +91,13 @@ pub async fn send_at(
     connect_timeout: Duration,
     now: Instant,
 ) -> Result<Response, SendError> {
-    let Some(target) = pool.target.as_ref() else {
-        return Err(SendError::BadHead(
-            "the worker's URL is not http://host:port".into(),
-        ));
+    let target = match &pool.target {
+        Ok(target) => target,
+        Err(unusable) => {
+            return Err(SendError::UnusableUrl {
+                reason: unusable.reason(),
+            });
+        }
     };
     if let Some(mut connection) = pool.checkout(now) {
         connection.sent_at = now;
@@ -161,7 +164,10 @@ async fn exchange(
                 if connection.buffer.is_empty()
                     && matches!(
                         error.kind(),
-                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                        std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::BrokenPipe
+                            // TLS: the worker closed without close_notify.
+                            | std::io::ErrorKind::UnexpectedEof
                     ) =>
             {
                 return Err(SendError::ClosedBeforeAnswer);
@@ -189,7 +195,7 @@ mod tests {
     use tokio::net::TcpListener;
 
     fn head_of(request: &Outgoing<'_>, url: &str) -> String {
-        let target = Target::parse(url).unwrap();
+        let target = Target::parse(url, None).unwrap();
         let mut head = Vec::new();
         write_head(&mut head, &target, request);
         String::from_utf8(head).unwrap()
@@ -399,6 +405,9 @@ mod tests {
             Duration::from_secs(5),
         )
         .await;
-        assert!(matches!(refused, Err(SendError::BadHead(_))), "{refused:?}");
+        assert!(
+            matches!(refused, Err(SendError::UnusableUrl { .. })),
+            "{refused:?}"
+        );
     }
 }

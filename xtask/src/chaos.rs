@@ -9,8 +9,10 @@
 //! (`least_load`, tight deadlines, outlier ejection). The load is Poisson
 //! arrivals of mostly streaming, size-skewed chat requests, each with a
 //! unique `x-request-id`; the engines' `/control/admitted` logs then show
-//! whether any request was generated twice. For fleet B, `/admin/workers` is
-//! polled every 100 ms to time each bad engine's ejection.
+//! which requests were generated on more than one engine (a faulty
+//! engine's, retried or continued elsewhere; or, never intended, two good
+//! ones). For fleet B, `/admin/workers` is polled every 100 ms to time each
+//! bad engine's ejection.
 //!
 //! The task fails only when the harness does (a process dies, no ports, the
 //! router never becomes ready); missed goals are reported, not enforced.
@@ -84,8 +86,8 @@ const ADMIN_POLL_MS: u64 = 100;
 const READY_LIMIT: Duration = Duration::from_secs(60);
 
 // Goals (reported, not enforced).
-const GOAL_SUCCESS_RATE: f64 = 0.99;
-const GOAL_P99_TTFT_RATIO: f64 = 2.0;
+const GOAL_SUCCESS_RATE: f64 = 0.999;
+const GOAL_P99_TTFT_RATIO: f64 = 1.2;
 
 /// Settings of one `cargo xtask chaos` run.
 #[derive(Debug, Clone)]
@@ -901,7 +903,11 @@ struct Summary {
     p99_ttft_s: f64,
     max_duration_s: f64,
     over_deadline: usize,
-    duplicate_generations: usize,
+    /// Requests a faulty engine broke that ran again on another (retried
+    /// or continued: migration does this on purpose).
+    rerun_after_fault: usize,
+    /// Requests generated on two good engines: never intended.
+    on_two_good_engines: usize,
 }
 
 impl FleetResult {
@@ -945,7 +951,16 @@ impl FleetResult {
                 .iter()
                 .filter(|record| record.duration_s > deadline_s)
                 .count(),
-            duplicate_generations: self.duplicate_ids.iter().map(|(_, on)| on.len() - 1).sum(),
+            rerun_after_fault: self
+                .duplicate_ids
+                .iter()
+                .filter(|(_, on)| on.iter().any(|engine| !is_good(engine)))
+                .count(),
+            on_two_good_engines: self
+                .duplicate_ids
+                .iter()
+                .filter(|(_, on)| on.iter().filter(|engine| is_good(engine)).count() > 1)
+                .count(),
         }
     }
 }
@@ -978,6 +993,11 @@ impl FleetResult {
                 out_s.map(|out_s| latest.max(out_s))
             })
     }
+}
+
+/// Whether an engine of the report is one of the good ones.
+fn is_good(engine: &str) -> bool {
+    engine.starts_with("good-")
 }
 
 /// Nearest-rank percentile; NaN for no values.
@@ -1118,8 +1138,12 @@ impl Report {
             a.over_deadline, b.over_deadline
         ));
         line(format!(
-            "| duplicate generations | {} | {} |",
-            a.duplicate_generations, b.duplicate_generations
+            "| requests a faulty engine broke, run again elsewhere | {} | {} |",
+            a.rerun_after_fault, b.rerun_after_fault
+        ));
+        line(format!(
+            "| requests generated on two good engines | {} | {} |",
+            a.on_two_good_engines, b.on_two_good_engines
         ));
         line(format!(
             "| succeeded but admitted nowhere | {} | {} |",
@@ -1131,8 +1155,8 @@ impl Report {
         ));
         line(String::new());
         line(format!(
-            "B vs A: success rate {:.4}× ({} served in B; goal ≥ {:.0} %: {}), \
-             p99 TTFT {:.2}× (goal ≤ {GOAL_P99_TTFT_RATIO:.0}×: {}).",
+            "B vs A: success rate {:.4}× ({} served in B; goal ≥ {:.1} %: {}), \
+             p99 TTFT {:.2}× (goal ≤ {GOAL_P99_TTFT_RATIO:.1}×: {}).",
             success_ratio,
             percent(b.success_rate),
             GOAL_SUCCESS_RATE * 100.0,
@@ -1172,7 +1196,7 @@ impl Report {
             if !result.duplicate_ids.is_empty() {
                 line(String::new());
                 line(format!(
-                    "Duplicate generations in fleet {fleet} (id: engines):"
+                    "Requests generated on more than one engine in fleet {fleet} (id: engines):"
                 ));
                 line(String::new());
                 for (id, on) in result.duplicate_ids.iter().take(20) {
@@ -1231,7 +1255,8 @@ impl Report {
             "p99_ttft_s": finite(summary.p99_ttft_s),
             "max_duration_s": summary.max_duration_s,
             "over_deadline": summary.over_deadline,
-            "duplicate_generations": summary.duplicate_generations,
+            "rerun_after_fault": summary.rerun_after_fault,
+            "on_two_good_engines": summary.on_two_good_engines,
             "duplicate_ids": result.duplicate_ids,
             "succeeded_not_admitted": result.succeeded_not_admitted,
             "load_wall_s": result.load_wall_s,

@@ -200,12 +200,14 @@ pub struct JsonStatsLoadSource {
 }
 
 impl JsonStatsLoadSource {
-    /// A source polling `base_url` (`http://host:port`, optionally with a
-    /// path prefix; a trailing `/` is ignored).
+    /// A source polling `base_url` (`http://host:port` or
+    /// `https://host:port`, optionally with a path prefix; a trailing `/` is
+    /// ignored).
     ///
     /// Fails with [`BackendError::InvalidAddress`] for anything but an
-    /// `http://` URL with a host, and with [`BackendError::Client`] for an
-    /// API key that cannot be a header value.
+    /// `http://` or `https://` URL with a host, and with
+    /// [`BackendError::Client`] for an API key that cannot be a header value
+    /// or an `https://` trust that cannot be loaded.
     pub fn new(
         base_url: &str,
         options: &SourceOptions,
@@ -213,7 +215,13 @@ impl JsonStatsLoadSource {
         let base_url = http_base(base_url)?;
         Ok(JsonStatsLoadSource {
             client: ReportClient::new(&base_url, options)?,
-            stats_url: ReportUrl::new(&base_url, STATS_PATH, ReportFormat::Json, STATS_PATH)?,
+            stats_url: ReportUrl::new(
+                &base_url,
+                STATS_PATH,
+                ReportFormat::Json,
+                STATS_PATH,
+                options,
+            )?,
             base_url,
             deadline: options.deadline,
         })
@@ -425,7 +433,7 @@ mod tests {
             registry.build(BACKEND_NAME, &separate).unwrap().load_url(),
             "http://m:2/engine"
         );
-        for bad in ["127.0.0.1:9", "https://w:1", "http://w:1/?x=1"] {
+        for bad in ["127.0.0.1:9", "ftp://w:1", "http://w:1/?x=1"] {
             assert!(
                 matches!(
                     registry.build(BACKEND_NAME, &BackendSpec::new(bad)),

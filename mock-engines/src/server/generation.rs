@@ -1,6 +1,12 @@
 //! Generation: OpenAI chat and completions and SGLang's `/generate`, plain
 //! or SSE, paced by the engine model or canned, with the generation faults;
 //! and SGLang's `/health_generate`, a one-token generation.
+//!
+//! The generated tokens are a deterministic function of the context (the
+//! prompt's text or ids, then every token generated so far), so a request
+//! that continues a partial answer (a chat's final assistant message with
+//! `continue_final_message`, a longer completion prompt, longer `input_ids`)
+//! generates exactly the rest of the unbroken answer.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -24,9 +30,23 @@ const SSE_CONTENT_TYPE: &str = "text/event-stream";
 const CUT_FLUSH_DELAY: Duration = Duration::from_millis(50);
 /// `/health_generate` reads its one-token answer whole; far more than enough.
 const PROBE_BODY_LIMIT_BYTES: usize = 1 << 20;
-const WORDS: [&str; 8] = [
-    " the", " engine", " sim", " says", " hello", " to", " every", " router",
+/// The vocabulary's words, one per token. Each starts with a space and has
+/// none inside, so a generated text splits back into the same tokens.
+const WORDS: [&str; 32] = [
+    " the", " engine", " sim", " says", " hello", " to", " every", " router", " token", " stream",
+    " model", " cache", " prefix", " queue", " batch", " worker", " load", " fleet", " request",
+    " answer", " fast", " steady", " warm", " cold", " byte", " word", " again", " and", " then",
+    " now", " here", " there",
 ];
+/// Generated token ids are `FIRST_GENERATED_ID ..
+/// FIRST_GENERATED_ID + GENERATED_ID_COUNT`.
+const FIRST_GENERATED_ID: u32 = 1000;
+const GENERATED_ID_COUNT: u64 = 50_000;
+/// Hashed between a chat's earlier messages and the answer, standing for
+/// the chat template's assistant header: a continued final assistant
+/// message sits after it, and a new turn after a final assistant message
+/// starts from a different context than continuing that message would.
+const ASSISTANT_TURN_START: &str = "\n<|assistant|>\n";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Api {
@@ -75,14 +95,17 @@ struct GenerationRequest {
     bounded: bool,
     /// Content hashes of the prompt's full prefix-cache blocks.
     prefix_block_hashes: Vec<u64>,
+    /// Generates the answer's tokens from the request's context.
+    generator: TokenGenerator,
 }
 
+/// Parses a generation request; `Err` carries a 400's message.
 fn parse_generation(
     api: Api,
     body: &Value,
     block_size_tokens: u32,
     default_output: u32,
-) -> GenerationRequest {
+) -> Result<GenerationRequest, String> {
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = body
         .pointer("/stream_options/include_usage")
@@ -102,7 +125,7 @@ fn parse_generation(
             None => ids.clone(),
         }
     });
-    let (prompt_tokens, prefix_block_hashes) = match input_ids {
+    let (prompt_tokens, prefix_block_hashes) = match &input_ids {
         Some(ids) => {
             let hashes = ids
                 .chunks_exact(block)
@@ -126,21 +149,110 @@ fn parse_generation(
             (clamp_u32(chars.div_ceil(4)).max(1), hashes)
         }
     };
-    GenerationRequest {
+    let generator = match &input_ids {
+        Some(ids) => TokenGenerator::over_ids(ids.iter().map(|id| id.as_u64().unwrap_or(0))),
+        None if api == Api::Chat => TokenGenerator::over_text(&chat_context_text(body)?),
+        None => TokenGenerator::over_text(&prompt_text(api, body)),
+    };
+    Ok(GenerationRequest {
         stream,
         include_usage,
         prompt_tokens,
         output_tokens,
         bounded: max_tokens.is_some(),
         prefix_block_hashes,
+        generator,
+    })
+}
+
+/// The text a chat's answer is generated from: the contents of the messages
+/// before the answer, the assistant turn's start, and, when the request
+/// continues its final assistant message (`continue_final_message`), that
+/// message's content. `Err` when the continuation is asked for as vLLM
+/// refuses it.
+fn chat_context_text(body: &Value) -> Result<String, String> {
+    let messages: &[Value] = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .map_or(&[], Vec::as_slice);
+    let continue_final_message = body
+        .get("continue_final_message")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    // vLLM's default, which continuing the final message must turn off.
+    let add_generation_prompt = body
+        .get("add_generation_prompt")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let (earlier_messages, continued_message) = if continue_final_message {
+        if add_generation_prompt {
+            return Err(
+                "continue_final_message and add_generation_prompt cannot both be true \
+                        (add_generation_prompt defaults to true: send it as false)"
+                    .to_owned(),
+            );
+        }
+        match messages.split_last() {
+            Some((last, earlier))
+                if last.get("role").and_then(Value::as_str) == Some("assistant") =>
+            {
+                (earlier, Some(last))
+            }
+            _ => {
+                return Err(
+                    "continue_final_message needs the last message to be an assistant message"
+                        .to_owned(),
+                );
+            }
+        }
+    } else {
+        (messages, None)
+    };
+    let mut text = String::new();
+    for message in earlier_messages {
+        if let Some(content) = message.get("content") {
+            push_content(&mut text, content);
+        }
     }
+    text.push_str(ASSISTANT_TURN_START);
+    if let Some(content) = continued_message.and_then(|message| message.get("content")) {
+        push_content(&mut text, content);
+    }
+    Ok(text)
 }
 
 /// The prompt's text: chat messages' contents, a completion prompt, or
 /// SGLang's `text`.
 fn prompt_text(api: Api, body: &Value) -> String {
     let mut text = String::new();
-    let mut push = |value: &Value| match value {
+    match api {
+        Api::Chat => {
+            if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+                for message in messages {
+                    if let Some(content) = message.get("content") {
+                        push_content(&mut text, content);
+                    }
+                }
+            }
+        }
+        Api::Completions => {
+            if let Some(prompt) = body.get("prompt") {
+                push_content(&mut text, prompt);
+            }
+        }
+        Api::Generate => {
+            if let Some(prompt) = body.get("text") {
+                push_content(&mut text, prompt);
+            }
+        }
+    }
+    text
+}
+
+/// Appends a content value's text: a string, or the strings and `text`
+/// fields of an array of parts.
+fn push_content(text: &mut String, content: &Value) {
+    match content {
         Value::String(s) => text.push_str(s),
         Value::Array(parts) => {
             for part in parts {
@@ -155,29 +267,81 @@ fn prompt_text(api: Api, body: &Value) -> String {
             }
         }
         _ => {}
-    };
-    match api {
-        Api::Chat => {
-            if let Some(messages) = body.get("messages").and_then(Value::as_array) {
-                for message in messages {
-                    if let Some(content) = message.get("content") {
-                        push(content);
-                    }
-                }
-            }
-        }
-        Api::Completions => {
-            if let Some(prompt) = body.get("prompt") {
-                push(prompt);
-            }
-        }
-        Api::Generate => {
-            if let Some(prompt) = body.get("text") {
-                push(prompt);
-            }
+    }
+}
+
+/// How generated tokens extend the context they are hashed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ContextForm {
+    /// A text prompt: each token folds in as its word's bytes, so a prompt
+    /// with the first words appended hashes as the unbroken run did.
+    Text,
+    /// `input_ids`: each token folds in as its id, as the prompt's ids did.
+    TokenIds,
+}
+
+/// Generates tokens deterministically from the context: each token's id is
+/// picked by an FNV-1a hash of the whole context so far, which the token
+/// then extends (O(1) per token), and its text is a word picked by the id.
+/// Keeps the tokens generated so far.
+#[derive(Debug, Clone, PartialEq)]
+struct TokenGenerator {
+    form: ContextForm,
+    context_hash: u64,
+    /// The generated text so far (`text` of SGLang's `/generate`).
+    text: String,
+    /// The generated ids so far (`output_ids` of SGLang's `/generate`).
+    output_ids: Vec<u32>,
+}
+
+impl TokenGenerator {
+    fn over_text(prompt: &str) -> TokenGenerator {
+        TokenGenerator {
+            form: ContextForm::Text,
+            context_hash: fnv1a(FNV_OFFSET, prompt.as_bytes()),
+            text: String::new(),
+            output_ids: Vec::new(),
         }
     }
-    text
+
+    fn over_ids(input_ids: impl Iterator<Item = u64>) -> TokenGenerator {
+        TokenGenerator {
+            form: ContextForm::TokenIds,
+            context_hash: input_ids.fold(FNV_OFFSET, |hash, id| fnv1a(hash, &id.to_le_bytes())),
+            text: String::new(),
+            output_ids: Vec::new(),
+        }
+    }
+
+    fn generated_tokens(&self) -> u32 {
+        clamp_u32(self.output_ids.len() as u64)
+    }
+
+    /// Generates tokens until `generated_tokens` exist; returns where the
+    /// new tokens' text starts in `text` (for [`TokenGenerator::text_from`]).
+    fn advance_to(&mut self, generated_tokens: u32) -> usize {
+        let new_text_start = self.text.len();
+        while self.generated_tokens() < generated_tokens {
+            self.generate_one();
+        }
+        new_text_start
+    }
+
+    fn text_from(&self, byte_offset: usize) -> &str {
+        self.text.get(byte_offset..).unwrap_or_default()
+    }
+
+    fn generate_one(&mut self) {
+        // Below 51 000: the remainder fits u32.
+        let id = FIRST_GENERATED_ID + (mix(self.context_hash) % GENERATED_ID_COUNT) as u32;
+        let word = WORDS[id as usize % WORDS.len()];
+        self.context_hash = match self.form {
+            ContextForm::Text => fnv1a(self.context_hash, word.as_bytes()),
+            ContextForm::TokenIds => fnv1a(self.context_hash, &u64::from(id).to_le_bytes()),
+        };
+        self.text.push_str(word);
+        self.output_ids.push(id);
+    }
 }
 
 async fn generation(shared: Shared, api: Api, headers: &HeaderMap, body: Bytes) -> Response<Body> {
@@ -190,12 +354,15 @@ async fn generation(shared: Shared, api: Api, headers: &HeaderMap, body: Bytes) 
         Ok(value) => value,
         Err(_) => return error_response(StatusCode::BAD_REQUEST, "request body is not json"),
     };
-    let request = parse_generation(
+    let request = match parse_generation(
         api,
         &body,
         shared.config.params.block_size_tokens,
         shared.config.default_output_tokens,
-    );
+    ) {
+        Ok(request) => request,
+        Err(message) => return error_response(StatusCode::BAD_REQUEST, &message),
+    };
     let request_id = headers
         .get(REQUEST_ID_HEADER)
         .and_then(|value| value.to_str().ok())
@@ -218,6 +385,7 @@ pub(super) async fn health_generate(State(shared): State<Shared>) -> Response<Bo
         output_tokens: 1,
         bounded: true,
         prefix_block_hashes: Vec::new(),
+        generator: TokenGenerator::over_text(""),
     };
     let response = answer(shared, Api::Generate, probe, None).await;
     let status = response.status();
@@ -312,9 +480,9 @@ async fn answer(
         },
     };
     if request.stream {
-        stream_response(shared, meta, progress)
+        stream_response(shared, meta, progress, request.generator)
     } else {
-        whole_response(shared, meta, progress).await
+        whole_response(shared, meta, progress, request.generator).await
     }
 }
 
@@ -437,17 +605,18 @@ impl ResponseMeta {
         }))
     }
 
-    /// One SSE chunk carrying `token` (the `generated_tokens`-th); `finish`
-    /// marks the final chunk. `cached_tokens` goes into `/generate`'s
-    /// `meta_info`.
+    /// One SSE chunk carrying `new_text`, the text of the tokens that took
+    /// the answer to `generated_tokens` (`/generate` carries the whole
+    /// `output` so far instead); `finish` marks the final chunk.
+    /// `cached_tokens` goes into `/generate`'s `meta_info`.
     fn chunk(
         &self,
         generated_tokens: u32,
-        text_so_far: &str,
+        new_text: &str,
+        output: &TokenGenerator,
         finish: bool,
         cached_tokens: u32,
     ) -> Value {
-        let token = word(generated_tokens);
         let finish_reason = if finish {
             json!(self.finish_reason)
         } else {
@@ -458,9 +627,9 @@ impl ResponseMeta {
                 let delta = if finish {
                     json!({})
                 } else if generated_tokens == 1 {
-                    json!({"role": "assistant", "content": token})
+                    json!({"role": "assistant", "content": new_text})
                 } else {
-                    json!({"content": token})
+                    json!({"content": new_text})
                 };
                 json!({
                     "id": self.response_id(), "object": "chat.completion.chunk",
@@ -471,11 +640,12 @@ impl ResponseMeta {
             Api::Completions => json!({
                 "id": self.response_id(), "object": "text_completion",
                 "created": self.created_s, "model": self.model,
-                "choices": [{"index": 0, "text": if finish { "" } else { token },
+                "choices": [{"index": 0, "text": if finish { "" } else { new_text },
                              "logprobs": null, "finish_reason": finish_reason}],
             }),
             Api::Generate => json!({
-                "text": text_so_far,
+                "text": output.text,
+                "output_ids": output.output_ids,
                 "meta_info": self.generate_meta(generated_tokens, finish, cached_tokens),
             }),
         }
@@ -495,7 +665,8 @@ impl ResponseMeta {
         })
     }
 
-    fn whole(&self, completion_tokens: u32, text: &str, cached_tokens: u32) -> Value {
+    fn whole(&self, completion_tokens: u32, output: &TokenGenerator, cached_tokens: u32) -> Value {
+        let text = &output.text;
         match self.api {
             Api::Chat => json!({
                 "id": self.response_id(), "object": "chat.completion",
@@ -513,14 +684,11 @@ impl ResponseMeta {
             }),
             Api::Generate => json!({
                 "text": text,
+                "output_ids": output.output_ids,
                 "meta_info": self.generate_meta(completion_tokens, true, cached_tokens),
             }),
         }
     }
-}
-
-fn word(generated_tokens: u32) -> &'static str {
-    WORDS[generated_tokens as usize % WORDS.len()]
 }
 
 /// The connection error that cuts a response under `close-mid-stream`.
@@ -535,8 +703,8 @@ async fn whole_response(
     shared: Shared,
     meta: ResponseMeta,
     mut progress: BoxStream<'static, Progress>,
+    mut output: TokenGenerator,
 ) -> Response<Body> {
-    let mut text = String::new();
     let mut generated = 0;
     let cached_tokens;
     loop {
@@ -547,7 +715,7 @@ async fn whole_response(
         match next {
             Some(Progress::Token { generated_tokens }) => {
                 generated = generated_tokens;
-                text.push_str(word(generated_tokens));
+                output.advance_to(generated_tokens);
             }
             Some(Progress::Finished(record)) => {
                 generated = generated.max(record.output_tokens);
@@ -570,19 +738,23 @@ async fn whole_response(
         let body = Body::from_stream(head.chain(tail));
         return with_content_type(Response::new(body), "application/json");
     }
-    json_response(StatusCode::OK, &meta.whole(generated, &text, cached_tokens))
+    json_response(
+        StatusCode::OK,
+        &meta.whole(generated, &output, cached_tokens),
+    )
 }
 
 fn stream_response(
     shared: Shared,
     meta: ResponseMeta,
     progress: BoxStream<'static, Progress>,
+    output: TokenGenerator,
 ) -> Response<Body> {
     struct State {
         progress: BoxStream<'static, Progress>,
         shared: Shared,
         meta: ResponseMeta,
-        text: String,
+        output: TokenGenerator,
         sent_chunks: u32,
         done: bool,
     }
@@ -590,7 +762,7 @@ fn stream_response(
         progress,
         shared,
         meta,
-        text: String::new(),
+        output,
         sent_chunks: 0,
         done: false,
     };
@@ -620,16 +792,20 @@ fn stream_response(
         };
         let bytes = match next {
             Some(Progress::Token { generated_tokens }) => {
-                state.text.push_str(word(generated_tokens));
+                let new_text_start = state.output.advance_to(generated_tokens);
+                let new_text = state.output.text_from(new_text_start);
                 // The model reports the prefix-cache hits only in the
                 // finished record, so the chunks before it carry 0.
-                sse(&state.meta.chunk(generated_tokens, &state.text, false, 0))
+                sse(&state
+                    .meta
+                    .chunk(generated_tokens, new_text, &state.output, false, 0))
             }
             Some(Progress::Finished(record)) => {
                 state.done = true;
                 let last = state.meta.chunk(
                     record.output_tokens,
-                    &state.text,
+                    "",
+                    &state.output,
                     true,
                     record.cached_tokens,
                 );
@@ -674,6 +850,17 @@ fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
+    hash
+}
+
+/// MurmurHash3's 64-bit finalizer. FNV-1a's low bits depend only on the
+/// inputs' low bits; this spreads every bit before a remainder is taken.
+fn mix(mut hash: u64) -> u64 {
+    hash ^= hash >> 33;
+    hash = hash.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    hash ^= hash >> 33;
+    hash = hash.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    hash ^= hash >> 33;
     hash
 }
 

@@ -83,7 +83,7 @@ impl Upstream {
             .route("/v1/models", get(models))
             .route("/v1/chat/completions", post(generate))
             .route("/v1/completions", post(generate))
-            .route("/generate", post(generate))
+            .route("/generate", post(generate_native))
             .with_state(switches.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {
@@ -144,10 +144,30 @@ async fn models(State(switches): State<Arc<Switches>>) -> Response {
     .into_response()
 }
 
+/// OpenAI chat and completions: `t0t1t2t3`, whole or as four chunks.
 async fn generate(
     State(switches): State<Arc<Switches>>,
     headers: axum::http::HeaderMap,
     body: Bytes,
+) -> Response {
+    answer(switches, headers, body, false).await
+}
+
+/// SGLang's `/generate`: the same text, in its own shape (cumulative
+/// `text` and `meta_info`).
+async fn generate_native(
+    State(switches): State<Arc<Switches>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    answer(switches, headers, body, true).await
+}
+
+async fn answer(
+    switches: Arc<Switches>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+    native: bool,
 ) -> Response {
     switches.traceparents.lock().unwrap().push(
         headers
@@ -173,10 +193,17 @@ async fn generate(
             "prompt_tokens_details": {"cached_tokens": switches.cached_tokens.load(Ordering::SeqCst)},
         })
     });
+    if request["stream"] != true && native {
+        return axum::Json(serde_json::json!({
+            "text": "t0t1t2t3",
+            "meta_info": {"id": "c", "completion_tokens": 4, "finish_reason": {"type": "stop"}},
+        }))
+        .into_response();
+    }
     if request["stream"] != true {
         let mut answer = serde_json::json!({
             "id": "cmpl-1", "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "t0t1t2t3"}, "finish_reason": "stop"}]
         });
         if let Some(usage) = usage {
             answer["usage"] = usage;
@@ -188,9 +215,24 @@ async fn generate(
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
     let switches = switches.clone();
     tokio::spawn(async move {
+        // The last content chunk carries the finish reason, as engines'
+        // last chunk does.
         let chunk = |index: usize| {
+            let finish = if index == 3 { "\"stop\"" } else { "null" };
+            if native {
+                let text: String = (0..=index).map(|i| format!("t{i}")).collect();
+                let finish = if index == 3 {
+                    r#"{"type":"stop"}"#
+                } else {
+                    "null"
+                };
+                return Bytes::from(format!(
+                    "data: {{\"text\":\"{text}\",\"meta_info\":{{\"id\":\"c\",\"completion_tokens\":{},\"finish_reason\":{finish}}}}}\n\n",
+                    index + 1
+                ));
+            }
             Bytes::from(format!(
-                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{index}\"}}}}]}}\n\n"
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{index}\"}},\"finish_reason\":{finish}}}]}}\n\n"
             ))
         };
         if bytewise {

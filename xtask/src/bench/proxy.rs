@@ -1,11 +1,12 @@
 //! Proxy overhead: wrk directly against 4 canned engines, through the router
-//! (round_robin, least_load) and through nginx (`least_conn`), then latency
-//! at half the router's saturation throughput.
+//! (round_robin, least_load, and least_load with clients over TLS) and
+//! through nginx (`least_conn`), then latency at half the router's
+//! saturation throughput.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
-use std::process::Stdio;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::Process;
@@ -19,27 +20,31 @@ const UPSTREAMS: u16 = 4;
 
 /// The proxies and the direct path, in the order they are measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Path4 {
+enum ProxyPath {
     Direct,
     RoundRobin,
     LeastLoad,
+    /// least_load with `[server.tls]`: clients over TLS, engines plain.
+    LeastLoadTls,
     Nginx,
 }
 
-impl Path4 {
-    const ALL: [Path4; 4] = [
-        Path4::Direct,
-        Path4::RoundRobin,
-        Path4::LeastLoad,
-        Path4::Nginx,
+impl ProxyPath {
+    const ALL: [ProxyPath; 5] = [
+        ProxyPath::Direct,
+        ProxyPath::RoundRobin,
+        ProxyPath::LeastLoad,
+        ProxyPath::LeastLoadTls,
+        ProxyPath::Nginx,
     ];
 
     fn name(self) -> &'static str {
         match self {
-            Path4::Direct => "direct",
-            Path4::RoundRobin => "round_robin",
-            Path4::LeastLoad => "least_load",
-            Path4::Nginx => "nginx",
+            ProxyPath::Direct => "direct",
+            ProxyPath::RoundRobin => "round_robin",
+            ProxyPath::LeastLoad => "least_load",
+            ProxyPath::LeastLoadTls => "least_load_tls",
+            ProxyPath::Nginx => "nginx",
         }
     }
 }
@@ -106,6 +111,14 @@ pub(crate) fn start_router(
     config: Option<&Path>,
 ) -> Result<(Process, u16), String> {
     let port = crate::free_ports(1)?;
+    let mut command = router_command(policy, ports, port, config);
+    let process = Process::spawn(&format!("router ({policy})"), &mut command)?;
+    super::wait_until_ok(port, "/readiness", "the router", Duration::from_secs(60))?;
+    Ok((process, port))
+}
+
+/// The router's command line: `policy` over `ports`, listening on `port`.
+fn router_command(policy: &str, ports: &[u16], port: u16, config: Option<&Path>) -> Command {
     let mut command = super::pinned_many_files(
         PROXY_CORE,
         &crate::release_binary("router"),
@@ -123,8 +136,73 @@ pub(crate) fn start_router(
     for upstream in ports {
         command.args(["--worker", &format!("sglang=http://127.0.0.1:{upstream}")]);
     }
-    let process = Process::spawn(&format!("router ({policy})"), &mut command)?;
-    super::wait_until_ok(port, "/readiness", "the router", Duration::from_secs(60))?;
+    command
+}
+
+/// A self-signed ECDSA P-256 certificate for `localhost` and `127.0.0.1`,
+/// made by `openssl` under `dir/tls`: its certificate and key files.
+fn self_signed_certificate(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
+    let tls_dir = dir.join("tls");
+    std::fs::create_dir_all(&tls_dir)
+        .map_err(|error| format!("cannot create {}: {error}", tls_dir.display()))?;
+    let (cert_file, key_file) = (tls_dir.join("cert.pem"), tls_dir.join("key.pem"));
+    let output = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+        .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
+        .args(["-subj", "/CN=localhost"])
+        .args(["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
+        .arg("-keyout")
+        .arg(&key_file)
+        .arg("-out")
+        .arg(&cert_file)
+        .output()
+        .map_err(|error| format!("could not run openssl: {error}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "openssl could not make a certificate ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok((cert_file, key_file))
+}
+
+/// The least_load router with `[server.tls]` (a certificate made here),
+/// ready: every worker healthy. Its `/metrics` is on a plain listener of its
+/// own, which the readiness check reads (the main port speaks only TLS).
+fn start_tls_router(dir: &Path, ports: &[u16]) -> Result<(Process, u16), String> {
+    let (cert_file, key_file) = self_signed_certificate(dir)?;
+    let port = crate::free_ports(2)?;
+    let metrics_port = port + 1;
+    let config = dir.join("tls").join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nmetrics_port = {metrics_port}\n[server.tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+            cert_file.display().to_string(),
+            key_file.display().to_string()
+        ),
+    )
+    .map_err(|error| format!("cannot write {}: {error}", config.display()))?;
+    let mut command = router_command("least_load", ports, port, Some(&config));
+    // wrk (OpenSSL) sends the address 127.0.0.1 as SNI, which RFC 6066
+    // forbids and rustls warns of on every connection.
+    command.env("RUST_LOG", "warn,rustls=error");
+    let process = Process::spawn("router (least_load, TLS)", &mut command)?;
+    super::wait_for(
+        "the TLS router's workers to be healthy",
+        Duration::from_secs(60),
+        || {
+            let healthy = super::http_get_body(metrics_port, "/metrics").map_or(0, |text| {
+                text.lines()
+                    .filter(|line| {
+                        line.starts_with("router_worker_healthy{") && line.ends_with(" 1")
+                    })
+                    .count()
+            });
+            Ok(healthy == ports.len())
+        },
+    )?;
     Ok((process, port))
 }
 
@@ -309,6 +387,10 @@ const SATURATION_PAIRED: [(&str, PerRun); 2] = [
     ("cpu_vs_nginx_paired", cpu_per_request),
 ];
 
+/// The TLS router row's run-by-run comparison with the plain least_load
+/// router's.
+const TLS_PAIRED: [(&str, PerRun); 1] = [("cpu_vs_plain_paired", cpu_per_request)];
+
 /// The half-load router row's run-by-run comparison with nginx: the p99
 /// target is judged on it.
 const HALF_LOAD_PAIRED: [(&str, PerRun); 1] = [("p99_vs_nginx_paired", p99s)];
@@ -349,8 +431,8 @@ fn with_paired_ratios(
 
 /// One wrk run against `path`, with the proxy's CPU per request.
 fn measure_once(
-    proxies: &[(Path4, Proxy)],
-    path: Path4,
+    proxies: &[(ProxyPath, Proxy)],
+    path: ProxyPath,
     target: &Target,
     script: &Path,
     duration_s: u64,
@@ -391,10 +473,11 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
     let (_engines, ports) = start_engines(UPSTREAMS, STREAM_CHUNKS)?;
     let (round_robin, rr_port) = start_router("round_robin", &ports, None)?;
     let (least_load, ll_port) = start_router("least_load", &ports, None)?;
+    let (least_load_tls, tls_port) = start_tls_router(out_dir, &ports)?;
     let (nginx, nginx_port) = start_nginx(out_dir, &ports)?;
     let proxies = [
         (
-            Path4::RoundRobin,
+            ProxyPath::RoundRobin,
             Proxy {
                 process: round_robin,
                 port: rr_port,
@@ -402,7 +485,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             },
         ),
         (
-            Path4::LeastLoad,
+            ProxyPath::LeastLoad,
             Proxy {
                 process: least_load,
                 port: ll_port,
@@ -410,7 +493,15 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             },
         ),
         (
-            Path4::Nginx,
+            ProxyPath::LeastLoadTls,
+            Proxy {
+                process: least_load_tls,
+                port: tls_port,
+                with_children: false,
+            },
+        ),
+        (
+            ProxyPath::Nginx,
             Proxy {
                 process: nginx,
                 port: nginx_port,
@@ -418,17 +509,20 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             },
         ),
     ];
-    let target = |path: Path4| match proxies.iter().find(|(p, _)| *p == path) {
+    let target = |path: ProxyPath| match proxies.iter().find(|(p, _)| *p == path) {
+        Some((ProxyPath::LeastLoadTls, proxy)) => Target::TlsPort(proxy.port),
         Some((_, proxy)) => Target::Port(proxy.port),
         None => Target::Spread(ports.clone()),
     };
 
-    // Every path streams the whole answer.
+    // Every plain path streams the whole answer (the TLS path is the same
+    // router; wrk counts its non-2xx answers as errors).
     let mut checks = Vec::new();
-    for path in Path4::ALL {
+    for path in ProxyPath::ALL {
         let port = match target(path) {
             Target::Port(port) => port,
             Target::Spread(_) => ports.first().copied().ok_or("no upstream")?,
+            Target::TlsPort(_) => continue,
         };
         checks.push(format!("{} {}", path.name(), count_sse_events(port)?));
     }
@@ -440,15 +534,18 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
         "Pinning (`taskset`): wrk and engine-sim share core {LOAD_CORE}; the proxy under test has core {PROXY_CORE} to itself (the router's tokio runtime sees one core and runs one worker thread; nginx runs one worker process). All three proxies stay up for the whole section and the runs are interleaved (direct, round_robin, least_load, nginx, then again), so drift on the shared machine hits them alike; the idle proxies only poll loads. `direct`: one wrk with one thread per upstream (4 threads × 16 connections, an even spread), so it measures what core {LOAD_CORE} alone can drive: a proxy at `vs_direct` ≈ 1 is not the bottleneck."
     ));
     notes.push(
+        "least_load_tls: the least_load router with `[server.tls]` (a self-signed ECDSA P-256 certificate made by `openssl`), the engines behind it plain HTTP as for the others; wrk connects with `https://` (OpenSSL, TLS 1.3), each of its 64 connections one handshake and then kept alive for the run, so the row is the cost of TLS records, not of handshakes. Its `/metrics` has a plain listener of its own (`metrics_port`), for the readiness check. `cpu_vs_plain_paired`: its CPU per request over least_load's, run by run.".to_owned(),
+    );
+    notes.push(
         "nginx: `least_conn` over the same 4 upstreams, `keepalive 128` upstream connections, HTTP/1.1 upstream, `proxy_buffering off` and `proxy_request_buffering off`, access log off; config under target/bench/nginx/.".to_owned(),
     );
 
     let mut rows = Vec::new();
     for mode in Mode::ALL {
         eprintln!("xtask: == saturation, {}", mode.name());
-        let mut measured: Vec<(Path4, Measured)> = Vec::new();
+        let mut measured: Vec<(ProxyPath, Measured)> = Vec::new();
         let mut scripts = Vec::new();
-        for path in Path4::ALL {
+        for path in ProxyPath::ALL {
             let target = target(path);
             let script = wrk::script(out_dir, mode, &target, None)?;
             // Warm-up: connections, pools, caches.
@@ -466,7 +563,7 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             .iter()
             .map(|(path, m)| summarize(format!("proxy/{}/{}", path.name(), mode.name()), m, false))
             .collect();
-        let throughput = |path: Path4| {
+        let throughput = |path: ProxyPath| {
             find(
                 &mode_rows,
                 &format!("proxy/{}/{}", path.name(), mode.name()),
@@ -474,23 +571,28 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             .and_then(|row| row.get("throughput_rps"))
             .unwrap_or(f64::NAN)
         };
-        let direct = throughput(Path4::Direct);
-        let nginx_rps = throughput(Path4::Nginx);
+        let direct = throughput(ProxyPath::Direct);
+        let nginx_rps = throughput(ProxyPath::Nginx);
         let nginx_runs = measured
             .iter()
-            .find(|(path, _)| *path == Path4::Nginx)
+            .find(|(path, _)| *path == ProxyPath::Nginx)
             .map(|(_, m)| m);
-        for (row, (_, own_runs)) in mode_rows.into_iter().zip(&measured) {
+        let plain_runs = measured
+            .iter()
+            .find(|(path, _)| *path == ProxyPath::LeastLoad)
+            .map(|(_, m)| m);
+        for (row, (path, own_runs)) in mode_rows.into_iter().zip(&measured) {
             let own = row.get("throughput_rps").unwrap_or(f64::NAN);
-            let row = row
+            let mut row = row
                 .num("vs_direct", own / direct)
                 .num("vs_nginx", own / nginx_rps);
-            rows.push(match nginx_runs {
-                Some(nginx_runs) => {
-                    with_paired_ratios(row, own_runs, nginx_runs, &SATURATION_PAIRED)
-                }
-                None => row,
-            });
+            if let Some(nginx_runs) = nginx_runs {
+                row = with_paired_ratios(row, own_runs, nginx_runs, &SATURATION_PAIRED);
+            }
+            if let (ProxyPath::LeastLoadTls, Some(plain_runs)) = (path, plain_runs) {
+                row = with_paired_ratios(row, own_runs, plain_runs, &TLS_PAIRED);
+            }
+            rows.push(row);
         }
     }
 
@@ -561,13 +663,13 @@ pub(crate) const HALF_LOAD_RETRIES: usize = 1;
 fn measure_half_load(
     options: &Options,
     out_dir: &Path,
-    proxies: &[(Path4, Proxy)],
-    target_of: impl Fn(Path4) -> Target,
+    proxies: &[(ProxyPath, Proxy)],
+    target_of: impl Fn(ProxyPath) -> Target,
     mode: Mode,
     rate_rps: f64,
 ) -> Result<Vec<Row>, String> {
-    let paths = [Path4::LeastLoad, Path4::Nginx];
-    let mut measured: Vec<(Path4, Target, std::path::PathBuf, Measured)> = Vec::new();
+    let paths = [ProxyPath::LeastLoad, ProxyPath::Nginx];
+    let mut measured: Vec<(ProxyPath, Target, std::path::PathBuf, Measured)> = Vec::new();
     for path in paths {
         let target = target_of(path);
         let script = wrk::script(out_dir, mode, &target, Some(rate_rps))?;
@@ -595,7 +697,7 @@ fn measure_half_load(
 /// The router's and nginx's half-load rows; the router's carries its runs'
 /// p99s against nginx's run by run, which the p99 target judges.
 fn half_load_rows(mode: Mode, rate_rps: f64, router: &Measured, nginx: &Measured) -> Vec<Row> {
-    let row = |path: Path4, measured: &Measured| {
+    let row = |path: ProxyPath, measured: &Measured| {
         summarize(
             format!("half-load/{}/{}", path.name(), mode.name()),
             measured,
@@ -605,12 +707,12 @@ fn half_load_rows(mode: Mode, rate_rps: f64, router: &Measured, nginx: &Measured
     };
     vec![
         with_paired_ratios(
-            row(Path4::LeastLoad, router),
+            row(ProxyPath::LeastLoad, router),
             router,
             nginx,
             &HALF_LOAD_PAIRED,
         ),
-        row(Path4::Nginx, nginx),
+        row(ProxyPath::Nginx, nginx),
     ]
 }
 
@@ -716,7 +818,7 @@ mod tests {
     fn throughput_is_judged_only_when_both_proxies_filled_their_core() {
         // 40 µs a request at 20,000 req/s is 0.8 of a core.
         let rows = |router_cpu_us: f64, nginx_cpu_us: f64| {
-            let row = |path: Path4, rps: f64, cpu_us: f64| {
+            let row = |path: ProxyPath, rps: f64, cpu_us: f64| {
                 let measured = measured(&[rps, rps, rps], &[cpu_us, cpu_us, cpu_us]);
                 summarize(
                     format!("proxy/{}/non-stream", path.name()),
@@ -726,9 +828,9 @@ mod tests {
                 .num("vs_nginx", rps / 20_000.0)
             };
             vec![
-                row(Path4::Direct, 25_000.0, 0.0),
-                row(Path4::LeastLoad, 24_000.0, router_cpu_us),
-                row(Path4::Nginx, 20_000.0, nginx_cpu_us),
+                row(ProxyPath::Direct, 25_000.0, 0.0),
+                row(ProxyPath::LeastLoad, 24_000.0, router_cpu_us),
+                row(ProxyPath::Nginx, 20_000.0, nginx_cpu_us),
             ]
         };
         let throughput_line = |rows: &[Row]| {

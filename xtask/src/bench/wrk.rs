@@ -43,6 +43,10 @@ impl Mode {
 pub(crate) enum Target {
     /// One port (a proxy).
     Port(u16),
+    /// One port speaking TLS (a proxy with a TLS listener): wrk connects
+    /// with `https://` (OpenSSL, the certificate not verified), each of its
+    /// connections one handshake and then kept alive for the run.
+    TlsPort(u16),
     /// Several ports, one per wrk thread (threads are spread evenly).
     Spread(Vec<u16>),
 }
@@ -125,9 +129,10 @@ pub(crate) fn script(
 
 /// One wrk run of `duration_s` against `target`, pinned to the load core.
 pub(crate) fn run(script: &Path, target: &Target, duration_s: u64) -> Result<WrkRun, String> {
-    let port = match target {
-        Target::Port(port) => *port,
-        Target::Spread(ports) => ports.first().copied().ok_or("no port to send to")?,
+    let (scheme, port) = match target {
+        Target::Port(port) => ("http", *port),
+        Target::TlsPort(port) => ("https", *port),
+        Target::Spread(ports) => ("http", ports.first().copied().ok_or("no port to send to")?),
     };
     let mut command = Command::new("taskset");
     command
@@ -142,7 +147,7 @@ pub(crate) fn run(script: &Path, target: &Target, duration_s: u64) -> Result<Wrk
             "-s",
         ])
         .arg(script)
-        .arg(format!("http://127.0.0.1:{port}/v1/chat/completions"));
+        .arg(format!("{scheme}://127.0.0.1:{port}/v1/chat/completions"));
     let output = command
         .output()
         .map_err(|error| format!("could not start wrk: {error}"))?;
