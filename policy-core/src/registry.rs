@@ -98,7 +98,7 @@ impl fmt::Debug for PolicyRegistry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoadAddress {
     /// Over HTTP: at the worker's own address, or at an optional separate
-    /// `http://host:port` load address.
+    /// `http://` or `https://host:port` load address.
     Http,
     /// Over gRPC: a separate `grpc://host:port` load address is required.
     Grpc,
@@ -108,7 +108,7 @@ impl LoadAddress {
     /// What a worker's `load_url` must be, in words, for error messages.
     pub fn describe(self) -> &'static str {
         match self {
-            LoadAddress::Http => "an http://host:port URL without a query, or none",
+            LoadAddress::Http => "an http:// or https://host:port URL without a query, or none",
             LoadAddress::Grpc => "a grpc://host:port address (required by this backend)",
         }
     }

@@ -454,7 +454,8 @@ pub struct MigrationConfig {
     pub max_migrations: u32,
     /// Send non-streaming chat and completion requests upstream as streams
     /// and assemble the answer, so that they are retried before their
-    /// first token and continued after it like streams.
+    /// first token and continued after it like streams. Off by default:
+    /// assembling costs CPU per token (`docs/performance.md`).
     pub non_streaming_as_stream: bool,
 }
 
@@ -462,7 +463,7 @@ impl Default for MigrationConfig {
     fn default() -> MigrationConfig {
         MigrationConfig {
             max_migrations: 2,
-            non_streaming_as_stream: true,
+            non_streaming_as_stream: false,
         }
     }
 }
@@ -1244,7 +1245,7 @@ pub(crate) fn validate_worker(
             Some(load_url) if load_transport::http::http_base(load_url).is_err() => Err((
                 "load_url",
                 format!("{load_url:?}"),
-                "an http://host:port URL without a query (name the backend for a grpc:// one)"
+                "an http:// or https://host:port URL without a query (name the backend for a grpc:// one)"
                     .into(),
             )),
             _ => Ok(()),
@@ -1650,7 +1651,7 @@ mod tests {
             ),
             (
                 "vllm=http://h:1,loads=grpc://h:2",
-                r#"invalid workers[0].load_url = "grpc://h:2": must be an http://host:port URL without a query, or none"#,
+                r#"invalid workers[0].load_url = "grpc://h:2": must be an http:// or https://host:port URL without a query, or none"#,
             ),
         ];
         for (flag, message) in against_registry {

@@ -475,7 +475,7 @@ async fn forward(app: &Arc<App>, request: &Arc<ClientRequest>) -> Answer {
         if !worker.pool.is_usable() {
             // Config validation rejects such URLs; a worker added some other
             // way is skipped rather than trusted.
-            tracing::warn!(worker = %worker.url, "worker URL is not http://host:port; skipping it");
+            tracing::warn!(worker = %worker.url, "worker URL is not http(s)://host:port; skipping it");
             tried.push(worker.id);
             continue;
         }

@@ -251,7 +251,8 @@ async fn non_streaming_requests_survive_a_hung_engine_and_match_its_own_answer()
     let router = router_over(
         &engines,
         "[server]\nfirst_byte_timeout_ms = 1000\nmax_retries = 1\n\
-         [outlier_detection]\nconsecutive_failures = 100\n",
+         [outlier_detection]\nconsecutive_failures = 100\n\
+         [migration]\nnon_streaming_as_stream = true\n",
     )
     .await;
     engines.set_fault(0, FaultMode::HangGeneration);
@@ -479,5 +480,56 @@ async fn five_hundred_streams_survive_an_engine_killed_mid_run() {
     assert!(
         metric_sum(&router, "router_migrations_total").await >= 1.0,
         "the killed engine's streams moved"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_answer_cut_mid_way_is_continued_and_assembled() {
+    let engines = fleet(2, 50.0).await;
+    let router = router_over(&engines, "[migration]\nnon_streaming_as_stream = true\n").await;
+    engines.set_fault(0, FaultMode::CloseMidStream);
+    let good = engines.engines()[1].http_url();
+    for index in 0..4 {
+        let body = json!({
+            "model": "sim-model", "max_tokens": 16,
+            "messages": [{"role": "user", "content": format!("cut whole answer {index}")}],
+        });
+        let answer: Value = router
+            .client
+            .post(format!("{}/v1/chat/completions", router.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let reference: Value = router
+            .client
+            .post(format!("{good}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            answer["choices"][0]["message"]["content"],
+            reference["choices"][0]["message"]["content"],
+            "request {index}: {answer}"
+        );
+        assert_eq!(
+            answer["usage"]["completion_tokens"],
+            reference["usage"]["completion_tokens"]
+        );
+    }
+    assert!(
+        metric(
+            &router,
+            "router_migrations_total{reason=\"cut\",outcome=\"resumed\"}"
+        )
+        .await
+            >= 1.0
     );
 }

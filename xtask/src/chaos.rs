@@ -288,6 +288,11 @@ base_ejection_ms = {BASE_EJECTION_MS}
 max_ejected_percent = {MAX_EJECTED_PERCENT}
 probe_timeout_ms = {PROBE_TIMEOUT_MS}
 silent_stream_ms = {SILENT_STREAM_MS}
+
+[migration]
+# Non-streaming requests go upstream as streams: retried when no first
+# event comes, continued when they break.
+non_streaming_as_stream = true
 "
     );
     write(&path, &text)?;
@@ -394,6 +399,65 @@ struct FleetResult {
     /// forward `x-request-id`, or the log is wrong).
     succeeded_not_admitted: usize,
     load_wall_s: f64,
+    /// The router's migration metrics after the load.
+    migrations: Migrations,
+}
+
+/// `router_migrations_total` by its labels, and the resume-time histogram.
+#[derive(Debug, Default)]
+struct Migrations {
+    /// `(reason, outcome, count)`.
+    counts: Vec<(String, String, f64)>,
+    /// `(upper bound in seconds, cumulative count)`.
+    resume_buckets: Vec<(f64, f64)>,
+    resume_sum_s: f64,
+    resume_count: f64,
+}
+
+impl Migrations {
+    /// Reads them from the router's Prometheus text.
+    fn parse(text: &str) -> Migrations {
+        let mut migrations = Migrations::default();
+        let label = |labels: &str, name: &str| {
+            labels
+                .split(',')
+                .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
+                .map(|value| value.trim_end_matches('"').to_owned())
+                .unwrap_or_default()
+        };
+        for line in text.lines() {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            if let Some(labels) = series.strip_prefix("router_migrations_total{") {
+                let labels = labels.trim_end_matches('}');
+                migrations
+                    .counts
+                    .push((label(labels, "reason"), label(labels, "outcome"), value));
+            } else if let Some(labels) = series.strip_prefix("router_migration_resume_seconds_bucket{") {
+                let bound = label(labels.trim_end_matches('}'), "le");
+                let bound = if bound == "+Inf" { f64::INFINITY } else { bound.parse().unwrap_or(f64::NAN) };
+                migrations.resume_buckets.push((bound, value));
+            } else if series == "router_migration_resume_seconds_sum" {
+                migrations.resume_sum_s = value;
+            } else if series == "router_migration_resume_seconds_count" {
+                migrations.resume_count = value;
+            }
+        }
+        migrations
+    }
+
+    /// The smallest bucket bound holding `quantile` of the resumes.
+    fn quantile_bound_s(&self, quantile: f64) -> f64 {
+        let wanted = quantile * self.resume_count;
+        self.resume_buckets
+            .iter()
+            .find(|(_, count)| *count >= wanted)
+            .map_or(f64::NAN, |(bound, _)| *bound)
+    }
 }
 
 #[derive(Debug)]
@@ -474,6 +538,16 @@ async fn run_fleet(
         .map(|(id, on)| (id.clone(), on.clone()))
         .collect();
     duplicate_ids.sort();
+    let metrics = client
+        .get(format!("{}/metrics", router.url))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .map_err(|error| format!("GET /metrics: {error}"))?
+        .text()
+        .await
+        .map_err(|error| format!("GET /metrics: {error}"))?;
+    let migrations = Migrations::parse(&metrics);
     let succeeded_not_admitted = records
         .iter()
         .filter(|record| record.outcome == Outcome::Ok && !admitted_on.contains_key(&record.id))
@@ -485,6 +559,7 @@ async fn run_fleet(
         duplicate_ids,
         succeeded_not_admitted,
         load_wall_s,
+        migrations,
     })
 }
 
@@ -1204,6 +1279,31 @@ impl Report {
                 }
             }
         }
+        let migrations = &self.b.migrations;
+        line(String::new());
+        line(
+            "Migrations in fleet B (`router_migrations_total`; resume = from a break to the \
+             continuing worker's first event, `router_migration_resume_seconds`):"
+                .into(),
+        );
+        line(String::new());
+        line("| reason | outcome | count |".into());
+        line("|---|---|---:|".into());
+        for (reason, outcome, count) in &migrations.counts {
+            line(format!("| {reason} | {outcome} | {count} |"));
+        }
+        if migrations.resume_count > 0.0 {
+            line(String::new());
+            line(format!(
+                "Resume time over {} resumes: mean {:.0} ms; p50 ≤ {} ms, p90 ≤ {} ms, p99 ≤ {} ms \
+                 (histogram bucket bounds).",
+                migrations.resume_count,
+                1000.0 * migrations.resume_sum_s / migrations.resume_count,
+                1000.0 * migrations.quantile_bound_s(0.5),
+                1000.0 * migrations.quantile_bound_s(0.9),
+                1000.0 * migrations.quantile_bound_s(0.99),
+            ));
+        }
         out
     }
 
@@ -1379,10 +1479,35 @@ mod tests {
             duplicate_ids: Vec::new(),
             succeeded_not_admitted: 0,
             load_wall_s: 0.0,
+            migrations: Migrations::default(),
         };
         assert_eq!(fleet.all_faulty_out_s(), Some(2.5));
         fleet.engines.push(engine(Some("slow-first-byte"), None));
         assert_eq!(fleet.all_faulty_out_s(), None);
+    }
+
+    #[test]
+    fn migration_metrics_are_read_from_the_routers_text() {
+        let text = "# HELP router_migrations Broken answers\n\
+            router_migrations_total{reason=\"cut\",outcome=\"resumed\"} 3\n\
+            router_migrations_total{reason=\"stalled\",outcome=\"failed\"} 1\n\
+            router_migration_resume_seconds_sum 0.3\n\
+            router_migration_resume_seconds_count 4\n\
+            router_migration_resume_seconds_bucket{le=\"0.05\"} 1\n\
+            router_migration_resume_seconds_bucket{le=\"0.1\"} 3\n\
+            router_migration_resume_seconds_bucket{le=\"+Inf\"} 4\n";
+        let migrations = Migrations::parse(text);
+        assert_eq!(
+            migrations.counts,
+            vec![
+                ("cut".to_owned(), "resumed".to_owned(), 3.0),
+                ("stalled".to_owned(), "failed".to_owned(), 1.0)
+            ]
+        );
+        assert_eq!(migrations.resume_count, 4.0);
+        assert_eq!(migrations.quantile_bound_s(0.5), 0.1);
+        assert_eq!(migrations.quantile_bound_s(0.25), 0.05);
+        assert!(migrations.quantile_bound_s(0.99).is_infinite());
     }
 
     #[test]
