@@ -437,9 +437,15 @@ impl Migrations {
                 migrations
                     .counts
                     .push((label(labels, "reason"), label(labels, "outcome"), value));
-            } else if let Some(labels) = series.strip_prefix("router_migration_resume_seconds_bucket{") {
+            } else if let Some(labels) =
+                series.strip_prefix("router_migration_resume_seconds_bucket{")
+            {
                 let bound = label(labels.trim_end_matches('}'), "le");
-                let bound = if bound == "+Inf" { f64::INFINITY } else { bound.parse().unwrap_or(f64::NAN) };
+                let bound = if bound == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    bound.parse().unwrap_or(f64::NAN)
+                };
                 migrations.resume_buckets.push((bound, value));
             } else if series == "router_migration_resume_seconds_sum" {
                 migrations.resume_sum_s = value;
