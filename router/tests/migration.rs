@@ -47,6 +47,15 @@ async fn router_over(fleet: &SimFleet, extra: &str) -> TestRouter {
     router
 }
 
+/// `router_migrations_total` for one reason and outcome.
+async fn migrations(router: &TestRouter, reason: &str, outcome: &str) -> f64 {
+    metric(
+        router,
+        &format!("router_migrations_total{{reason=\"{reason}\",outcome=\"{outcome}\"}}"),
+    )
+    .await
+}
+
 /// What a client read of a stream: the events' JSON, and whether it ended
 /// with `[DONE]`.
 struct Read {
@@ -169,11 +178,7 @@ async fn a_stream_cut_mid_way_reads_as_the_unbroken_answer() {
         let read = stream(&router.client, &url, &body).await;
         assert_unbroken(&read, &reference, &format!("request {index}"));
     }
-    let resumed = metric(
-        &router,
-        "router_migrations_total{reason=\"cut\",outcome=\"resumed\"}",
-    )
-    .await;
+    let resumed = migrations(&router, "cut", "resumed").await;
     assert!(resumed >= 1.0, "some requests met the cutting engine");
 }
 
@@ -190,14 +195,7 @@ async fn a_stalled_stream_continues_on_another_engine() {
         let read = stream(&router.client, &url, &body).await;
         assert_unbroken(&read, &reference, &format!("request {index}"));
     }
-    assert!(
-        metric(
-            &router,
-            "router_migrations_total{reason=\"stalled\",outcome=\"resumed\"}"
-        )
-        .await
-            >= 1.0
-    );
+    assert!(migrations(&router, "stalled", "resumed").await >= 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -341,14 +339,7 @@ async fn a_request_that_cannot_be_continued_faithfully_ends_as_before() {
     )
     .await;
     assert_eq!(read.errors().len(), 1);
-    assert!(
-        metric(
-            &router,
-            "router_migrations_total{reason=\"cut\",outcome=\"refused\"}"
-        )
-        .await
-            >= 1.0
-    );
+    assert!(migrations(&router, "cut", "refused").await >= 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -421,14 +412,7 @@ async fn a_drain_past_its_grace_moves_the_stream_to_another_engine() {
     )
     .await;
     assert_unbroken(&read, &reference, "the drained stream");
-    assert_eq!(
-        metric(
-            &router,
-            "router_migrations_total{reason=\"drained\",outcome=\"resumed\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_eq!(migrations(&router, "drained", "resumed").await, 1.0);
     let bad = router
         .client
         .delete(format!("{}/admin/workers/{first_id}?grace=5", router.base))
@@ -524,12 +508,5 @@ async fn a_non_streaming_answer_cut_mid_way_is_continued_and_assembled() {
             reference["usage"]["completion_tokens"]
         );
     }
-    assert!(
-        metric(
-            &router,
-            "router_migrations_total{reason=\"cut\",outcome=\"resumed\"}"
-        )
-        .await
-            >= 1.0
-    );
+    assert!(migrations(&router, "cut", "resumed").await >= 1.0);
 }
