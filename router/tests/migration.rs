@@ -298,18 +298,21 @@ async fn non_streaming_requests_survive_a_hung_engine_and_match_its_own_answer()
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn when_every_engine_breaks_the_stream_ends_with_an_error_event() {
+/// Streams `body` through a router (with `extra` config) over two engines
+/// that both cut every stream after its first event.
+async fn over_two_cutting_engines(extra: &str, body: &Value) -> (SimFleet, TestRouter, Read) {
     let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, "").await;
+    let router = router_over(&engines, extra).await;
     engines.set_fault(0, FaultMode::CloseMidStream);
     engines.set_fault(1, FaultMode::CloseMidStream);
-    let read = stream(
-        &router.client,
-        &format!("{}/v1/chat/completions", router.base),
-        &chat_body(7, 24),
-    )
-    .await;
+    let url = format!("{}/v1/chat/completions", router.base);
+    let read = stream(&router.client, &url, body).await;
+    (engines, router, read)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_engine_breaks_the_stream_ends_with_an_error_event() {
+    let (_engines, _router, read) = over_two_cutting_engines("", &chat_body(7, 24)).await;
     assert!(!read.done);
     let errors = read.errors();
     assert_eq!(errors.len(), 1, "{:?}", read.events);
@@ -326,34 +329,17 @@ async fn when_every_engine_breaks_the_stream_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_cannot_be_continued_faithfully_ends_as_before() {
-    let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, "").await;
-    engines.set_fault(0, FaultMode::CloseMidStream);
-    engines.set_fault(1, FaultMode::CloseMidStream);
     let mut body = chat_body(8, 24);
     body["logprobs"] = json!(true);
-    let read = stream(
-        &router.client,
-        &format!("{}/v1/chat/completions", router.base),
-        &body,
-    )
-    .await;
+    let (_engines, router, read) = over_two_cutting_engines("", &body).await;
     assert_eq!(read.errors().len(), 1);
     assert!(migrations(&router, "cut", "refused").await >= 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_migration_off_a_cut_stream_ends_with_an_error_event() {
-    let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, "[migration]\nmax_migrations = 0\n").await;
-    engines.set_fault(0, FaultMode::CloseMidStream);
-    engines.set_fault(1, FaultMode::CloseMidStream);
-    let read = stream(
-        &router.client,
-        &format!("{}/v1/chat/completions", router.base),
-        &chat_body(9, 24),
-    )
-    .await;
+    let (_engines, router, read) =
+        over_two_cutting_engines("[migration]\nmax_migrations = 0\n", &chat_body(9, 24)).await;
     assert_eq!(read.errors().len(), 1);
     assert!(!read.done);
     assert_eq!(metric_sum(&router, "router_migrations_total").await, 0.0);
