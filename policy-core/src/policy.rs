@@ -135,6 +135,13 @@ pub trait Policy: Send + Sync {
         None
     }
 
+    /// Whether [`Dispatch::score`] is the chosen worker's predicted wait for
+    /// the request's first token, in seconds. The router then hedges a
+    /// stream only once it is overdue by a multiple of that prediction.
+    fn score_is_wait_secs(&self) -> bool {
+        false
+    }
+
     /// Scores a hypothetical request without changing any state.
     fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable;
 

@@ -1993,6 +1993,10 @@ impl Policy for LeastLoad {
         })
     }
 
+    fn score_is_wait_secs(&self) -> bool {
+        true
+    }
+
     fn explain(&self, candidates: &[WorkerId], request: &RequestInfo, now: Instant) -> ScoreTable {
         let mut table = ScoreTable::new(self.name(), describe_request(request), &COLUMNS);
         let now_nanos = self.timeline.nanos(now);

@@ -189,6 +189,11 @@ impl Gate {
         })
     }
 
+    /// Whether any request waits in the room (one atomic load).
+    pub(crate) fn is_waiting(&self) -> bool {
+        self.waiting.load(Ordering::Relaxed) > 0
+    }
+
     pub(crate) fn tenant_header(&self) -> Arc<HeaderName> {
         self.tenant_header.load_full()
     }

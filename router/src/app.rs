@@ -47,6 +47,8 @@ pub struct App {
     pub(crate) listener_tls: Option<ListenerTls>,
     /// How `https://` workers are trusted (`[worker_tls]`).
     pub(crate) worker_trust: WorkerTrust,
+    /// Hedges left to spend (`[hedging] max_percent`).
+    pub(crate) hedge_budget: crate::proxy::HedgeBudget,
 }
 
 impl std::fmt::Debug for App {
@@ -78,6 +80,7 @@ impl App {
         let upstream = upstream_client(config.server.connect_timeout(), worker_trust.clone());
         let telemetry = crate::telemetry::Telemetry::new(&config.tracing)?;
         Ok(Arc::new(App {
+            hedge_budget: crate::proxy::HedgeBudget::new(config.hedging.max_percent),
             topology: Topology::new(policy, config.policy.clone()),
             sync_signal: crate::replica_sync::DispatchSignal::new(&config.sync),
             config,

@@ -32,6 +32,7 @@ pub struct RouterConfig {
     pub worker_tls: WorkerTlsConfig,
     pub tracing: TracingConfig,
     pub migration: MigrationConfig,
+    pub hedging: HedgingConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -474,6 +475,46 @@ const MAX_MIGRATIONS: u32 = 16;
 impl MigrationConfig {
     pub(crate) fn enabled(&self) -> bool {
         self.max_migrations > 0
+    }
+}
+
+/// A second attempt for a stream whose response head or first event is
+/// overdue (`docs/reliability.md`, "Hedging"): the request also goes to
+/// another worker, the first of the two to send an event answers, and the
+/// other is closed. It bounds what an engine that accepts work and never starts it
+/// costs a request, before outlier detection has seen enough failures to
+/// eject it. Only streams upstream are hedged: a non-streaming answer gives
+/// no sign that generation started.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HedgingConfig {
+    /// An attempt with no response head after this long is hedged (a
+    /// streaming engine sends its head when it admits the request); 0
+    /// turns hedging off.
+    pub after_ms: u64,
+    /// An attempt with a head but no first event is hedged after
+    /// `after_ms` or this many times the policy's predicted wait for the
+    /// chosen worker (policies that predict one: `least_load`,
+    /// `power_of_two`), whichever is longer: a long prefill or a busy
+    /// worker is not hedged.
+    pub predicted_wait_multiple: f64,
+    /// Hedges are at most this percentage of requests, with a burst of 10.
+    pub max_percent: f64,
+}
+
+impl Default for HedgingConfig {
+    fn default() -> HedgingConfig {
+        HedgingConfig {
+            after_ms: 1_000,
+            predicted_wait_multiple: 4.0,
+            max_percent: 10.0,
+        }
+    }
+}
+
+impl HedgingConfig {
+    pub(crate) fn after(&self) -> Option<Duration> {
+        (self.after_ms > 0).then(|| Duration::from_millis(self.after_ms))
     }
 }
 
@@ -1082,6 +1123,22 @@ impl RouterConfig {
                 "migration.max_migrations",
                 self.migration.max_migrations.to_string(),
                 &format!("0 (off) to {MAX_MIGRATIONS}"),
+            );
+        }
+        let hedging = &self.hedging;
+        if !(hedging.predicted_wait_multiple.is_finite() && hedging.predicted_wait_multiple >= 0.0)
+        {
+            return invalid(
+                "hedging.predicted_wait_multiple",
+                hedging.predicted_wait_multiple.to_string(),
+                "a finite number ≥ 0",
+            );
+        }
+        if !(hedging.max_percent.is_finite() && (0.0..=100.0).contains(&hedging.max_percent)) {
+            return invalid(
+                "hedging.max_percent",
+                hedging.max_percent.to_string(),
+                "0 to 100",
             );
         }
         self.validate_tracing()?;
@@ -1725,6 +1782,18 @@ mod tests {
             (
                 "[server]\nmax_connections = 0",
                 "invalid server.max_connections = 0: must be at least 1",
+            ),
+            (
+                "[hedging]\npredicted_wait_multiple = -1.0",
+                "invalid hedging.predicted_wait_multiple = -1: must be a finite number ≥ 0",
+            ),
+            (
+                "[hedging]\npredicted_wait_multiple = nan",
+                "invalid hedging.predicted_wait_multiple = NaN: must be a finite number ≥ 0",
+            ),
+            (
+                "[hedging]\nmax_percent = 101.0",
+                "invalid hedging.max_percent = 101: must be 0 to 100",
             ),
             (
                 "[server]\nport = 9000\nmetrics_port = 9000",

@@ -29,7 +29,7 @@ pub(crate) struct RequestLabels {
     pub(crate) status: String,
 }
 
-/// What became of a replica-sync message or entry.
+/// What became of a replica-sync message or entry, or of a hedge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct OutcomeLabel {
     pub(crate) outcome: String,
@@ -447,6 +447,7 @@ pub struct Metrics {
     pub(crate) admission_rejections: Family<ClassReasonLabels, Counter>,
     pub(crate) migrations: Family<MigrationLabels, Counter>,
     pub(crate) migration_resume: Histogram,
+    pub(crate) hedges: Family<OutcomeLabel, Counter>,
     pub(crate) poll_duration: HistogramFamily,
     pub(crate) poll_failures: Family<WorkerLabel, Counter>,
     pub(crate) selected_score: ShardedHistogram,
@@ -584,6 +585,12 @@ impl Metrics {
             "migration_resume_seconds",
             "From an answer's break to the continuing worker's first event",
             migration_resume.clone(),
+        );
+        let hedges = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "hedges",
+            "Streams overdue for their first event, by outcome: won (the second worker answered), lost (the first did), failed (both failed before an event), skipped (no hedge budget, requests queued for admission, or no other worker)",
+            hedges.clone(),
         );
         let poll_duration =
             HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
@@ -824,6 +831,7 @@ impl Metrics {
             admission_rejections,
             migrations,
             migration_resume,
+            hedges,
             poll_duration,
             poll_failures,
             selected_score,

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -28,7 +29,10 @@ use http_body_util::BodyExt;
 use policy_core::{Dispatch, RequestInfo, TokenCount, WorkerId, error_chain, tokio_now};
 use request_features::{StreamUsage, Unhashed, read_request};
 
+mod hedge;
 mod resume;
+
+pub(crate) use hedge::HedgeBudget;
 
 use crate::admission::{Admission, Admitted, admit};
 use crate::app::{App, SilentStream};
@@ -38,7 +42,7 @@ use crate::migration::{Api, as_stream};
 use crate::outlier::Failure;
 use crate::sse::{self, FirstDataEvent};
 use crate::stream_usage::{UsageChunkFilter, with_usage_asked};
-use crate::telemetry::{DispatchTrace, RequestTrace, Selection};
+use crate::telemetry::{DispatchTrace, ReceiveEnd, RequestTrace, Selection};
 use crate::topology::Route;
 use crate::upstream::control_get;
 use crate::workers::Worker;
@@ -241,6 +245,8 @@ where
     }
     if let Some(trace) = &request.trace {
         trace.answered(answer.status());
+        let end = trace.end_with_answer();
+        answer = answer.map(|body| ProxyBody::Traced(Box::new((body, end))));
     }
     answer
 }
@@ -398,6 +404,7 @@ async fn forward(app: &Arc<App>, request: &Arc<ClientRequest>) -> Answer {
     let mut tried: Vec<WorkerId> = request.exclude.clone();
     let mut last_answer: Option<Answer> = None;
     let mut last_reason = String::new();
+    let mut hedged = false;
     for attempt in 0..=app.config.server.max_retries {
         // One clock read per attempt: the selection's time, the deadline
         // check and the attempt's first-byte deadline.
@@ -442,36 +449,14 @@ async fn forward(app: &Arc<App>, request: &Arc<ClientRequest>) -> Answer {
             }
             Chosen::NoCandidate => break,
         };
-        let worker = tracker.worker();
-        let dispatch = tracker.dispatch;
-        worker.metrics.selections.inc();
-        worker.metrics.dispatched_tokens.inc_by(dispatch.tokens);
-        if dispatch.cached_tokens > 0 {
-            worker
-                .metrics
-                .predicted_cached_tokens
-                .inc_by(dispatch.cached_tokens);
-        }
-        worker.metrics.selected_score.observe(dispatch.score);
         if attempt > 0 {
             app.metrics.retries.inc();
-        }
-        let mut dispatch_trace = None;
-        if let Some(trace) = &request.trace {
-            if attempt > 0 {
+            if let Some(trace) = &request.trace {
                 trace.retry(attempt, &last_reason);
             }
-            trace.selection(&Selection {
-                policy: tracker.route.policy.name(),
-                worker_url: &worker.url,
-                worker_id: worker.id,
-                score: dispatch.score,
-                cached_tokens: dispatch.cached_tokens,
-                tokens: Some(dispatch.tokens),
-                attempt,
-            });
-            dispatch_trace = Some(Box::new(trace.dispatch(&worker.url, attempt)));
         }
+        selected(request, &mut tracker, attempt);
+        let worker = tracker.worker();
         if !worker.pool.is_usable() {
             // Config validation rejects such URLs; a worker added some other
             // way is skipped rather than trusted.
@@ -480,8 +465,24 @@ async fn forward(app: &Arc<App>, request: &Arc<ClientRequest>) -> Answer {
             continue;
         }
         let worker_id = worker.id;
-        tracker.trace = dispatch_trace;
-        match attempt_on(app, tracker, request, now).await {
+        // One hedge per request: a retry after a hedge is not hedged.
+        let hedge_at = if hedged {
+            None
+        } else {
+            hedge::hedge_at(app, request, &tracker, now)
+        };
+        let outcome = match hedge_at {
+            Some(hedge_at) => {
+                let hedge = hedge::Hedge {
+                    at: hedge_at,
+                    attempt,
+                    sent: &mut hedged,
+                };
+                hedge::hedged_attempt(app, tracker, request, now, hedge, &mut tried).await
+            }
+            None => attempt_on(app, tracker, request, now, None).await,
+        };
+        match outcome {
             Attempt::Done(response) => return response,
             Attempt::Retry { answer, reason } => {
                 tracing::debug!(worker = %worker_id, %reason, "attempt failed before any generation; trying another worker");
@@ -506,6 +507,35 @@ async fn forward(app: &Arc<App>, request: &Arc<ClientRequest>) -> Answer {
     gateway_error(StatusCode::BAD_GATEWAY, "upstream_error", last_reason)
 }
 
+/// Counts the tracker's selection in its worker's metrics and, when the
+/// request is traced, records it and opens the attempt's `dispatch` span.
+fn selected(request: &ClientRequest, tracker: &mut RequestTracker, attempt: u32) {
+    let worker = tracker.worker();
+    let dispatch = tracker.dispatch;
+    worker.metrics.selections.inc();
+    worker.metrics.dispatched_tokens.inc_by(dispatch.tokens);
+    if dispatch.cached_tokens > 0 {
+        worker
+            .metrics
+            .predicted_cached_tokens
+            .inc_by(dispatch.cached_tokens);
+    }
+    worker.metrics.selected_score.observe(dispatch.score);
+    if let Some(trace) = &request.trace {
+        trace.selection(&Selection {
+            policy: tracker.route.policy.name(),
+            worker_url: &worker.url,
+            worker_id: worker.id,
+            score: dispatch.score,
+            cached_tokens: dispatch.cached_tokens,
+            tokens: Some(dispatch.tokens),
+            attempt,
+        });
+        let dispatch_trace = trace.dispatch(&worker.url, attempt);
+        tracker.trace = Some(Box::new(dispatch_trace));
+    }
+}
+
 /// The answer to a request whose deadline passed before any worker answered.
 pub(crate) fn deadline_passed(app: &App) -> Answer {
     gateway_error(
@@ -520,11 +550,13 @@ pub(crate) fn deadline_passed(app: &App) -> Answer {
 
 /// Sends the request to the tracker's worker and waits for its first byte:
 /// the response head, and for a stream its first `data:` event.
+/// `head_seen`, when given, is set as the response head arrives.
 async fn attempt_on(
     app: &Arc<App>,
     mut tracker: RequestTracker,
     request: &Arc<ClientRequest>,
     now: tokio::time::Instant,
+    head_seen: Option<Arc<AtomicBool>>,
 ) -> Attempt {
     let worker = tracker.worker();
     let server = &app.config.server;
@@ -600,6 +632,9 @@ async fn attempt_on(
             ));
         }
     };
+    if let Some(head_seen) = head_seen {
+        head_seen.store(true, Ordering::Relaxed);
+    }
     let h1::Response {
         status,
         headers,
@@ -1449,6 +1484,9 @@ pub(crate) enum ProxyBody {
     Stream(Box<TrackedBody>),
     /// Anything else (the router's own error answers).
     Boxed(Body),
+    /// A traced request's answer, which ends its `receive` span when
+    /// dropped.
+    Traced(Box<(ProxyBody, ReceiveEnd)>),
 }
 
 impl ProxyBody {
@@ -1474,6 +1512,7 @@ impl http_body::Body for ProxyBody {
                 .poll_frame(cx)
                 .map_err(axum::Error::new),
             ProxyBody::Boxed(body) => Pin::new(body).poll_frame(cx),
+            ProxyBody::Traced(traced) => Pin::new(&mut traced.0).poll_frame(cx),
         }
     }
 
@@ -1482,6 +1521,7 @@ impl http_body::Body for ProxyBody {
             ProxyBody::Whole(bytes) => bytes.is_none(),
             ProxyBody::Stream(stream) => stream.is_end_stream(),
             ProxyBody::Boxed(body) => body.is_end_stream(),
+            ProxyBody::Traced(traced) => traced.0.is_end_stream(),
         }
     }
 
@@ -1492,6 +1532,7 @@ impl http_body::Body for ProxyBody {
             }
             ProxyBody::Stream(stream) => stream.size_hint(),
             ProxyBody::Boxed(body) => body.size_hint(),
+            ProxyBody::Traced(traced) => traced.0.size_hint(),
         }
     }
 }

@@ -149,6 +149,18 @@ pub(crate) struct RequestTrace {
     forwarded: HeaderLines,
 }
 
+/// Ends a request's `receive` span when dropped. The client's answer body
+/// holds it, so the span ends with the answer's last byte (or the client
+/// leaving), even while a hedge's detached attempt still holds the request.
+#[derive(Debug)]
+pub(crate) struct ReceiveEnd(Context);
+
+impl Drop for ReceiveEnd {
+    fn drop(&mut self) {
+        self.0.span().end();
+    }
+}
+
 impl RequestTrace {
     /// Notes facts of the request read from its body.
     pub(crate) fn describe(&self, streaming: bool, prompt_tokens: Option<u64>) {
@@ -206,6 +218,26 @@ impl RequestTrace {
                 KeyValue::new("llm_router.reason", reason.to_owned()),
             ],
         );
+    }
+
+    /// Attempt `attempt` sent no event within `waited`, so the request also
+    /// went to another worker.
+    pub(crate) fn hedge(&self, attempt: u32, waited: Duration) {
+        self.receive.span().add_event(
+            "hedge",
+            vec![
+                KeyValue::new("llm_router.attempt", i64::from(attempt)),
+                KeyValue::new(
+                    "llm_router.waited_ms",
+                    i64::try_from(waited.as_millis()).unwrap_or(i64::MAX),
+                ),
+            ],
+        );
+    }
+
+    /// What ends the `receive` span when the client's answer is dropped.
+    pub(crate) fn end_with_answer(&self) -> ReceiveEnd {
+        ReceiveEnd(self.receive.clone())
     }
 
     /// The status the client got.

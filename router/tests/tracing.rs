@@ -325,6 +325,58 @@ async fn a_retry_is_a_second_dispatch_and_the_failure_that_ejects_is_marked() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedge_is_an_event_and_a_second_selection() {
+    let (collector, endpoint) = Collector::start().await;
+    let held = Upstream::start().await;
+    held.switches.hold.store(true, Ordering::SeqCst);
+    let healthy = Upstream::start().await;
+    let router = traced_router(
+        &[&held, &healthy],
+        &endpoint,
+        "[policy]\nkind = \"round_robin\"\n[hedging]\nafter_ms = 50\n",
+    )
+    .await;
+
+    // Round robin starts a request on the held worker, which sends no
+    // head: that one is hedged.
+    let traces = [
+        "44444444444444444444444444444444",
+        "55555555555555555555555555555555",
+    ];
+    for trace in traces {
+        chat(&router, &client_traceparent(trace, true), true).await;
+    }
+    wait_until("both requests' receive spans arrive", || async {
+        traces.iter().all(|trace| {
+            collector
+                .trace(trace)
+                .iter()
+                .any(|span| span.name == "receive")
+        })
+    })
+    .await;
+    let hedged: Vec<Vec<Received>> = traces
+        .iter()
+        .map(|trace| collector.trace(trace))
+        .filter(|spans| one(spans, "receive").events.contains(&"hedge".to_owned()))
+        .collect();
+    assert!(!hedged.is_empty(), "a request met the held worker");
+    for spans in &hedged {
+        assert_eq!(
+            spans.iter().filter(|span| span.name == "selection").count(),
+            2
+        );
+        let answered = spans
+            .iter()
+            .find(|span| span.name == "dispatch" && !span.error)
+            .expect("the hedge's dispatch span");
+        assert_eq!(answered.attributes["server.address"], healthy.url);
+    }
+    held.switches.hold.store(false, Ordering::SeqCst);
+    held.switches.release.notify_waiters();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsampled_parent_is_not_traced_and_its_traceparent_goes_on() {
     let (collector, endpoint) = Collector::start().await;
     let upstream = Upstream::start().await;

@@ -10,8 +10,8 @@
 //! arrivals of mostly streaming, size-skewed chat requests, each with a
 //! unique `x-request-id`; the engines' `/control/admitted` logs then show
 //! which requests were generated on more than one engine (a faulty
-//! engine's, retried or continued elsewhere; or, never intended, two good
-//! ones). For fleet B, `/admin/workers` is polled every 100 ms to time each
+//! engine's, retried or continued elsewhere; or two good ones, when a
+//! hedge's loser had already started). For fleet B, `/admin/workers` is polled every 100 ms to time each
 //! bad engine's ejection.
 //!
 //! The task fails only when the harness does (a process dies, no ports, the
@@ -47,6 +47,9 @@ const BASE_EJECTION_MS: u64 = 5_000;
 const SILENT_STREAM_MS: u64 = 500;
 /// 6 bad engines of 9 are 67 %: all of them may be ejected at once.
 const MAX_EJECTED_PERCENT: u64 = 75;
+/// The production default (1 s against a 30 s first-byte deadline),
+/// scaled like `silent_stream_ms`.
+const HEDGE_AFTER_MS: u64 = 100;
 /// Past the first-byte deadline, so a probe of a slow engine fails too.
 const PROBE_TIMEOUT_MS: u64 = 2_000;
 const HEALTH_INTERVAL_MS: u64 = 500;
@@ -293,6 +296,9 @@ silent_stream_ms = {SILENT_STREAM_MS}
 # Non-streaming requests go upstream as streams: retried when no first
 # event comes, continued when they break.
 non_streaming_as_stream = true
+
+[hedging]
+after_ms = {HEDGE_AFTER_MS}
 "
     );
     write(&path, &text)?;
@@ -403,11 +409,14 @@ struct FleetResult {
     migrations: Migrations,
 }
 
-/// `router_migrations_total` by its labels, and the resume-time histogram.
+/// `router_migrations_total` by its labels, the resume-time histogram, and
+/// `router_hedges_total`.
 #[derive(Debug, Default)]
 struct Migrations {
     /// `(reason, outcome, count)`.
     counts: Vec<(String, String, f64)>,
+    /// `router_hedges_total`: `(outcome, count)`.
+    hedges: Vec<(String, f64)>,
     /// `(upper bound in seconds, cumulative count)`.
     resume_buckets: Vec<(f64, f64)>,
     resume_sum_s: f64,
@@ -437,6 +446,9 @@ impl Migrations {
                 migrations
                     .counts
                     .push((label(labels, "reason"), label(labels, "outcome"), value));
+            } else if let Some(labels) = series.strip_prefix("router_hedges_total{") {
+                let outcome = label(labels.trim_end_matches('}'), "outcome");
+                migrations.hedges.push((outcome, value));
             } else if let Some(labels) =
                 series.strip_prefix("router_migration_resume_seconds_bucket{")
             {
@@ -987,7 +999,8 @@ struct Summary {
     /// Requests a faulty engine broke that ran again on another (retried
     /// or continued: migration does this on purpose).
     rerun_after_fault: usize,
-    /// Requests generated on two good engines: never intended.
+    /// Requests generated on two good engines: a hedge whose loser had
+    /// started before it was closed.
     on_two_good_engines: usize,
 }
 
@@ -1160,7 +1173,7 @@ impl Report {
              {REQUEST_DEADLINE_MS}, max_retries default; outlier ejection after \
              {CONSECUTIVE_FAILURES} consecutive failures, base_ejection_ms {BASE_EJECTION_MS}, \
              max_ejected_percent {MAX_EJECTED_PERCENT}, silent_stream_ms {SILENT_STREAM_MS}, \
-             probe GET /health_generate \
+             hedging after_ms {HEDGE_AFTER_MS}, probe GET /health_generate \
              ({PROBE_TIMEOUT_MS} ms); health every {HEALTH_INTERVAL_MS} ms. Engines: engine-sim \
              SGLang, model mode, time scale {TIME_SCALE}, max-running {MAX_RUNNING}; \
              slow-first-byte waits {SLOW_FIRST_BYTE_MS} ms. Built from {}.",
@@ -1223,8 +1236,30 @@ impl Report {
             a.rerun_after_fault, b.rerun_after_fault
         ));
         line(format!(
-            "| requests generated on two good engines | {} | {} |",
+            "| requests generated on two good engines (a hedge's loser is closed at its first event) | {} | {} |",
             a.on_two_good_engines, b.on_two_good_engines
+        ));
+        let hedges = |result: &FleetResult| {
+            let count = |outcome: &str| {
+                result
+                    .migrations
+                    .hedges
+                    .iter()
+                    .filter(|(name, _)| name == outcome)
+                    .fold(0.0, |sum, (_, count)| sum + count)
+            };
+            format!(
+                "{} / {} / {} / {}",
+                count("won"),
+                count("lost"),
+                count("failed"),
+                count("skipped")
+            )
+        };
+        line(format!(
+            "| hedges: won / lost / failed / skipped | {} | {} |",
+            hedges(&self.a),
+            hedges(&self.b)
         ));
         line(format!(
             "| succeeded but admitted nowhere | {} | {} |",
@@ -1364,6 +1399,7 @@ impl Report {
             "rerun_after_fault": summary.rerun_after_fault,
             "on_two_good_engines": summary.on_two_good_engines,
             "duplicate_ids": result.duplicate_ids,
+            "hedges": result.migrations.hedges,
             "succeeded_not_admitted": result.succeeded_not_admitted,
             "load_wall_s": result.load_wall_s,
             "engines": engines,
