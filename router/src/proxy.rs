@@ -300,7 +300,7 @@ impl ClientRequest {
             deadline: self.deadline,
             head_timeout: app.config.server.first_byte_timeout(),
             admission: self.admission.clone(),
-            trace: None,
+            trace: self.trace.clone(),
             api: self.api,
             upstream_streaming: true,
             migrations_left: self.migrations_left.saturating_sub(1),

@@ -141,8 +141,10 @@ impl Telemetry {
 }
 
 /// One traced request: its `receive` span, and the client's headers less
-/// the trace context, to which each attempt adds its own.
-#[derive(Debug)]
+/// the trace context, to which each attempt adds its own. A continuation
+/// of its answer ([`crate::migration`]) carries a clone: its attempts are
+/// spans of the same request.
+#[derive(Debug, Clone)]
 pub(crate) struct RequestTrace {
     receive: Context,
     tracer: SdkTracer,
@@ -232,6 +234,15 @@ impl RequestTrace {
                     i64::try_from(waited.as_millis()).unwrap_or(i64::MAX),
                 ),
             ],
+        );
+    }
+
+    /// The answer broke (`reason`: `cut`, `stalled`, …) and is continued on
+    /// another worker.
+    pub(crate) fn migration(&self, reason: &'static str) {
+        self.receive.span().add_event(
+            "migration",
+            vec![KeyValue::new("llm_router.reason", reason)],
         );
     }
 

@@ -377,6 +377,92 @@ async fn a_hedge_is_an_event_and_a_second_selection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_answers_continuation_is_spans_of_the_same_request() {
+    let (collector, endpoint) = Collector::start().await;
+    let engines = mock_engines::start(
+        (0..2)
+            .map(|_| {
+                let mut config = mock_engines::SimEngineConfig::new(mock_engines::Flavour::Sglang);
+                config.time_scale = 50.0;
+                config
+            })
+            .collect(),
+    )
+    .await
+    .unwrap();
+    let router = start_router(fast_config(
+        engines
+            .engines()
+            .iter()
+            .map(|engine| worker("sglang", &engine.http_url()))
+            .collect(),
+        &format!(
+            "[tracing]\nenabled = true\notlp_endpoint = \"{endpoint}\"\nexport_interval_ms = 50\n\
+             [policy]\nkind = \"round_robin\"\n"
+        ),
+    ))
+    .await;
+    wait_until("the engines are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+    engines.set_fault(0, mock_engines::FaultMode::CloseMidStream);
+
+    // Round robin starts a request on the engine that cuts streams.
+    let traces = [
+        "66666666666666666666666666666666",
+        "77777777777777777777777777777777",
+    ];
+    for trace in traces {
+        let answer = chat(&router, &client_traceparent(trace, true), true).await;
+        assert!(answer.ends_with("data: [DONE]\n\n"), "{answer}");
+    }
+    wait_until("both requests' receive spans arrive", || async {
+        traces.iter().all(|trace| {
+            collector
+                .trace(trace)
+                .iter()
+                .any(|span| span.name == "receive")
+        })
+    })
+    .await;
+    let migrated: Vec<Vec<Received>> = traces
+        .iter()
+        .map(|trace| collector.trace(trace))
+        .filter(|spans| {
+            one(spans, "receive")
+                .events
+                .contains(&"migration".to_owned())
+        })
+        .collect();
+    assert!(!migrated.is_empty(), "a request met the cutting engine");
+    let cut = engines.engines()[0].http_url();
+    for spans in &migrated {
+        let receive = one(spans, "receive");
+        let dispatches: Vec<&Received> = spans
+            .iter()
+            .filter(|span| span.name == "dispatch")
+            .collect();
+        assert_eq!(dispatches.len(), 2, "{spans:?}");
+        assert!(
+            dispatches
+                .iter()
+                .all(|span| span.parent_span_id == receive.span_id)
+        );
+        let broken = dispatches
+            .iter()
+            .find(|span| span.attributes["server.address"] == cut)
+            .expect("the broken attempt");
+        assert!(broken.error);
+        let continued = dispatches
+            .iter()
+            .find(|span| span.attributes["server.address"] != cut)
+            .expect("the continuation");
+        assert!(!continued.error);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsampled_parent_is_not_traced_and_its_traceparent_goes_on() {
     let (collector, endpoint) = Collector::start().await;
     let upstream = Upstream::start().await;

@@ -235,6 +235,9 @@ impl TrackedBody {
         }
         drop(tracker);
         tracing::debug!(worker = %worker.url, reason = why.label(), sent_tokens = sent.tokens_sent, "stream broke; continuing it on another worker");
+        if let Some(trace) = &request.trace {
+            trace.migration(why.label());
+        }
         self.silent = None;
         let continued = Arc::new(request.continuation(&self.app, body, worker.id));
         let app = self.app.clone();
