@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestRouter, fast_config, metric, metric_sum, start_router, wait_until, worker};
+use common::{
+    TestRouter, fast_config, metric, metric_sum, round_robin_over, start_router, wait_until, worker,
+};
 use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use serde_json::{Value, json};
 
@@ -21,24 +23,15 @@ fn engine(slow_first_byte: Duration) -> SimEngineConfig {
     config
 }
 
-/// A round-robin router over `engines`, with `extra` config.
-async fn router_over(engines: &SimFleet, extra: &str) -> TestRouter {
-    let workers = engines
-        .engines()
-        .iter()
-        .map(|engine| worker("sglang", &engine.http_url()))
-        .collect();
-    let router = start_router(fast_config(
-        workers,
-        &format!("[policy]\nkind = \"round_robin\"\n{extra}"),
-    ))
-    .await;
-    let expected = engines.engines().len();
-    wait_until("every engine is healthy", || async {
-        router.healthy_count().await == expected
-    })
-    .await;
-    router
+/// Two engines, the first hung (it takes requests and never answers), and
+/// a round-robin router over them with `extra` config.
+async fn hung_and_good(extra: &str) -> (SimFleet, TestRouter) {
+    let engines = mock_engines::start(vec![engine(Duration::ZERO), engine(Duration::ZERO)])
+        .await
+        .unwrap();
+    let router = round_robin_over(&engines, extra).await;
+    engines.set_fault(0, FaultMode::HangGeneration);
+    (engines, router)
 }
 
 fn chat_body(index: usize) -> Value {
@@ -112,18 +105,13 @@ fn impatient_client() -> reqwest::Client {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_a_hung_engine_are_answered_by_the_hedge() {
-    let engines = mock_engines::start(vec![engine(Duration::ZERO), engine(Duration::ZERO)])
-        .await
-        .unwrap();
     // Without a hedge, a request on the hung engine would wait a minute
     // for its first byte, and then fail: no retries.
-    let router = router_over(
-        &engines,
+    let (engines, router) = hung_and_good(
         "[server]\nfirst_byte_timeout_ms = 60000\nrequest_deadline_ms = 120000\nmax_retries = 0\n\
          [hedging]\nafter_ms = 100\n",
     )
     .await;
-    engines.set_fault(0, FaultMode::HangGeneration);
     let good = engines.engines()[1].http_url();
     let client = impatient_client();
     let requests = (0..8).map(|index| {
@@ -155,17 +143,12 @@ async fn streams_on_a_hung_engine_are_answered_by_the_hedge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_that_lost_the_race_is_charged_and_ejected() {
-    let engines = mock_engines::start(vec![engine(Duration::ZERO), engine(Duration::ZERO)])
-        .await
-        .unwrap();
-    let router = router_over(
-        &engines,
+    let (engines, router) = hung_and_good(
         "[server]\nfirst_byte_timeout_ms = 800\nmax_retries = 0\n\
          [outlier_detection]\nconsecutive_failures = 2\nbase_ejection_ms = 60000\n\
          [hedging]\nafter_ms = 100\n",
     )
     .await;
-    engines.set_fault(0, FaultMode::HangGeneration);
     let url = format!("{}/v1/chat/completions", router.base);
     let client = impatient_client();
     let mut index = 0;
@@ -209,7 +192,7 @@ async fn the_first_worker_to_send_an_event_answers_either_way() {
     ])
     .await
     .unwrap();
-    let router = router_over(
+    let router = round_robin_over(
         &engines,
         "[server]\nfirst_byte_timeout_ms = 20000\nmax_retries = 0\n[hedging]\nafter_ms = 100\n",
     )
@@ -238,17 +221,12 @@ async fn the_first_worker_to_send_an_event_answers_either_way() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_budget_a_hung_engine_costs_its_first_byte_deadline() {
-    let engines = mock_engines::start(vec![engine(Duration::ZERO), engine(Duration::ZERO)])
-        .await
-        .unwrap();
-    let router = router_over(
-        &engines,
+    let (_engines, router) = hung_and_good(
         "[server]\nfirst_byte_timeout_ms = 400\nmax_retries = 1\n\
          [outlier_detection]\nconsecutive_failures = 100\n\
          [hedging]\nafter_ms = 50\nmax_percent = 0.0\n",
     )
     .await;
-    engines.set_fault(0, FaultMode::HangGeneration);
     let url = format!("{}/v1/chat/completions", router.base);
     let client = impatient_client();
     for index in 0..4 {

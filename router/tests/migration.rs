@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::{TestRouter, fast_config, metric, metric_sum, start_router, wait_until, worker};
+use common::{
+    TestRouter, fast_config, metric, metric_sum, round_robin_over, start_router, wait_until, worker,
+};
 use futures::StreamExt;
 use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use serde_json::{Value, json};
@@ -24,27 +26,6 @@ async fn fleet(count: usize, time_scale: f64) -> SimFleet {
     mock_engines::start((0..count).map(|_| engine(time_scale)).collect())
         .await
         .unwrap()
-}
-
-/// A router over every engine of `fleet`, round robin (so the broken
-/// engine gets its share), with `extra` config.
-async fn router_over(fleet: &SimFleet, extra: &str) -> TestRouter {
-    let workers = fleet
-        .engines()
-        .iter()
-        .map(|engine| worker("sglang", &engine.http_url()))
-        .collect();
-    let router = start_router(fast_config(
-        workers,
-        &format!("[policy]\nkind = \"round_robin\"\n{extra}"),
-    ))
-    .await;
-    let expected = fleet.engines().len();
-    wait_until("every engine is healthy", || async {
-        router.healthy_count().await == expected
-    })
-    .await;
-    router
 }
 
 /// `router_migrations_total` for one reason and outcome.
@@ -167,7 +148,7 @@ fn assert_unbroken(read: &Read, reference: &Read, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_cut_mid_way_reads_as_the_unbroken_answer() {
     let engines = fleet(3, 50.0).await;
-    let router = router_over(&engines, "").await;
+    let router = round_robin_over(&engines, "").await;
     engines.set_fault(0, FaultMode::CloseMidStream);
     let reference_url = format!("{}/v1/chat/completions", engines.engines()[1].http_url());
     let url = format!("{}/v1/chat/completions", router.base);
@@ -185,7 +166,7 @@ async fn a_stream_cut_mid_way_reads_as_the_unbroken_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stream_continues_on_another_engine() {
     let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, "[server]\nstream_idle_timeout_ms = 400\n").await;
+    let router = round_robin_over(&engines, "[server]\nstream_idle_timeout_ms = 400\n").await;
     engines.set_fault(0, FaultMode::HangMidStream);
     let reference_url = format!("{}/v1/chat/completions", engines.engines()[1].http_url());
     let url = format!("{}/v1/chat/completions", router.base);
@@ -201,7 +182,7 @@ async fn a_stalled_stream_continues_on_another_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_and_generate_ids_continue_exactly() {
     let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, "").await;
+    let router = round_robin_over(&engines, "").await;
     engines.set_fault(0, FaultMode::CloseMidStream);
     let good = engines.engines()[1].http_url();
     for index in 0..4 {
@@ -246,7 +227,7 @@ async fn completions_and_generate_ids_continue_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_streaming_requests_survive_a_hung_engine_and_match_its_own_answer() {
     let engines = fleet(2, 50.0).await;
-    let router = router_over(
+    let router = round_robin_over(
         &engines,
         "[server]\nfirst_byte_timeout_ms = 1000\nmax_retries = 1\n\
          [outlier_detection]\nconsecutive_failures = 100\n\
@@ -302,7 +283,7 @@ async fn non_streaming_requests_survive_a_hung_engine_and_match_its_own_answer()
 /// that both cut every stream after its first event.
 async fn over_two_cutting_engines(extra: &str, body: &Value) -> (SimFleet, TestRouter, Read) {
     let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, extra).await;
+    let router = round_robin_over(&engines, extra).await;
     engines.set_fault(0, FaultMode::CloseMidStream);
     engines.set_fault(1, FaultMode::CloseMidStream);
     let url = format!("{}/v1/chat/completions", router.base);
@@ -411,7 +392,7 @@ async fn a_drain_past_its_grace_moves_the_stream_to_another_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_streams_survive_an_engine_killed_mid_run() {
     let engines = fleet(4, 20.0).await;
-    let router = router_over(&engines, "[server]\nmax_retries = 3\n").await;
+    let router = round_robin_over(&engines, "[server]\nmax_retries = 3\n").await;
     let url = format!("{}/v1/chat/completions", router.base);
     let streams: Vec<_> = (0..500)
         .map(|index| {
@@ -456,7 +437,7 @@ async fn five_hundred_streams_survive_an_engine_killed_mid_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_cut_mid_way_is_continued_and_assembled() {
     let engines = fleet(2, 50.0).await;
-    let router = router_over(&engines, "[migration]\nnon_streaming_as_stream = true\n").await;
+    let router = round_robin_over(&engines, "[migration]\nnon_streaming_as_stream = true\n").await;
     engines.set_fault(0, FaultMode::CloseMidStream);
     let good = engines.engines()[1].http_url();
     for index in 0..4 {

@@ -169,6 +169,20 @@ async fn chat(router: &TestRouter, traceparent: &str, stream: bool) -> String {
     response.text().await.unwrap()
 }
 
+/// Every trace of `traces` once each one's `receive` span has arrived.
+async fn receive_spans(collector: &Collector, traces: &[&str]) -> Vec<Vec<Received>> {
+    wait_until("every request's receive span arrives", || async {
+        traces.iter().all(|trace| {
+            collector
+                .trace(trace)
+                .iter()
+                .any(|span| span.name == "receive")
+        })
+    })
+    .await;
+    traces.iter().map(|trace| collector.trace(trace)).collect()
+}
+
 fn one<'a>(spans: &'a [Received], name: &str) -> &'a Received {
     let named: Vec<&Received> = spans.iter().filter(|span| span.name == name).collect();
     assert_eq!(named.len(), 1, "one {name} span in {spans:#?}");
@@ -281,18 +295,9 @@ async fn a_retry_is_a_second_dispatch_and_the_failure_that_ejects_is_marked() {
     for trace in traces {
         chat(&router, &client_traceparent(trace, true), false).await;
     }
-    wait_until("both requests' dispatch spans arrive", || async {
-        traces.iter().all(|trace| {
-            collector
-                .trace(trace)
-                .iter()
-                .any(|span| span.name == "receive")
-        })
-    })
-    .await;
-    let retried: Vec<Vec<Received>> = traces
-        .iter()
-        .map(|trace| collector.trace(trace))
+    let traced = receive_spans(&collector, &traces).await;
+    let retried: Vec<Vec<Received>> = traced
+        .into_iter()
         .filter(|spans| spans.iter().filter(|span| span.name == "dispatch").count() == 2)
         .collect();
     assert_eq!(
@@ -346,18 +351,9 @@ async fn a_hedge_is_an_event_and_a_second_selection() {
     for trace in traces {
         chat(&router, &client_traceparent(trace, true), true).await;
     }
-    wait_until("both requests' receive spans arrive", || async {
-        traces.iter().all(|trace| {
-            collector
-                .trace(trace)
-                .iter()
-                .any(|span| span.name == "receive")
-        })
-    })
-    .await;
-    let hedged: Vec<Vec<Received>> = traces
-        .iter()
-        .map(|trace| collector.trace(trace))
+    let traced = receive_spans(&collector, &traces).await;
+    let hedged: Vec<Vec<Received>> = traced
+        .into_iter()
         .filter(|spans| one(spans, "receive").events.contains(&"hedge".to_owned()))
         .collect();
     assert!(!hedged.is_empty(), "a request met the held worker");
@@ -417,18 +413,9 @@ async fn a_migrated_answers_continuation_is_spans_of_the_same_request() {
         let answer = chat(&router, &client_traceparent(trace, true), true).await;
         assert!(answer.ends_with("data: [DONE]\n\n"), "{answer}");
     }
-    wait_until("both requests' receive spans arrive", || async {
-        traces.iter().all(|trace| {
-            collector
-                .trace(trace)
-                .iter()
-                .any(|span| span.name == "receive")
-        })
-    })
-    .await;
-    let migrated: Vec<Vec<Received>> = traces
-        .iter()
-        .map(|trace| collector.trace(trace))
+    let traced = receive_spans(&collector, &traces).await;
+    let migrated: Vec<Vec<Received>> = traced
+        .into_iter()
         .filter(|spans| {
             one(spans, "receive")
                 .events

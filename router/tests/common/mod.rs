@@ -55,6 +55,27 @@ pub fn fast_config(workers: Vec<WorkerConfig>, policy_toml: &str) -> RouterConfi
     config
 }
 
+/// A round-robin router (so a broken engine gets its share) over every
+/// engine of `engines`, with `extra` config, once it sees them all healthy.
+pub async fn round_robin_over(engines: &mock_engines::SimFleet, extra: &str) -> TestRouter {
+    let workers = engines
+        .engines()
+        .iter()
+        .map(|engine| worker("sglang", &engine.http_url()))
+        .collect();
+    let router = start_router(fast_config(
+        workers,
+        &format!("[policy]\nkind = \"round_robin\"\n{extra}"),
+    ))
+    .await;
+    let expected = engines.engines().len();
+    wait_until("every engine is healthy", || async {
+        router.healthy_count().await == expected
+    })
+    .await;
+    router
+}
+
 static NEXT_FILE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 pub fn worker(backend: &str, url: &str) -> WorkerConfig {
