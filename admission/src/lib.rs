@@ -49,9 +49,9 @@ use policy_core::{AdmissionRegistry, PolicyError};
 pub use order::{FAIR_SHARE, FIFO, PRIORITY};
 pub use room::{
     AdmissionRoom, Arrival, ClassConfig, Classified, DEFAULT_MAX_QUEUE_REQUESTS,
-    DEFAULT_QUEUE_ABOVE_WAIT_MS, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Explanation,
-    REORDER_WINDOW, RejectReason, Rejection, Released, RoomConfig, RoomConfigError, RoomView, Shed,
-    default_class_weight,
+    DEFAULT_QUEUE_ABOVE_WAIT_MS, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected, Explanation,
+    RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason, Rejection, ReleaseTurn, Released, RoomConfig,
+    RoomConfigError, RoomView, Route, Shed, default_class_weight,
 };
 
 use order::{BuiltinOrder, Grouping};

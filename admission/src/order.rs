@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use policy_core::{Admission, FlowView, Waiting};
 
@@ -281,10 +282,130 @@ impl FlowOrder {
 
     pub(crate) fn pop(&mut self) -> Option<Waiting> {
         let class_key = self.next_class()?.0.clone();
-        let class = self.classes.get_mut(&class_key)?;
+        let class = self.classes.get(&class_key)?;
         let tenant_key = FlowOrder::next_tenant(class)?.0.clone();
-        let tenant = class.tenants.get_mut(&tenant_key)?;
-        let request = tenant.queue.pop_front()?;
+        self.take_at(&class_key, &tenant_key, 0)
+    }
+
+    /// The tickets of the first `limit` requests in the order `pop` would
+    /// take them: the same choice between flows, on copies of their counts.
+    pub(crate) fn in_order(&self, limit: usize) -> Vec<u64> {
+        struct Tenant<'a> {
+            served: f64,
+            weight: f64,
+            queue: &'a VecDeque<Waiting>,
+            next: usize,
+        }
+        impl Tenant<'_> {
+            fn head(&self) -> Option<&Waiting> {
+                self.queue.get(self.next)
+            }
+            fn finish(&self) -> Option<(f64, Instant)> {
+                let head = self.head()?;
+                Some((
+                    self.served + head.work_tokens as f64 / self.weight,
+                    head.arrived,
+                ))
+            }
+        }
+        struct Class<'a> {
+            served: f64,
+            weight: f64,
+            priority: i32,
+            tenants: Vec<Tenant<'a>>,
+        }
+        impl Class<'_> {
+            fn next_tenant(&self) -> Option<usize> {
+                self.tenants
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(index, tenant)| Some((index, tenant.finish()?)))
+                    .min_by(|(_, (a, a_head)), (_, (b, b_head))| {
+                        a.total_cmp(b).then(a_head.cmp(b_head))
+                    })
+                    .map(|(index, _)| index)
+            }
+        }
+        let mut classes: Vec<Class<'_>> = self
+            .classes
+            .values()
+            .filter(|class| class.queued > 0)
+            .map(|class| Class {
+                served: class.served,
+                weight: class.weight,
+                priority: class.priority,
+                tenants: class
+                    .tenants
+                    .values()
+                    .filter(|tenant| !tenant.queue.is_empty())
+                    .map(|tenant| Tenant {
+                        served: tenant.served,
+                        weight: tenant.weight,
+                        queue: &tenant.queue,
+                        next: 0,
+                    })
+                    .collect(),
+            })
+            .collect();
+        let mut tickets = Vec::with_capacity(limit.min(self.len));
+        while tickets.len() < limit {
+            let next = classes
+                .iter()
+                .enumerate()
+                .filter_map(|(index, class)| {
+                    let tenant = &class.tenants[class.next_tenant()?];
+                    let work = tenant.head()?.work_tokens;
+                    Some((index, class, class.served + work as f64 / class.weight))
+                })
+                .min_by(|(_, a, a_finish), (_, b, b_finish)| {
+                    a_finish
+                        .total_cmp(b_finish)
+                        .then(a.priority.cmp(&b.priority))
+                })
+                .map(|(index, _, _)| index);
+            let Some(class) = next.and_then(|index| classes.get_mut(index)) else {
+                break;
+            };
+            let Some(tenant) = class
+                .next_tenant()
+                .and_then(|index| class.tenants.get_mut(index))
+            else {
+                break;
+            };
+            let Some(head) = tenant.head() else {
+                break;
+            };
+            let work = head.work_tokens as f64;
+            tickets.push(head.ticket);
+            tenant.next += 1;
+            tenant.served += work / tenant.weight;
+            class.served += work / class.weight;
+        }
+        tickets
+    }
+
+    /// Removes the request `ticket` and counts its prompt as served, as
+    /// `pop` does for the head.
+    pub(crate) fn take(&mut self, ticket: u64) -> Option<Waiting> {
+        let (class_key, tenant_key, index) =
+            self.classes.iter().find_map(|(class_key, class)| {
+                class.tenants.iter().find_map(|(tenant_key, tenant)| {
+                    let index = tenant.queue.iter().position(|w| w.ticket == ticket)?;
+                    Some((class_key.clone(), tenant_key.clone(), index))
+                })
+            })?;
+        self.take_at(&class_key, &tenant_key, index)
+    }
+
+    fn take_at(
+        &mut self,
+        class_key: &Arc<str>,
+        tenant_key: &Arc<str>,
+        index: usize,
+    ) -> Option<Waiting> {
+        let class = self.classes.get_mut(class_key)?;
+        let tenant = class.tenants.get_mut(tenant_key)?;
+        let request = tenant.queue.remove(index)?;
         let work = request.work_tokens;
         self.class_floor = class.served;
         class.tenant_floor = tenant.served;
@@ -294,7 +415,7 @@ impl FlowOrder {
         class.queued -= 1;
         class.queued_work = class.queued_work.saturating_sub(work);
         self.len -= 1;
-        self.forget_idle(&class_key, &tenant_key);
+        self.forget_idle(class_key, tenant_key);
         self.pops_since_sweep += 1;
         if self.pops_since_sweep >= SWEEP_EVERY_POPS {
             self.sweep_idle();
@@ -563,6 +684,14 @@ impl Admission for BuiltinOrder {
 
     fn remove(&mut self, ticket: u64) -> Option<Waiting> {
         self.flows.remove(ticket)
+    }
+
+    fn in_order(&self, limit: usize) -> Vec<u64> {
+        self.flows.in_order(limit)
+    }
+
+    fn take(&mut self, ticket: u64) -> Option<Waiting> {
+        self.flows.take(ticket)
     }
 
     fn len(&self) -> usize {

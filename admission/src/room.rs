@@ -49,6 +49,9 @@ pub const REORDER_WINDOW: Duration = Duration::from_secs(10);
 /// later, after a wait, or served late.
 const ARRIVAL_DEADLINE_SHARE: f64 = 0.75;
 pub const DEFAULT_MAX_QUEUE_REQUESTS: usize = 1024;
+/// How far past a request waiting for its busy worker a release looks for
+/// requests whose workers have room.
+pub const RELEASE_LOOKAHEAD: usize = 32;
 
 /// A class of requests: those whose priority value is at most `priority`
 /// (and above the previous class's).
@@ -131,6 +134,36 @@ impl RoomConfig {
     }
 }
 
+/// What the policy expects for a request, from
+/// [`Policy::expected_wait`](policy_core::Policy::expected_wait) and
+/// [`Policy::preview`](policy_core::Policy::preview).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Expected {
+    /// At the least busy candidate: whether the fleet has room.
+    pub fleet: Option<ExpectedWait>,
+    /// At the worker the policy would choose: the request's own wait,
+    /// which its deadline is judged on. `None`: the policy cannot tell,
+    /// and `fleet` stands for it.
+    pub chosen: Option<ExpectedWait>,
+}
+
+impl Expected {
+    /// The wait the request itself is predicted.
+    fn own(&self) -> Option<ExpectedWait> {
+        self.chosen.or(self.fleet)
+    }
+}
+
+impl From<Option<ExpectedWait>> for Expected {
+    /// A policy's one wait, at the fleet and the chosen worker alike.
+    fn from(fleet: Option<ExpectedWait>) -> Expected {
+        Expected {
+            fleet,
+            chosen: None,
+        }
+    }
+}
+
 /// What the router knows of an arriving request that the room decides on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Arrival {
@@ -194,6 +227,27 @@ pub enum Decision {
     Rejected(Rejection),
 }
 
+/// A queued request's turn to be released (see
+/// [`AdmissionRoom::release_order`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseTurn {
+    pub ticket: u64,
+    /// When its TTFT deadline passes.
+    pub due: Option<Instant>,
+}
+
+/// Where a request whose turn it is goes ([`AdmissionRoom::route`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// To the worker the policy chooses: it has room.
+    Chosen,
+    /// Nowhere yet: it waits for its chosen worker, which is busy.
+    Wait,
+    /// To the best of the workers with room: waiting for its chosen one
+    /// would miss its deadline.
+    WithRoom,
+}
+
 /// A request leaving the queue for a worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Released {
@@ -228,6 +282,9 @@ pub struct Explanation {
     /// request's own prefill (`None`: the policy has no model of wait).
     pub expected_queue_s: Option<f64>,
     pub expected_prefill_s: Option<f64>,
+    /// The expected wait at the worker the policy would choose (`None`:
+    /// the policy cannot tell).
+    pub chosen_queue_s: Option<f64>,
     /// Queued work dispatched before it, were it queued now.
     pub work_ahead_tokens: u64,
     pub drain_tokens_per_s: Option<f64>,
@@ -416,6 +473,13 @@ impl AdmissionRoom {
         self.order.is_empty()
     }
 
+    /// Whether the request has a TTFT deadline (its own or its class's):
+    /// only then does [`Expected::chosen`] change the room's decision, so
+    /// a caller may skip asking the policy for it.
+    pub fn has_deadline(&self, arrival: &Arrival) -> bool {
+        self.classify(arrival).ttft_deadline.is_some()
+    }
+
     /// The request's class, tenant weight and deadline.
     pub fn classify(&self, arrival: &Arrival) -> Classified {
         let priority = arrival.priority.unwrap_or(0);
@@ -487,15 +551,15 @@ impl AdmissionRoom {
         self.reordering = self.reorder_until.is_some_and(|until| now < until);
     }
 
-    /// Decides on an arriving request, given the policy's expected wait for
-    /// it over the current candidates.
+    /// Decides on an arriving request, given the policy's expected waits
+    /// for it (see [`Expected`]).
     pub fn arrive(
         &mut self,
         arrival: &Arrival,
-        expected: Option<ExpectedWait>,
+        expected: impl Into<Expected>,
         now: Instant,
     ) -> Decision {
-        self.admit(arrival, expected, now, true)
+        self.admit(arrival, expected.into(), now, true)
     }
 
     /// Queues a request whatever the fleet's wait (the policy found every
@@ -503,10 +567,10 @@ impl AdmissionRoom {
     pub fn enqueue(
         &mut self,
         arrival: &Arrival,
-        expected: Option<ExpectedWait>,
+        expected: impl Into<Expected>,
         now: Instant,
     ) -> Decision {
-        self.admit(arrival, expected, now, false)
+        self.admit(arrival, expected.into(), now, false)
     }
 
     /// What [`arrive`](Self::arrive) would decide for `arrival` now, and
@@ -514,9 +578,10 @@ impl AdmissionRoom {
     pub fn explain(
         &self,
         arrival: &Arrival,
-        expected: Option<ExpectedWait>,
+        expected: impl Into<Expected>,
         now: Instant,
     ) -> Explanation {
+        let expected = expected.into();
         let classified = self.classify(arrival);
         let judged = self.judge(&classified, arrival.work_tokens, expected, now, true);
         Explanation {
@@ -531,8 +596,9 @@ impl AdmissionRoom {
             tenant: classified.tenant.to_string(),
             tenant_weight: classified.tenant_weight,
             ttft_deadline_s: classified.ttft_deadline.map(secs),
-            expected_queue_s: expected.map(|wait| wait.queue_secs),
-            expected_prefill_s: expected.map(|wait| wait.prefill_secs),
+            expected_queue_s: expected.fleet.map(|wait| wait.queue_secs),
+            expected_prefill_s: expected.fleet.map(|wait| wait.prefill_secs),
+            chosen_queue_s: expected.chosen.map(|wait| wait.queue_secs),
             work_ahead_tokens: judged.ahead,
             drain_tokens_per_s: self.drain.tokens_per_s(now),
             predicted_ttft_s: judged.predicted.map(secs),
@@ -542,7 +608,7 @@ impl AdmissionRoom {
     fn admit(
         &mut self,
         arrival: &Arrival,
-        expected: Option<ExpectedWait>,
+        expected: Expected,
         now: Instant,
         may_dispatch_now: bool,
     ) -> Decision {
@@ -571,7 +637,9 @@ impl AdmissionRoom {
                         class: classified.class.clone(),
                         arrived: now,
                         due: classified.ttft_deadline.map(|deadline| now + deadline),
-                        prefill: duration_from_secs(expected.map_or(0.0, |wait| wait.prefill_secs)),
+                        prefill: duration_from_secs(
+                            expected.own().map_or(0.0, |wait| wait.prefill_secs),
+                        ),
                     },
                 );
                 self.order
@@ -588,12 +656,12 @@ impl AdmissionRoom {
         &self,
         classified: &Classified,
         work_tokens: u64,
-        expected: Option<ExpectedWait>,
+        expected: Expected,
         now: Instant,
         may_dispatch_now: bool,
     ) -> Judged {
-        if may_dispatch_now && self.order.is_empty() && self.has_room(expected) {
-            let predicted = self.predicted_ttft(0, expected, now);
+        if may_dispatch_now && self.order.is_empty() && self.has_room(expected.fleet) {
+            let predicted = self.predicted_ttft(0, expected.own(), now);
             return Judged {
                 verdict: self
                     .too_late(classified, predicted)
@@ -624,7 +692,7 @@ impl AdmissionRoom {
             }
         }
         let ahead = self.order.work_ahead(&incoming);
-        let predicted = self.predicted_ttft(ahead, expected, now);
+        let predicted = self.predicted_ttft(ahead, expected.own(), now);
         let rejection = self.too_late(classified, predicted);
         Judged {
             // A newcomer turned away evicts nobody.
@@ -701,10 +769,58 @@ impl AdmissionRoom {
         self.order.peek()
     }
 
+    /// The next [`RELEASE_LOOKAHEAD`] requests to release, in the order's
+    /// turn. For each, the caller asks the policy which worker it would
+    /// choose and the wait expected there, and [`route`](Self::route)
+    /// says where the request goes.
+    pub fn release_order(&self) -> Vec<ReleaseTurn> {
+        self.order
+            .in_order(RELEASE_LOOKAHEAD)
+            .into_iter()
+            .map(|ticket| ReleaseTurn {
+                ticket,
+                due: self.entries.get(&ticket).and_then(|entry| entry.due),
+            })
+            .collect()
+    }
+
+    /// Where a request whose turn it is goes, given the wait expected at
+    /// the worker its policy chooses. A busy worker (where its prefix is
+    /// cached, usually) is waited for, in the room's order, while those
+    /// behind it go to others: sent there now it would wait in the
+    /// engine's queue, behind whatever was sent earlier. A request with a
+    /// deadline waits only while the worker would still meet it, then goes
+    /// to the best worker with room.
+    pub fn route(
+        &self,
+        turn: &ReleaseTurn,
+        at_worker: Option<ExpectedWait>,
+        now: Instant,
+    ) -> Route {
+        let Some(wait) = at_worker.filter(|wait| !self.has_room(Some(*wait))) else {
+            return Route::Chosen;
+        };
+        let meets_deadline = turn
+            .due
+            .is_none_or(|due| now + duration_from_secs(wait.queue_secs + wait.prefill_secs) <= due);
+        if meets_deadline {
+            Route::Wait
+        } else {
+            Route::WithRoom
+        }
+    }
+
     /// Releases the head: the policy found it a worker.
     pub fn pop(&mut self, now: Instant) -> Option<Released> {
+        let ticket = self.order.peek()?.ticket;
+        self.take(ticket, now)
+    }
+
+    /// Releases `ticket` (one of [`release_order`](Self::release_order)):
+    /// the policy found it a worker.
+    pub fn take(&mut self, ticket: u64, now: Instant) -> Option<Released> {
         self.tick(now);
-        let waiting = self.order.pop()?;
+        let waiting = self.order.take(ticket)?;
         self.drain.add(waiting.work_tokens, now);
         let entry = self.entries.remove(&waiting.ticket);
         Some(Released {

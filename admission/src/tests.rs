@@ -6,8 +6,9 @@ use policy_core::{Admission, ExpectedWait, Waiting};
 use proptest::prelude::*;
 
 use crate::{
-    AdmissionRoom, Arrival, ClassConfig, Decision, FAIR_SHARE, FIFO, PRIORITY, REORDER_WINDOW,
-    RejectReason, RoomConfig, RoomConfigError, default_class_weight, registry,
+    AdmissionRoom, Arrival, ClassConfig, Decision, Expected, FAIR_SHARE, FIFO, PRIORITY,
+    RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason, RoomConfig, RoomConfigError, Route,
+    default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -631,6 +632,8 @@ enum Op {
     },
     Pop,
     Remove(u64),
+    /// Takes the n-th request of `in_order` (modulo its length).
+    Take(usize),
     Served {
         tenant: u8,
         tokens: u64,
@@ -646,6 +649,7 @@ fn op() -> impl Strategy<Value = Op> {
         }),
         Just(Op::Pop),
         (0u64..40).prop_map(Op::Remove),
+        (0usize..8).prop_map(Op::Take),
         (0u8..4, 0u64..5000).prop_map(|(tenant, tokens)| Op::Served { tenant, tokens }),
     ]
 }
@@ -679,11 +683,19 @@ proptest! {
                         let removed = queue.remove(*ticket).is_some();
                         prop_assert_eq!(removed, inside.remove(ticket));
                     }
+                    Op::Take(index) => {
+                        let turns = queue.in_order(8);
+                        if let Some(ticket) = turns.get(index % turns.len().max(1)) {
+                            prop_assert_eq!(queue.take(*ticket).map(|w| w.ticket), Some(*ticket));
+                            prop_assert!(inside.remove(ticket));
+                        }
+                    }
                     Op::Served { tenant, tokens } => {
                         queue.served("0", &tenant.to_string(), *tokens);
                     }
                 }
                 prop_assert_eq!(queue.len(), inside.len());
+                prop_assert_eq!(queue.in_order(usize::MAX).len(), inside.len());
                 prop_assert_eq!(queue.queued_work_ahead().len(), inside.len());
             }
             let drained: BTreeSet<u64> = queue.drain().into_iter().map(|w| w.ticket).collect();
@@ -691,4 +703,111 @@ proptest! {
             prop_assert!(queue.is_empty());
         }
     }
+}
+
+proptest! {
+    /// `in_order` shows what successive pops would take, and changes
+    /// nothing: the same pushes and services, then pops, agree with it.
+    #[test]
+    fn in_order_is_the_order_pops_take(
+        ops in prop::collection::vec(op(), 0..120),
+        limit in 0usize..40,
+    ) {
+        let now = Instant::now();
+        for name in [FIFO, PRIORITY, FAIR_SHARE] {
+            let mut queue = order(name);
+            let mut next = 0u64;
+            for op in &ops {
+                match op {
+                    Op::Push { priority, tenant, tokens } => {
+                        queue.push(waiting(next, *priority, &tenant.to_string(), *tokens, now));
+                        next += 1;
+                    }
+                    Op::Pop => {
+                        queue.pop();
+                    }
+                    Op::Remove(ticket) => {
+                        queue.remove(*ticket);
+                    }
+                    Op::Take(_) => {}
+                    Op::Served { tenant, tokens } => {
+                        queue.served("0", &tenant.to_string(), *tokens);
+                    }
+                }
+            }
+            let shown = queue.in_order(limit);
+            prop_assert_eq!(shown.len(), limit.min(queue.len()));
+            let popped: Vec<u64> = (0..shown.len())
+                .filter_map(|_| queue.pop().map(|w| w.ticket))
+                .collect();
+            prop_assert_eq!(shown, popped, "{}", name);
+        }
+    }
+}
+
+#[test]
+fn a_request_waits_for_its_busy_worker_unless_that_would_miss_its_deadline() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let busy = wait(3.0);
+    let patient = match room.arrive(&arrival(0, None), busy, now) {
+        Decision::Queued(ticket) => ticket,
+        other => panic!("queued, not {other:?}"),
+    };
+    let hurried = match room.arrive(&arrival(0, Some(10_000)), busy, now) {
+        Decision::Queued(ticket) => ticket,
+        other => panic!("queued, not {other:?}"),
+    };
+    let turns = room.release_order();
+    assert_eq!(
+        turns.iter().map(|turn| turn.ticket).collect::<Vec<_>>(),
+        vec![patient, hurried]
+    );
+    let later = now + Duration::from_secs(5);
+    // A chosen worker with room (or a policy that cannot tell): released.
+    assert_eq!(room.route(&turns[0], wait(0.1), later), Route::Chosen);
+    assert_eq!(room.route(&turns[1], None, later), Route::Chosen);
+    // A busy one: waited for, without a deadline or while it still meets it.
+    assert_eq!(room.route(&turns[0], wait(30.0), later), Route::Wait);
+    assert_eq!(room.route(&turns[1], wait(3.0), later), Route::Wait);
+    // Waiting there would miss the deadline: the best worker with room.
+    assert_eq!(room.route(&turns[1], wait(6.0), later), Route::WithRoom);
+    // The one behind is released first; the other keeps its place.
+    let released = room.take(hurried, later).expect("queued");
+    assert_eq!(released.waited, Duration::from_secs(5));
+    assert_eq!(room.take(hurried, later), None);
+    assert_eq!(room.head().map(|head| head.ticket), Some(patient));
+}
+
+#[test]
+fn release_order_looks_a_bounded_way_ahead() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    for _ in 0..RELEASE_LOOKAHEAD + 5 {
+        room.arrive(&arrival(1, None), wait(3.0), now);
+    }
+    assert_eq!(room.release_order().len(), RELEASE_LOOKAHEAD);
+}
+
+#[test]
+fn a_deadline_is_judged_at_the_chosen_worker_and_the_fleet_decides_room() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    // The fleet has room, but the worker the policy would choose (its
+    // prefix's) is 3 s away: a 2 s deadline is refused at once.
+    let expected = Expected {
+        fleet: wait(0.1),
+        chosen: wait(3.0),
+    };
+    assert!(matches!(
+        room.arrive(&arrival(0, Some(2000)), expected, now),
+        Decision::Rejected(rejection) if rejection.reason == RejectReason::DeadlineUnmeetable
+    ));
+    // Without a deadline it goes at once, as without a room.
+    assert_eq!(
+        room.arrive(&arrival(0, None), expected, now),
+        Decision::DispatchNow
+    );
+    assert!(room.has_deadline(&arrival(0, Some(2000))));
+    assert!(!room.has_deadline(&arrival(0, None)));
 }

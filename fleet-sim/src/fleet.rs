@@ -44,11 +44,13 @@
 //! - **admission** (router points with an admission order): each replica
 //!   drives its own `admission::AdmissionRoom` as the router does. An
 //!   arrival is dispatched at once, waits in the room, or is turned away
-//!   (`arrive` with the policy's `expected_wait`; `enqueue` when `select`
+//!   (`arrive` with the policy's `expected_wait`, and its `preview` for a
+//!   request with a deadline; `enqueue` when `select`
 //!   finds every worker capped). After every first token, finish, poll
 //!   completion and arrival, and every [`ADMISSION_TICK_S`] while requests
-//!   wait, the replica releases the room's head to the worker its policy
-//!   picks then (late binding) while the room `has_room`; each tick first
+//!   wait, the replica releases requests in the room's turn to the worker
+//!   its policy picks then (late binding) while the room `has_room`, each
+//!   waiting for a busy chosen worker as the room's `route` says; each tick first
 //!   `shed`s the waiting requests that can no longer meet their deadline,
 //!   as the router's ticker does. A released request reaches its engine at
 //!   its release; its TTFT counts from its arrival at the router.
@@ -58,7 +60,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use admission::{AdmissionRoom, Arrival, Decision, RejectReason, RoomConfig};
+use admission::{AdmissionRoom, Arrival, Decision, Expected, RejectReason, RoomConfig, Route};
 use load_protocols::WorkerLoad;
 use policy_core::{
     Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, PrefixBlocks, RequestInfo,
@@ -1210,8 +1212,16 @@ impl<'a> CellRun<'a> {
         let now = self.clock.at(now_s);
         let arrival = self.arrival(id);
         let policy = &self.router.policies[replica];
-        let expected = policy.expected_wait(&self.router.ids, info, now);
         let room = &mut self.router.rooms[replica];
+        let expected = Expected {
+            fleet: policy.expected_wait(&self.router.ids, info, now),
+            chosen: room
+                .room
+                .has_deadline(&arrival)
+                .then(|| policy.preview(&self.router.ids, info, now))
+                .flatten()
+                .map(|(_, wait)| wait),
+        };
         let decision = match room.room.arrive(&arrival, expected, now) {
             Decision::DispatchNow => match policy.select(&self.router.ids, info, now) {
                 Some(dispatch) => {
@@ -1262,33 +1272,54 @@ impl<'a> CellRun<'a> {
             return Ok(());
         }
         let now = self.clock.at(now_s);
-        loop {
-            let room = &mut self.router.rooms[replica];
-            let Some(ticket) = room.room.head().map(|head| head.ticket) else {
-                break;
-            };
-            let Some(&(id, arrived_s)) = room.requests.get(&ticket) else {
-                // Not reachable: every queued ticket is recorded. Dropped
-                // rather than left to block the queue.
-                room.room.remove(ticket);
-                continue;
-            };
-            let chain = self.chain(id);
-            let info = self.request_info(id, &chain);
-            let policy = &self.router.policies[replica];
-            let expected = policy.expected_wait(&self.router.ids, &info, now);
-            let room = &mut self.router.rooms[replica];
-            if !room.room.has_room(expected) {
+        'passes: loop {
+            let turns = self.router.rooms[replica].room.release_order();
+            let mut released = false;
+            for turn in turns {
+                let ticket = turn.ticket;
+                let room = &mut self.router.rooms[replica];
+                let Some(&(id, arrived_s)) = room.requests.get(&ticket) else {
+                    // Not reachable: every queued ticket is recorded. Dropped
+                    // rather than left to block the queue.
+                    room.room.remove(ticket);
+                    continue;
+                };
+                let chain = self.chain(id);
+                let info = self.request_info(id, &chain);
+                let policy = &self.router.policies[replica];
+                let room = &mut self.router.rooms[replica];
+                let ids = &self.router.ids;
+                if !room.room.has_room(policy.expected_wait(ids, &info, now)) {
+                    break 'passes;
+                }
+                let at_worker = policy.preview(ids, &info, now).map(|(_, wait)| wait);
+                let dispatch = match room.room.route(&turn, at_worker, now) {
+                    Route::Chosen => policy.select(ids, &info, now),
+                    Route::Wait => continue,
+                    Route::WithRoom => {
+                        let open: Vec<WorkerId> = ids
+                            .iter()
+                            .copied()
+                            .filter(|id| {
+                                room.room.has_room(policy.expected_wait(&[*id], &info, now))
+                            })
+                            .collect();
+                        policy.select(&open, &info, now)
+                    }
+                };
+                let Some(dispatch) = dispatch else {
+                    break 'passes;
+                };
+                room.room.take(ticket, now);
+                room.requests.remove(&ticket);
+                self.waited_from_s.insert(id, arrived_s);
+                let worker = self.router.dispatched(id, replica, dispatch);
+                self.submit(id, worker, &chain, &info, now_s)?;
+                released = true;
+            }
+            if !released {
                 break;
             }
-            let Some(dispatch) = policy.select(&self.router.ids, &info, now) else {
-                break;
-            };
-            room.room.pop(now);
-            room.requests.remove(&ticket);
-            self.waited_from_s.insert(id, arrived_s);
-            let worker = self.router.dispatched(id, replica, dispatch);
-            self.submit(id, worker, &chain, &info, now_s)?;
         }
         let room = &mut self.router.rooms[replica];
         if !room.room.is_empty() && !room.ticking {

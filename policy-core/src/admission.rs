@@ -69,6 +69,26 @@ pub trait Admission: Send + Sync {
     /// Removes the request `peek` shows, counting its prompt as served.
     fn pop(&mut self) -> Option<Waiting>;
 
+    /// The tickets of the first `limit` requests, in the order they would
+    /// be popped; nothing changes. The default shows the head only, so the
+    /// room releases such an order strictly in turn.
+    fn in_order(&self, limit: usize) -> Vec<u64> {
+        self.peek()
+            .filter(|_| limit > 0)
+            .map(|head| head.ticket)
+            .into_iter()
+            .collect()
+    }
+
+    /// Removes a request shown by [`in_order`](Admission::in_order),
+    /// counting its prompt as served, as `pop` does for the head: the room
+    /// releases a later request while one ahead of it waits for its worker.
+    fn take(&mut self, ticket: u64) -> Option<Waiting> {
+        let request = self.remove(ticket)?;
+        self.served(&request.class, &request.tenant, request.work_tokens);
+        Some(request)
+    }
+
     /// Removes a request wherever it is (its client left, or its deadline
     /// passed). Nothing is counted as served.
     fn remove(&mut self, ticket: u64) -> Option<Waiting>;

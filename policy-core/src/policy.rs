@@ -135,6 +135,24 @@ pub trait Policy: Send + Sync {
         None
     }
 
+    /// The worker [`select`](Policy::select) would choose for `request`
+    /// now, and the wait expected there (as [`expected_wait`] over that
+    /// worker alone), without crediting anything. The admission room uses
+    /// it to hold a request whose chosen worker is busy while later ones
+    /// go to workers with room. `None`: the policy cannot tell, and the
+    /// room releases in its order wherever `select` sends.
+    ///
+    /// [`expected_wait`]: Policy::expected_wait
+    fn preview(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+    ) -> Option<(WorkerId, ExpectedWait)> {
+        let _ = (candidates, request, now);
+        None
+    }
+
     /// Whether [`Dispatch::score`] is the chosen worker's predicted wait for
     /// the request's first token, in seconds. The router then hedges a
     /// stream only once it is overdue by a multiple of that prediction.

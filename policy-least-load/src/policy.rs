@@ -1993,6 +1993,24 @@ impl Policy for LeastLoad {
         })
     }
 
+    fn preview(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+    ) -> Option<(WorkerId, ExpectedWait)> {
+        let (tokens, own, now_nanos) = self.own_work_at(request, now);
+        let view = self.workers.read();
+        let chosen = self.choose(&view, candidates, now_nanos, &own)?.slot.id;
+        Some((
+            chosen,
+            ExpectedWait {
+                queue_secs: self.slot_aware_floor_secs(&view, &[chosen], now_nanos),
+                prefill_secs: tokens as f64 / self.fleet_rate.tps(),
+            },
+        ))
+    }
+
     fn score_is_wait_secs(&self) -> bool {
         true
     }

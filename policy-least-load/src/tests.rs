@@ -108,6 +108,25 @@ fn queued_tokens_steer() {
 }
 
 #[test]
+fn preview_names_the_worker_select_then_chooses_and_credits_nothing() {
+    let (policy, ids) = fleet(2);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(4000), 2, Some(2000.0), 0.0), t0);
+    report(&policy, ids[1], &load(Some(1000), 2, Some(2000.0), 0.0), t0);
+    let (worker, wait) = policy.preview(&ids, &exact(100), t0).unwrap();
+    assert_eq!(worker, ids[1]);
+    // The wait there alone, as `expected_wait` over that worker.
+    let alone = policy.expected_wait(&[ids[1]], &exact(100), t0).unwrap();
+    assert_eq!(wait, alone);
+    assert_eq!(wait.queue_secs, 0.5);
+    // Nothing was credited: a second preview and the select agree.
+    assert_eq!(policy.preview(&ids, &exact(100), t0).unwrap().0, ids[1]);
+    assert_eq!(policy.worker_stats(ids[1]).unwrap().pending_requests, 0);
+    assert_eq!(policy.select(&ids, &exact(100), t0).unwrap().worker, ids[1]);
+    assert_eq!(policy.preview(&[], &exact(100), t0), None);
+}
+
+#[test]
 fn throughput_normalizes_the_queue() {
     let (policy, ids) = fleet(2);
     let t0 = Instant::now();

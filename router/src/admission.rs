@@ -15,13 +15,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use admission::{AdmissionRoom, Arrival, Decision, Explanation, RejectReason, Rejection, RoomView};
+use admission::{
+    AdmissionRoom, Arrival, Decision, Expected, Explanation, RejectReason, Rejection, RoomView,
+    Route,
+};
 use arc_swap::ArcSwap;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use opentelemetry::KeyValue;
 use parking_lot::Mutex;
-use policy_core::{AdmissionRegistry, RequestInfo, TokenCount, tokio_now};
+use policy_core::{AdmissionRegistry, RequestInfo, TokenCount, WorkerId, tokio_now};
 use tokio::sync::{Notify, oneshot};
 
 use crate::app::App;
@@ -230,12 +233,7 @@ impl Gate {
         let admission = Admission::read(headers, read.priority, &self.tenant_header())?;
         let arrival = arrival(&admission, &read.info);
         let now = tokio_now();
-        let expected = {
-            let snapshot = app.topology.load();
-            snapshot
-                .policy
-                .expected_wait(snapshot.candidates(), &read.info, now)
-        };
+        let expected = expected(app, &read.info, true, now);
         Ok(self.state.lock().room.explain(&arrival, expected, now))
     }
 
@@ -283,37 +281,61 @@ impl Gate {
     }
 
     fn release_locked(&self, app: &Arc<App>, state: &mut State, orphans: &mut Vec<Turn>) {
-        // Bounded: each pass pops a request, or stops.
+        // Bounded: each pass releases a request, or stops.
         for _ in 0..=state.waiters.len() {
-            let Some(ticket) = state.room.head().map(|head| head.ticket) else {
-                return;
-            };
-            let Some(waiter) = state.waiters.get(&ticket) else {
-                // Not reachable: a ticket is queued and registered under
-                // one lock. Dropped rather than left to block the queue.
-                state.room.remove(ticket);
-                continue;
-            };
-            let now = tokio::time::Instant::now();
-            let snapshot = app.topology.load();
-            let expected =
-                snapshot
-                    .policy
-                    .expected_wait(snapshot.candidates(), &waiter.info, now.into_std());
-            if !state.room.has_room(expected) {
+            if !self.release_one(app, state, orphans) {
                 return;
             }
-            let chosen = choose(app, &waiter.info, waiter.received_at, &[], now);
+        }
+    }
+
+    /// Releases the first request in the room's order that may go now
+    /// ([`AdmissionRoom::route`]); `false` when none may.
+    fn release_one(&self, app: &Arc<App>, state: &mut State, orphans: &mut Vec<Turn>) -> bool {
+        let now = tokio::time::Instant::now();
+        let now_std = now.into_std();
+        let snapshot = app.topology.load();
+        let policy = &snapshot.policy;
+        for turn in state.room.release_order() {
+            let Some(waiter) = state.waiters.get(&turn.ticket) else {
+                // Not reachable: a ticket is queued and registered under
+                // one lock. Dropped rather than left to block the queue.
+                state.room.remove(turn.ticket);
+                continue;
+            };
+            let info = &waiter.info;
+            let expected = policy.expected_wait(snapshot.candidates(), info, now_std);
+            if !state.room.has_room(expected) {
+                return false;
+            }
+            let at_chosen = policy
+                .preview(snapshot.candidates(), info, now_std)
+                .map(|(_, wait)| wait);
+            let busy: Vec<WorkerId> = match state.room.route(&turn, at_chosen, now_std) {
+                Route::Chosen => Vec::new(),
+                Route::Wait => continue,
+                Route::WithRoom => snapshot
+                    .candidates()
+                    .iter()
+                    .copied()
+                    .filter(|id| {
+                        !state
+                            .room
+                            .has_room(policy.expected_wait(&[*id], info, now_std))
+                    })
+                    .collect(),
+            };
+            let chosen = choose(app, info, waiter.received_at, &busy, now);
             if !matches!(chosen, Chosen::Worker(_)) {
                 // Capped, no candidate, or a worker just forgotten: the
                 // next trigger tries again.
-                return;
+                return false;
             }
-            let Some(released) = state.room.pop(now.into_std()) else {
-                return;
+            let Some(released) = state.room.take(turn.ticket, now_std) else {
+                return false;
             };
             let Some(waiter) = state.waiters.remove(&released.ticket) else {
-                continue;
+                return true;
             };
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             let metrics = &app.metrics;
@@ -322,7 +344,9 @@ impl Gate {
             if let Err(turn) = waiter.sender.send(Turn::Go(chosen)) {
                 orphans.push(turn);
             }
+            return true;
         }
+        false
     }
 
     /// Turns away the waiting requests that can no longer meet their
@@ -413,6 +437,21 @@ pub(crate) async fn run_ticker(app: Arc<App>) {
     }
 }
 
+/// The policy's expected waits for a request: at the least busy candidate
+/// and, when `at_chosen`, at the worker it would choose (a second scoring,
+/// asked for only when the request has a deadline to judge).
+fn expected(app: &App, info: &RequestInfo, at_chosen: bool, now: Instant) -> Expected {
+    let snapshot = app.topology.load();
+    let candidates = snapshot.candidates();
+    Expected {
+        fleet: snapshot.policy.expected_wait(candidates, info, now),
+        chosen: at_chosen
+            .then(|| snapshot.policy.preview(candidates, info, now))
+            .flatten()
+            .map(|(_, wait)| wait),
+    }
+}
+
 /// The room's view of a request.
 fn arrival(admission: &Admission, info: &RequestInfo) -> Arrival {
     Arrival {
@@ -452,12 +491,8 @@ pub(crate) async fn admit(
     }
     let arrival = arrival(admission, info);
     let now_std = now.into_std();
-    let expected = {
-        let snapshot = app.topology.load();
-        snapshot
-            .policy
-            .expected_wait(snapshot.candidates(), info, now_std)
-    };
+    let has_deadline = gate.state.lock().room.has_deadline(&arrival);
+    let expected = expected(app, info, has_deadline, now_std);
     let (sender, receiver) = oneshot::channel();
     let mut sender = Some(sender);
     // The decision and the waiter's registration are one critical section,
