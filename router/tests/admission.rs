@@ -8,10 +8,18 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use common::upstream::Upstream;
-use common::{TestRouter, fast_config, metric_sum, start_router, wait_until, worker};
+use common::{TestRouter, fast_config, metric_sum, start_built, start_router, wait_until, worker};
+use load_protocols::WorkerLoad;
+use policy_core::{
+    Dispatch, ExpectedWait, Policy, PollMark, PrefillSample, RequestInfo, ScoreTable, WorkerId,
+    WorkerInfo, WorkerStats,
+};
 use serde_json::{Value, json};
 
 /// One worker that takes one request at a time (`max_waiting_requests = 1`
@@ -448,4 +456,224 @@ fn an_invalid_admission_config_is_refused_at_load() {
         let error = loaded.expect_err(toml).to_string();
         assert!(error.contains(key), "{toml}: {error}");
     }
+}
+
+/// The workers a [`Pinned`] policy knows, and the wait the test sets for
+/// each (by URL).
+#[derive(Default)]
+struct Pins {
+    long_prompts_to: String,
+    workers: Mutex<Vec<(WorkerId, String)>>,
+    wait_secs: Mutex<HashMap<String, f64>>,
+}
+
+/// A policy that sends long prompts to one worker and short ones to the
+/// other (as a prefix held on one worker would), and expects the waits the
+/// test sets: a worker the room must wait for, or must route around.
+struct Pinned {
+    pins: Arc<Pins>,
+    seq: AtomicU64,
+}
+
+impl Pinned {
+    fn pick(&self, candidates: &[WorkerId], request: &RequestInfo) -> Option<WorkerId> {
+        let long = request.tokens.or(0) >= 100;
+        let workers = self.pins.workers.lock().unwrap();
+        workers
+            .iter()
+            .find(|(id, url)| {
+                candidates.contains(id) && (*url == self.pins.long_prompts_to) == long
+            })
+            .map(|(id, _)| *id)
+            .or_else(|| candidates.first().copied())
+    }
+
+    fn wait(&self, id: WorkerId) -> ExpectedWait {
+        let workers = self.pins.workers.lock().unwrap();
+        let url = workers
+            .iter()
+            .find(|(known, _)| *known == id)
+            .map(|(_, url)| url);
+        let waits = self.pins.wait_secs.lock().unwrap();
+        ExpectedWait {
+            queue_secs: url.and_then(|url| waits.get(url)).copied().unwrap_or(0.0),
+            prefill_secs: 0.01,
+        }
+    }
+}
+
+impl Policy for Pinned {
+    fn name(&self) -> &'static str {
+        "pinned"
+    }
+    fn params(&self) -> Value {
+        Value::Null
+    }
+    fn add_worker(&self, id: WorkerId, info: WorkerInfo) {
+        self.pins
+            .workers
+            .lock()
+            .unwrap()
+            .push((id, info.url.to_string()));
+    }
+    fn remove_worker(&self, id: WorkerId) {
+        self.pins
+            .workers
+            .lock()
+            .unwrap()
+            .retain(|(known, _)| *known != id);
+    }
+    fn select(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        _: Instant,
+    ) -> Option<Dispatch> {
+        Some(Dispatch {
+            worker: self.pick(candidates, request)?,
+            tokens: 0,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            score: 0.0,
+            cached_tokens: 0,
+        })
+    }
+    fn first_token(&self, _: &Dispatch, _: Instant) -> Option<PrefillSample> {
+        None
+    }
+    fn finish(&self, _: &Dispatch, _: Instant) {}
+    fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
+        PollMark {
+            worker: id,
+            seq: 0,
+            sent_at: now,
+            pending_tokens: 0,
+            pending_requests: 0,
+            remote_pending_tokens: 0,
+            remote_pending_requests: 0,
+        }
+    }
+    fn poll_completed(&self, _: PollMark, _: Option<&WorkerLoad>, _: Instant) {}
+    fn poll_failed(&self, _: PollMark, _: Instant) {}
+    fn expected_wait(
+        &self,
+        candidates: &[WorkerId],
+        _: &RequestInfo,
+        _: Instant,
+    ) -> Option<ExpectedWait> {
+        candidates
+            .iter()
+            .map(|id| self.wait(*id))
+            .min_by(|a, b| a.queue_secs.total_cmp(&b.queue_secs))
+    }
+    fn preview(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        _: Instant,
+    ) -> Option<(WorkerId, ExpectedWait)> {
+        let id = self.pick(candidates, request)?;
+        Some((id, self.wait(id)))
+    }
+    fn explain(&self, _: &[WorkerId], _: &RequestInfo, _: Instant) -> ScoreTable {
+        ScoreTable::new("pinned", String::new(), &[])
+    }
+    fn worker_stats(&self, _: WorkerId) -> Option<WorkerStats> {
+        Some(WorkerStats::default())
+    }
+}
+
+fn set_wait(pins: &Pins, upstream: &Upstream, secs: f64) {
+    pins.wait_secs
+        .lock()
+        .unwrap()
+        .insert(upstream.url.clone(), secs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_theirs() {
+    let (held, other) = (Upstream::start().await, Upstream::start().await);
+    let pins = Arc::new(Pins {
+        long_prompts_to: held.url.clone(),
+        ..Pins::default()
+    });
+    set_wait(&pins, &held, 10.0);
+    set_wait(&pins, &other, 10.0);
+    let mut builder = router::RouterBuilder::with_builtins();
+    let shared = pins.clone();
+    builder.policies().register("pinned", move |_, _| {
+        Ok(Box::new(Pinned {
+            pins: shared.clone(),
+            seq: AtomicU64::new(0),
+        }) as Box<dyn Policy>)
+    });
+    let router = start_built(
+        builder,
+        fast_config(
+            vec![worker("sglang", &held.url), worker("sglang", &other.url)],
+            "[policy]\nkind = \"pinned\"\n",
+        ),
+    )
+    .await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+    let long = "a conversation whose context is cached on its worker ".repeat(20);
+
+    // Every worker 10 s away: both wait, the long prompt first in the order.
+    let first = send(&router, &long, Some(0), &[]);
+    wait_until("it waits", || async { queued(&router).await == 1 }).await;
+    let behind = send(&router, "short", Some(1), &[]);
+    wait_until("it waits", || async { queued(&router).await == 2 }).await;
+
+    // The short prompt's worker frees up: it goes, the long one waits for
+    // its own worker rather than join its queue.
+    set_wait(&pins, &other, 0.0);
+    let (status, _, body) = behind.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(prompts(&other), vec!["short".to_owned()]);
+    assert_eq!(queued(&router).await, 1);
+    assert!(prompts(&held).is_empty());
+
+    // A deadline is judged at the worker the policy would choose: 10 s
+    // away, a 2 s deadline is refused at once, though another has room.
+    let (status, retry_after, body) = send(
+        &router,
+        &long,
+        Some(0),
+        &[("x-ttft-deadline-ms", "2000".into())],
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "deadline_unmeetable", "{body}");
+    assert!(retry_after.is_some());
+
+    // Admitted while its worker was 1 s away, a request with a 3 s
+    // deadline waits for it; once waiting there would miss the deadline,
+    // it goes to the worker with room instead.
+    set_wait(&pins, &held, 1.0);
+    let hurried = send(
+        &router,
+        &long,
+        Some(0),
+        &[("x-ttft-deadline-ms", "3000".into())],
+    );
+    wait_until("it waits", || async { queued(&router).await == 2 }).await;
+    set_wait(&pins, &held, 10.0);
+    let (status, _, body) = hurried.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(prompts(&other).len(), 2);
+    assert!(prompts(&held).is_empty());
+    assert_eq!(
+        queued(&router).await,
+        1,
+        "the one without a deadline still waits"
+    );
+
+    // Its worker has room: it goes there.
+    set_wait(&pins, &held, 0.0);
+    let (status, _, body) = first.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(prompts(&held), vec![long]);
 }

@@ -88,12 +88,14 @@ pub fn worker(backend: &str, url: &str) -> WorkerConfig {
 }
 
 pub async fn start_router(config: RouterConfig) -> TestRouter {
+    start_built(router::RouterBuilder::with_builtins(), config).await
+}
+
+/// A router of `builder`'s parts (a test's own policy, say).
+pub async fn start_built(builder: router::RouterBuilder, config: RouterConfig) -> TestRouter {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let app = router::RouterBuilder::with_builtins()
-        .start(config.clone(), None)
-        .await
-        .unwrap();
+    let app = builder.start(config.clone(), None).await.unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
         let _ = router::serve(app, listener, async {
