@@ -789,8 +789,11 @@ impl AdmissionRoom {
     /// cached, usually) is waited for, in the room's order, while those
     /// behind it go to others: sent there now it would wait in the
     /// engine's queue, behind whatever was sent earlier. A request with a
-    /// deadline waits only while the worker would still meet it, then goes
-    /// to the best worker with room.
+    /// deadline waits while that worker would still meet it, or while a
+    /// worker with room would still meet it later (with the threshold
+    /// again as margin for the prediction's error); at that last moment it
+    /// goes to the best worker with room. Sent elsewhere sooner, its
+    /// prefix is computed again and pushes others' out of that cache.
     pub fn route(
         &self,
         turn: &ReleaseTurn,
@@ -800,10 +803,13 @@ impl AdmissionRoom {
         let Some(wait) = at_worker.filter(|wait| !self.has_room(Some(*wait))) else {
             return Route::Chosen;
         };
-        let meets_deadline = turn
-            .due
-            .is_none_or(|due| now + duration_from_secs(wait.queue_secs + wait.prefill_secs) <= due);
-        if meets_deadline {
+        let Some(due) = turn.due else {
+            return Route::Wait;
+        };
+        let there = now + duration_from_secs(wait.queue_secs + wait.prefill_secs);
+        let threshold = secs(self.threshold());
+        let elsewhere_later = now + duration_from_secs(2.0 * threshold + wait.prefill_secs);
+        if there <= due || elsewhere_later < due {
             Route::Wait
         } else {
             Route::WithRoom

@@ -767,11 +767,17 @@ fn a_request_waits_for_its_busy_worker_unless_that_would_miss_its_deadline() {
     // A chosen worker with room (or a policy that cannot tell): released.
     assert_eq!(room.route(&turns[0], wait(0.1), later), Route::Chosen);
     assert_eq!(room.route(&turns[1], None, later), Route::Chosen);
-    // A busy one: waited for, without a deadline or while it still meets it.
+    // A busy one: waited for, without a deadline, while it still meets
+    // the deadline, or while a worker with room would meet it later.
     assert_eq!(room.route(&turns[0], wait(30.0), later), Route::Wait);
     assert_eq!(room.route(&turns[1], wait(3.0), later), Route::Wait);
-    // Waiting there would miss the deadline: the best worker with room.
-    assert_eq!(room.route(&turns[1], wait(6.0), later), Route::WithRoom);
+    assert_eq!(room.route(&turns[1], wait(6.0), later), Route::Wait);
+    // At the last moment (the deadline less twice the threshold and the
+    // prefill), the best worker with room, unless its own still meets it.
+    let last = now + Duration::from_millis(9_500);
+    assert_eq!(room.route(&turns[1], wait(6.0), last), Route::WithRoom);
+    assert_eq!(room.route(&turns[1], wait(0.3), last), Route::Wait);
+    assert_eq!(room.route(&turns[0], wait(30.0), last), Route::Wait);
     // The one behind is released first; the other keeps its place.
     let released = room.take(hurried, later).expect("queued");
     assert_eq!(released.waited, Duration::from_secs(5));

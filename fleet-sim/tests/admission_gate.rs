@@ -39,17 +39,14 @@ const TRAFFICS: [&str; 2] = ["size-skew", "multi-turn"];
 
 /// The goals not met yet (the start of the goal's row, traffic), and why
 /// (`docs/admission.md`, "Measured"):
-/// - multi-turn at overload is bound by the engines' batch slots. A
-///   released request waits in the room for the worker holding its prefix,
-///   and is sent there once that worker has room; it then still waits its
-///   turn in the engine's queue (up to `reorder_above_wait`) behind
-///   requests released earlier, of any class, and the room waits for an
-///   estimate of slot wait made from the requests waiting there and the
-///   worker's finish rate (goal 1's priority 0, goal 2's tenant B);
-/// - with tenants, the room keeps engines' queues short
-///   (`reorder_above_wait`), which costs throughput on size-skew, while a
-///   light tenant's long prompts still share the engines' prefill steps
-///   with the heavy tenant's (goal 2 on size-skew).
+/// - multi-turn: above 1 s the tail is prefill. At 1.2-1.3 × the load more
+///   conversations are alive at once, their contexts outgrow the engines'
+///   prefix caches, and the evicted ones are computed again; below it, the
+///   wait for a worker with room and in the engine's short queue (goal 1's
+///   priority 0, goal 2's tenant B);
+/// - size-skew with tenants: the room keeps engines' queues near
+///   `reorder_above_wait`, which a light tenant's request waits out and
+///   which costs throughput; no threshold meets both halves of goal 2.
 const OPEN: [(&str, &str); 4] = [
     ("1. priority 0", "multi-turn"),
     ("2. tenant B", "size-skew"),

@@ -144,6 +144,9 @@ pub(crate) struct Gate {
     /// Requests waiting, read without the lock by every release trigger.
     waiting: AtomicUsize,
     enabled: AtomicBool,
+    /// Whether a configured class sets a TTFT deadline, so a request that
+    /// names none may still have one (its class's).
+    class_deadlines: AtomicBool,
     tenant_header: ArcSwap<HeaderName>,
     registry: AdmissionRegistry,
     /// One release runs at a time; a trigger during it makes it run again.
@@ -162,6 +165,13 @@ fn room_for(
     Ok(AdmissionRoom::new(order, room))
 }
 
+fn has_class_deadlines(room: &AdmissionRoom) -> bool {
+    room.config()
+        .classes
+        .iter()
+        .any(|class| class.ttft_deadline.is_some())
+}
+
 fn tenant_header(config: &AdmissionConfig) -> Result<HeaderName, ConfigError> {
     HeaderName::from_bytes(config.tenant_header.as_bytes()).map_err(|_| ConfigError::Invalid {
         key: "admission.tenant_header".into(),
@@ -176,6 +186,7 @@ impl Gate {
         config: &AdmissionConfig,
     ) -> Result<Gate, ConfigError> {
         let room = room_for(&registry, config)?;
+        let class_deadlines = AtomicBool::new(has_class_deadlines(&room));
         Ok(Gate {
             state: Mutex::new(State {
                 room,
@@ -184,6 +195,7 @@ impl Gate {
             }),
             waiting: AtomicUsize::new(0),
             enabled: AtomicBool::new(config.enabled),
+            class_deadlines,
             tenant_header: ArcSwap::from_pointee(tenant_header(config)?),
             registry,
             releasing: AtomicBool::new(false),
@@ -214,6 +226,8 @@ impl Gate {
         state.room.swap_order(order);
         state.room.set_config(fresh.config().clone());
         self.enabled.store(config.enabled, Ordering::Release);
+        self.class_deadlines
+            .store(has_class_deadlines(&fresh), Ordering::Release);
         self.tenant_header.store(Arc::new(header));
         state.config = config;
         Ok(())
@@ -491,7 +505,10 @@ pub(crate) async fn admit(
     }
     let arrival = arrival(admission, info);
     let now_std = now.into_std();
-    let has_deadline = gate.state.lock().room.has_deadline(&arrival);
+    // Without the lock unless a class may set the deadline.
+    let has_deadline = arrival.ttft_deadline.is_some()
+        || (gate.class_deadlines.load(Ordering::Acquire)
+            && gate.state.lock().room.has_deadline(&arrival));
     let expected = expected(app, info, has_deadline, now_std);
     let (sender, receiver) = oneshot::channel();
     let mut sender = Some(sender);
