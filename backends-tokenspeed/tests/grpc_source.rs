@@ -133,15 +133,7 @@ async fn deadline_exceeded_completes_the_poll_without_a_snapshot() {
     policy
         .expect_poll_started()
         .times(1)
-        .returning(|worker, sent_at| PollMark {
-            worker,
-            seq: 0,
-            sent_at,
-            pending_tokens: 0,
-            pending_requests: 0,
-            remote_pending_tokens: 0,
-            remote_pending_requests: 0,
-        });
+        .returning(PollMark::nothing_pending);
     // "No report this time": the poll completes, with no load, and never fails.
     policy
         .expect_poll_completed()

@@ -142,15 +142,7 @@ async fn serve_once_then_fail() -> SocketAddr {
 }
 
 fn mark(worker: WorkerId, now: Instant) -> PollMark {
-    PollMark {
-        worker,
-        seq: 0,
-        sent_at: now,
-        pending_tokens: 0,
-        pending_requests: 0,
-        remote_pending_tokens: 0,
-        remote_pending_requests: 0,
-    }
+    PollMark::nothing_pending(worker, now)
 }
 
 #[tokio::test]

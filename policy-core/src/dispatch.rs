@@ -40,6 +40,22 @@ pub struct PollMark {
     pub remote_pending_requests: u64,
 }
 
+impl PollMark {
+    /// A poll of `worker` sent at `sent_at` with nothing pending on it: a
+    /// policy that keeps no pending work marks its polls so.
+    pub fn nothing_pending(worker: WorkerId, sent_at: Instant) -> PollMark {
+        PollMark {
+            worker,
+            seq: 0,
+            sent_at,
+            pending_tokens: 0,
+            pending_requests: 0,
+            remote_pending_tokens: 0,
+            remote_pending_requests: 0,
+        }
+    }
+}
+
 /// A clock for guards; the router passes [`tokio_now`] so that tests with
 /// paused tokio time control it.
 pub type Clock = fn() -> Instant;

@@ -69,15 +69,7 @@ mod tests {
     use mockall::predicate::always;
 
     fn mark(id: WorkerId, now: Instant) -> PollMark {
-        PollMark {
-            worker: id,
-            seq: 0,
-            sent_at: now,
-            pending_tokens: 0,
-            pending_requests: 0,
-            remote_pending_tokens: 0,
-            remote_pending_requests: 0,
-        }
+        PollMark::nothing_pending(id, now)
     }
 
     fn source(result: fn() -> Result<Option<WorkerLoad>, LoadError>) -> MockLoadSource {

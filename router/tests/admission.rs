@@ -542,15 +542,7 @@ impl Policy for Pinned {
     }
     fn finish(&self, _: &Dispatch, _: Instant) {}
     fn poll_started(&self, id: WorkerId, now: Instant) -> PollMark {
-        PollMark {
-            worker: id,
-            seq: 0,
-            sent_at: now,
-            pending_tokens: 0,
-            pending_requests: 0,
-            remote_pending_tokens: 0,
-            remote_pending_requests: 0,
-        }
+        PollMark::nothing_pending(id, now)
     }
     fn poll_completed(&self, _: PollMark, _: Option<&WorkerLoad>, _: Instant) {}
     fn poll_failed(&self, _: PollMark, _: Instant) {}
