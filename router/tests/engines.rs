@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fast_config, metric_sum, start_router, wait_until, worker};
+use common::{fast_config, metric_sum, router_over, start_router, wait_until, worker};
 use futures::StreamExt;
 use mock_engines::{FaultMode, Flavour, ServeMode, SimEngineConfig, SimFleet};
 use router::config::WorkerConfig;
@@ -189,20 +189,7 @@ async fn size_skewed_traffic_spreads_by_work() {
             config.time_scale = 4.0;
         }
         let engines = fleet(configs).await;
-        let workers = engines
-            .engines()
-            .iter()
-            .map(|engine| worker("sglang", &engine.http_url()))
-            .collect();
-        let router = start_router(fast_config(
-            workers,
-            &format!("[policy]\nkind = \"{policy}\"\n"),
-        ))
-        .await;
-        wait_until("both workers are healthy", || async {
-            router.healthy_count().await == 2
-        })
-        .await;
+        let router = router_over(&engines, &format!("[policy]\nkind = \"{policy}\"\n")).await;
         let url = format!("{}/v1/chat/completions", router.base);
         let mut requests = Vec::new();
         for index in 0..16 {

@@ -9,9 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{
-    TestRouter, fast_config, metric, metric_sum, round_robin_over, start_router, wait_until, worker,
-};
+use common::{TestRouter, metric, metric_sum, round_robin_over, router_over, wait_until};
 use mock_engines::{FaultMode, Flavour, SimEngineConfig, SimFleet};
 use serde_json::{Value, json};
 
@@ -249,20 +247,11 @@ async fn a_long_prefill_with_its_head_sent_is_not_hedged_before_its_predicted_wa
         config
     };
     let engines = mock_engines::start(vec![slow(), slow()]).await.unwrap();
-    let workers = engines
-        .engines()
-        .iter()
-        .map(|engine| worker("sglang", &engine.http_url()))
-        .collect();
-    let router = start_router(fast_config(
-        workers,
+    let router = router_over(
+        &engines,
         "[policy]\nkind = \"least_load\"\n\
          [server]\nfirst_byte_timeout_ms = 60000\n[hedging]\nafter_ms = 50\n",
-    ))
-    .await;
-    wait_until("every engine is healthy", || async {
-        router.healthy_count().await == 2
-    })
+    )
     .await;
     let url = format!("{}/v1/chat/completions", router.base);
     let client = impatient_client();

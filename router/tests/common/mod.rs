@@ -58,16 +58,22 @@ pub fn fast_config(workers: Vec<WorkerConfig>, policy_toml: &str) -> RouterConfi
 /// A round-robin router (so a broken engine gets its share) over every
 /// engine of `engines`, with `extra` config, once it sees them all healthy.
 pub async fn round_robin_over(engines: &mock_engines::SimFleet, extra: &str) -> TestRouter {
+    router_over(
+        engines,
+        &format!("[policy]\nkind = \"round_robin\"\n{extra}"),
+    )
+    .await
+}
+
+/// A router with `config_toml` over every engine of `engines` (SGLang
+/// workers), once it sees them all healthy.
+pub async fn router_over(engines: &mock_engines::SimFleet, config_toml: &str) -> TestRouter {
     let workers = engines
         .engines()
         .iter()
         .map(|engine| worker("sglang", &engine.http_url()))
         .collect();
-    let router = start_router(fast_config(
-        workers,
-        &format!("[policy]\nkind = \"round_robin\"\n{extra}"),
-    ))
-    .await;
+    let router = start_router(fast_config(workers, config_toml)).await;
     let expected = engines.engines().len();
     wait_until("every engine is healthy", || async {
         router.healthy_count().await == expected
