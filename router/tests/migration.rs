@@ -391,7 +391,9 @@ async fn a_drain_past_its_grace_moves_the_stream_to_another_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_streams_survive_an_engine_killed_mid_run() {
-    let engines = fleet(4, 20.0).await;
+    // Slow enough that the engine to be killed is still streaming when a
+    // loaded machine's wait below first looks.
+    let engines = fleet(4, 10.0).await;
     let router = round_robin_over(&engines, "[server]\nmax_retries = 3\n").await;
     let url = format!("{}/v1/chat/completions", router.base);
     let streams: Vec<_> = (0..500)
