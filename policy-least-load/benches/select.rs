@@ -29,6 +29,11 @@
 //! reports the same empty queue): all but the workers with open dispatches
 //! tie, so every selection applies the tie rule across the whole fleet, as
 //! in a lightly loaded production fleet.
+//! `least_load_room/<workers>` is `least_load` as the admission room calls
+//! it for each request it lets through: the fleet's expected wait, then the
+//! selection; `least_load_room_deadline/<workers>` adds the chosen worker's
+//! wait (`preview`), which a request with a TTFT deadline pays. Compare
+//! them with `least_load/<workers>` (64 and 1024) of the same run.
 //! `least_load_one_stale/1024` is `least_load/1024` after one worker's
 //! poll failed: that worker has no fresh snapshot and is scored against
 //! the fleet's mean rate, so the two rows' difference is what one worker
@@ -75,6 +80,8 @@ use policy_core::{
 const WORKER_COUNTS: [usize; 4] = [8, 64, 512, 1024];
 /// Fleet sizes measured for `least_load` only.
 const LEAST_LOAD_ONLY_COUNTS: [usize; 3] = [16, 256, 4096];
+/// Fleet sizes of the admission rows (`least_load_room`).
+const ROOM_COUNTS: [usize; 2] = [64, 1024];
 const WINDOW: usize = 16;
 const THREADS: usize = 2;
 /// `least_load_reported_rate` is `least_load` with `rate = "reported"`, the
@@ -171,6 +178,22 @@ fn run_from(
         select_in_window(policy, ids, &mut open, i, &request(i), at);
     }
     finish_window(policy, &open, at);
+}
+
+/// [`run`] as an admission room calls the policy for each request it lets
+/// through: the fleet's expected wait first, and for a request with a TTFT
+/// deadline the chosen worker's ([`Policy::preview`]) before the selection.
+fn run_admitted(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant, deadline: bool) {
+    let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
+    for i in 0..iters as usize {
+        let request = request(i);
+        black_box(policy.expected_wait(ids, &request, now));
+        if deadline {
+            black_box(policy.preview(ids, &request, now));
+        }
+        select_in_window(policy, ids, &mut open, i, &request, now);
+    }
+    finish_window(policy, &open, now);
 }
 
 /// The prefix rows' fleet size and traffic (see the module docs).
@@ -568,6 +591,22 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
                 start.elapsed()
             });
         });
+    }
+    for workers in ROOM_COUNTS {
+        let (policy, ids) = build("least_load", workers, now)?;
+        let policy = policy.as_ref();
+        for (row, deadline) in [
+            ("least_load_room", false),
+            ("least_load_room_deadline", true),
+        ] {
+            group.bench_function(format!("{row}/{workers}"), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    run_admitted(policy, &ids, iters, now, deadline);
+                    start.elapsed()
+                });
+            });
+        }
     }
     for workers in LEAST_LOAD_ONLY_COUNTS {
         let (policy, ids) = build("least_load", workers, now)?;

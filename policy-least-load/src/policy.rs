@@ -1256,6 +1256,11 @@ impl LeastLoad {
                 continue;
             };
             let token_secs = self.floor_wait_secs(view, std::slice::from_ref(id), now_nanos);
+            if token_secs >= floor_secs {
+                // Its wait is at least this: it cannot lower the floor, so
+                // its slot wait (a lock and a rate) is not worth reading.
+                continue;
+            }
             let state = &slot.state;
             let waiting = self
                 .fresh_hot(state, now_nanos)

@@ -2238,3 +2238,61 @@ fn a_starting_replica_loads_a_running_ones_prefix_index() {
     };
     assert_eq!(peer.load_prefix_snapshot(&block_size_differs, later), 0);
 }
+
+#[test]
+fn the_fleet_s_expected_wait_is_the_least_of_each_worker_s_token_and_slot_waits() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    // Worker 0 finishes about ten requests a second: 20 over 2 s.
+    for step in 0..20u64 {
+        let at = t0 + Duration::from_millis(100 * step);
+        let dispatch = policy.select(&ids[..1], &exact(10), at).unwrap();
+        policy.finish(&dispatch, at);
+    }
+    let now = t0 + Duration::from_secs(2);
+    // Worker 0: 200 tokens queued (0.1 s) but 40 requests waiting for a
+    // batch slot, seconds at its finish rate. Worker 1: 1000 tokens
+    // (0.5 s), nothing waiting. Worker 2: 3000 tokens (1.5 s).
+    report(
+        &policy,
+        ids[0],
+        &load(Some(200), 40, Some(2000.0), 0.0),
+        now,
+    );
+    report(
+        &policy,
+        ids[1],
+        &load(Some(1000), 0, Some(2000.0), 0.0),
+        now,
+    );
+    report(
+        &policy,
+        ids[2],
+        &load(Some(3000), 0, Some(2000.0), 0.0),
+        now,
+    );
+    let alone = policy.expected_wait(&ids[..1], &exact(100), now).unwrap();
+    assert!(
+        alone.queue_secs > 2.0,
+        "worker 0 waits for a slot: {}",
+        alone.queue_secs
+    );
+    // Whichever worker comes first, the floor is worker 1's 0.5 s: worker
+    // 0's slot wait counts even when its token wait is the lowest.
+    for order in [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ] {
+        let candidates: Vec<WorkerId> = order.iter().map(|&i| ids[i]).collect();
+        let wait = policy.expected_wait(&candidates, &exact(100), now).unwrap();
+        assert!(
+            close(wait.queue_secs, 0.5),
+            "{order:?}: {}",
+            wait.queue_secs
+        );
+    }
+}
