@@ -523,6 +523,15 @@ impl AdmissionRoom {
         expected.is_none_or(|wait| wait.queue_secs <= secs(self.threshold()))
     }
 
+    /// The lower of the two thresholds: a worker whose wait is at most
+    /// this has room whichever is in force, so a search for one may stop
+    /// there ([`Policy::expected_wait_within`](policy_core::Policy::expected_wait_within)).
+    pub fn lowest_threshold(&self) -> Duration {
+        self.config
+            .queue_above_wait
+            .min(self.config.reorder_above_wait)
+    }
+
     /// The threshold in force (as of the last call that had the time).
     pub fn threshold(&self) -> Duration {
         if self.reordering {

@@ -6,9 +6,9 @@ use policy_core::{Admission, ExpectedWait, Waiting};
 use proptest::prelude::*;
 
 use crate::{
-    AdmissionRoom, Arrival, ClassConfig, Decision, Expected, FAIR_SHARE, FIFO, PRIORITY,
-    RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason, RoomConfig, RoomConfigError, Route,
-    default_class_weight, registry,
+    AdmissionRoom, Arrival, ClassConfig, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected,
+    FAIR_SHARE, FIFO, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason, RoomConfig,
+    RoomConfigError, Route, default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -252,6 +252,29 @@ fn a_room_dispatches_at_once_below_the_threshold_and_queues_above_it() {
         baseline.enqueue(&arrival(0, None), None, now),
         Decision::Queued(_)
     ));
+}
+
+#[test]
+fn a_wait_at_most_the_lowest_threshold_has_room_whichever_is_in_force() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let lowest = room.lowest_threshold();
+    assert_eq!(lowest, Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS));
+    let at_lowest = wait(lowest.as_secs_f64());
+    assert!(room.has_room(at_lowest));
+    // Two classes arrive: the room reorders, and the lower threshold is in force.
+    let _ = room.arrive(&arrival(0, None), wait(0.1), now);
+    let _ = room.arrive(&arrival(1, None), wait(0.1), now);
+    assert_eq!(room.threshold(), lowest);
+    assert!(room.has_room(at_lowest));
+    assert!(!room.has_room(wait(lowest.as_secs_f64() + 0.01)));
+    // A queue threshold set below the reorder one is the lowest.
+    let low_queue = self::room(RoomConfig {
+        queue_above_wait: Duration::from_millis(100),
+        reorder_above_wait: Duration::from_millis(100),
+        ..RoomConfig::default()
+    });
+    assert_eq!(low_queue.lowest_threshold(), Duration::from_millis(100));
 }
 
 #[test]

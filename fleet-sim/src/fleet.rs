@@ -1213,8 +1213,9 @@ impl<'a> CellRun<'a> {
         let arrival = self.arrival(id);
         let policy = &self.router.policies[replica];
         let room = &mut self.router.rooms[replica];
+        let within_secs = room.room.lowest_threshold().as_secs_f64();
         let expected = Expected {
-            fleet: policy.expected_wait(&self.router.ids, info, now),
+            fleet: policy.expected_wait_within(&self.router.ids, info, now, within_secs),
             chosen: room
                 .room
                 .has_deadline(&arrival)
@@ -1289,7 +1290,11 @@ impl<'a> CellRun<'a> {
                 let policy = &self.router.policies[replica];
                 let room = &mut self.router.rooms[replica];
                 let ids = &self.router.ids;
-                if !room.room.has_room(policy.expected_wait(ids, &info, now)) {
+                let within_secs = room.room.lowest_threshold().as_secs_f64();
+                if !room
+                    .room
+                    .has_room(policy.expected_wait_within(ids, &info, now, within_secs))
+                {
                     break 'passes;
                 }
                 let at_worker = policy.preview(ids, &info, now).map(|(_, wait)| wait);

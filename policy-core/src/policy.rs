@@ -135,6 +135,23 @@ pub trait Policy: Send + Sync {
         None
     }
 
+    /// [`expected_wait`](Policy::expected_wait), for a caller that asks
+    /// only whether some candidate's wait is at most `within_secs` (the
+    /// admission room, for every request): the policy may stop at the
+    /// first such candidate and return its wait, not the least. When no
+    /// candidate's is that short, it is the least, as `expected_wait`.
+    /// By default, `expected_wait`.
+    fn expected_wait_within(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+        within_secs: f64,
+    ) -> Option<ExpectedWait> {
+        let _ = within_secs;
+        self.expected_wait(candidates, request, now)
+    }
+
     /// The worker [`select`](Policy::select) would choose for `request`
     /// now, and the wait expected there (as [`expected_wait`] over that
     /// worker alone), without crediting anything. The admission room uses

@@ -29,11 +29,14 @@
 //! reports the same empty queue): all but the workers with open dispatches
 //! tie, so every selection applies the tie rule across the whole fleet, as
 //! in a lightly loaded production fleet.
-//! `least_load_room/<workers>` is `least_load` as the admission room calls
-//! it for each request it lets through: the fleet's expected wait, then the
-//! selection; `least_load_room_deadline/<workers>` adds the chosen worker's
-//! wait (`preview`), which a request with a TTFT deadline pays. Compare
-//! them with `least_load/<workers>` (64 and 1024) of the same run.
+//! `least_load_room/<workers>` is `least_load` as the admission gate calls
+//! it for each request: the fleet's expected wait up to the first worker
+//! with room (`expected_wait_within` 0.25 s), then the selection;
+//! `least_load_room_deadline/<workers>` adds the chosen worker's wait
+//! (`preview`), which a request with a TTFT deadline pays;
+//! `least_load_room_exact/<workers>` asks the least wait over every
+//! worker instead (`expected_wait`). Compare them with
+//! `least_load/<workers>` (64 and 1024) of the same run.
 //! `least_load_one_stale/1024` is `least_load/1024` after one worker's
 //! poll failed: that worker has no fresh snapshot and is scored against
 //! the fleet's mean rate, so the two rows' difference is what one worker
@@ -180,16 +183,38 @@ fn run_from(
     finish_window(policy, &open, at);
 }
 
-/// [`run`] as an admission room calls the policy for each request it lets
-/// through: the fleet's expected wait first, and for a request with a TTFT
-/// deadline the chosen worker's ([`Policy::preview`]) before the selection.
-fn run_admitted(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant, deadline: bool) {
+/// How the admission gate asks the fleet's expected wait before a selection.
+#[derive(Clone, Copy)]
+enum Gate {
+    /// The least wait over every candidate (`expected_wait`).
+    Exact,
+    /// Up to the first candidate with room (`expected_wait_within` the
+    /// default 0.25 s threshold), as the gate asks it.
+    Within,
+    /// As `Within`, then the chosen worker's wait (`preview`), as for a
+    /// request with a TTFT deadline.
+    WithinAndChosen,
+}
+
+/// The room's default lowest threshold, seconds.
+const ROOM_THRESHOLD_SECS: f64 = 0.25;
+
+/// [`run`] with the admission gate's calls before each selection.
+fn run_admitted(policy: &dyn Policy, ids: &[WorkerId], iters: u64, now: Instant, gate: Gate) {
     let mut open: [Option<Dispatch>; WINDOW] = [None; WINDOW];
     for i in 0..iters as usize {
         let request = request(i);
-        black_box(policy.expected_wait(ids, &request, now));
-        if deadline {
-            black_box(policy.preview(ids, &request, now));
+        match gate {
+            Gate::Exact => {
+                black_box(policy.expected_wait(ids, &request, now));
+            }
+            Gate::Within => {
+                black_box(policy.expected_wait_within(ids, &request, now, ROOM_THRESHOLD_SECS));
+            }
+            Gate::WithinAndChosen => {
+                black_box(policy.expected_wait_within(ids, &request, now, ROOM_THRESHOLD_SECS));
+                black_box(policy.preview(ids, &request, now));
+            }
         }
         select_in_window(policy, ids, &mut open, i, &request, now);
     }
@@ -595,14 +620,15 @@ fn select_all(c: &mut Criterion) -> Setup<()> {
     for workers in ROOM_COUNTS {
         let (policy, ids) = build("least_load", workers, now)?;
         let policy = policy.as_ref();
-        for (row, deadline) in [
-            ("least_load_room", false),
-            ("least_load_room_deadline", true),
+        for (row, gate) in [
+            ("least_load_room_exact", Gate::Exact),
+            ("least_load_room", Gate::Within),
+            ("least_load_room_deadline", Gate::WithinAndChosen),
         ] {
             group.bench_function(format!("{row}/{workers}"), |b| {
                 b.iter_custom(|iters| {
                     let start = Instant::now();
-                    run_admitted(policy, &ids, iters, now, deadline);
+                    run_admitted(policy, &ids, iters, now, gate);
                     start.elapsed()
                 });
             });

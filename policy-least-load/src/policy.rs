@@ -1243,13 +1243,17 @@ impl LeastLoad {
     /// pending ones) over the rate its requests finish: a worker whose batch
     /// slots are full starts a waiting request only as a running one ends,
     /// however few prompt tokens wait. For the admission room, not the
-    /// score: what the fleet can take now, not which worker is best.
+    /// score: what the fleet can take now, not which worker is best. Stops
+    /// at the first worker whose wait is at most `within_secs`.
     fn slot_aware_floor_secs(
         &self,
         view: &SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
+        within_secs: f64,
     ) -> f64 {
+        // Nothing waits less than nothing: an idle worker ends the search.
+        let enough_secs = within_secs.max(0.0);
         let mut floor_secs = f64::INFINITY;
         for id in candidates {
             let Some(slot) = view.get(*id) else {
@@ -1272,7 +1276,7 @@ impl LeastLoad {
                 _ => 0.0,
             };
             floor_secs = floor_secs.min(token_secs.max(slot_secs));
-            if floor_secs <= 0.0 {
+            if floor_secs <= enough_secs {
                 break;
             }
         }
@@ -1987,13 +1991,23 @@ impl Policy for LeastLoad {
         request: &RequestInfo,
         now: Instant,
     ) -> Option<ExpectedWait> {
+        self.expected_wait_within(candidates, request, now, 0.0)
+    }
+
+    fn expected_wait_within(
+        &self,
+        candidates: &[WorkerId],
+        request: &RequestInfo,
+        now: Instant,
+        within_secs: f64,
+    ) -> Option<ExpectedWait> {
         let now_nanos = self.timeline.nanos(now);
         let tokens = request.tokens.or(self.params.mean_prefill_tokens);
         let view = self.workers.read();
         // The prompt as if nothing were cached: a prediction that errs
         // long, so that a deadline it admits is kept.
         Some(ExpectedWait {
-            queue_secs: self.slot_aware_floor_secs(&view, candidates, now_nanos),
+            queue_secs: self.slot_aware_floor_secs(&view, candidates, now_nanos, within_secs),
             prefill_secs: tokens as f64 / self.fleet_rate.tps(),
         })
     }
@@ -2010,7 +2024,7 @@ impl Policy for LeastLoad {
         Some((
             chosen,
             ExpectedWait {
-                queue_secs: self.slot_aware_floor_secs(&view, &[chosen], now_nanos),
+                queue_secs: self.slot_aware_floor_secs(&view, &[chosen], now_nanos, 0.0),
                 prefill_secs: tokens as f64 / self.fleet_rate.tps(),
             },
         ))

@@ -2296,3 +2296,26 @@ fn the_fleet_s_expected_wait_is_the_least_of_each_worker_s_token_and_slot_waits(
         );
     }
 }
+
+#[test]
+fn a_wait_within_a_bound_stops_at_the_first_worker_that_has_it() {
+    let (policy, ids) = fleet(3);
+    let t0 = Instant::now();
+    // 1 s, 0.2 s and 0.1 s of queued tokens at 2000 tokens a second.
+    for (id, queued) in ids.iter().zip([2000, 400, 200]) {
+        report(&policy, *id, &load(Some(queued), 0, Some(2000.0), 0.0), t0);
+    }
+    let least = policy.expected_wait(&ids, &exact(100), t0).unwrap();
+    assert!(close(least.queue_secs, 0.1));
+    // Worker 1 is the first with at most 0.25 s: the search stops there.
+    let within = policy
+        .expected_wait_within(&ids, &exact(100), t0, 0.25)
+        .unwrap();
+    assert!(close(within.queue_secs, 0.2));
+    assert_eq!(within.prefill_secs, least.prefill_secs);
+    // None has at most 0.05 s: the least, as without a bound.
+    let none_within = policy
+        .expected_wait_within(&ids, &exact(100), t0, 0.05)
+        .unwrap();
+    assert_eq!(none_within, least);
+}

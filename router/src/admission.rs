@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use admission::{
@@ -147,6 +147,9 @@ pub(crate) struct Gate {
     /// Whether a configured class sets a TTFT deadline, so a request that
     /// names none may still have one (its class's).
     class_deadlines: AtomicBool,
+    /// The room's lowest threshold, in seconds (`f64` bits): where the
+    /// search for a worker with room may stop, read without the lock.
+    lowest_threshold_secs: AtomicU64,
     tenant_header: ArcSwap<HeaderName>,
     registry: AdmissionRegistry,
     /// One release runs at a time; a trigger during it makes it run again.
@@ -163,6 +166,10 @@ fn room_for(
     let room = config.room()?;
     let order = registry.build(&config.order, &serde_json::Value::Null)?;
     Ok(AdmissionRoom::new(order, room))
+}
+
+fn lowest_threshold_bits(room: &AdmissionRoom) -> u64 {
+    room.lowest_threshold().as_secs_f64().to_bits()
 }
 
 fn has_class_deadlines(room: &AdmissionRoom) -> bool {
@@ -187,6 +194,7 @@ impl Gate {
     ) -> Result<Gate, ConfigError> {
         let room = room_for(&registry, config)?;
         let class_deadlines = AtomicBool::new(has_class_deadlines(&room));
+        let lowest_threshold_secs = AtomicU64::new(lowest_threshold_bits(&room));
         Ok(Gate {
             state: Mutex::new(State {
                 room,
@@ -196,6 +204,7 @@ impl Gate {
             waiting: AtomicUsize::new(0),
             enabled: AtomicBool::new(config.enabled),
             class_deadlines,
+            lowest_threshold_secs,
             tenant_header: ArcSwap::from_pointee(tenant_header(config)?),
             registry,
             releasing: AtomicBool::new(false),
@@ -228,6 +237,8 @@ impl Gate {
         self.enabled.store(config.enabled, Ordering::Release);
         self.class_deadlines
             .store(has_class_deadlines(&fresh), Ordering::Release);
+        self.lowest_threshold_secs
+            .store(lowest_threshold_bits(&fresh), Ordering::Release);
         self.tenant_header.store(Arc::new(header));
         state.config = config;
         Ok(())
@@ -247,7 +258,8 @@ impl Gate {
         let admission = Admission::read(headers, read.priority, &self.tenant_header())?;
         let arrival = arrival(&admission, &read.info);
         let now = tokio_now();
-        let expected = expected(app, &read.info, true, now);
+        // The least wait, not the first with room: explain shows it.
+        let expected = expected(app, &read.info, true, 0.0, now);
         Ok(self.state.lock().room.explain(&arrival, expected, now))
     }
 
@@ -318,7 +330,9 @@ impl Gate {
                 continue;
             };
             let info = &waiter.info;
-            let expected = policy.expected_wait(snapshot.candidates(), info, now_std);
+            let within_secs = state.room.lowest_threshold().as_secs_f64();
+            let expected =
+                policy.expected_wait_within(snapshot.candidates(), info, now_std, within_secs);
             if !state.room.has_room(expected) {
                 return false;
             }
@@ -452,13 +466,22 @@ pub(crate) async fn run_ticker(app: Arc<App>) {
 }
 
 /// The policy's expected waits for a request: at the least busy candidate
-/// and, when `at_chosen`, at the worker it would choose (a second scoring,
-/// asked for only when the request has a deadline to judge).
-fn expected(app: &App, info: &RequestInfo, at_chosen: bool, now: Instant) -> Expected {
+/// (or the first found whose wait is at most `within_secs`) and, when
+/// `at_chosen`, at the worker it would choose (a second scoring, asked for
+/// only when the request has a deadline to judge).
+fn expected(
+    app: &App,
+    info: &RequestInfo,
+    at_chosen: bool,
+    within_secs: f64,
+    now: Instant,
+) -> Expected {
     let snapshot = app.topology.load();
     let candidates = snapshot.candidates();
     Expected {
-        fleet: snapshot.policy.expected_wait(candidates, info, now),
+        fleet: snapshot
+            .policy
+            .expected_wait_within(candidates, info, now, within_secs),
         chosen: at_chosen
             .then(|| snapshot.policy.preview(candidates, info, now))
             .flatten()
@@ -509,7 +532,8 @@ pub(crate) async fn admit(
     let has_deadline = arrival.ttft_deadline.is_some()
         || (gate.class_deadlines.load(Ordering::Acquire)
             && gate.state.lock().room.has_deadline(&arrival));
-    let expected = expected(app, info, has_deadline, now_std);
+    let within_secs = f64::from_bits(gate.lowest_threshold_secs.load(Ordering::Acquire));
+    let expected = expected(app, info, has_deadline, within_secs, now_std);
     let (sender, receiver) = oneshot::channel();
     let mut sender = Some(sender);
     // The decision and the waiter's registration are one critical section,
