@@ -26,15 +26,21 @@ enum ProxyPath {
     LeastLoad,
     /// least_load with `[server.tls]`: clients over TLS, engines plain.
     LeastLoadTls,
+    /// least_load with `[admission] enabled = false`.
+    LeastLoadNoRoom,
+    /// least_load with `[hedging] after_ms = 0`.
+    LeastLoadNoHedge,
     Nginx,
 }
 
 impl ProxyPath {
-    const ALL: [ProxyPath; 5] = [
+    const ALL: [ProxyPath; 7] = [
         ProxyPath::Direct,
         ProxyPath::RoundRobin,
         ProxyPath::LeastLoad,
         ProxyPath::LeastLoadTls,
+        ProxyPath::LeastLoadNoRoom,
+        ProxyPath::LeastLoadNoHedge,
         ProxyPath::Nginx,
     ];
 
@@ -44,6 +50,8 @@ impl ProxyPath {
             ProxyPath::RoundRobin => "round_robin",
             ProxyPath::LeastLoad => "least_load",
             ProxyPath::LeastLoadTls => "least_load_tls",
+            ProxyPath::LeastLoadNoRoom => "least_load_no_room",
+            ProxyPath::LeastLoadNoHedge => "least_load_no_hedge",
             ProxyPath::Nginx => "nginx",
         }
     }
@@ -170,6 +178,20 @@ fn self_signed_certificate(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
 /// The least_load router with `[server.tls]` (a certificate made here),
 /// ready: every worker healthy. Its `/metrics` is on a plain listener of its
 /// own, which the readiness check reads (the main port speaks only TLS).
+/// The least_load router with one more section of config, `toml`, written
+/// to `dir/<name>.toml`.
+fn start_router_configured(
+    dir: &Path,
+    name: &str,
+    toml: &str,
+    ports: &[u16],
+) -> Result<(Process, u16), String> {
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(&config, toml)
+        .map_err(|error| format!("cannot write {}: {error}", config.display()))?;
+    start_router("least_load", ports, Some(&config))
+}
+
 fn start_tls_router(dir: &Path, ports: &[u16]) -> Result<(Process, u16), String> {
     let (cert_file, key_file) = self_signed_certificate(dir)?;
     let port = crate::free_ports(2)?;
@@ -387,9 +409,9 @@ const SATURATION_PAIRED: [(&str, PerRun); 2] = [
     ("cpu_vs_nginx_paired", cpu_per_request),
 ];
 
-/// The TLS router row's run-by-run comparison with the plain least_load
-/// router's.
-const TLS_PAIRED: [(&str, PerRun); 1] = [("cpu_vs_plain_paired", cpu_per_request)];
+/// The least_load variants' (TLS, no admission room, no hedging)
+/// run-by-run comparison with the plain least_load router's.
+const VARIANT_PAIRED: [(&str, PerRun); 1] = [("cpu_vs_plain_paired", cpu_per_request)];
 
 /// The half-load router row's run-by-run comparison with nginx: the p99
 /// target is judged on it.
@@ -474,6 +496,18 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
     let (round_robin, rr_port) = start_router("round_robin", &ports, None)?;
     let (least_load, ll_port) = start_router("least_load", &ports, None)?;
     let (least_load_tls, tls_port) = start_tls_router(out_dir, &ports)?;
+    let (no_room, no_room_port) = start_router_configured(
+        out_dir,
+        "least_load_no_room",
+        "[admission]\nenabled = false\n",
+        &ports,
+    )?;
+    let (no_hedge, no_hedge_port) = start_router_configured(
+        out_dir,
+        "least_load_no_hedge",
+        "[hedging]\nafter_ms = 0\n",
+        &ports,
+    )?;
     let (nginx, nginx_port) = start_nginx(out_dir, &ports)?;
     let proxies = [
         (
@@ -497,6 +531,22 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             Proxy {
                 process: least_load_tls,
                 port: tls_port,
+                with_children: false,
+            },
+        ),
+        (
+            ProxyPath::LeastLoadNoRoom,
+            Proxy {
+                process: no_room,
+                port: no_room_port,
+                with_children: false,
+            },
+        ),
+        (
+            ProxyPath::LeastLoadNoHedge,
+            Proxy {
+                process: no_hedge,
+                port: no_hedge_port,
                 with_children: false,
             },
         ),
@@ -535,6 +585,9 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
     ));
     notes.push(
         "least_load_tls: the least_load router with `[server.tls]` (a self-signed ECDSA P-256 certificate made by `openssl`), the engines behind it plain HTTP as for the others; wrk connects with `https://` (OpenSSL, TLS 1.3), each of its 64 connections one handshake and then kept alive for the run, so the row is the cost of TLS records, not of handshakes. Its `/metrics` has a plain listener of its own (`metrics_port`), for the readiness check. `cpu_vs_plain_paired`: its CPU per request over least_load's, run by run.".to_owned(),
+    );
+    notes.push(
+        "least_load_no_room and least_load_no_hedge: the least_load router with `[admission] enabled = false` and with `[hedging] after_ms = 0`, so 1 − their `cpu_vs_plain_paired` is the share of least_load's CPU per request that the admission gate, or the hedge's arming, costs a request that is neither queued nor hedged.".to_owned(),
     );
     notes.push(
         "nginx: `least_conn` over the same 4 upstreams, `keepalive 128` upstream connections, HTTP/1.1 upstream, `proxy_buffering off` and `proxy_request_buffering off`, access log off; config under target/bench/nginx/.".to_owned(),
@@ -589,8 +642,12 @@ pub(crate) fn run(options: &Options, out_dir: &Path) -> Result<(Vec<Row>, Vec<St
             if let Some(nginx_runs) = nginx_runs {
                 row = with_paired_ratios(row, own_runs, nginx_runs, &SATURATION_PAIRED);
             }
-            if let (ProxyPath::LeastLoadTls, Some(plain_runs)) = (path, plain_runs) {
-                row = with_paired_ratios(row, own_runs, plain_runs, &TLS_PAIRED);
+            if let (
+                ProxyPath::LeastLoadTls | ProxyPath::LeastLoadNoRoom | ProxyPath::LeastLoadNoHedge,
+                Some(plain_runs),
+            ) = (path, plain_runs)
+            {
+                row = with_paired_ratios(row, own_runs, plain_runs, &VARIANT_PAIRED);
             }
             rows.push(row);
         }
