@@ -56,7 +56,7 @@
 //!   its release; its TTFT counts from its arrival at the router.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -104,6 +104,9 @@ pub struct Cell<'a> {
     /// admission: a room runs where the router point's order is not `off`
     /// (not for the references), and request deadlines take its classes'.
     pub room: Option<&'a RoomConfig>,
+    /// Whether a multi-turn session ends at a turn its room turns away
+    /// (its later turns are not sent), or goes on as drawn.
+    pub turned_away_ends_session: bool,
 }
 
 /// How often a replica's admission room is released and checked for
@@ -929,6 +932,12 @@ struct CellRun<'a> {
     /// The router arrival time of each request a room released, until it
     /// finishes (its engine saw it arrive at its release).
     waited_from_s: HashMap<usize, f64>,
+    /// Sessions that ended at a turned-away turn ([`Cell::turned_away_ends_session`]).
+    ended_sessions: HashSet<u64>,
+    /// Requests not sent: their session had ended.
+    unsent: Vec<bool>,
+    /// How many were.
+    unsent_count: usize,
     /// Since when a room has waited with nothing to release (see
     /// [`STUCK_AFTER_S`]).
     stuck_since_s: Option<f64>,
@@ -1020,6 +1029,9 @@ impl<'a> CellRun<'a> {
             rejections: vec![None; cell.requests.len()],
             rejected: 0,
             waited_from_s: HashMap::new(),
+            ended_sessions: HashSet::new(),
+            unsent: vec![false; cell.requests.len()],
+            unsent_count: 0,
             stuck_since_s: None,
         })
     }
@@ -1027,7 +1039,7 @@ impl<'a> CellRun<'a> {
     /// Handles events in time order until every request has finished, or
     /// none is left.
     fn run_events(&mut self) -> Result<(), SimError> {
-        while self.records.len() + self.rejected < self.cell.requests.len() {
+        while self.records.len() + self.rejected + self.unsent_count < self.cell.requests.len() {
             let Some(event) = self.queue.heap.pop() else {
                 break;
             };
@@ -1104,6 +1116,15 @@ impl<'a> CellRun<'a> {
         self.next_arrival += 1;
         if let Some(next) = self.cell.requests.get(self.next_arrival) {
             self.queue.push(next.arrival_s.max(now_s), Kind::Arrival);
+        }
+        if let Some(session) = self.cell.requests.get(id).and_then(RequestSpec::session)
+            && self.ended_sessions.contains(&session)
+        {
+            if let Some(unsent) = self.unsent.get_mut(id) {
+                *unsent = true;
+                self.unsent_count += 1;
+            }
+            return Ok(());
         }
         // Chained once: for the policy's prefix index and the engines.
         let chain = self.chain(id);
@@ -1253,6 +1274,11 @@ impl<'a> CellRun<'a> {
 
     /// Request `id` is turned away, `after_s` after its arrival.
     fn reject(&mut self, id: usize, reason: RejectReason, after_s: f64) {
+        if self.cell.turned_away_ends_session
+            && let Some(session) = self.cell.requests.get(id).and_then(RequestSpec::session)
+        {
+            self.ended_sessions.insert(session);
+        }
         if let Some(slot) = self.rejections.get_mut(id) {
             *slot = Some((reason, after_s));
             self.rejected += 1;
@@ -1683,7 +1709,7 @@ impl<'a> CellRun<'a> {
     /// The cell's statistics, once every request has finished.
     fn results(self) -> Result<CellStats, SimError> {
         let total = self.cell.requests.len();
-        if self.records.len() + self.rejected < total {
+        if self.records.len() + self.rejected + self.unsent_count < total {
             return Err(SimError::Stalled {
                 finished: self.records.len(),
                 total,
@@ -1735,6 +1761,11 @@ impl<'a> CellRun<'a> {
                 });
             }
         }
+        for (outcome, &unsent) in outcomes.iter_mut().zip(&self.unsent) {
+            if unsent {
+                *outcome = Some(Outcome::Unsent);
+            }
+        }
         let classifier = match self.cell.room {
             Some(config) => {
                 let order = admission::registry()
@@ -1765,6 +1796,7 @@ impl<'a> CellRun<'a> {
 mod tests {
     use super::*;
     use crate::scenario::{AdmissionOrder, RouterPoint, SyncConfig};
+    use crate::workload::Segment;
 
     fn router() -> RouterPoint {
         RouterPoint {
@@ -1941,6 +1973,7 @@ mod tests {
                     slowdown: None,
                     restart: None,
                     room: None,
+                    turned_away_ends_session: false,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 let ttft = &stats.ttft_sorted_s;
@@ -1962,6 +1995,80 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// [`overloaded_cell_stats`]'s requests as 40 sessions of 6 turns,
+    /// request `i` a turn of session `i % 40` (so a session's turns are 2 s
+    /// apart and share its priority), with the priority order's room.
+    fn overloaded_sessions_stats(turned_away_ends_session: bool) -> CellStats {
+        let workers = vec![
+            (LoadReport::Sglang, params()),
+            (LoadReport::Sglang, params()),
+        ];
+        let requests: Vec<RequestSpec> = (0..240)
+            .map(|i| RequestSpec {
+                arrival_s: 0.05 * f64::from(i),
+                prompt_tokens: 200,
+                output_tokens: 1,
+                prefix_group: None,
+                segments: Some(Arc::from(vec![
+                    Segment { id: 7, tokens: 100 },
+                    Segment {
+                        id: 1000 + (i % 40) as u64,
+                        tokens: 50,
+                    },
+                ])),
+                priority: Some(i % 2),
+                tenant: None,
+                ttft_deadline_s: (i % 2 == 1).then_some(1.0),
+            })
+            .collect();
+        let config = RoomConfig::default();
+        let cell = Cell {
+            workers: &workers,
+            requests: &requests,
+            chains: &[],
+            shared_prefix: None,
+            router: RouterPoint {
+                poll_interval_s: 0.1,
+                stale_after_s: 0.3,
+                admission: AdmissionOrder::Priority,
+                sweeps_admission: true,
+                ..router()
+            },
+            policy: PolicyName::LeastLoad,
+            seed: 3,
+            slowdown: None,
+            restart: None,
+            room: Some(&config),
+            turned_away_ends_session,
+        };
+        run_cell(&cell, &policy_registry()).unwrap()
+    }
+
+    #[test]
+    fn a_session_ends_at_a_turn_turned_away_unless_told_to_go_on() {
+        let go_on = overloaded_sessions_stats(false).outcomes.unwrap();
+        let ends = overloaded_sessions_stats(true).outcomes.unwrap();
+        // Going on, every turn is sent.
+        assert_eq!(go_on.all.unsent_requests, 0);
+        assert_eq!(go_on.all.offered_requests, 240);
+        let (go_on_batch, ends_batch) = (&go_on.by_class[1], &ends.by_class[1]);
+        assert!(go_on_batch.rejected_requests > 0, "{go_on_batch:?}");
+        // Ending, the turns after one turned away are not sent, and not
+        // counted as offered; priority 0's sessions lose none.
+        assert!(ends_batch.unsent_requests > 0, "{ends_batch:?}");
+        assert_eq!(ends.by_class[0].unsent_requests, 0);
+        for group in [&ends.all, &ends.by_class[0], ends_batch] {
+            assert_eq!(
+                group.served_requests + group.rejected_requests,
+                group.offered_requests,
+                "{group:?}"
+            );
+        }
+        assert_eq!(ends.all.offered_requests + ends.all.unsent_requests, 240);
+        // Each of the 20 priority 1 sessions is turned away at most once.
+        assert!(ends_batch.rejected_requests <= 20, "{ends_batch:?}");
     }
 
     /// Two workers of 1000 prompt tokens/s, 200-token prompts every 50 ms
@@ -2001,6 +2108,7 @@ mod tests {
             slowdown: None,
             restart: None,
             room,
+            turned_away_ends_session: false,
         };
         run_cell(&cell, &policy_registry()).unwrap()
     }
@@ -2105,6 +2213,7 @@ mod tests {
                 slowdown: None,
                 restart: None,
                 room: None,
+                turned_away_ends_session: false,
             };
             let a = run_cell(&cell, &registry).unwrap();
             let b = run_cell(&cell, &registry).unwrap();
@@ -2157,6 +2266,7 @@ mod tests {
                     slowdown: None,
                     restart: None,
                     room: None,
+                    turned_away_ends_session: false,
                 };
                 let stats = run_cell(&cell, &registry).unwrap();
                 assert_eq!(stats.requests, 1500, "{policy:?} {report_at:?}");
@@ -2187,6 +2297,7 @@ mod tests {
             slowdown: None,
             restart: None,
             room: None,
+            turned_away_ends_session: false,
         };
         run_cell(&cell, &policy_registry()).unwrap()
     }
@@ -2277,6 +2388,7 @@ mod tests {
             slowdown: None,
             restart: None,
             room: None,
+            turned_away_ends_session: false,
         };
         let prefixed = requests
             .iter()
@@ -2367,6 +2479,7 @@ mod tests {
                 slowdown,
                 restart: None,
                 room: None,
+                turned_away_ends_session: false,
             };
             run_cell(&cell, &registry).unwrap()
         };

@@ -13,8 +13,16 @@ use super::workload::RequestSpec;
 /// One request's end.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Outcome {
-    Served { ttft_s: f64, finish_s: f64 },
-    Rejected { reason: RejectReason, after_s: f64 },
+    Served {
+        ttft_s: f64,
+        finish_s: f64,
+    },
+    Rejected {
+        reason: RejectReason,
+        after_s: f64,
+    },
+    /// Never sent: its multi-turn session had ended at a turned-away turn.
+    Unsent,
 }
 
 /// The requests of one group (all, a class, a tenant) and what became of
@@ -25,6 +33,9 @@ pub struct GroupStats {
     pub group: String,
     /// Requests that arrived.
     pub offered_requests: usize,
+    /// Multi-turn requests not sent, their session having ended at a turn
+    /// turned away (not among the offered).
+    pub unsent_requests: usize,
     /// Requests that got their answer.
     pub served_requests: usize,
     /// TTFT of the served requests, from their arrival at the router.
@@ -136,6 +147,7 @@ fn group_stats(
     window_s: std::ops::Range<f64>,
 ) -> GroupStats {
     let mut offered = 0;
+    let mut unsent = 0;
     let mut ttft_s = Vec::new();
     let mut goodput = 0;
     let mut served_late = 0;
@@ -148,9 +160,14 @@ fn group_stats(
     let mut rejection_s = Vec::new();
     let mut finished_in_window = 0;
     for id in ids {
+        let outcome = outcomes.get(id).copied().flatten();
+        if outcome == Some(Outcome::Unsent) {
+            unsent += 1;
+            continue;
+        }
         offered += 1;
         let deadline = deadlines.get(id).copied().flatten();
-        match outcomes.get(id).copied().flatten() {
+        match outcome {
             Some(Outcome::Served {
                 ttft_s: ttft,
                 finish_s,
@@ -175,7 +192,7 @@ fn group_stats(
                     rejected_late += 1;
                 }
             }
-            None => {}
+            Some(Outcome::Unsent) | None => {}
         }
     }
     ttft_s.sort_by(f64::total_cmp);
@@ -183,6 +200,7 @@ fn group_stats(
     GroupStats {
         group: name,
         offered_requests: offered,
+        unsent_requests: unsent,
         served_requests: ttft_s.len(),
         ttft_p50_s: percentile(&ttft_s, 50.0),
         ttft_p99_s: percentile(&ttft_s, 99.0),

@@ -259,7 +259,8 @@ pub fn markdown(report: &Report) -> String {
             out,
             "\n## Requests served and turned away\n\n\
              Per cell, for all requests, each priority class and each tenant: requests \
-             offered and served, TTFT of the served ones from their arrival at the router, \
+             offered, multi-turn requests not sent (their session ended at a turn turned \
+             away: a client has no answer to build its next message on), requests served, TTFT of the served ones from their arrival at the router, \
              goodput (served within their TTFT deadline; every served request without one) \
              and its share of those offered, requests served past their deadline, requests \
              the admission room turned away (queue full / deadline unmeetable / deadline \
@@ -352,17 +353,19 @@ pub fn summary_table(report: &Report) -> String {
 
 /// For scenarios that count each request's outcome: per cell and group
 /// (all requests, each class, each tenant), what was served, in time or
-/// late, what was turned away, why and when. `None` without such rows.
+/// late, what was turned away, why and when, and the multi-turn requests
+/// not sent because their session ended at a turn turned away. `None`
+/// without such rows.
 pub fn outcome_table(report: &Report) -> Option<String> {
     if report.results.iter().all(|row| row.outcomes.is_none()) {
         return None;
     }
     let mut out = String::from(
-        "| traffic | setting | load | policy | group | offered | served | TTFT p50 (s) | \
+        "| traffic | setting | load | policy | group | offered | not sent | served | TTFT p50 (s) | \
          TTFT p99 (s) | goodput | goodput ÷ offered | served late | turned away (full / \
          unmeetable / passed) | on arrival | turned away late | turned away after p50 / p99 / max (s) | \
          throughput ÷ capacity |\n\
-         |---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         |---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for row in &report.results {
         let groups = row
@@ -374,13 +377,14 @@ pub fn outcome_table(report: &Report) -> Option<String> {
             let reason = |name: &str| group.rejected_by_reason.get(name).copied().unwrap_or(0);
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.3} | {} | {:.1}% | {} | {} ({} / {} / {}) | {} | {} | {:.3} / {:.3} / {:.3} | {:.3} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.3} | {} | {:.1}% | {} | {} ({} / {} / {}) | {} | {} | {:.3} / {:.3} / {:.3} | {:.3} |",
                 row.traffic,
                 sweep_of(row).setting(),
                 row.utilization,
                 row.policy,
                 group.group,
                 group.offered_requests,
+                group.unsent_requests,
                 group.served_requests,
                 group.ttft_p50_s,
                 group.ttft_p99_s,

@@ -23,7 +23,7 @@ use super::metrics::CellStats;
 use super::outcome::GroupStats;
 use super::scenario::{
     AdmissionOrder, CapacityBasis, LoadReport, PolicyName, RouterPoint, Scenario, SyncConfig,
-    TrafficConfig,
+    TrafficConfig, TurnedAway,
 };
 use super::sync::{SyncStats, counts_replica_pending};
 use super::workload::{RequestSpec, Trace, chained_block_hashes_of, generate, mean_lengths};
@@ -626,6 +626,7 @@ fn traffic_capacity_rps(
             slowdown: None,
             restart: None,
             room: None,
+            turned_away_ends_session: false,
         };
         let finished_s: Vec<f64> = run_cell_records(&cell, &registry)?
             .iter()
@@ -767,6 +768,9 @@ pub fn run_scenarios(
                 window_s: restart.window_s,
             }),
             room: plan.room.as_ref(),
+            turned_away_ends_session: scenario.traffic[run.traffic]
+                .conversation
+                .is_some_and(|conversation| conversation.turned_away == TurnedAway::Ends),
         };
         run_cell(&cell, registry)
     };

@@ -682,7 +682,8 @@ fn one() -> u32 {
 /// turns is geometric with mean `mean_turns`, at most `max_turns`, and a
 /// session ends early when its next prompt would exceed `max_context_tokens`.
 /// Sessions start at the traffic's arrival process, at the request rate
-/// divided by the mean turns a session really has.
+/// divided by the mean turns a session really has. A turn an admission room
+/// turns away ends its session by default (`turned_away`).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConversationConfig {
@@ -701,6 +702,23 @@ pub struct ConversationConfig {
     /// A session ends before a prompt longer than this, tokens.
     #[serde(default = "context_default")]
     pub max_context_tokens: u32,
+    /// What a session does when an admission room turns one of its turns
+    /// away.
+    #[serde(default)]
+    pub turned_away: TurnedAway,
+}
+
+/// What a session does after a turn of it is turned away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnedAway {
+    /// The session ends: its later turns, each of which would resend that
+    /// turn's answer, are not sent. A client whose request is refused has
+    /// no answer to build its next message on.
+    #[default]
+    Ends,
+    /// Its later turns are sent as drawn, as if the answer had come.
+    Continues,
 }
 
 fn four() -> u32 {
@@ -1457,6 +1475,23 @@ output = { dist = "constant", tokens = 10 }
         Scenario::from_toml_str(text, Path::new("test.toml"), PathBuf::new())
     }
 
+    #[test]
+    fn a_session_ends_at_a_turn_turned_away_unless_the_traffic_says_it_goes_on() {
+        let with = |extra: &str| {
+            let conversation = format!(
+                "tokens = 10 }}\nconversation = {{ system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0{extra} }}"
+            );
+            let text = MINIMAL.replacen("tokens = 10 }", &conversation, 1);
+            parse(&text).unwrap().traffic[0]
+                .conversation
+                .unwrap()
+                .turned_away
+        };
+        assert_eq!(with(""), TurnedAway::Ends);
+        assert_eq!(with(", turned_away = \"continues\""), TurnedAway::Continues);
+        assert_eq!(with(", turned_away = \"ends\""), TurnedAway::Ends);
+    }
+
     fn error_text(error: &SimError) -> String {
         let mut text = error.to_string();
         let mut source = std::error::Error::source(error);
@@ -1541,7 +1576,7 @@ output = { dist = "constant", tokens = 10 }
 
     #[test]
     fn impossible_values_are_clear_errors() {
-        let cases: [(&str, &str, &str); 17] = [
+        let cases: [(&str, &str, &str); 18] = [
             (
                 "utilizations = [0.5]",
                 "utilizations = [4.5]",
@@ -1626,6 +1661,11 @@ output = { dist = "constant", tokens = 10 }
                 "tokens = 200 }",
                 "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0 }\nshared_prefix = { fraction = 0.5, tokens = 64 }",
                 "cannot be combined",
+            ),
+            (
+                "tokens = 200 }",
+                "tokens = 200 }\nconversation = { system_tokens = 100, mean_turns = 2.0, think_time_s = 1.0, turned_away = \"retries\" }",
+                "unknown variant `retries`, expected `ends` or `continues`",
             ),
         ];
         for (from, to, expected) in cases {

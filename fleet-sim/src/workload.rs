@@ -342,6 +342,16 @@ pub struct RequestSpec {
 }
 
 impl RequestSpec {
+    /// The multi-turn session it belongs to, named by the session's first
+    /// user message (the system prompt is its app's, shared with other
+    /// sessions); `None` outside multi-turn traffic.
+    pub fn session(&self) -> Option<u64> {
+        self.segments
+            .as_ref()
+            .and_then(|segments| segments.get(1))
+            .map(|message| message.id)
+    }
+
     /// The runs of its prompt that have content: the shared prefix (as
     /// much of it as the prompt holds), or every segment of a multi-turn
     /// prompt. The rest of a prompt is its own, so no block of it could
@@ -513,15 +523,8 @@ fn label(requests: &mut [RequestSpec], traffic: &TrafficConfig, seed: u64) {
         .map(|tenant| Arc::from(tenant.name.as_str()))
         .collect();
     for request in requests {
-        // A session is named by its first user message (the system prompt
-        // is its app's, shared with other sessions).
-        let session = request
-            .segments
-            .as_ref()
-            .and_then(|segments| segments.get(1))
-            .map(|message| message.id);
         let mut per_session;
-        let rng = match session {
+        let rng = match request.session() {
             Some(id) => {
                 per_session = SmallRng::seed_from_u64(mix(seed ^ id));
                 &mut per_session
@@ -888,6 +891,7 @@ impl Arrivals {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scenario::TurnedAway;
 
     fn traffic(arrival: ArrivalConfig, prompt: LengthDist) -> TrafficConfig {
         TrafficConfig {
@@ -1302,6 +1306,7 @@ mod tests {
             max_turns: 12,
             think_time_s: 5.0,
             max_context_tokens: 8000,
+            turned_away: TurnedAway::Ends,
         };
         let mut t = traffic(
             ArrivalConfig::Poisson {},

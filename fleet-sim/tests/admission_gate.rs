@@ -39,11 +39,10 @@ const TRAFFICS: [&str; 2] = ["size-skew", "multi-turn"];
 
 /// The goals not met yet (the start of the goal's row, traffic), and why
 /// (`docs/admission.md`, "Measured"):
-/// - multi-turn: above 1 s the tail is prefill. At 1.2-1.3 × the load more
-///   conversations are alive at once, their contexts outgrow the engines'
-///   prefix caches, and the evicted ones are computed again; below it, the
-///   wait for a worker with room and in the engine's short queue (goal 1's
-///   priority 0, goal 2's tenant B);
+/// - multi-turn: the wait for a worker with room and in the engine's short
+///   queue, and contexts the engines' prefix caches no longer hold at
+///   1.2-1.3 × the load (goal 1's priority 0, 1.53 against 1.5; goal 2's
+///   tenant B);
 /// - size-skew with tenants: the room keeps engines' queues near
 ///   `reorder_above_wait`, which a light tenant's request waits out and
 ///   which costs throughput; no threshold meets both halves of goal 2.
