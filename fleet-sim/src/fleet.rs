@@ -1997,53 +1997,17 @@ mod tests {
         }
     }
 
-    /// [`overloaded_cell_stats`]'s requests as 40 sessions of 6 turns,
-    /// request `i` a turn of session `i % 40` (so a session's turns are 2 s
-    /// apart and share its priority), with the priority order's room.
+    /// [`overloaded_cell_stats`]'s cell as 40 sessions of 6 turns, request
+    /// `i` a turn of session `i % 40` (so a session's turns are 2 s apart and
+    /// share its priority), with the priority order's room.
     fn overloaded_sessions_stats(turned_away_ends_session: bool) -> CellStats {
-        let workers = vec![
-            (LoadReport::Sglang, params()),
-            (LoadReport::Sglang, params()),
-        ];
-        let requests: Vec<RequestSpec> = (0..240)
-            .map(|i| RequestSpec {
-                arrival_s: 0.05 * f64::from(i),
-                prompt_tokens: 200,
-                output_tokens: 1,
-                prefix_group: None,
-                segments: Some(Arc::from(vec![
-                    Segment { id: 7, tokens: 100 },
-                    Segment {
-                        id: 1000 + (i % 40) as u64,
-                        tokens: 50,
-                    },
-                ])),
-                priority: Some(i % 2),
-                tenant: None,
-                ttft_deadline_s: (i % 2 == 1).then_some(1.0),
-            })
-            .collect();
         let config = RoomConfig::default();
-        let cell = Cell {
-            workers: &workers,
-            requests: &requests,
-            chains: &[],
-            shared_prefix: None,
-            router: RouterPoint {
-                poll_interval_s: 0.1,
-                stale_after_s: 0.3,
-                admission: AdmissionOrder::Priority,
-                sweeps_admission: true,
-                ..router()
-            },
-            policy: PolicyName::LeastLoad,
-            seed: 3,
-            slowdown: None,
-            restart: None,
-            room: Some(&config),
+        run_overloaded(
+            AdmissionOrder::Priority,
+            Some(&config),
+            true,
             turned_away_ends_session,
-        };
-        run_cell(&cell, &policy_registry()).unwrap()
+        )
     }
 
     #[test]
@@ -2075,6 +2039,17 @@ mod tests {
     /// (twice what they can take) for 12 s, alternately priority 0 (no
     /// deadline) and priority 1 (a 1 s deadline); `order` decides.
     fn overloaded_cell_stats(order: AdmissionOrder, room: Option<&RoomConfig>) -> CellStats {
+        run_overloaded(order, room, false, false)
+    }
+
+    /// [`overloaded_cell_stats`]'s cell, its requests turns of 40 sessions
+    /// when `sessions`.
+    fn run_overloaded(
+        order: AdmissionOrder,
+        room: Option<&RoomConfig>,
+        sessions: bool,
+        turned_away_ends_session: bool,
+    ) -> CellStats {
         let workers = vec![
             (LoadReport::Sglang, params()),
             (LoadReport::Sglang, params()),
@@ -2085,7 +2060,15 @@ mod tests {
                 prompt_tokens: 200,
                 output_tokens: 1,
                 prefix_group: None,
-                segments: None,
+                segments: sessions.then(|| {
+                    Arc::from(vec![
+                        Segment { id: 7, tokens: 100 },
+                        Segment {
+                            id: 1000 + (i % 40) as u64,
+                            tokens: 50,
+                        },
+                    ])
+                }),
                 priority: Some(i % 2),
                 tenant: None,
                 ttft_deadline_s: (i % 2 == 1).then_some(1.0),
@@ -2108,7 +2091,7 @@ mod tests {
             slowdown: None,
             restart: None,
             room,
-            turned_away_ends_session: false,
+            turned_away_ends_session,
         };
         run_cell(&cell, &policy_registry()).unwrap()
     }
