@@ -39,10 +39,10 @@ const TRAFFICS: [&str; 2] = ["size-skew", "multi-turn"];
 
 /// The goals not met yet (the start of the goal's row, traffic), and why
 /// (`docs/admission.md`, "Measured"):
-/// - multi-turn: the wait for a worker with room and in the engine's short
-///   queue, and contexts the engines' prefix caches no longer hold at
-///   1.2-1.3 × the load (goal 1's priority 0, 1.53 against 1.5; goal 2's
-///   tenant B);
+/// - multi-turn: the wait in the engine's queue and prefill steps shared
+///   with more work at 1.2-1.3 × the load (goal 1's priority 0, 1.53
+///   against 1.5), and for tenant B (goal 2) the queue of the worker
+///   holding its conversation, behind tenant A's work;
 /// - size-skew with tenants: the room keeps engines' queues near
 ///   `reorder_above_wait`, which a light tenant's request waits out and
 ///   which costs throughput; no threshold meets both halves of goal 2.
