@@ -1039,7 +1039,7 @@ impl<'a> CellRun<'a> {
     /// Handles events in time order until every request has finished, or
     /// none is left.
     fn run_events(&mut self) -> Result<(), SimError> {
-        while self.records.len() + self.rejected + self.unsent_count < self.cell.requests.len() {
+        while self.ended() < self.cell.requests.len() {
             let Some(event) = self.queue.heap.pop() else {
                 break;
             };
@@ -1270,6 +1270,11 @@ impl<'a> CellRun<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Requests that reached their end: served, turned away or not sent.
+    fn ended(&self) -> usize {
+        self.records.len() + self.rejected + self.unsent_count
     }
 
     /// Request `id` is turned away, `after_s` after its arrival.
@@ -1709,7 +1714,7 @@ impl<'a> CellRun<'a> {
     /// The cell's statistics, once every request has finished.
     fn results(self) -> Result<CellStats, SimError> {
         let total = self.cell.requests.len();
-        if self.records.len() + self.rejected + self.unsent_count < total {
+        if self.ended() < total {
             return Err(SimError::Stalled {
                 finished: self.records.len(),
                 total,
