@@ -44,8 +44,10 @@ const TRAFFICS: [&str; 2] = ["size-skew", "multi-turn"];
 ///   against 1.5), and for tenant B (goal 2) the queue of the worker
 ///   holding its conversation, behind tenant A's work;
 /// - size-skew with tenants: the room keeps engines' queues near
-///   `reorder_above_wait`, which a light tenant's request waits out and
-///   which costs throughput; no threshold meets both halves of goal 2.
+///   `reorder_above_wait`, which a light tenant's request waits out; the
+///   policy sees those queues as longer than they are, which costs
+///   throughput. No threshold meets both halves of goal 2, and B's half
+///   was not met even with the engines' true queues in the room's view.
 const OPEN: [(&str, &str); 4] = [
     ("1. priority 0", "multi-turn"),
     ("2. tenant B", "size-skew"),
