@@ -485,7 +485,17 @@ pub struct Metrics {
     pub(crate) prefix_reported_cached_tokens: Family<WorkerLabel, PerThreadCounter>,
     pub(crate) prefix_cache_reports: Family<ReportLabels, PerThreadCounter>,
     pub(crate) prefix_cache_bound_tokens: Family<WorkerLabel, Gauge>,
+    pub(crate) first_token_wait_predicted: Family<WorkerLabel, SecondsCounter>,
+    pub(crate) first_token_wait_measured: Family<WorkerLabel, SecondsCounter>,
 }
+
+/// A running sum of seconds.
+pub(crate) type SecondsCounter = Counter<f64, std::sync::atomic::AtomicU64>;
+
+/// Predicted waits from this long on are not counted: a policy scores a
+/// worker it cannot judge (a NaN or infinite signal) as the largest finite
+/// value, which is no prediction.
+const MAX_PREDICTED_WAIT_SECS: f64 = 86_400.0;
 
 impl Default for Metrics {
     fn default() -> Metrics {
@@ -815,6 +825,18 @@ impl Metrics {
             "The prefix-cache bound last learned for each worker, from its reports here or another replica's (0: none learned)",
             prefix_cache_bound_tokens.clone(),
         );
+        let first_token_wait_predicted = Family::<WorkerLabel, SecondsCounter>::default();
+        registry.register(
+            "first_token_wait_predicted_seconds",
+            "The policy's predicted wait from dispatch to first token, summed over the streamed requests sent to each worker (policies that predict one: least_load, power_of_two)",
+            first_token_wait_predicted.clone(),
+        );
+        let first_token_wait_measured = Family::<WorkerLabel, SecondsCounter>::default();
+        registry.register(
+            "first_token_wait_measured_seconds",
+            "The measured time from dispatch to first token of the same requests: over the predicted sum, how far the policy's model of each worker's wait errs",
+            first_token_wait_measured.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -869,6 +891,8 @@ impl Metrics {
             prefix_reported_cached_tokens,
             prefix_cache_reports,
             prefix_cache_bound_tokens,
+            first_token_wait_predicted,
+            first_token_wait_measured,
         }
     }
 
@@ -952,6 +976,8 @@ pub struct WorkerMetrics {
     /// By [`CacheReportOutcome`], in its declaration order.
     cache_reports: [PerThreadCounter; 3],
     pub(crate) cache_bound_tokens: Gauge,
+    pub(crate) first_token_wait_predicted: SecondsCounter,
+    pub(crate) first_token_wait_measured: SecondsCounter,
 }
 
 impl WorkerMetrics {
@@ -1002,6 +1028,26 @@ impl WorkerMetrics {
                 .prefix_cache_bound_tokens
                 .get_or_create(&label)
                 .clone(),
+            first_token_wait_predicted: metrics
+                .first_token_wait_predicted
+                .get_or_create(&label)
+                .clone(),
+            first_token_wait_measured: metrics
+                .first_token_wait_measured
+                .get_or_create(&label)
+                .clone(),
+        }
+    }
+
+    /// Counts one streamed request's first token, `measured_secs` after its
+    /// dispatch, where the policy predicted `predicted_secs`. A prediction
+    /// that is not a wait (negative, not finite, or the policy's stand-in
+    /// for an unusable worker, [`MAX_PREDICTED_WAIT_SECS`] and more) is
+    /// left out, with its measurement, so the two sums stay comparable.
+    pub(crate) fn first_token_wait(&self, predicted_secs: f64, measured_secs: f64) {
+        if (0.0..MAX_PREDICTED_WAIT_SECS).contains(&predicted_secs) {
+            self.first_token_wait_predicted.inc_by(predicted_secs);
+            self.first_token_wait_measured.inc_by(measured_secs);
         }
     }
 

@@ -389,6 +389,8 @@ pub(crate) fn choose(
             route.clone(),
             dispatch,
             received_at,
+            // A non-streamed answer's first byte comes after its last token.
+            (info.streaming && snapshot.policy.score_is_wait_secs()).then_some(now),
             // Only a prompt with hashed blocks can have been predicted a
             // hit, or be placed; for others the engine's report is not read.
             !info.prefix.is_empty(),
@@ -955,6 +957,10 @@ pub(crate) struct RequestTracker {
     dispatch: Dispatch,
     first_token_seen: bool,
     received_at: Instant,
+    /// When the policy chose the worker, if its score is the predicted
+    /// wait for a streamed request's first token: the first token is then
+    /// counted against that prediction.
+    predicted_wait_from: Option<Instant>,
     /// Reads the engine's `cached_tokens` report from the response, when
     /// the prompt had hashed blocks.
     cache_scan: Option<CachedTokensScanner>,
@@ -979,6 +985,7 @@ impl RequestTracker {
         route: Arc<Route>,
         dispatch: Dispatch,
         received_at: Instant,
+        predicted_wait_from: Option<Instant>,
         read_cache_report: bool,
     ) -> RequestTracker {
         route.worker.request_started();
@@ -988,6 +995,7 @@ impl RequestTracker {
             dispatch,
             first_token_seen: false,
             received_at,
+            predicted_wait_from,
             cache_scan: read_cache_report.then(CachedTokensScanner::default),
             output_charge: None,
             trace: None,
@@ -1069,11 +1077,11 @@ impl RequestTracker {
                     .prefill_sampled(self.dispatch.worker, sample);
             }
             let ttft_s = since(self.received_at, now);
-            self.route
-                .worker
-                .metrics
-                .time_to_first_token
-                .observe(ttft_s);
+            let metrics = &self.route.worker.metrics;
+            metrics.time_to_first_token.observe(ttft_s);
+            if let Some(dispatched_at) = self.predicted_wait_from {
+                metrics.first_token_wait(self.dispatch.score, since(dispatched_at, now));
+            }
             if let Some(trace) = &self.trace {
                 trace.first_token(ttft_s);
             }

@@ -546,3 +546,52 @@ async fn a_burst_after_a_quiet_spell_is_spread_over_the_fleet() {
     );
     engines.shutdown().await;
 }
+
+/// The sums of the policy's predicted and the measured waits for first
+/// tokens, over every worker.
+async fn first_token_waits(router: &common::TestRouter) -> (f64, f64) {
+    (
+        metric_sum(router, "router_first_token_wait_predicted_seconds_total").await,
+        metric_sum(router, "router_first_token_wait_measured_seconds_total").await,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_first_tokens_are_counted_against_the_predicted_wait() {
+    let engines = fleet(vec![engine(Flavour::Sglang, 1), engine(Flavour::Sglang, 2)]).await;
+    let router = router_over(&engines, "[policy]\nkind = \"least_load\"\n").await;
+    let url = format!("{}/v1/chat/completions", router.base);
+    for tag in 0..6 {
+        let body = serde_json::json!({"stream": true, "max_tokens": 4,
+            "messages": [{"role": "user", "content": prompt(tag, 400)}]});
+        stream_to_done(&router.client, &url, body).await.unwrap();
+    }
+    let (predicted, measured) = first_token_waits(&router).await;
+    assert!(predicted > 0.0, "predicted {predicted}");
+    assert!(measured > 0.0, "measured {measured}");
+
+    // A non-streamed answer's first byte is its last: not a first token
+    // to judge a prediction by.
+    let response = router
+        .client
+        .post(&url)
+        .json(&serde_json::json!({"max_tokens": 4,
+            "messages": [{"role": "user", "content": prompt(99, 400)}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    assert_eq!(first_token_waits(&router).await, (predicted, measured));
+    engines.shutdown().await;
+
+    // A policy with no model of wait predicts none.
+    let engines = fleet(vec![engine(Flavour::Sglang, 3), engine(Flavour::Sglang, 4)]).await;
+    let router = common::round_robin_over(&engines, "").await;
+    let body = serde_json::json!({"stream": true, "max_tokens": 4,
+        "messages": [{"role": "user", "content": prompt(100, 400)}]});
+    let url = format!("{}/v1/chat/completions", router.base);
+    stream_to_done(&router.client, &url, body).await.unwrap();
+    assert_eq!(first_token_waits(&router).await, (0.0, 0.0));
+    engines.shutdown().await;
+}
