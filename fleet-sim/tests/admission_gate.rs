@@ -20,11 +20,17 @@
 //!    (order `priority`): from 0.5 to 0.9 of capacity, p99 TTFT within 2 %
 //!    of that without the room.
 //!
-//! Every goal is measured on both traffics and printed as a table; the test
-//! fails on the goals not met, except those in [`OPEN`]: goals the room
-//! does not meet yet, measured and printed, not asserted. Build it in
-//! release: `cargo test --release -p fleet-sim --test admission_gate --
-//! --nocapture`.
+//! Every goal is measured on both traffics and on three draws of the
+//! traffic (the scenarios' seed 7, and 8 and 9): one draw's p99 is a few
+//! hundred requests, and the same traffic drawn again moves it by more than
+//! the margins the goals leave. A goal is judged on the median of its three
+//! measures, except the promises no draw may break: requests served or
+//! turned away after their deadline count over all three, and the time to
+//! turn a request away is the longest of the three. The goals are printed
+//! as a table; the test fails on the goals not met, except those in
+//! [`OPEN`]: goals the room does not meet yet, measured and printed, not
+//! asserted. Build it in release: `cargo test --release -p fleet-sim --test
+//! admission_gate -- --nocapture`.
 
 // Helpers outside #[test] functions unwrap too: a panic here is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -37,25 +43,33 @@ use fleet_sim::{
 
 const TRAFFICS: [&str; 2] = ["size-skew", "multi-turn"];
 
+/// The draws each goal is measured on: the shipped scenarios' seed first.
+const SEEDS: [u64; 3] = [7, 8, 9];
+
 /// The goals not met yet (the start of the goal's row, traffic), and why
 /// (`docs/admission.md`, "Measured"):
-/// - multi-turn: the wait in the engine's queue and prefill steps shared
-///   with more work at 1.2-1.3 × the load (goal 1's priority 0, 1.53
-///   against 1.5), and for tenant B (goal 2) the queue of the worker
-///   holding its conversation, behind tenant A's work;
-/// - size-skew with tenants: the room keeps engines' queues near
-///   `reorder_above_wait`, which a light tenant's request waits out; the
-///   policy sees those queues as longer than they are, which costs
-///   throughput. No threshold meets both halves of goal 2, and B's half
-///   was not met even with the engines' true queues in the room's view.
-const OPEN: [(&str, &str); 4] = [
+/// - multi-turn priority 0 (goal 1): at 1.2-1.3 × the load, prefill steps
+///   shared with more work, and conversations whose context the engines'
+///   caches no longer hold;
+/// - multi-turn priority 1 (goal 1): a few requests in a hundred thousand,
+///   released to a worker whose batch slots free later than predicted,
+///   are served after their deadline;
+/// - tenant B (goal 2): the queue of the worker it goes to, behind tenant
+///   A's work, and on size-skew the step under way there;
+/// - size-skew throughput with tenants (goal 2): the room keeps engines'
+///   queues near `reorder_above_wait`, and the policy sees those queues as
+///   longer than they are. No threshold meets both halves of goal 2, and
+///   B's half was not met even with the engines' true queues in the room's
+///   view.
+const OPEN: [(&str, &str); 5] = [
     ("1. priority 0", "multi-turn"),
+    ("1. priority 1", "multi-turn"),
     ("2. tenant B", "size-skew"),
     ("2. throughput", "size-skew"),
     ("2. tenant B", "multi-turn"),
 ];
 
-fn is_open(goal: &Goal) -> bool {
+fn is_open(goal: &Judged) -> bool {
     OPEN.iter()
         .any(|(row, traffic)| goal.goal.starts_with(row) && goal.traffic == *traffic)
 }
@@ -68,25 +82,35 @@ fn shipped(name: &str) -> Scenario {
     Scenario::from_path(&path).unwrap()
 }
 
-/// The four scenarios' reports, in goal order.
-fn reports() -> Vec<Report> {
-    let scenarios: Vec<Scenario> = [
+/// The four scenarios' reports, in goal order, for each of [`SEEDS`].
+fn reports() -> Vec<[Report; 4]> {
+    let names = [
         "admission-priority",
         "admission-tenants",
         "admission-deadline",
         "admission-default",
-    ]
-    .into_iter()
-    .map(shipped)
-    .collect();
+    ];
+    let scenarios: Vec<Scenario> = SEEDS
+        .iter()
+        .flat_map(|seed| {
+            names.iter().map(move |name| {
+                let mut scenario = shipped(name);
+                scenario.seed = *seed;
+                scenario
+            })
+        })
+        .collect();
     let options = RunOptions {
         threads: 2,
         progress: false,
     };
-    run_scenarios(&scenarios, &options)
+    let mut reports = run_scenarios(&scenarios, &options)
         .unwrap()
         .into_iter()
-        .map(|outcome| outcome.report)
+        .map(|outcome| outcome.report);
+    SEEDS
+        .iter()
+        .map(|_| std::array::from_fn(|_| reports.next().unwrap()))
         .collect()
 }
 
@@ -118,13 +142,57 @@ fn group<'a>(groups: &'a [GroupStats], name: &str) -> &'a GroupStats {
         .unwrap_or_else(|| panic!("no group {name}"))
 }
 
-/// One measured goal.
+/// How a goal's measures on the draws make the one it is judged on.
+#[derive(Clone, Copy)]
+enum Across {
+    Median,
+    Total,
+    Longest,
+}
+
+/// One goal measured on one draw: `value` is what `meets` judges, once
+/// combined over the draws as `across` says.
 struct Goal {
     goal: &'static str,
     traffic: &'static str,
     measured: String,
-    target: String,
+    value: f64,
+    across: Across,
+    target: &'static str,
+    meets: fn(f64) -> bool,
+    /// The combined value, as the table shows it.
+    show: fn(f64) -> String,
+}
+
+/// One goal over every draw.
+struct Judged {
+    goal: &'static str,
+    traffic: &'static str,
+    measured: Vec<String>,
+    value: f64,
+    target: &'static str,
+    show: fn(f64) -> String,
     met: bool,
+}
+
+fn judge(draws: &[Goal]) -> Judged {
+    let first = &draws[0];
+    let mut values: Vec<f64> = draws.iter().map(|draw| draw.value).collect();
+    values.sort_by(f64::total_cmp);
+    let value = match first.across {
+        Across::Median => values[values.len() / 2],
+        Across::Total => values.iter().sum(),
+        Across::Longest => values[values.len() - 1],
+    };
+    Judged {
+        goal: first.goal,
+        traffic: first.traffic,
+        measured: draws.iter().map(|draw| draw.measured.clone()).collect(),
+        value,
+        target: first.target,
+        show: first.show,
+        met: (first.meets)(value),
+    }
 }
 
 fn priority(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
@@ -135,8 +203,11 @@ fn priority(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
         goal: "1. priority 0 p99 at 1.3 ÷ at 0.5",
         traffic,
         measured: format!("{high:.3} s ÷ {calm:.3} s = {:.2}", high / calm),
-        target: "≤ 1.5".into(),
-        met: high <= 1.5 * calm,
+        value: high / calm,
+        across: Across::Median,
+        target: "≤ 1.5",
+        meets: |ratio| ratio <= 1.5,
+        show: |ratio| format!("{ratio:.2}"),
     });
     let low = group(at(1.3), "priority 1");
     goals.push(Goal {
@@ -150,8 +221,11 @@ fn priority(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
             low.served_requests,
             low.rejected_requests
         ),
-        target: "0 / 0".into(),
-        met: low.served_late_requests == 0 && low.rejected_late_requests == 0,
+        value: (low.served_late_requests + low.rejected_late_requests) as f64,
+        across: Across::Total,
+        target: "0 / 0 in all",
+        meets: |late| late == 0.0,
+        show: |late| format!("{late} in all"),
     });
 }
 
@@ -174,8 +248,11 @@ fn tenants(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
             b.ttft_p99_s / alone.ttft_p99_s,
             b.rejected_requests
         ),
-        target: "≤ 1.2".into(),
-        met: b.ttft_p99_s <= 1.2 * alone.ttft_p99_s,
+        value: b.ttft_p99_s / alone.ttft_p99_s,
+        across: Across::Median,
+        target: "≤ 1.2",
+        meets: |ratio| ratio <= 1.2,
+        show: |ratio| format!("{ratio:.2}"),
     });
     let throughput = all(shared).throughput_vs_capacity;
     let without = all(row(report, traffic, 1.2, AdmissionOrder::Off)).throughput_vs_capacity;
@@ -183,8 +260,11 @@ fn tenants(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
         goal: "2. throughput ÷ capacity",
         traffic,
         measured: format!("{throughput:.3} (without the room {without:.3})"),
-        target: "≥ 0.95".into(),
-        met: throughput >= 0.95,
+        value: throughput,
+        across: Across::Median,
+        target: "≥ 0.95",
+        meets: |throughput| throughput >= 0.95,
+        show: |throughput| format!("{throughput:.3}"),
     });
 }
 
@@ -201,8 +281,11 @@ fn deadline(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
             with.goodput_requests,
             with.served_requests
         ),
-        target: "≥ 99 %".into(),
-        met: met >= 0.99,
+        value: met,
+        across: Across::Median,
+        target: "≥ 99 %",
+        meets: |share| share >= 0.99,
+        show: |share| format!("{:.2} %", share * 100.0),
     });
     goals.push(Goal {
         goal: "3. turned away after arrival p50 / p99 / max",
@@ -215,8 +298,11 @@ fn deadline(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
             with.rejected_requests,
             with.rejected_on_arrival_requests
         ),
-        target: "max ≤ 5 ms".into(),
-        met: with.rejection_max_s <= 0.005,
+        value: with.rejection_max_s,
+        across: Across::Longest,
+        target: "max ≤ 5 ms in all",
+        meets: |secs| secs <= 0.005,
+        show: |secs| format!("{:.1} ms", secs * 1e3),
     });
     let ratio = with.goodput_requests as f64 / without.goodput_requests.max(1) as f64;
     goals.push(Goal {
@@ -226,8 +312,11 @@ fn deadline(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
             "{} ÷ {} = {ratio:.2}",
             with.goodput_requests, without.goodput_requests
         ),
-        target: "≥ 1.5".into(),
-        met: ratio >= 1.5,
+        value: ratio,
+        across: Across::Median,
+        target: "≥ 1.5",
+        meets: |ratio| ratio >= 1.5,
+        show: |ratio| format!("{ratio:.2}"),
     });
 }
 
@@ -247,30 +336,48 @@ fn default_room(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
         goal: "4. p99 with ÷ without the room, 0.5 … 0.9",
         traffic,
         measured: ratios.join(" "),
-        target: "within 1 ± 0.02".into(),
-        met: (worst.1 - 1.0).abs() <= 0.02,
+        value: (worst.1 - 1.0).abs(),
+        across: Across::Median,
+        target: "within 1 ± 0.02",
+        meets: |off| off <= 0.02,
+        show: |off| format!("off by {off:.3} at worst"),
     });
 }
 
 #[test]
 fn the_admission_room_meets_its_goals() {
     let reports = reports();
-    let mut goals = Vec::new();
-    for traffic in TRAFFICS {
-        priority(&reports[0], traffic, &mut goals);
-        tenants(&reports[1], traffic, &mut goals);
-        deadline(&reports[2], traffic, &mut goals);
-        default_room(&reports[3], traffic, &mut goals);
+    let mut by_draw: Vec<Vec<Goal>> = Vec::new();
+    for draw in &reports {
+        let mut goals = Vec::new();
+        for traffic in TRAFFICS {
+            priority(&draw[0], traffic, &mut goals);
+            tenants(&draw[1], traffic, &mut goals);
+            deadline(&draw[2], traffic, &mut goals);
+            default_room(&draw[3], traffic, &mut goals);
+        }
+        goals.sort_by_key(|goal| goal.goal.chars().next());
+        by_draw.push(goals);
     }
-    goals.sort_by_key(|goal| goal.goal.chars().next());
-    let mut table =
-        String::from("| goal | traffic | measured | target | met |\n|---|---|---|---|---|\n");
-    for goal in &goals {
+    let mut per_goal: Vec<Vec<Goal>> = by_draw[0].iter().map(|_| Vec::new()).collect();
+    for goals in by_draw {
+        for (draws, goal) in per_goal.iter_mut().zip(goals) {
+            draws.push(goal);
+        }
+    }
+    let judged: Vec<Judged> = per_goal.iter().map(|draws| judge(draws)).collect();
+    let seeds: Vec<String> = SEEDS.iter().map(u64::to_string).collect();
+    let mut table = format!(
+        "| goal | traffic | measured (seeds {}) | judged | target | met |\n|---|---|---|---|---|---|\n",
+        seeds.join(", ")
+    );
+    for goal in &judged {
         table.push_str(&format!(
-            "| {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} |\n",
             goal.goal,
             goal.traffic,
-            goal.measured,
+            goal.measured.join(" · "),
+            (goal.show)(goal.value),
             goal.target,
             match (goal.met, is_open(goal)) {
                 (true, _) => "yes",
@@ -280,25 +387,37 @@ fn the_admission_room_meets_its_goals() {
         ));
     }
     println!("{table}");
-    let capacities: Vec<String> = reports[0]
-        .capacity
-        .iter()
-        .map(|capacity| {
-            format!(
-                "{}: {:.2} req/s (the formula's {:.2})",
-                capacity.traffic,
-                capacity.capacity_rps,
-                capacity
-                    .formula_capacity_rps
-                    .unwrap_or(capacity.capacity_rps)
-            )
-        })
-        .collect();
-    println!("measured capacities: {}", capacities.join(", "));
-    let failed: Vec<String> = goals
+    for (seed, draw) in SEEDS.iter().zip(&reports) {
+        let capacities: Vec<String> = draw[0]
+            .capacity
+            .iter()
+            .map(|capacity| {
+                format!(
+                    "{}: {:.2} req/s (the formula's {:.2})",
+                    capacity.traffic,
+                    capacity.capacity_rps,
+                    capacity
+                        .formula_capacity_rps
+                        .unwrap_or(capacity.capacity_rps)
+                )
+            })
+            .collect();
+        println!(
+            "measured capacities, seed {seed}: {}",
+            capacities.join(", ")
+        );
+    }
+    let failed: Vec<String> = judged
         .iter()
         .filter(|goal| !goal.met && !is_open(goal))
-        .map(|goal| format!("{} ({}): {}", goal.goal, goal.traffic, goal.measured))
+        .map(|goal| {
+            format!(
+                "{} ({}): {}",
+                goal.goal,
+                goal.traffic,
+                goal.measured.join(" · ")
+            )
+        })
         .collect();
     assert!(
         failed.is_empty(),

@@ -136,8 +136,8 @@ const MISS_EVIDENCE_SHARE: u64 = 8;
 const HIT_RAISE_SHARE: u64 = 4;
 
 /// What the index expects the workers to hold of one request: up to
-/// [`HOLDERS`] workers with a non-zero cached prefix (every other worker
-/// holds none of it).
+/// [`HOLDERS`] workers with a non-zero cached prefix, the deepest holdings
+/// first (every other worker is expected to hold none of it).
 #[derive(Debug, Clone, Copy)]
 pub struct Matches {
     /// `(slot, cached tokens, age in the worker's tokens of that holding)`.
@@ -192,6 +192,16 @@ impl Matches {
         } else if self.len < HOLDERS {
             self.entries[self.len] = (slot, tokens, age_tokens);
             self.len += 1;
+        } else if let Some(shallowest) = self
+            .entries
+            .iter_mut()
+            .min_by_key(|(_, held, _)| *held)
+            .filter(|(_, held, _)| *held < tokens)
+        {
+            // A prefix shared by more workers than are kept (a system
+            // prompt) must not hide the one worker holding the rest of
+            // the prompt: the deeper holding replaces the shallowest.
+            *shallowest = (slot, tokens, age_tokens);
         }
     }
 
@@ -1009,6 +1019,27 @@ mod tests {
         assert!(coarse.lookup(&a, 0).is_empty());
     }
 
+    #[test]
+    fn a_prefix_shared_by_many_workers_does_not_hide_the_one_holding_the_rest() {
+        // A system prompt every worker was sent, then one conversation
+        // that went on at worker 9: its later blocks are only there.
+        let index = PrefixIndex::new(16, 1_000_000, 1000, 60.0);
+        let system = chain(1, 8);
+        let conversation: Vec<u64> = system.iter().copied().chain(chain(2, 8)).collect();
+        index.record(9, &blocks(conversation.clone()), 0, 0);
+        for slot in 0..8 {
+            index.record(slot, &blocks(system.clone()), 0, 0);
+        }
+        let found = index.lookup(&blocks(conversation), 0);
+        assert_eq!(found.cached_tokens(9), 256);
+        assert_eq!(found.max_cached_tokens(), 256);
+        // Of the system prompt's holders, those kept beside it still count.
+        let sharing = (0..8)
+            .filter(|slot| found.cached_tokens(*slot) == 128)
+            .count();
+        assert_eq!(sharing, HOLDERS - 1);
+    }
+
     /// The index's rules written plainly, one step at a time: the
     /// reference the table and its lookups are held to.
     mod model {
@@ -1188,7 +1219,8 @@ mod tests {
 
             /// The documented search: from each block on, the last block
             /// still held by as many workers; each of those holds up to
-            /// there. Returns (slot, cached tokens), at most `HOLDERS`.
+            /// there. Returns (slot, cached tokens), at most `HOLDERS`: a
+            /// deeper holder replaces the shallowest when full.
             pub fn lookup(&self, prefix: &PrefixBlocks, now_ms: u32) -> Vec<(usize, u64)> {
                 let (keys, tokens_per_block) = self.blocks(prefix);
                 let mut found: Vec<(usize, u64)> = Vec::new();
@@ -1213,6 +1245,11 @@ mod tests {
                             entry.1 = tokens;
                         } else if found.len() < HOLDERS {
                             found.push((slot, tokens));
+                        } else if let Some(shallowest) =
+                            found.iter_mut().min_by_key(|(_, held)| *held)
+                            && shallowest.1 < tokens
+                        {
+                            *shallowest = (slot, tokens);
                         }
                     }
                     lo = good + 1;
