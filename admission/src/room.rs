@@ -39,7 +39,7 @@ impl Default for RoomConfig {
 }
 
 pub const DEFAULT_QUEUE_ABOVE_WAIT_MS: u64 = 1500;
-pub const DEFAULT_REORDER_ABOVE_WAIT_MS: u64 = 250;
+pub const DEFAULT_REORDER_ABOVE_WAIT_MS: u64 = 100;
 /// How long after an arrival that differs from the one before it (or has
 /// a deadline) the room keeps to `reorder_above_wait`.
 pub const REORDER_WINDOW: Duration = Duration::from_secs(10);

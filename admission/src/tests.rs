@@ -423,12 +423,15 @@ fn the_threshold_drops_while_there_is_something_to_reorder() {
         Decision::DispatchNow
     );
     assert_eq!(room.threshold(), Duration::from_secs(1));
-    // Another class arrives: a quarter second, for the window.
+    // Another class arrives: the reorder threshold, for the window.
     assert!(matches!(
         room.arrive(&arrival(1, None), wait(0.6), now),
         Decision::Queued(_)
     ));
-    assert_eq!(room.threshold(), Duration::from_millis(250));
+    assert_eq!(
+        room.threshold(),
+        Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS)
+    );
     let later = now + REORDER_WINDOW + Duration::from_millis(1);
     room.pop(later);
     assert_eq!(room.threshold(), Duration::from_secs(1));
@@ -444,7 +447,10 @@ fn the_threshold_drops_while_there_is_something_to_reorder() {
     let mut fair = AdmissionRoom::new(order(FAIR_SHARE), one_second);
     fair.arrive(&alike("t"), wait(0.0), now);
     fair.arrive(&alike("u"), wait(0.0), now);
-    assert_eq!(fair.threshold(), Duration::from_millis(250));
+    assert_eq!(
+        fair.threshold(),
+        Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS)
+    );
 }
 
 #[test]
@@ -797,9 +803,11 @@ fn a_request_waits_for_its_busy_worker_unless_that_would_miss_its_deadline() {
     assert_eq!(room.route(&turns[1], wait(6.0), later), Route::Wait);
     // At the last moment (the deadline less twice the threshold and the
     // prefill), the best worker with room, unless its own still meets it.
-    let last = now + Duration::from_millis(9_500);
+    let threshold = Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS);
+    let last = now + Duration::from_secs(10) - 2 * threshold - Duration::from_millis(100);
     assert_eq!(room.route(&turns[1], wait(6.0), last), Route::WithRoom);
-    assert_eq!(room.route(&turns[1], wait(0.3), last), Route::Wait);
+    let busy_but_in_time = wait(1.5 * threshold.as_secs_f64());
+    assert_eq!(room.route(&turns[1], busy_but_in_time, last), Route::Wait);
     assert_eq!(room.route(&turns[0], wait(30.0), last), Route::Wait);
     // The one behind is released first; the other keeps its place.
     let released = room.take(hurried, later).expect("queued");

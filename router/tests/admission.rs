@@ -644,7 +644,7 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     // Admitted while its worker was 1 s away, a request with a 3 s
     // deadline waits for it; once waiting there would miss the deadline,
     // it goes to the worker with room, at the last moment that still
-    // meets it there (twice the 0.25 s threshold before it).
+    // meets it there (twice the reorder threshold before it).
     set_wait(&pins, &held, 1.0);
     let hurried = send(
         &router,
