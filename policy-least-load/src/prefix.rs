@@ -137,7 +137,7 @@ const HIT_RAISE_SHARE: u64 = 4;
 
 /// What the index expects the workers to hold of one request: up to
 /// [`HOLDERS`] workers with a non-zero cached prefix, the deepest holdings
-/// first (every other worker is expected to hold none of it).
+/// when more hold some (every other worker is expected to hold none of it).
 #[derive(Debug, Clone, Copy)]
 pub struct Matches {
     /// `(slot, cached tokens, age in the worker's tokens of that holding)`.
