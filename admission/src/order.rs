@@ -481,6 +481,37 @@ impl FlowOrder {
         self.len
     }
 
+    /// Whether `request`, queued, is its flow's one waiting request while
+    /// others wait, and its flow's count (lifted as it started to wait) is
+    /// at most every other waiting flow's, among classes and among its
+    /// class's tenants: it would start first under start-time fair
+    /// queuing. A flow sending more than its share runs ahead on its count
+    /// and stops passing.
+    pub(crate) fn passes(&self, request: &Waiting) -> bool {
+        let class_key = self.class_key(request);
+        let tenant_key = self.tenant_key(request);
+        let Some(class) = self.classes.get(&class_key) else {
+            return false;
+        };
+        let Some(tenant) = class.tenants.get(&tenant_key) else {
+            return false;
+        };
+        if tenant.queue.len() != 1 || self.len <= 1 {
+            return false;
+        }
+        let first_class = self
+            .classes
+            .iter()
+            .filter(|(key, other)| **key != class_key && other.queued > 0)
+            .all(|(_, other)| class.served <= other.served);
+        let first_tenant = class
+            .tenants
+            .iter()
+            .filter(|(key, other)| **key != tenant_key && !other.queue.is_empty())
+            .all(|(_, other)| tenant.served <= other.served);
+        first_class && first_tenant
+    }
+
     pub(crate) fn same_flow(&self, a: &Waiting, b: &Waiting) -> bool {
         self.class_key(a) == self.class_key(b) && self.tenant_key(a) == self.tenant_key(b)
     }
@@ -704,6 +735,10 @@ impl Admission for BuiltinOrder {
 
     fn same_flow(&self, a: &Waiting, b: &Waiting) -> bool {
         self.flows.same_flow(a, b)
+    }
+
+    fn passes(&self, request: &Waiting) -> bool {
+        self.flows.passes(request)
     }
 
     fn work_ahead(&self, request: &Waiting) -> u64 {

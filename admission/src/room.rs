@@ -234,6 +234,15 @@ pub struct ReleaseTurn {
     pub ticket: u64,
     /// When its TTFT deadline passes.
     pub due: Option<Instant>,
+    /// It passes the backlog ([`Admission::passes`]): the one request of
+    /// its flow waiting, while other flows' wait, and its flow next to
+    /// start under its share. It goes to the worker its
+    /// policy chooses whether the fleet has room or not
+    /// ([`route`](AdmissionRoom::route)): a flow sending less than its
+    /// share does not wait for the heavier flows' backlog to drain. Its
+    /// share bounds it: a flow sending more runs ahead on its count, and
+    /// waits.
+    pub passes: bool,
 }
 
 /// Where a request whose turn it is goes ([`AdmissionRoom::route`]).
@@ -332,8 +341,8 @@ pub struct Classified {
 
 #[derive(Debug, Clone)]
 struct Entry {
-    class: Arc<str>,
-    arrived: Instant,
+    /// The request as the order holds it.
+    request: Waiting,
     /// When its TTFT deadline passes.
     due: Option<Instant>,
     /// Its own prefill at a typical worker's rate, as predicted.
@@ -640,19 +649,18 @@ impl AdmissionRoom {
             Verdict::Queue => {
                 let ticket = self.next_ticket;
                 self.next_ticket += 1;
+                let request = waiting(ticket, &classified, arrival.work_tokens, now);
+                self.order.push(request.clone());
                 self.entries.insert(
                     ticket,
                     Entry {
-                        class: classified.class.clone(),
-                        arrived: now,
+                        request,
                         due: classified.ttft_deadline.map(|deadline| now + deadline),
                         prefill: duration_from_secs(
                             expected.own().map_or(0.0, |wait| wait.prefill_secs),
                         ),
                     },
                 );
-                self.order
-                    .push(waiting(ticket, &classified, arrival.work_tokens, now));
                 Decision::Queued(ticket)
             }
         }
@@ -761,8 +769,8 @@ impl AdmissionRoom {
         let drain_wait = self.drain_secs(self.queued_work(), now);
         self.evicted.push(Shed {
             ticket,
-            class: entry.class,
-            waited: now.saturating_duration_since(entry.arrived),
+            class: entry.request.class,
+            waited: now.saturating_duration_since(entry.request.arrived),
             rejection: Rejection {
                 reason: RejectReason::QueueFull,
                 retry_after_s: retry_after_s(duration_from_secs(drain_wait.unwrap_or(1.0))),
@@ -786,15 +794,20 @@ impl AdmissionRoom {
         self.order
             .in_order(RELEASE_LOOKAHEAD)
             .into_iter()
-            .map(|ticket| ReleaseTurn {
-                ticket,
-                due: self.entries.get(&ticket).and_then(|entry| entry.due),
+            .map(|ticket| {
+                let entry = self.entries.get(&ticket);
+                ReleaseTurn {
+                    ticket,
+                    due: entry.and_then(|entry| entry.due),
+                    passes: entry.is_some_and(|entry| self.order.passes(&entry.request)),
+                }
             })
             .collect()
     }
 
     /// Where a request whose turn it is goes, given the wait expected at
-    /// the worker its policy chooses. A busy worker (where its prefix is
+    /// the worker its policy chooses. One that [passes](ReleaseTurn::passes)
+    /// goes there. A busy worker (where its prefix is
     /// cached, usually) is waited for, in the room's order, while those
     /// behind it go to others: sent there now it would wait in the
     /// engine's queue, behind whatever was sent earlier. A request with a
@@ -809,6 +822,9 @@ impl AdmissionRoom {
         at_worker: Option<ExpectedWait>,
         now: Instant,
     ) -> Route {
+        if turn.passes {
+            return Route::Chosen;
+        }
         let Some(wait) = at_worker.filter(|wait| !self.has_room(Some(*wait))) else {
             return Route::Chosen;
         };
@@ -841,7 +857,7 @@ impl AdmissionRoom {
         Some(Released {
             ticket: waiting.ticket,
             class: waiting.class,
-            waited: now.saturating_duration_since(entry.map_or(now, |entry| entry.arrived)),
+            waited: now.saturating_duration_since(entry.map_or(now, |entry| entry.request.arrived)),
         })
     }
 
@@ -895,7 +911,7 @@ impl AdmissionRoom {
                 continue;
             };
             self.order.remove(ticket);
-            let waited = now.saturating_duration_since(entry.arrived);
+            let waited = now.saturating_duration_since(entry.request.arrived);
             let rejection = match predicted {
                 None => Rejection {
                     reason: RejectReason::DeadlinePassed,
@@ -910,7 +926,7 @@ impl AdmissionRoom {
             };
             shed.push(Shed {
                 ticket,
-                class: entry.class,
+                class: entry.request.class,
                 waited,
                 rejection,
             });
@@ -936,7 +952,7 @@ impl AdmissionRoom {
     pub fn queued_by_class(&self) -> BTreeMap<Arc<str>, usize> {
         let mut by_class = BTreeMap::new();
         for entry in self.entries.values() {
-            *by_class.entry(entry.class.clone()).or_insert(0) += 1;
+            *by_class.entry(entry.request.class.clone()).or_insert(0) += 1;
         }
         by_class
     }
@@ -953,7 +969,7 @@ impl AdmissionRoom {
             oldest_wait_s: self
                 .entries
                 .values()
-                .map(|entry| secs(now.saturating_duration_since(entry.arrived)))
+                .map(|entry| secs(now.saturating_duration_since(entry.request.arrived)))
                 .fold(0.0, f64::max),
             flows: self.order.flows(),
         }

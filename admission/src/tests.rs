@@ -110,6 +110,63 @@ fn fair_share_gives_a_light_tenant_its_turn_ahead_of_a_flood() {
 }
 
 #[test]
+fn a_light_tenant_passes_a_flood_s_backlog_until_it_sends_more_than_its_share() {
+    let now = Instant::now();
+    let mut fair = order(FAIR_SHARE);
+    for ticket in 0..100 {
+        fair.push(waiting(ticket, 0, "flood", 200, now));
+    }
+    let flood_head = waiting(0, 0, "flood", 200, now);
+    assert!(!fair.passes(&flood_head), "a flow with a backlog waits");
+    // Its one request passes, however long: it is next to start.
+    let light = waiting(500, 0, "light", 6000, now);
+    fair.push(light.clone());
+    assert!(fair.passes(&light));
+    assert_eq!(fair.take(500).map(|w| w.ticket), Some(500));
+    // Sent at once, the light tenant is 6000 tokens ahead on its count:
+    // its next request waits until the flood has caught up.
+    let again = waiting(501, 0, "light", 200, now);
+    fair.push(again.clone());
+    assert!(!fair.passes(&again));
+    let mut flood_served = 0;
+    while !fair.passes(&again) {
+        let served = fair.pop().expect("the flood still waits");
+        assert_eq!(
+            served.tenant.as_ref(),
+            "flood",
+            "the light one waits its turn"
+        );
+        flood_served += served.work_tokens;
+    }
+    assert!((5800..=6000).contains(&flood_served), "{flood_served}");
+    // Two of its own waiting: it is a backlog too.
+    let third = waiting(502, 0, "light", 200, now);
+    fair.push(third.clone());
+    assert!(!fair.passes(&again) && !fair.passes(&third));
+}
+
+#[test]
+fn no_request_passes_a_fifo_or_an_empty_room() {
+    let now = Instant::now();
+    let mut fifo = order(FIFO);
+    let alone = waiting(1, 0, "a", 100, now);
+    fifo.push(alone.clone());
+    assert!(!fifo.passes(&alone), "nothing to pass");
+    let other = waiting(2, 5, "b", 100, now);
+    fifo.push(other.clone());
+    assert!(!fifo.passes(&alone) && !fifo.passes(&other), "one flow");
+    // By priority: the urgent class's one request passes the batch.
+    let mut priority = order(PRIORITY);
+    for ticket in 0..10 {
+        priority.push(waiting(ticket, 1, "", 100, now));
+    }
+    let urgent = waiting(100, 0, "", 100, now);
+    priority.push(urgent.clone());
+    assert!(priority.passes(&urgent));
+    assert!(!priority.passes(&waiting(0, 1, "", 100, now)));
+}
+
+#[test]
 fn fair_share_weighs_tenants_and_counts_output_tokens() {
     let now = Instant::now();
     let mut fair = order(FAIR_SHARE);
@@ -814,6 +871,33 @@ fn a_request_waits_for_its_busy_worker_unless_that_would_miss_its_deadline() {
     assert_eq!(released.waited, Duration::from_secs(5));
     assert_eq!(room.take(hurried, later), None);
     assert_eq!(room.head().map(|head| head.ticket), Some(patient));
+}
+
+#[test]
+fn a_request_that_passes_goes_to_its_busy_worker_at_once() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let busy = wait(3.0);
+    for _ in 0..3 {
+        assert!(matches!(
+            room.arrive(&arrival(1, None), busy, now),
+            Decision::Queued(_)
+        ));
+    }
+    let urgent = match room.arrive(&arrival(0, None), busy, now) {
+        Decision::Queued(ticket) => ticket,
+        other => panic!("queued, not {other:?}"),
+    };
+    let turns = room.release_order();
+    let passing: Vec<u64> = turns
+        .iter()
+        .filter(|turn| turn.passes)
+        .map(|turn| turn.ticket)
+        .collect();
+    assert_eq!(passing, vec![urgent]);
+    assert_eq!(turns[0].ticket, urgent);
+    assert_eq!(room.route(&turns[0], wait(30.0), now), Route::Chosen);
+    assert_eq!(room.route(&turns[1], wait(30.0), now), Route::Wait);
 }
 
 #[test]

@@ -1307,7 +1307,12 @@ impl<'a> CellRun<'a> {
         'passes: loop {
             let turns = self.router.rooms[replica].room.release_order();
             let mut released = false;
+            // Once the fleet has no room, only requests that pass go.
+            let mut fleet_full = false;
             for turn in turns {
+                if fleet_full && !turn.passes {
+                    continue;
+                }
                 let ticket = turn.ticket;
                 let room = &mut self.router.rooms[replica];
                 let Some(&(id, arrived_s)) = room.requests.get(&ticket) else {
@@ -1322,11 +1327,16 @@ impl<'a> CellRun<'a> {
                 let room = &mut self.router.rooms[replica];
                 let ids = &self.router.ids;
                 let within_secs = room.room.lowest_threshold().as_secs_f64();
-                if !room
-                    .room
-                    .has_room(policy.expected_wait_within(ids, &info, now, within_secs))
+                if !turn.passes
+                    && !room.room.has_room(policy.expected_wait_within(
+                        ids,
+                        &info,
+                        now,
+                        within_secs,
+                    ))
                 {
-                    break 'passes;
+                    fleet_full = true;
+                    continue;
                 }
                 let at_worker = policy.preview(ids, &info, now).map(|(_, wait)| wait);
                 let dispatch = match room.room.route(&turn, at_worker, now) {

@@ -128,6 +128,15 @@ pub trait Admission: Send + Sync {
         a.class == b.class && a.tenant == b.tenant
     }
 
+    /// Whether `request`, queued, may pass the backlog: go to a worker
+    /// now though the fleet is busy, because its flow sends less than its
+    /// share (it is the one request of its flow waiting, others' wait, and
+    /// it is next to start under its flow's share). The default: never.
+    fn passes(&self, request: &Waiting) -> bool {
+        let _ = request;
+        false
+    }
+
     /// Removes every queued request, oldest first (to move them to another
     /// order on a live swap).
     fn drain(&mut self) -> Vec<Waiting>;

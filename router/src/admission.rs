@@ -322,7 +322,12 @@ impl Gate {
         let now_std = now.into_std();
         let snapshot = app.topology.load();
         let policy = &snapshot.policy;
+        // Once the fleet has no room, only requests that pass go.
+        let mut fleet_full = false;
         for turn in state.room.release_order() {
+            if fleet_full && !turn.passes {
+                continue;
+            }
             let Some(waiter) = state.waiters.get(&turn.ticket) else {
                 // Not reachable: a ticket is queued and registered under
                 // one lock. Dropped rather than left to block the queue.
@@ -330,11 +335,14 @@ impl Gate {
                 continue;
             };
             let info = &waiter.info;
-            let within_secs = state.room.lowest_threshold().as_secs_f64();
-            let expected =
-                policy.expected_wait_within(snapshot.candidates(), info, now_std, within_secs);
-            if !state.room.has_room(expected) {
-                return false;
+            if !turn.passes {
+                let within_secs = state.room.lowest_threshold().as_secs_f64();
+                let expected =
+                    policy.expected_wait_within(snapshot.candidates(), info, now_std, within_secs);
+                if !state.room.has_room(expected) {
+                    fleet_full = true;
+                    continue;
+                }
             }
             let at_chosen = policy
                 .preview(snapshot.candidates(), info, now_std)

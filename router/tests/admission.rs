@@ -11,7 +11,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::upstream::Upstream;
 use common::{TestRouter, fast_config, metric_sum, start_built, start_router, wait_until, worker};
@@ -612,10 +612,11 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     .await;
     let long = "a conversation whose context is cached on its worker ".repeat(20);
 
-    // Every worker 10 s away: both wait, the long prompt first in the order.
+    // Every worker 10 s away: both wait, the long prompt first in the order
+    // (one class: neither passes the other).
     let first = send(&router, &long, Some(0), &[]);
     wait_until("it waits", || async { queued(&router).await == 1 }).await;
-    let behind = send(&router, "short", Some(1), &[]);
+    let behind = send(&router, "short", Some(0), &[]);
     wait_until("it waits", || async { queued(&router).await == 2 }).await;
 
     // The short prompt's worker frees up: it goes, the long one waits for
@@ -669,4 +670,61 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     let (status, _, body) = first.await.unwrap();
     assert_eq!(status, 200, "{body}");
     assert_eq!(prompts(&held), vec![long]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_with_none_of_its_own_waiting_passes_another_s_backlog() {
+    let (held, other) = (Upstream::start().await, Upstream::start().await);
+    let pins = Arc::new(Pins {
+        long_prompts_to: held.url.clone(),
+        ..Pins::default()
+    });
+    set_wait(&pins, &held, 10.0);
+    set_wait(&pins, &other, 10.0);
+    let mut builder = router::RouterBuilder::with_builtins();
+    let shared = pins.clone();
+    builder.policies().register("pinned", move |_, _| {
+        Ok(Box::new(Pinned {
+            pins: shared.clone(),
+            seq: AtomicU64::new(0),
+        }) as Box<dyn Policy>)
+    });
+    let router = start_built(
+        builder,
+        fast_config(
+            vec![worker("sglang", &held.url), worker("sglang", &other.url)],
+            "[policy]\nkind = \"pinned\"\n",
+        ),
+    )
+    .await;
+    wait_until("both workers are healthy", || async {
+        router.healthy_count().await == 2
+    })
+    .await;
+    let long = "a conversation whose context is cached on its worker ".repeat(20);
+
+    // Every worker 10 s away: two batch requests wait.
+    let batch: Vec<_> = (0..2).map(|_| send(&router, &long, Some(1), &[])).collect();
+    wait_until("they wait", || async { queued(&router).await == 2 }).await;
+
+    // An interactive request, the only one of its class: it goes to its
+    // worker at once, busy as that is, rather than wait for room.
+    let urgent = send(&router, &long, Some(0), &[]);
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), urgent)
+        .await
+        .expect("it is not held")
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(prompts(&held).len(), 1);
+    assert_eq!(queued(&router).await, 2, "the batch still waits");
+
+    set_wait(&pins, &held, 0.0);
+    for request in batch {
+        let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), request)
+            .await
+            .expect("released once its worker has room")
+            .unwrap();
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(prompts(&held).len(), 3);
 }
