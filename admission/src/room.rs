@@ -49,6 +49,14 @@ pub const REORDER_WINDOW: Duration = Duration::from_secs(10);
 /// later, after a wait, or served late.
 const ARRIVAL_DEADLINE_SHARE: f64 = 0.75;
 pub const DEFAULT_MAX_QUEUE_REQUESTS: usize = 1024;
+/// A request that passes the backlog goes to its worker while the wait
+/// expected there is at most this many thresholds. Deeper, it waits in the
+/// room like the rest: bound early to one busy worker, it would miss
+/// another that frees sooner, and a flow that passes because of its weight
+/// but sends more than the fleet serves would fill the engines' queues.
+/// (Twice the threshold served multi-turn priority 1 requests late in the
+/// admission gate; six let an overloading priority 0 queue at the engines.)
+pub const PASS_WITHIN_THRESHOLDS: f64 = 4.0;
 /// How far past a request waiting for its busy worker a release looks for
 /// requests whose workers have room.
 pub const RELEASE_LOOKAHEAD: usize = 32;
@@ -236,13 +244,30 @@ pub struct ReleaseTurn {
     pub due: Option<Instant>,
     /// It passes the backlog ([`Admission::passes`]): the one request of
     /// its flow waiting, while other flows' wait, and its flow next to
-    /// start under its share. It goes to the worker its
-    /// policy chooses whether the fleet has room or not
-    /// ([`route`](AdmissionRoom::route)): a flow sending less than its
-    /// share does not wait for the heavier flows' backlog to drain. Its
-    /// share bounds it: a flow sending more runs ahead on its count, and
-    /// waits.
+    /// start under its share. It goes to the worker its policy chooses
+    /// whether the fleet has room or not, unless the wait there is more
+    /// than [`PASS_WITHIN_THRESHOLDS`] thresholds
+    /// ([`route`](AdmissionRoom::route)):
+    /// a flow sending less than its share does not wait for the heavier
+    /// flows' backlog to drain. Its share bounds it: a flow sending more
+    /// runs ahead on its count, and waits.
     pub passes: bool,
+    /// Its deadline is near ([`shed`](AdmissionRoom::shed) found it): it
+    /// would meet it at the least busy worker now, and not after waiting
+    /// twice the threshold more. Unless a request of a lower priority
+    /// value waits, it goes now, whether the fleet has room or not: to the
+    /// worker its policy chooses if it meets the deadline there, else to
+    /// the best of the others ([`Route::WithRoom`]), rather than wait to be
+    /// turned away.
+    pub last_moment: bool,
+}
+
+impl ReleaseTurn {
+    /// Whether it may go though the fleet has no room: it passes, or is
+    /// at its last moment.
+    pub fn goes_without_fleet_room(&self) -> bool {
+        self.passes || self.last_moment
+    }
 }
 
 /// Where a request whose turn it is goes ([`AdmissionRoom::route`]).
@@ -252,8 +277,8 @@ pub enum Route {
     Chosen,
     /// Nowhere yet: it waits for its chosen worker, which is busy.
     Wait,
-    /// To the best of the workers with room: waiting for its chosen one
-    /// would miss its deadline.
+    /// To the best of the workers with room (of all, when none has room):
+    /// waiting for its chosen one would miss its deadline.
     WithRoom,
 }
 
@@ -347,6 +372,8 @@ struct Entry {
     due: Option<Instant>,
     /// Its own prefill at a typical worker's rate, as predicted.
     prefill: Duration,
+    /// Its deadline is near: see [`ReleaseTurn::last_moment`].
+    last_moment: bool,
 }
 
 /// The rate at which work leaves the room for the workers, in prompt tokens
@@ -659,6 +686,7 @@ impl AdmissionRoom {
                         prefill: duration_from_secs(
                             expected.own().map_or(0.0, |wait| wait.prefill_secs),
                         ),
+                        last_moment: false,
                     },
                 );
                 Decision::Queued(ticket)
@@ -791,6 +819,19 @@ impl AdmissionRoom {
     /// choose and the wait expected there, and [`route`](Self::route)
     /// says where the request goes.
     pub fn release_order(&self) -> Vec<ReleaseTurn> {
+        // A request at its last moment goes ahead of none of a lower
+        // priority value: the classes' order stands.
+        let first_priority = self
+            .entries
+            .values()
+            .any(|entry| entry.last_moment)
+            .then(|| {
+                self.entries
+                    .values()
+                    .map(|entry| entry.request.priority)
+                    .min()
+            })
+            .flatten();
         self.order
             .in_order(RELEASE_LOOKAHEAD)
             .into_iter()
@@ -800,6 +841,9 @@ impl AdmissionRoom {
                     ticket,
                     due: entry.and_then(|entry| entry.due),
                     passes: entry.is_some_and(|entry| self.order.passes(&entry.request)),
+                    last_moment: entry.is_some_and(|entry| {
+                        entry.last_moment && Some(entry.request.priority) <= first_priority
+                    }),
                 }
             })
             .collect()
@@ -807,7 +851,8 @@ impl AdmissionRoom {
 
     /// Where a request whose turn it is goes, given the wait expected at
     /// the worker its policy chooses. One that [passes](ReleaseTurn::passes)
-    /// goes there. A busy worker (where its prefix is
+    /// goes there unless the wait there is more than
+    /// [`PASS_WITHIN_THRESHOLDS`] thresholds. A busy worker (where its prefix is
     /// cached, usually) is waited for, in the room's order, while those
     /// behind it go to others: sent there now it would wait in the
     /// engine's queue, behind whatever was sent earlier. A request with a
@@ -822,7 +867,11 @@ impl AdmissionRoom {
         at_worker: Option<ExpectedWait>,
         now: Instant,
     ) -> Route {
-        if turn.passes {
+        if turn.passes
+            && at_worker.is_none_or(|wait| {
+                wait.queue_secs <= PASS_WITHIN_THRESHOLDS * secs(self.threshold())
+            })
+        {
             return Route::Chosen;
         }
         let Some(wait) = at_worker.filter(|wait| !self.has_room(Some(*wait))) else {
@@ -832,6 +881,13 @@ impl AdmissionRoom {
             return Route::Wait;
         };
         let there = now + duration_from_secs(wait.queue_secs + wait.prefill_secs);
+        if turn.last_moment {
+            return if there <= due {
+                Route::Chosen
+            } else {
+                Route::WithRoom
+            };
+        }
         let threshold = secs(self.threshold());
         let elsewhere_later = now + duration_from_secs(2.0 * threshold + wait.prefill_secs);
         if there <= due || elsewhere_later < due {
@@ -890,9 +946,19 @@ impl AdmissionRoom {
     /// least busy worker's queue (`queue_secs`) plus their own prefill,
     /// they would miss it. Requests admitted are not re-judged on the
     /// queue ahead of them, so a rejection comes at arrival where it can.
+    /// Those that would still meet it now, but not after twice the
+    /// threshold more, are marked to go at once
+    /// ([`ReleaseTurn::last_moment`]).
     pub fn shed(&mut self, expected: Option<ExpectedWait>, now: Instant) -> Vec<Shed> {
         self.tick(now);
         let queue = duration_from_secs(expected.map_or(0.0, |wait| wait.queue_secs));
+        let margin = 2 * self.threshold();
+        for entry in self.entries.values_mut() {
+            if let Some(due) = entry.due {
+                let dispatched_now = now + queue + entry.prefill;
+                entry.last_moment |= dispatched_now <= due && dispatched_now + margin > due;
+            }
+        }
         let late: Vec<(u64, Option<Duration>)> = self
             .entries
             .iter()

@@ -7,8 +7,8 @@ use proptest::prelude::*;
 
 use crate::{
     AdmissionRoom, Arrival, ClassConfig, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected,
-    FAIR_SHARE, FIFO, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason, RoomConfig,
-    RoomConfigError, Route, default_class_weight, registry,
+    FAIR_SHARE, FIFO, PASS_WITHIN_THRESHOLDS, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW,
+    RejectReason, RoomConfig, RoomConfigError, Route, default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -604,6 +604,43 @@ fn shedding_turns_away_requests_past_or_certain_to_miss_their_deadline() {
 }
 
 #[test]
+fn a_request_near_its_deadline_goes_at_its_last_moment_unless_a_higher_class_waits() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let Decision::Queued(batch) = room.arrive(&arrival(1, Some(2000)), wait(0.5), now) else {
+        panic!("queued");
+    };
+    let last_moment = |room: &AdmissionRoom| -> Vec<bool> {
+        room.release_order()
+            .iter()
+            .map(|turn| turn.last_moment)
+            .collect()
+    };
+    // Dispatched at 1.2 s it would meet its 2 s deadline (0.5 + 0.1 s),
+    // with more than twice the threshold (0.2 s) to spare: not yet.
+    assert!(
+        room.shed(wait(0.5), now + Duration::from_millis(1200))
+            .is_empty()
+    );
+    assert_eq!(last_moment(&room), vec![false]);
+    // At 1.25 s it would still meet it, but not after 0.2 s more: it goes
+    // now, to its chosen worker if that meets it, else to another.
+    let at = now + Duration::from_millis(1250);
+    assert!(room.shed(wait(0.5), at).is_empty());
+    let turns = room.release_order();
+    assert_eq!(turns[0].ticket, batch);
+    assert!(turns[0].last_moment);
+    assert_eq!(room.route(&turns[0], wait(0.5), at), Route::Chosen);
+    assert_eq!(room.route(&turns[0], wait(3.0), at), Route::WithRoom);
+    // A request of a lower priority value waiting: the class order stands.
+    assert!(matches!(
+        room.arrive(&arrival(0, None), wait(0.5), at),
+        Decision::Queued(_)
+    ));
+    assert_eq!(last_moment(&room), vec![false, false]);
+}
+
+#[test]
 fn configured_classes_take_ranges_of_priority_values_and_their_deadlines() {
     let room = room(RoomConfig {
         classes: vec![
@@ -896,8 +933,12 @@ fn a_request_that_passes_goes_to_its_busy_worker_at_once() {
         .collect();
     assert_eq!(passing, vec![urgent]);
     assert_eq!(turns[0].ticket, urgent);
-    assert_eq!(room.route(&turns[0], wait(30.0), now), Route::Chosen);
-    assert_eq!(room.route(&turns[1], wait(30.0), now), Route::Wait);
+    let threshold = DEFAULT_REORDER_ABOVE_WAIT_MS as f64 / 1000.0;
+    let busy_within_reach = wait(0.9 * PASS_WITHIN_THRESHOLDS * threshold);
+    assert_eq!(room.route(&turns[0], busy_within_reach, now), Route::Chosen);
+    assert_eq!(room.route(&turns[1], busy_within_reach, now), Route::Wait);
+    // Further, it waits for its worker as the rest do.
+    assert_eq!(room.route(&turns[0], wait(30.0), now), Route::Wait);
 }
 
 #[test]

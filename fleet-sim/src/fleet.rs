@@ -1307,10 +1307,11 @@ impl<'a> CellRun<'a> {
         'passes: loop {
             let turns = self.router.rooms[replica].room.release_order();
             let mut released = false;
-            // Once the fleet has no room, only requests that pass go.
+            // Once the fleet has no room, only requests that pass, or
+            // whose deadline is near, go.
             let mut fleet_full = false;
             for turn in turns {
-                if fleet_full && !turn.passes {
+                if fleet_full && !turn.goes_without_fleet_room() {
                     continue;
                 }
                 let ticket = turn.ticket;
@@ -1327,7 +1328,7 @@ impl<'a> CellRun<'a> {
                 let room = &mut self.router.rooms[replica];
                 let ids = &self.router.ids;
                 let within_secs = room.room.lowest_threshold().as_secs_f64();
-                if !turn.passes
+                if !turn.goes_without_fleet_room()
                     && !room.room.has_room(policy.expected_wait_within(
                         ids,
                         &info,
@@ -1350,7 +1351,7 @@ impl<'a> CellRun<'a> {
                                 room.room.has_room(policy.expected_wait(&[*id], &info, now))
                             })
                             .collect();
-                        policy.select(&open, &info, now)
+                        policy.select(if open.is_empty() { ids } else { &open }, &info, now)
                     }
                 };
                 let Some(dispatch) = dispatch else {

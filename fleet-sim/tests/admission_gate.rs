@@ -56,9 +56,10 @@ const SEEDS: [u64; 3] = [7, 8, 9];
 /// - multi-turn tenant B (goal 2): it goes to its conversation's worker at
 ///   once, and waits there behind the queue and the prefill chunks of A's
 ///   work the room released before it;
-/// - size-skew turned away after arrival (goal 3): a few requests in a
-///   thousand of those turned away wait first, when the queue ahead drains
-///   slower than predicted at their arrival.
+/// - size-skew turned away after arrival (goal 3): a request in a few
+///   thousand turned away goes from in time to too late between two
+///   checks, when the least busy worker's wait jumps (a long prompt sent
+///   there), and is turned away after a wait.
 const OPEN: [(&str, &str); 3] = [
     ("2. throughput", "size-skew"),
     ("2. tenant B", "multi-turn"),

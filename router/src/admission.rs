@@ -322,10 +322,11 @@ impl Gate {
         let now_std = now.into_std();
         let snapshot = app.topology.load();
         let policy = &snapshot.policy;
-        // Once the fleet has no room, only requests that pass go.
+        // Once the fleet has no room, only requests that pass, or whose
+        // deadline is near, go.
         let mut fleet_full = false;
         for turn in state.room.release_order() {
-            if fleet_full && !turn.passes {
+            if fleet_full && !turn.goes_without_fleet_room() {
                 continue;
             }
             let Some(waiter) = state.waiters.get(&turn.ticket) else {
@@ -335,7 +336,7 @@ impl Gate {
                 continue;
             };
             let info = &waiter.info;
-            if !turn.passes {
+            if !turn.goes_without_fleet_room() {
                 let within_secs = state.room.lowest_threshold().as_secs_f64();
                 let expected =
                     policy.expected_wait_within(snapshot.candidates(), info, now_std, within_secs);
@@ -350,16 +351,23 @@ impl Gate {
             let busy: Vec<WorkerId> = match state.room.route(&turn, at_chosen, now_std) {
                 Route::Chosen => Vec::new(),
                 Route::Wait => continue,
-                Route::WithRoom => snapshot
-                    .candidates()
-                    .iter()
-                    .copied()
-                    .filter(|id| {
-                        !state
-                            .room
-                            .has_room(policy.expected_wait(&[*id], info, now_std))
-                    })
-                    .collect(),
+                Route::WithRoom => {
+                    let mut busy: Vec<WorkerId> = snapshot
+                        .candidates()
+                        .iter()
+                        .copied()
+                        .filter(|id| {
+                            !state
+                                .room
+                                .has_room(policy.expected_wait(&[*id], info, now_std))
+                        })
+                        .collect();
+                    // None has room (its deadline is near): the best of all.
+                    if busy.len() == snapshot.candidates().len() {
+                        busy.clear();
+                    }
+                    busy
+                }
             };
             let chosen = choose(app, info, waiter.received_at, &busy, now);
             if !matches!(chosen, Chosen::Worker(_)) {

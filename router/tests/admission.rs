@@ -703,16 +703,25 @@ async fn a_class_with_none_of_its_own_waiting_passes_another_s_backlog() {
     .await;
     let long = "a conversation whose context is cached on its worker ".repeat(20);
 
-    // Every worker 10 s away: two batch requests wait.
-    let batch: Vec<_> = (0..2).map(|_| send(&router, &long, Some(1), &[])).collect();
+    // Every worker 10 s away: two batch requests wait (their deadline,
+    // far off, keeps the room to the reorder threshold, 0.1 s).
+    let far_deadline = [("x-ttft-deadline-ms", "60000".to_owned())];
+    let batch: Vec<_> = (0..2)
+        .map(|_| send(&router, &long, Some(1), &far_deadline))
+        .collect();
     wait_until("they wait", || async { queued(&router).await == 2 }).await;
 
-    // An interactive request, the only one of its class: it goes to its
-    // worker at once, busy as that is, rather than wait for room.
+    // An interactive request, the only one of its class: its worker 10 s
+    // away, it waits for it like the rest.
     let urgent = send(&router, &long, Some(0), &[]);
+    wait_until("it waits", || async { queued(&router).await == 3 }).await;
+
+    // Its worker still busy, but within reach (0.3 s, above the 0.1 s
+    // threshold): it goes there at once, while the batch waits for room.
+    set_wait(&pins, &held, 0.3);
     let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), urgent)
         .await
-        .expect("it is not held")
+        .expect("it passes the batch")
         .unwrap();
     assert_eq!(status, 200, "{body}");
     assert_eq!(prompts(&held).len(), 1);
