@@ -581,8 +581,9 @@ fn set_wait(pins: &Pins, upstream: &Upstream, secs: f64) {
         .insert(upstream.url.clone(), secs);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_theirs() {
+/// A router over two workers, each 10 s away, whose `pinned` policy sends
+/// long prompts to the first (`held`) and short ones to the second.
+async fn pinned_router() -> (Upstream, Upstream, Arc<Pins>, TestRouter) {
     let (held, other) = (Upstream::start().await, Upstream::start().await);
     let pins = Arc::new(Pins {
         long_prompts_to: held.url.clone(),
@@ -610,6 +611,12 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
         router.healthy_count().await == 2
     })
     .await;
+    (held, other, pins, router)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_theirs() {
+    let (held, other, pins, router) = pinned_router().await;
     let long = "a conversation whose context is cached on its worker ".repeat(20);
 
     // Every worker 10 s away: both wait, the long prompt first in the order
@@ -674,33 +681,7 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_class_with_none_of_its_own_waiting_passes_another_s_backlog() {
-    let (held, other) = (Upstream::start().await, Upstream::start().await);
-    let pins = Arc::new(Pins {
-        long_prompts_to: held.url.clone(),
-        ..Pins::default()
-    });
-    set_wait(&pins, &held, 10.0);
-    set_wait(&pins, &other, 10.0);
-    let mut builder = router::RouterBuilder::with_builtins();
-    let shared = pins.clone();
-    builder.policies().register("pinned", move |_, _| {
-        Ok(Box::new(Pinned {
-            pins: shared.clone(),
-            seq: AtomicU64::new(0),
-        }) as Box<dyn Policy>)
-    });
-    let router = start_built(
-        builder,
-        fast_config(
-            vec![worker("sglang", &held.url), worker("sglang", &other.url)],
-            "[policy]\nkind = \"pinned\"\n",
-        ),
-    )
-    .await;
-    wait_until("both workers are healthy", || async {
-        router.healthy_count().await == 2
-    })
-    .await;
+    let (held, _other, pins, router) = pinned_router().await;
     let long = "a conversation whose context is cached on its worker ".repeat(20);
 
     // Every worker 10 s away: two batch requests wait (their deadline,
