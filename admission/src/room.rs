@@ -852,8 +852,8 @@ impl AdmissionRoom {
     /// Where a request whose turn it is goes, given the wait expected at
     /// the worker its policy chooses. One that [passes](ReleaseTurn::passes)
     /// goes there unless the wait there is more than
-    /// [`PASS_WITHIN_THRESHOLDS`] thresholds. A busy worker (where its prefix is
-    /// cached, usually) is waited for, in the room's order, while those
+    /// [`PASS_WITHIN_THRESHOLDS`] thresholds. A busy worker (where its
+    /// prefix is cached, usually) is waited for, in the room's order, while those
     /// behind it go to others: sent there now it would wait in the
     /// engine's queue, behind whatever was sent earlier. A request with a
     /// deadline waits while that worker would still meet it, or while a

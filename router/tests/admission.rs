@@ -679,6 +679,16 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     assert_eq!(prompts(&held), vec![long]);
 }
 
+/// Waits at most 20 s for `request`'s answer, which must be 200; panics
+/// with `what` if it does not come.
+async fn answered_200(request: tokio::task::JoinHandle<(u16, Option<String>, Value)>, what: &str) {
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), request)
+        .await
+        .expect(what)
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_class_with_none_of_its_own_waiting_passes_another_s_backlog() {
     let (held, _other, pins, router) = pinned_router().await;
@@ -700,21 +710,13 @@ async fn a_class_with_none_of_its_own_waiting_passes_another_s_backlog() {
     // Its worker still busy, but within reach (0.3 s, above the 0.1 s
     // threshold): it goes there at once, while the batch waits for room.
     set_wait(&pins, &held, 0.3);
-    let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), urgent)
-        .await
-        .expect("it passes the batch")
-        .unwrap();
-    assert_eq!(status, 200, "{body}");
+    answered_200(urgent, "it passes the batch").await;
     assert_eq!(prompts(&held).len(), 1);
     assert_eq!(queued(&router).await, 2, "the batch still waits");
 
     set_wait(&pins, &held, 0.0);
     for request in batch {
-        let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), request)
-            .await
-            .expect("released once its worker has room")
-            .unwrap();
-        assert_eq!(status, 200, "{body}");
+        answered_200(request, "released once its worker has room").await;
     }
     assert_eq!(prompts(&held).len(), 3);
 }
