@@ -436,6 +436,9 @@ pub struct AdmissionRoom {
     last_arrival: Option<Waiting>,
     /// Until when `reorder_above_wait` applies.
     reorder_until: Option<Instant>,
+    /// The most urgent priority value among recent arrivals, and when it
+    /// last arrived.
+    most_urgent_arrival: Option<(i32, Instant)>,
     /// Whether it applied at the last call that had the time.
     reordering: bool,
     /// Requests evicted for a newcomer, reported by the next `shed`.
@@ -457,6 +460,18 @@ pub struct RoomView {
     pub drain_tokens_per_s: Option<f64>,
     pub oldest_wait_s: f64,
     pub flows: Vec<FlowView>,
+}
+
+/// Whether a request of `priority` is of the most urgent class that
+/// arrived within [`REORDER_WINDOW`] of `now`, given the most urgent
+/// arrival and when it came.
+fn is_most_urgent(
+    most_urgent_arrival: Option<(i32, Instant)>,
+    priority: i32,
+    now: Instant,
+) -> bool {
+    most_urgent_arrival
+        .is_none_or(|(urgent, seen)| priority <= urgent || now >= seen + REORDER_WINDOW)
 }
 
 fn secs(duration: Duration) -> f64 {
@@ -482,6 +497,7 @@ impl AdmissionRoom {
             next_ticket: 1,
             last_arrival: None,
             reorder_until: None,
+            most_urgent_arrival: None,
             reordering: false,
             evicted: Vec::new(),
         }
@@ -588,6 +604,10 @@ impl AdmissionRoom {
             self.reorder_until = Some(now + REORDER_WINDOW);
         }
         self.last_arrival = Some(arrival.clone());
+        // A more urgent class that arrived within the window stays.
+        if is_most_urgent(self.most_urgent_arrival, arrival.priority, now) {
+            self.most_urgent_arrival = Some((arrival.priority, now));
+        }
         self.tick(now);
     }
 
@@ -947,14 +967,26 @@ impl AdmissionRoom {
     /// they would miss it. Requests admitted are not re-judged on the
     /// queue ahead of them, so a rejection comes at arrival where it can.
     /// Those that would still meet it now, but not after twice the
-    /// threshold more, are marked to go at once
+    /// threshold more (and their own prefill more, when no more urgent
+    /// class arrived within [`REORDER_WINDOW`]), are marked to go at once
     /// ([`ReleaseTurn::last_moment`]).
     pub fn shed(&mut self, expected: Option<ExpectedWait>, now: Instant) -> Vec<Shed> {
         self.tick(now);
         let queue = duration_from_secs(expected.map_or(0.0, |wait| wait.queue_secs));
-        let margin = 2 * self.threshold();
+        let threshold = self.threshold();
+        let most_urgent_arrival = self.most_urgent_arrival;
         for entry in self.entries.values_mut() {
             if let Some(due) = entry.due {
+                // The least busy worker's wait jumps by a whole prefill
+                // when a request is sent there between two checks. One of
+                // the most urgent class keeps its own as a further margin;
+                // one of another would take engine time from that class.
+                let jump = if is_most_urgent(most_urgent_arrival, entry.request.priority, now) {
+                    entry.prefill
+                } else {
+                    Duration::ZERO
+                };
+                let margin = 2 * threshold + jump;
                 let dispatched_now = now + queue + entry.prefill;
                 entry.last_moment |= dispatched_now <= due && dispatched_now + margin > due;
             }

@@ -610,22 +610,17 @@ fn a_request_near_its_deadline_goes_at_its_last_moment_unless_a_higher_class_wai
     let Decision::Queued(batch) = room.arrive(&arrival(1, Some(2000)), wait(0.5), now) else {
         panic!("queued");
     };
-    let last_moment = |room: &AdmissionRoom| -> Vec<bool> {
-        room.release_order()
-            .iter()
-            .map(|turn| turn.last_moment)
-            .collect()
-    };
-    // Dispatched at 1.2 s it would meet its 2 s deadline (0.5 + 0.1 s),
-    // with more than twice the threshold (0.2 s) to spare: not yet.
+    // Dispatched at 1.05 s it would meet its 2 s deadline (0.5 + 0.1 s),
+    // with more to spare than twice the threshold (0.2 s) and its own
+    // prefill (0.1 s), its class being the most urgent: not yet.
     assert!(
-        room.shed(wait(0.5), now + Duration::from_millis(1200))
+        room.shed(wait(0.5), now + Duration::from_millis(1050))
             .is_empty()
     );
-    assert_eq!(last_moment(&room), vec![false]);
-    // At 1.25 s it would still meet it, but not after 0.2 s more: it goes
+    assert_eq!(last_moments(&room), vec![false]);
+    // At 1.15 s it would still meet it, but not after 0.3 s more: it goes
     // now, to its chosen worker if that meets it, else to another.
-    let at = now + Duration::from_millis(1250);
+    let at = now + Duration::from_millis(1150);
     assert!(room.shed(wait(0.5), at).is_empty());
     let turns = room.release_order();
     assert_eq!(turns[0].ticket, batch);
@@ -637,7 +632,40 @@ fn a_request_near_its_deadline_goes_at_its_last_moment_unless_a_higher_class_wai
         room.arrive(&arrival(0, None), wait(0.5), at),
         Decision::Queued(_)
     ));
-    assert_eq!(last_moment(&room), vec![false, false]);
+    assert_eq!(last_moments(&room), vec![false, false]);
+}
+
+#[test]
+fn a_request_of_a_less_urgent_class_keeps_twice_the_threshold_as_margin() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let Decision::Queued(urgent) = room.arrive(&arrival(0, None), wait(2.0), now) else {
+        panic!("queued");
+    };
+    assert!(matches!(
+        room.arrive(&arrival(1, Some(2000)), wait(0.5), now),
+        Decision::Queued(_)
+    ));
+    assert!(room.take(urgent, now).is_some());
+    // Priority 0 arrived lately: going early would take its engine time,
+    // so the margin is twice the threshold (0.2 s), without the prefill.
+    assert!(
+        room.shed(wait(0.5), now + Duration::from_millis(1150))
+            .is_empty()
+    );
+    assert_eq!(last_moments(&room), vec![false]);
+    assert!(
+        room.shed(wait(0.5), now + Duration::from_millis(1250))
+            .is_empty()
+    );
+    assert_eq!(last_moments(&room), vec![true]);
+}
+
+fn last_moments(room: &AdmissionRoom) -> Vec<bool> {
+    room.release_order()
+        .iter()
+        .map(|turn| turn.last_moment)
+        .collect()
 }
 
 #[test]

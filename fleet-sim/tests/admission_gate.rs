@@ -55,15 +55,10 @@ const SEEDS: [u64; 3] = [7, 8, 9];
 ///   work at its conversation's worker;
 /// - multi-turn tenant B (goal 2): it goes to its conversation's worker at
 ///   once, and waits there behind the queue and the prefill chunks of A's
-///   work the room released before it;
-/// - size-skew turned away after arrival (goal 3): a request in a few
-///   thousand turned away goes from in time to too late between two
-///   checks, when the least busy worker's wait jumps (a long prompt sent
-///   there), and is turned away after a wait.
-const OPEN: [(&str, &str); 3] = [
+///   work the room released before it.
+const OPEN: [(&str, &str); 2] = [
     ("2. throughput", "size-skew"),
     ("2. tenant B", "multi-turn"),
-    ("3. turned away after arrival", "size-skew"),
 ];
 
 fn is_open(goal: &Judged) -> bool {
