@@ -8,6 +8,10 @@
 //!   and tenants among them): the cost per request at saturation.
 //! - `room/shed/<depth>`: one deadline check of every waiting request, as
 //!   the router runs it every 10 ms.
+//! - `room/release_order/<order>/<tenants>`: the turns of one release (the
+//!   next 32 requests, whether each passes, whether each is at its last
+//!   moment) with 1024 waiting among `tenants` tenants, as the router
+//!   reads them at every completion while requests wait.
 
 // A bench's setup fails loudly on purpose.
 #![allow(clippy::panic)]
@@ -96,6 +100,22 @@ fn benches(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("shed", depth), &depth, |b, _| {
             b.iter(|| black_box(standing.shed(IDLE, now)))
         });
+    }
+    for order in [PRIORITY, FAIR_SHARE] {
+        for tenant_count in [4, 1000] {
+            let many: Vec<Arc<str>> = (0..tenant_count)
+                .map(|t| Arc::from(format!("tenant-{t}")))
+                .collect();
+            let mut standing = room(order, 1024);
+            for index in 0..1024 {
+                standing.arrive(&arrival(index, &many), BUSY, now);
+            }
+            group.bench_with_input(
+                BenchmarkId::new(format!("release_order/{order}"), tenant_count),
+                &tenant_count,
+                |b, _| b.iter(|| black_box(standing.release_order())),
+            );
+        }
     }
     group.finish();
 }
