@@ -573,28 +573,29 @@ impl FlowOrder {
     /// queuing. A flow sending more than its share runs ahead on its count
     /// and stops passing.
     pub(crate) fn passes(&self, request: &Waiting) -> bool {
+        // It waits, so the least count among the waiting is at most its
+        // own: at most every other's is at most the least.
+        self.lone_and_class_first(request)
+            .is_some_and(|(class, tenant)| {
+                class
+                    .least_waiting_served
+                    .is_some_and(|least| tenant.served <= least)
+            })
+    }
+
+    /// The class and tenant flows of `request` if it is its flow's one
+    /// waiting request while others wait, and its class's count is at most
+    /// every other waiting class's.
+    fn lone_and_class_first(&self, request: &Waiting) -> Option<(&ClassFlow, &TenantFlow)> {
         let class_key = self.class_key(request);
-        let tenant_key = self.tenant_key(request);
-        let Some(class) = self.classes.get(&class_key) else {
-            return false;
-        };
-        let Some(tenant) = class.tenants.get(&tenant_key) else {
-            return false;
-        };
-        if tenant.queue.len() != 1 || self.len <= 1 {
-            return false;
-        }
-        let first_class = self
+        let class = self.classes.get(&class_key)?;
+        let tenant = class.tenants.get(&self.tenant_key(request))?;
+        let class_first = self
             .classes
             .iter()
             .filter(|(key, other)| **key != class_key && other.queued > 0)
             .all(|(_, other)| class.served <= other.served);
-        // It waits, so the least count among the waiting is at most its
-        // own: at most every other's is at most the least.
-        let first_tenant = class
-            .least_waiting_served
-            .is_some_and(|least| tenant.served <= least);
-        first_class && first_tenant
+        (tenant.queue.len() == 1 && self.len > 1 && class_first).then_some((class, tenant))
     }
 
     pub(crate) fn same_flow(&self, a: &Waiting, b: &Waiting) -> bool {
@@ -853,117 +854,26 @@ impl Admission for BuiltinOrder {
 }
 
 #[cfg(test)]
-mod tests {
-    // A failed property panics, as tests do.
-    #![allow(clippy::unwrap_used, clippy::panic)]
-
-    use proptest::prelude::*;
-
-    use super::*;
-
+impl FlowOrder {
     /// Whether `request` passes, by a scan of every waiting flow: what the
     /// kept least count stands for.
-    fn passes_by_scan(order: &FlowOrder, request: &Waiting) -> bool {
-        let class_key = order.class_key(request);
-        let tenant_key = order.tenant_key(request);
-        let Some(class) = order.classes.get(&class_key) else {
-            return false;
-        };
-        let Some(tenant) = class.tenants.get(&tenant_key) else {
-            return false;
-        };
-        tenant.queue.len() == 1
-            && order.len > 1
-            && order
-                .classes
-                .iter()
-                .filter(|(key, other)| **key != class_key && other.queued > 0)
-                .all(|(_, other)| class.served <= other.served)
-            && class
-                .tenants
-                .iter()
-                .filter(|(key, other)| **key != tenant_key && !other.queue.is_empty())
-                .all(|(_, other)| tenant.served <= other.served)
-    }
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        Push {
-            priority: i32,
-            tenant: u8,
-            tokens: u64,
-        },
-        Pop,
-        Remove(u64),
-        Served {
-            priority: i32,
-            tenant: u8,
-            tokens: u64,
-        },
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            (0i32..2, 0u8..5, 1u64..5000).prop_map(|(priority, tenant, tokens)| Op::Push {
-                priority,
-                tenant,
-                tokens
-            }),
-            Just(Op::Pop),
-            (0u64..60).prop_map(Op::Remove),
-            (0i32..2, 0u8..5, 0u64..5000).prop_map(|(priority, tenant, tokens)| Op::Served {
-                priority,
-                tenant,
-                tokens
-            }),
-        ]
-    }
-
-    proptest! {
-        /// Pushes, pops, removals and answers served in any order: whether
-        /// each waiting request passes agrees with a scan of the flows.
-        #[test]
-        fn passing_by_the_kept_least_count_agrees_with_a_scan(
-            ops in prop::collection::vec(op(), 0..150),
-        ) {
-            let now = Instant::now();
-            let mut order = FlowOrder::new(Grouping::ClassesAndTenants);
-            let mut next = 0u64;
-            for op in &ops {
-                match op {
-                    Op::Push { priority, tenant, tokens } => {
-                        order.push(Waiting {
-                            ticket: next,
-                            class: Arc::from(priority.to_string()),
-                            priority: *priority,
-                            class_weight: 1.0,
-                            tenant: Arc::from(tenant.to_string()),
-                            tenant_weight: 1.0 + f64::from(*tenant),
-                            work_tokens: *tokens,
-                            arrived: now,
-                        });
-                        next += 1;
-                    }
-                    Op::Pop => {
-                        order.pop();
-                    }
-                    Op::Remove(ticket) => {
-                        order.remove(*ticket);
-                    }
-                    Op::Served { priority, tenant, tokens } => {
-                        order.served(&priority.to_string(), &tenant.to_string(), *tokens);
-                    }
-                }
-                let waiting: Vec<Waiting> = order
-                    .classes
+    pub(crate) fn passes_by_scan(&self, request: &Waiting) -> bool {
+        self.lone_and_class_first(request)
+            .is_some_and(|(class, tenant)| {
+                class
+                    .tenants
                     .values()
-                    .flat_map(|class| class.tenants.values())
-                    .flat_map(|tenant| tenant.queue.iter().cloned())
-                    .collect();
-                for request in &waiting {
-                    prop_assert_eq!(order.passes(request), passes_by_scan(&order, request));
-                }
-            }
-        }
+                    .filter(|other| !other.queue.is_empty())
+                    .all(|other| tenant.served <= other.served)
+            })
+    }
+
+    /// Every waiting request.
+    pub(crate) fn waiting(&self) -> Vec<Waiting> {
+        self.classes
+            .values()
+            .flat_map(|class| class.tenants.values())
+            .flat_map(|tenant| tenant.queue.iter().cloned())
+            .collect()
     }
 }

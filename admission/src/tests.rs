@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use policy_core::{Admission, ExpectedWait, Waiting};
 use proptest::prelude::*;
 
+use crate::order::{FlowOrder, Grouping};
 use crate::{
     AdmissionRoom, Arrival, ClassConfig, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected,
     FAIR_SHARE, FIFO, PASS_WITHIN_THRESHOLDS, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW,
@@ -852,6 +853,48 @@ proptest! {
             let drained: BTreeSet<u64> = queue.drain().into_iter().map(|w| w.ticket).collect();
             prop_assert_eq!(drained, inside);
             prop_assert!(queue.is_empty());
+        }
+    }
+}
+
+proptest! {
+    /// Whatever happens, whether each waiting request passes, judged on
+    /// the least count `fair_share` keeps among a class's waiting
+    /// tenants, agrees with a scan of every waiting flow.
+    #[test]
+    fn passing_on_the_kept_least_count_agrees_with_a_scan(
+        ops in prop::collection::vec(op(), 0..150),
+    ) {
+        let now = Instant::now();
+        let mut queue = FlowOrder::new(Grouping::ClassesAndTenants);
+        let mut next = 0u64;
+        for op in &ops {
+            match op {
+                Op::Push { priority, tenant, tokens } => {
+                    let mut request = waiting(next, *priority, &tenant.to_string(), *tokens, now);
+                    request.tenant_weight = 1.0 + f64::from(*tenant);
+                    queue.push(request);
+                    next += 1;
+                }
+                Op::Pop => {
+                    queue.pop();
+                }
+                Op::Remove(ticket) => {
+                    queue.remove(*ticket);
+                }
+                Op::Take(index) => {
+                    let turns = queue.in_order(8);
+                    if let Some(ticket) = turns.get(index % turns.len().max(1)) {
+                        queue.take(*ticket);
+                    }
+                }
+                Op::Served { tenant, tokens } => {
+                    queue.served("0", &tenant.to_string(), *tokens);
+                }
+            }
+            for request in queue.waiting() {
+                prop_assert_eq!(queue.passes(&request), queue.passes_by_scan(&request));
+            }
         }
     }
 }
