@@ -12,6 +12,9 @@
 //!   next 32 requests, whether each passes, whether each is at its last
 //!   moment) with 1024 waiting among `tenants` tenants, as the router
 //!   reads them at every completion while requests wait.
+//! - `room/queue_and_take/<order>/<tenants>`: one `arrive` that queues,
+//!   then the turns of a release and the first one taken, as the router
+//!   does it at saturation.
 
 // A bench's setup fails loudly on purpose.
 #![allow(clippy::panic)]
@@ -114,6 +117,23 @@ fn benches(c: &mut Criterion) {
                 BenchmarkId::new(format!("release_order/{order}"), tenant_count),
                 &tenant_count,
                 |b, _| b.iter(|| black_box(standing.release_order())),
+            );
+            let mut index = 1024;
+            group.bench_with_input(
+                BenchmarkId::new(format!("queue_and_take/{order}"), tenant_count),
+                &tenant_count,
+                |b, _| {
+                    b.iter(|| {
+                        index += 1;
+                        black_box(standing.arrive(&arrival(index, &many), BUSY, now));
+                        let turns = standing.release_order();
+                        black_box(
+                            turns
+                                .first()
+                                .and_then(|turn| standing.take(turn.ticket, now)),
+                        )
+                    })
+                },
             );
         }
     }
