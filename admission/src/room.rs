@@ -967,22 +967,29 @@ impl AdmissionRoom {
     /// they would miss it. Requests admitted are not re-judged on the
     /// queue ahead of them, so a rejection comes at arrival where it can.
     /// Those that would still meet it now, but not after twice the
-    /// threshold more (and their own prefill more, when no more urgent
-    /// class arrived within [`REORDER_WINDOW`]), are marked to go at once
+    /// threshold more (and the largest waiting prefill more, when no more
+    /// urgent class arrived within [`REORDER_WINDOW`]), are marked to go at once
     /// ([`ReleaseTurn::last_moment`]).
     pub fn shed(&mut self, expected: Option<ExpectedWait>, now: Instant) -> Vec<Shed> {
         self.tick(now);
         let queue = duration_from_secs(expected.map_or(0.0, |wait| wait.queue_secs));
         let threshold = self.threshold();
         let most_urgent_arrival = self.most_urgent_arrival;
+        let largest_prefill = self
+            .entries
+            .values()
+            .map(|entry| entry.prefill)
+            .max()
+            .unwrap_or_default();
         for entry in self.entries.values_mut() {
             if let Some(due) = entry.due {
                 // The least busy worker's wait jumps by a whole prefill
                 // when a request is sent there between two checks. One of
-                // the most urgent class keeps its own as a further margin;
-                // one of another would take engine time from that class.
+                // the most urgent class keeps the largest waiting one as a
+                // further margin; one of another would take engine time
+                // from that class.
                 let jump = if is_most_urgent(most_urgent_arrival, entry.request.priority, now) {
-                    entry.prefill
+                    largest_prefill
                 } else {
                     Duration::ZERO
                 };

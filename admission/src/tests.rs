@@ -662,6 +662,33 @@ fn a_request_of_a_less_urgent_class_keeps_twice_the_threshold_as_margin() {
     assert_eq!(last_moments(&room), vec![true]);
 }
 
+#[test]
+fn a_request_of_the_most_urgent_class_keeps_the_largest_waiting_prefill_as_margin() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig::default());
+    let Decision::Queued(short) = room.arrive(&arrival(1, Some(2000)), wait(0.5), now) else {
+        panic!("queued");
+    };
+    let long_prompt = Some(ExpectedWait {
+        queue_secs: 0.5,
+        prefill_secs: 0.6,
+    });
+    assert!(matches!(
+        room.arrive(&arrival(1, Some(10_000)), long_prompt, now),
+        Decision::Queued(_)
+    ));
+    // At 0.65 s the short one would meet its 2 s deadline sent now (0.5 +
+    // 0.1 s), but a 0.6 s prompt sent to the least busy worker first would
+    // take 0.8 s of its 0.85 s of spare with twice the threshold: it goes.
+    assert!(
+        room.shed(wait(0.5), now + Duration::from_millis(650))
+            .is_empty()
+    );
+    let turns = room.release_order();
+    assert_eq!(turns[0].ticket, short);
+    assert_eq!(last_moments(&room), vec![true, false]);
+}
+
 fn last_moments(room: &AdmissionRoom) -> Vec<bool> {
     room.release_order()
         .iter()

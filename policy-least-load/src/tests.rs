@@ -1124,6 +1124,22 @@ fn each_worker_learns_its_own_rate_and_the_score_divides_by_it() {
 }
 
 #[test]
+fn preview_judges_a_prompt_at_a_much_faster_worker_s_own_rate() {
+    let (policy, ids) = learned_fleet(2);
+    let t0 = Instant::now();
+    let at = serve(&policy, ids[0], 40, 4000, 16_000.0, t0);
+    let at = serve(&policy, ids[1], 40, 4000, 4000.0, at);
+    let fast = rate(&policy, ids[0], at);
+    let (worker, wait) = policy.preview(&[ids[0]], &exact(8000), at).unwrap();
+    assert_eq!(worker, ids[0]);
+    // Its own rate, not the fleet's (between the two workers'), which would
+    // predict a prefill longer than the worker takes.
+    assert!(close(wait.prefill_secs, 8000.0 / fast), "{wait:?}");
+    let fleet = policy.expected_wait(&ids, &exact(8000), at).unwrap();
+    assert!(fleet.prefill_secs > 1.2 * wait.prefill_secs, "{fleet:?}");
+}
+
+#[test]
 fn a_peer_learns_a_worker_s_rate_from_another_replica_s_samples() {
     let (policy, ids) = learned_fleet(1);
     let (peer, _) = learned_fleet(1);
