@@ -202,10 +202,10 @@ impl OwnWork {
 /// through the router over 4 workers 0.987× the instructions (callgrind).
 const FILTER_MIN_CANDIDATES: usize = 2;
 
-/// How much faster than the fleet a worker's learned rate must be before
+/// How far from the fleet's a worker's learned rate must be before
 /// `Policy::preview` predicts a prompt's prefill at it rather than at the
 /// fleet's: a worker of another kind, not a measure that wanders.
-const FAST_WORKER_FACTOR: f64 = 1.2;
+const OTHER_KIND_FACTOR: f64 = 1.2;
 
 /// The filter's margin, relative to the bar: far above the estimate's error
 /// (a few times 2⁻⁵³), far below anything that matters.
@@ -2028,13 +2028,14 @@ impl Policy for LeastLoad {
         let chosen = self.choose(&view, candidates, now_nanos, &own)?.slot;
         // The whole prompt, as if nothing were cached (an eviction makes it
         // so), at the fleet's rate, or at the chosen worker's when that is
-        // much faster: in a fleet of mixed speeds the fleet's rate is long
-        // of a fast worker's prefill, and turned away long prompts it
-        // serves in time.
+        // of another kind: in a fleet of mixed speeds the fleet's rate is
+        // long of a fast worker's prefill, and turned away long prompts it
+        // serves in time, and short of a slow one's.
         let fleet_tps = self.fleet_rate.tps();
         let rate_tps = match (self.params.rate, chosen.state.rate.learned_tps()) {
             (RateMode::Learned, Some(learned_tps))
-                if learned_tps > FAST_WORKER_FACTOR * fleet_tps =>
+                if learned_tps > OTHER_KIND_FACTOR * fleet_tps
+                    || learned_tps * OTHER_KIND_FACTOR < fleet_tps =>
             {
                 learned_tps
             }

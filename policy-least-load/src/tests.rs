@@ -1124,19 +1124,24 @@ fn each_worker_learns_its_own_rate_and_the_score_divides_by_it() {
 }
 
 #[test]
-fn preview_judges_a_prompt_at_a_much_faster_worker_s_own_rate() {
+fn preview_judges_a_prompt_at_the_rate_of_a_worker_of_another_speed() {
     let (policy, ids) = learned_fleet(2);
     let t0 = Instant::now();
     let at = serve(&policy, ids[0], 40, 4000, 16_000.0, t0);
     let at = serve(&policy, ids[1], 40, 4000, 4000.0, at);
     let fast = rate(&policy, ids[0], at);
+    let slow = rate(&policy, ids[1], at);
     let (worker, wait) = policy.preview(&[ids[0]], &exact(8000), at).unwrap();
     assert_eq!(worker, ids[0]);
     // Its own rate, not the fleet's (between the two workers'), which would
-    // predict a prefill longer than the worker takes.
+    // predict a prefill longer than the fast worker takes.
     assert!(close(wait.prefill_secs, 8000.0 / fast), "{wait:?}");
     let fleet = policy.expected_wait(&ids, &exact(8000), at).unwrap();
     assert!(fleet.prefill_secs > 1.2 * wait.prefill_secs, "{fleet:?}");
+    // And shorter than the slow one takes.
+    let (_, wait) = policy.preview(&[ids[1]], &exact(8000), at).unwrap();
+    assert!(close(wait.prefill_secs, 8000.0 / slow), "{wait:?}");
+    assert!(1.2 * fleet.prefill_secs < wait.prefill_secs, "{fleet:?}");
 }
 
 #[test]
