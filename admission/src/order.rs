@@ -263,10 +263,10 @@ impl FlowOrder {
                 let tenant = class.tenants.get(tenant_key);
                 let tenant_served = match tenant {
                     Some(t) if !t.queue.is_empty() => t.served,
-                    _ => tenant.map_or(0.0, |t| t.served).max(FlowOrder::lift(
-                        waiting_tenants().map(|(_, t)| t.served),
-                        class.tenant_floor,
-                    )),
+                    // Not waiting: lifted as a push would lift it.
+                    _ => tenant
+                        .map_or(0.0, |t| t.served)
+                        .max(class.least_waiting_served.unwrap_or(class.tenant_floor)),
                 };
                 let in_class = FlowOrder::ahead_among(
                     tenant_ahead,

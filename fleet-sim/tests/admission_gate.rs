@@ -264,6 +264,11 @@ fn tenants(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
     });
 }
 
+/// Goodput with the room over goodput without it.
+fn goodput_ratio(with: &GroupStats, without: &GroupStats) -> f64 {
+    with.goodput_requests as f64 / without.goodput_requests.max(1) as f64
+}
+
 fn deadline(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
     let with = all(row(report, traffic, 1.3, AdmissionOrder::Priority));
     let without = all(row(report, traffic, 1.3, AdmissionOrder::Off));
@@ -300,7 +305,7 @@ fn deadline(report: &Report, traffic: &'static str, goals: &mut Vec<Goal>) {
         meets: |secs| secs <= 0.005,
         show: |secs| format!("{:.1} ms", secs * 1e3),
     });
-    let ratio = with.goodput_requests as f64 / without.goodput_requests.max(1) as f64;
+    let ratio = goodput_ratio(with, without);
     goals.push(Goal {
         goal: "3. goodput with ÷ without the room",
         traffic,
@@ -344,7 +349,7 @@ fn mixed_speeds(report: &Report, goals: &mut Vec<Goal>) {
     let traffic = "long-prompts";
     let with = all(row(report, traffic, 0.5, AdmissionOrder::Priority));
     let without = all(row(report, traffic, 0.5, AdmissionOrder::Off));
-    let ratio = with.goodput_requests as f64 / without.goodput_requests.max(1) as f64;
+    let ratio = goodput_ratio(with, without);
     goals.push(Goal {
         goal: "5. goodput with ÷ without the room at 0.5",
         traffic,
