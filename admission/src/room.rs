@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use policy_core::{Admission, ExpectedWait, FlowView, Waiting};
+use policy_core::{Admission, Dispatch, ExpectedWait, FlowView, Waiting};
 
 /// How the room decides, shared by the router and the simulator.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +57,12 @@ pub const DEFAULT_MAX_QUEUE_REQUESTS: usize = 1024;
 /// (Twice the threshold served multi-turn priority 1 requests late in the
 /// admission gate; six let an overloading priority 0 queue at the engines.)
 pub const PASS_WITHIN_THRESHOLDS: f64 = 4.0;
+/// A fleet is prefill-bound while the uncached prompt work sent to it
+/// lately keeps at least this share of its workers computing prompts.
+pub const PREFILL_BOUND_SHARE: f64 = 0.65;
+/// How many times `reorder_above_wait` the threshold while reordering is
+/// on a prefill-bound fleet.
+pub const PREFILL_BOUND_THRESHOLD_FACTOR: f64 = 1.5;
 /// How far past a request waiting for its busy worker a release looks for
 /// requests whose workers have room.
 pub const RELEASE_LOOKAHEAD: usize = 32;
@@ -376,47 +382,87 @@ struct Entry {
     last_moment: bool,
 }
 
-/// The rate at which work leaves the room for the workers, in prompt tokens
-/// per second: a sum decaying with a time constant, divided by the window
-/// it has had time to fill.
+/// How much of something (prompt tokens, seconds of prefill) the room
+/// has sent lately, per second: a sum decaying with a time constant,
+/// divided by the window it has had time to fill.
 #[derive(Debug, Clone, Default)]
-struct DrainRate {
-    decayed_tokens: f64,
+struct RecentRate {
+    decayed: f64,
     last: Option<Instant>,
     first: Option<Instant>,
 }
 
-const DRAIN_TIME_CONSTANT_S: f64 = 2.0;
-/// Before this much history the rate is not trusted for predictions.
-const DRAIN_WARMUP_S: f64 = 0.5;
+const RECENT_RATE_TIME_CONSTANT_S: f64 = 2.0;
+/// Before this much history the rate is not trusted.
+const RECENT_RATE_WARMUP_S: f64 = 0.5;
 
-impl DrainRate {
-    fn add(&mut self, tokens: u64, now: Instant) {
+impl RecentRate {
+    fn add(&mut self, amount: f64, now: Instant) {
         self.decay_to(now);
-        self.decayed_tokens += tokens as f64;
+        self.decayed += amount;
         self.first.get_or_insert(now);
     }
 
     fn decay_to(&mut self, now: Instant) {
         if let Some(last) = self.last {
             let elapsed = now.saturating_duration_since(last).as_secs_f64();
-            self.decayed_tokens *= (-elapsed / DRAIN_TIME_CONSTANT_S).exp();
+            self.decayed *= (-elapsed / RECENT_RATE_TIME_CONSTANT_S).exp();
         }
         self.last = Some(now.max(self.last.unwrap_or(now)));
     }
 
-    fn tokens_per_s(&self, now: Instant) -> Option<f64> {
+    fn per_s(&self, now: Instant) -> Option<f64> {
         let first = self.first?;
         let last = self.last?;
         let history_s = now.saturating_duration_since(first).as_secs_f64();
-        if history_s < DRAIN_WARMUP_S {
+        if history_s < RECENT_RATE_WARMUP_S {
             return None;
         }
         let since_last = now.saturating_duration_since(last).as_secs_f64();
-        let decayed = self.decayed_tokens * (-since_last / DRAIN_TIME_CONSTANT_S).exp();
-        let window_s = DRAIN_TIME_CONSTANT_S * (1.0 - (-history_s / DRAIN_TIME_CONSTANT_S).exp());
+        let decayed = self.decayed * (-since_last / RECENT_RATE_TIME_CONSTANT_S).exp();
+        let window_s =
+            RECENT_RATE_TIME_CONSTANT_S * (1.0 - (-history_s / RECENT_RATE_TIME_CONSTANT_S).exp());
         let rate = decayed / window_s;
         (rate.is_finite() && rate > 0.0).then_some(rate)
+    }
+}
+
+/// Whether the fleet is prefill-bound: its workers spend most of their
+/// time computing prompts, so one whose queue empties idles. The uncached
+/// prompt tokens sent lately, at the fastest prompt speed the policy's
+/// predictions have shown (the speed it learns from first tokens falls
+/// while an engine's steps are long with decoding, when prompts are not
+/// what holds it back), over the workers' time.
+#[derive(Debug, Clone, Default)]
+struct PrefillLoad {
+    /// Seconds of prompt work sent, at `fastest_tps`.
+    sent: RecentRate,
+    /// Prompt tokens per second: the fastest seen. A fleet that became
+    /// slower is so judged prefill-bound later than it is, and keeps the
+    /// shallower queues meanwhile.
+    fastest_tps: f64,
+    workers: usize,
+}
+
+impl PrefillLoad {
+    fn sent(&mut self, expected: ExpectedWait, dispatch: &Dispatch, workers: usize, now: Instant) {
+        let prompt_tokens = dispatch.tokens.saturating_add(dispatch.cached_tokens) as f64;
+        let tps = prompt_tokens / expected.prefill_secs;
+        if tps.is_finite() && tps > self.fastest_tps {
+            self.fastest_tps = tps;
+        }
+        if self.fastest_tps > 0.0 {
+            self.sent
+                .add(dispatch.tokens as f64 / self.fastest_tps, now);
+        }
+        self.workers = workers;
+    }
+
+    fn is_bound(&self, now: Instant) -> bool {
+        self.workers > 0
+            && self.sent.per_s(now).is_some_and(|busy_workers| {
+                busy_workers >= PREFILL_BOUND_SHARE * self.workers as f64
+            })
     }
 }
 
@@ -430,7 +476,7 @@ pub struct AdmissionRoom {
     order: Box<dyn Admission>,
     config: RoomConfig,
     entries: HashMap<u64, Entry>,
-    drain: DrainRate,
+    drain: RecentRate,
     next_ticket: u64,
     /// The last arrival, to tell whether the next one differs from it.
     last_arrival: Option<Waiting>,
@@ -443,6 +489,10 @@ pub struct AdmissionRoom {
     reordering: bool,
     /// Requests evicted for a newcomer, reported by the next `shed`.
     evicted: Vec<Shed>,
+    prefill: PrefillLoad,
+    /// Whether the fleet was prefill-bound at the last call that had the
+    /// time.
+    prefill_bound: bool,
 }
 
 /// The room as the admin API shows it.
@@ -455,6 +505,10 @@ pub struct RoomView {
     pub reorder_above_wait_s: f64,
     /// The threshold in force now.
     pub threshold_s: f64,
+    /// Whether the fleet is prefill-bound (its workers spend at least
+    /// [`PREFILL_BOUND_SHARE`] of their time on the prompts sent lately),
+    /// which raises the threshold while reordering.
+    pub prefill_bound: bool,
     /// Prompt tokens per second leaving the room lately; `None` before
     /// there is history enough.
     pub drain_tokens_per_s: Option<f64>,
@@ -493,13 +547,15 @@ impl AdmissionRoom {
             order,
             config,
             entries: HashMap::new(),
-            drain: DrainRate::default(),
+            drain: RecentRate::default(),
             next_ticket: 1,
             last_arrival: None,
             reorder_until: None,
             most_urgent_arrival: None,
             reordering: false,
             evicted: Vec::new(),
+            prefill: PrefillLoad::default(),
+            prefill_bound: false,
         }
     }
 
@@ -585,12 +641,39 @@ impl AdmissionRoom {
     }
 
     /// The threshold in force (as of the last call that had the time).
+    /// While reordering on a prefill-bound fleet it is
+    /// [`PREFILL_BOUND_THRESHOLD_FACTOR`] times `reorder_above_wait`, up to
+    /// `queue_above_wait`: an engine that computes prompts all the time
+    /// idles whenever its queue empties (the room hears of a first token
+    /// after the engine has planned its next step), while one whose steps
+    /// are long with decoding does not, and its queue only delays the
+    /// requests the room would serve first.
     pub fn threshold(&self) -> Duration {
-        if self.reordering {
-            self.config.reorder_above_wait
-        } else {
-            self.config.queue_above_wait
+        let reorder = self.config.reorder_above_wait;
+        match (self.reordering, self.prefill_bound) {
+            (false, _) => self.config.queue_above_wait,
+            (true, false) => reorder,
+            (true, true) => duration_from_secs(secs(reorder) * PREFILL_BOUND_THRESHOLD_FACTOR)
+                .min(self.config.queue_above_wait)
+                .max(reorder),
         }
+    }
+
+    /// A request went to a worker as `dispatch` says, among `workers`
+    /// candidates, with `expected` the policy's expected wait for it (its
+    /// prefill at the rate the policy predicts): what tells a
+    /// prefill-bound fleet. Nothing is learned without a model of wait.
+    pub fn sent(
+        &mut self,
+        expected: Option<ExpectedWait>,
+        dispatch: &Dispatch,
+        workers: usize,
+        now: Instant,
+    ) {
+        if let Some(expected) = expected {
+            self.prefill.sent(expected, dispatch, workers, now);
+        }
+        self.tick(now);
     }
 
     /// Notes an arrival: one that differs from the one before it in its
@@ -614,6 +697,7 @@ impl AdmissionRoom {
     /// Brings the threshold in force up to `now`.
     fn tick(&mut self, now: Instant) {
         self.reordering = self.reorder_until.is_some_and(|until| now < until);
+        self.prefill_bound = self.prefill.is_bound(now);
     }
 
     /// Decides on an arriving request, given the policy's expected waits
@@ -665,7 +749,7 @@ impl AdmissionRoom {
             expected_prefill_s: expected.fleet.map(|wait| wait.prefill_secs),
             chosen_queue_s: expected.chosen.map(|wait| wait.queue_secs),
             work_ahead_tokens: judged.ahead,
-            drain_tokens_per_s: self.drain.tokens_per_s(now),
+            drain_tokens_per_s: self.drain.per_s(now),
             predicted_ttft_s: judged.predicted.map(secs),
         }
     }
@@ -781,9 +865,7 @@ impl AdmissionRoom {
         if tokens == 0 {
             return Some(0.0);
         }
-        self.drain
-            .tokens_per_s(now)
-            .map(|rate| tokens as f64 / rate)
+        self.drain.per_s(now).map(|rate| tokens as f64 / rate)
     }
 
     /// A request's predicted TTFT with `ahead` work queued before it: the
@@ -928,7 +1010,7 @@ impl AdmissionRoom {
     pub fn take(&mut self, ticket: u64, now: Instant) -> Option<Released> {
         self.tick(now);
         let waiting = self.order.take(ticket)?;
-        self.drain.add(waiting.work_tokens, now);
+        self.drain.add(waiting.work_tokens as f64, now);
         let entry = self.entries.remove(&waiting.ticket);
         Some(Released {
             ticket: waiting.ticket,
@@ -942,7 +1024,7 @@ impl AdmissionRoom {
     /// waited (a tenant whose requests pass straight through is served
     /// too).
     pub fn dispatched(&mut self, arrival: &Arrival, now: Instant) {
-        self.drain.add(arrival.work_tokens, now);
+        self.drain.add(arrival.work_tokens as f64, now);
         let classified = self.classify(arrival);
         self.order
             .served(&classified.class, &classified.tenant, arrival.work_tokens);
@@ -1070,7 +1152,8 @@ impl AdmissionRoom {
             queue_above_wait_s: secs(self.config.queue_above_wait),
             reorder_above_wait_s: secs(self.config.reorder_above_wait),
             threshold_s: secs(self.threshold()),
-            drain_tokens_per_s: self.drain.tokens_per_s(now),
+            prefill_bound: self.prefill_bound,
+            drain_tokens_per_s: self.drain.per_s(now),
             oldest_wait_s: self
                 .entries
                 .values()

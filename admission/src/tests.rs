@@ -2,14 +2,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use policy_core::{Admission, ExpectedWait, Waiting};
+use policy_core::{Admission, Dispatch, ExpectedWait, Waiting, WorkerId};
 use proptest::prelude::*;
 
 use crate::order::{FlowOrder, Grouping};
 use crate::{
-    AdmissionRoom, Arrival, ClassConfig, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected,
-    FAIR_SHARE, FIFO, PASS_WITHIN_THRESHOLDS, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW,
-    RejectReason, RoomConfig, RoomConfigError, Route, default_class_weight, registry,
+    AdmissionRoom, Arrival, ClassConfig, DEFAULT_QUEUE_ABOVE_WAIT_MS,
+    DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected, FAIR_SHARE, FIFO, PASS_WITHIN_THRESHOLDS,
+    PREFILL_BOUND_THRESHOLD_FACTOR, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason,
+    RoomConfig, RoomConfigError, Route, default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -509,6 +510,121 @@ fn the_threshold_drops_while_there_is_something_to_reorder() {
         fair.threshold(),
         Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS)
     );
+}
+
+/// A dispatch of `tokens` uncached prompt tokens.
+fn dispatch_of(tokens: u64) -> Dispatch {
+    Dispatch {
+        worker: WorkerId::new(0, 0),
+        tokens,
+        seq: 0,
+        score: 0.0,
+        cached_tokens: 0,
+    }
+}
+
+/// Sends `room` a prompt of `tokens` every 10 ms for a second, among
+/// `workers`, each predicted to take `prefill_ms`; returns the time after.
+fn send_prompts(
+    room: &mut AdmissionRoom,
+    workers: usize,
+    tokens: u64,
+    prefill_ms: u64,
+    from: Instant,
+) -> Instant {
+    let expected = Some(ExpectedWait {
+        queue_secs: 0.0,
+        prefill_secs: prefill_ms as f64 / 1000.0,
+    });
+    let dispatch = dispatch_of(tokens);
+    let mut now = from;
+    for _ in 0..100 {
+        room.sent(expected, &dispatch, workers, now);
+        now += Duration::from_millis(10);
+    }
+    now
+}
+
+/// Arrivals of two classes: the room reorders.
+fn reorder_now(room: &mut AdmissionRoom, now: Instant) {
+    room.arrive(&arrival(0, None), wait(0.0), now);
+    room.arrive(&arrival(1, None), wait(0.0), now);
+}
+
+#[test]
+fn a_prefill_bound_fleet_keeps_deeper_queues_while_reordering() {
+    let reorder = Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS);
+    let raised = Duration::from_secs_f64(reorder.as_secs_f64() * PREFILL_BOUND_THRESHOLD_FACTOR);
+    // 40 ms of prompt work every 10 ms keeps four workers computing.
+    let mut room = room(RoomConfig::default());
+    let now = send_prompts(&mut room, 4, 320, 40, Instant::now());
+    assert!(room.view(now).prefill_bound);
+    // Nothing to reorder: the queue threshold, unchanged.
+    assert_eq!(
+        room.threshold(),
+        Duration::from_millis(DEFAULT_QUEUE_ABOVE_WAIT_MS)
+    );
+    reorder_now(&mut room, now);
+    assert_eq!(room.threshold(), raised);
+    // Once the prompts stop, it is no longer prefill-bound.
+    let quiet = now + Duration::from_secs(10);
+    reorder_now(&mut room, quiet);
+    assert!(!room.view(quiet).prefill_bound);
+    assert_eq!(room.threshold(), reorder);
+    // Eight workers kept half busy are not.
+    let mut half = self::room(RoomConfig::default());
+    let now = send_prompts(&mut half, 8, 320, 40, Instant::now());
+    reorder_now(&mut half, now);
+    assert!(!half.view(now).prefill_bound);
+    assert_eq!(half.threshold(), reorder);
+}
+
+#[test]
+fn prompt_work_is_judged_at_the_fastest_speed_seen() {
+    // Prompts keeping four of eight workers busy, then the same prompts
+    // predicted at half the speed (the engines' steps are long with
+    // decoding): judged at the first speed, still four of eight.
+    let mut room = room(RoomConfig::default());
+    let start = Instant::now();
+    let now = send_prompts(&mut room, 8, 320, 40, start);
+    let now = send_prompts(&mut room, 8, 320, 80, now);
+    assert!(!room.view(now).prefill_bound);
+    // At the slower speed alone they would be eight of eight.
+    let mut slow = self::room(RoomConfig::default());
+    let now = send_prompts(&mut slow, 8, 320, 80, start);
+    assert!(slow.view(now).prefill_bound);
+    // Without a model of wait nothing is learned.
+    let mut blind = self::room(RoomConfig::default());
+    let mut at = start;
+    for _ in 0..100 {
+        blind.sent(None, &dispatch_of(1000), 1, at);
+        at += Duration::from_millis(10);
+    }
+    assert!(!blind.view(at).prefill_bound);
+    // Nor from a prediction that is not a number.
+    let broken = Some(ExpectedWait {
+        queue_secs: 0.0,
+        prefill_secs: f64::NAN,
+    });
+    let dispatch = dispatch_of(1000);
+    let mut nan = self::room(RoomConfig::default());
+    let mut at = start;
+    for _ in 0..100 {
+        nan.sent(broken, &dispatch, 1, at);
+        at += Duration::from_millis(10);
+    }
+    assert!(!nan.view(at).prefill_bound);
+}
+
+#[test]
+fn a_prefill_bound_threshold_stays_within_the_queue_threshold() {
+    let mut room = room(RoomConfig {
+        queue_above_wait: Duration::from_millis(120),
+        ..RoomConfig::default()
+    });
+    let now = send_prompts(&mut room, 1, 320, 40, Instant::now());
+    reorder_now(&mut room, now);
+    assert_eq!(room.threshold(), Duration::from_millis(120));
 }
 
 #[test]

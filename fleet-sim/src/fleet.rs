@@ -1248,6 +1248,8 @@ impl<'a> CellRun<'a> {
             Decision::DispatchNow => match policy.select(&self.router.ids, info, now) {
                 Some(dispatch) => {
                     room.room.dispatched(&arrival, now);
+                    room.room
+                        .sent(expected.fleet, &dispatch, self.router.ids.len(), now);
                     let worker = self.router.dispatched(id, replica, dispatch);
                     return self.submit(id, worker, chain, info, now_s);
                 }
@@ -1358,6 +1360,7 @@ impl<'a> CellRun<'a> {
                     break 'passes;
                 };
                 room.room.take(ticket, now);
+                room.room.sent(at_worker, &dispatch, ids.len(), now);
                 room.requests.remove(&ticket);
                 self.waited_from_s.insert(id, arrived_s);
                 let worker = self.router.dispatched(id, replica, dispatch);

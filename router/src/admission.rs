@@ -24,14 +24,14 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use opentelemetry::KeyValue;
 use parking_lot::Mutex;
-use policy_core::{AdmissionRegistry, RequestInfo, TokenCount, WorkerId, tokio_now};
+use policy_core::{AdmissionRegistry, ExpectedWait, RequestInfo, TokenCount, WorkerId, tokio_now};
 use tokio::sync::{Notify, oneshot};
 
 use crate::app::App;
 use crate::config::AdmissionConfig;
 use crate::error::ConfigError;
 use crate::metrics::{ClassLabel, ClassOutcomeLabels, ClassReasonLabels, Metrics};
-use crate::proxy::{Answer, Chosen, choose, own};
+use crate::proxy::{Answer, Chosen, RequestTracker, choose, own};
 use crate::telemetry::SpanGuard;
 
 /// The header that sets a request's priority (over its body's `priority`).
@@ -378,6 +378,12 @@ impl Gate {
             let Some(released) = state.room.take(turn.ticket, now_std) else {
                 return false;
             };
+            if let Chosen::Worker(tracker) = &chosen {
+                let workers = snapshot.candidates().len();
+                state
+                    .room
+                    .sent(at_chosen, tracker.dispatch(), workers, now_std);
+            }
             let Some(waiter) = state.waiters.remove(&released.ticket) else {
                 return true;
             };
@@ -420,9 +426,20 @@ impl Gate {
         }
     }
 
-    /// A request that never waited went to a worker.
-    fn dispatched(&self, arrival: &Arrival) {
-        self.state.lock().room.dispatched(arrival, tokio_now());
+    /// A request that never waited went to a worker, as `tracker` says,
+    /// with `expected` the policy's expected wait for it at arrival, among
+    /// `workers` candidates.
+    fn dispatched(
+        &self,
+        arrival: &Arrival,
+        expected: Option<ExpectedWait>,
+        tracker: &RequestTracker,
+        workers: usize,
+    ) {
+        let now = tokio_now();
+        let mut state = self.state.lock();
+        state.room.dispatched(arrival, now);
+        state.room.sent(expected, tracker.dispatch(), workers, now);
     }
 
     /// An answer of this class and tenant ended with `output_tokens`
@@ -576,8 +593,9 @@ pub(crate) async fn admit(
                 decision
             }
             chosen => {
-                if matches!(chosen, Chosen::Worker(_)) {
-                    gate.dispatched(&arrival);
+                if let Chosen::Worker(tracker) = &chosen {
+                    let workers = app.topology.load().candidates().len();
+                    gate.dispatched(&arrival, expected.fleet, tracker, workers);
                 }
                 return Admitted::Chosen(charged(chosen, &class, &arrival.tenant));
             }

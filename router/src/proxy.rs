@@ -980,6 +980,11 @@ struct OutputCharge {
 }
 
 impl RequestTracker {
+    /// What the policy decided for the request.
+    pub(crate) fn dispatch(&self) -> &Dispatch {
+        &self.dispatch
+    }
+
     fn new(
         app: &Arc<App>,
         route: Arc<Route>,
