@@ -63,6 +63,9 @@ pub const PREFILL_BOUND_SHARE: f64 = 0.65;
 /// How many times `reorder_above_wait` the threshold while reordering is
 /// on a prefill-bound fleet.
 pub const PREFILL_BOUND_THRESHOLD_FACTOR: f64 = 1.5;
+/// How long prompts must have been sent before a fleet is judged
+/// prefill-bound: the policy's first predictions are at its prior rate.
+const PREFILL_BOUND_HISTORY: Duration = Duration::from_secs(10);
 /// How far past a request waiting for its busy worker a release looks for
 /// requests whose workers have room.
 pub const RELEASE_LOOKAHEAD: usize = 32;
@@ -437,9 +440,10 @@ impl RecentRate {
 struct PrefillLoad {
     /// Seconds of prompt work sent, at `fastest_tps`.
     sent: RecentRate,
-    /// Prompt tokens per second: the fastest seen. A fleet that became
-    /// slower is so judged prefill-bound later than it is, and keeps the
-    /// shallower queues meanwhile.
+    /// Prompt tokens per second: the fastest seen, the policy's prior
+    /// included. A fleet slower than that (one that became slower, or
+    /// whose prior is fast) is so judged prefill-bound later than it is,
+    /// or never, and keeps the shallower queues meanwhile.
     fastest_tps: f64,
     workers: usize,
 }
@@ -460,6 +464,10 @@ impl PrefillLoad {
 
     fn is_bound(&self, now: Instant) -> bool {
         self.workers > 0
+            && self
+                .sent
+                .first
+                .is_some_and(|first| now.saturating_duration_since(first) >= PREFILL_BOUND_HISTORY)
             && self.sent.per_s(now).is_some_and(|busy_workers| {
                 busy_workers >= PREFILL_BOUND_SHARE * self.workers as f64
             })
@@ -656,6 +664,17 @@ impl AdmissionRoom {
             (true, true) => duration_from_secs(secs(reorder) * PREFILL_BOUND_THRESHOLD_FACTOR)
                 .min(self.config.queue_above_wait)
                 .max(reorder),
+        }
+    }
+
+    /// The threshold in force without the raise on a prefill-bound fleet:
+    /// the margin a request with a deadline keeps for the prediction's
+    /// error, which the depth of the engines' queues does not change.
+    fn margin(&self) -> Duration {
+        if self.reordering {
+            self.config.reorder_above_wait
+        } else {
+            self.config.queue_above_wait
         }
     }
 
@@ -990,8 +1009,8 @@ impl AdmissionRoom {
                 Route::WithRoom
             };
         }
-        let threshold = secs(self.threshold());
-        let elsewhere_later = now + duration_from_secs(2.0 * threshold + wait.prefill_secs);
+        let margin = secs(self.margin());
+        let elsewhere_later = now + duration_from_secs(2.0 * margin + wait.prefill_secs);
         if there <= due || elsewhere_later < due {
             Route::Wait
         } else {
@@ -1055,7 +1074,7 @@ impl AdmissionRoom {
     pub fn shed(&mut self, expected: Option<ExpectedWait>, now: Instant) -> Vec<Shed> {
         self.tick(now);
         let queue = duration_from_secs(expected.map_or(0.0, |wait| wait.queue_secs));
-        let threshold = self.threshold();
+        let threshold = self.margin();
         let most_urgent_arrival = self.most_urgent_arrival;
         let largest_prefill = self
             .entries

@@ -523,8 +523,9 @@ fn dispatch_of(tokens: u64) -> Dispatch {
     }
 }
 
-/// Sends `room` a prompt of `tokens` every 10 ms for a second, among
-/// `workers`, each predicted to take `prefill_ms`; returns the time after.
+/// Sends `room` a prompt of `tokens` every 10 ms for 11 s (longer than
+/// the history a judgement needs), among `workers`, each predicted to take
+/// `prefill_ms`; returns the time after.
 fn send_prompts(
     room: &mut AdmissionRoom,
     workers: usize,
@@ -538,7 +539,7 @@ fn send_prompts(
     });
     let dispatch = dispatch_of(tokens);
     let mut now = from;
-    for _ in 0..100 {
+    for _ in 0..1100 {
         room.sent(expected, &dispatch, workers, now);
         now += Duration::from_millis(10);
     }
@@ -596,7 +597,7 @@ fn prompt_work_is_judged_at_the_fastest_speed_seen() {
     // Without a model of wait nothing is learned.
     let mut blind = self::room(RoomConfig::default());
     let mut at = start;
-    for _ in 0..100 {
+    for _ in 0..1100 {
         blind.sent(None, &dispatch_of(1000), 1, at);
         at += Duration::from_millis(10);
     }
@@ -609,11 +610,35 @@ fn prompt_work_is_judged_at_the_fastest_speed_seen() {
     let dispatch = dispatch_of(1000);
     let mut nan = self::room(RoomConfig::default());
     let mut at = start;
-    for _ in 0..100 {
+    for _ in 0..1100 {
         nan.sent(broken, &dispatch, 1, at);
         at += Duration::from_millis(10);
     }
     assert!(!nan.view(at).prefill_bound);
+}
+
+#[test]
+fn a_fleet_is_not_judged_prefill_bound_on_its_first_seconds() {
+    // The policy's first predictions are at its prior rate, and a fleet's
+    // start is a burst: a second of prompts keeping every worker busy is
+    // not enough history.
+    let mut room = room(RoomConfig::default());
+    let expected = Some(ExpectedWait {
+        queue_secs: 0.0,
+        prefill_secs: 0.04,
+    });
+    let start = Instant::now();
+    let mut now = start;
+    for _ in 0..100 {
+        room.sent(expected, &dispatch_of(320), 4, now);
+        now += Duration::from_millis(10);
+    }
+    reorder_now(&mut room, now);
+    assert!(!room.view(now).prefill_bound);
+    assert_eq!(
+        room.threshold(),
+        Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS)
+    );
 }
 
 #[test]
