@@ -414,6 +414,12 @@ impl RecentRate {
         self.last = Some(now.max(self.last.unwrap_or(now)));
     }
 
+    /// Whether the first amount was added at least `at_least` before `now`.
+    fn has_history(&self, now: Instant, at_least: Duration) -> bool {
+        self.first
+            .is_some_and(|first| now.saturating_duration_since(first) >= at_least)
+    }
+
     fn per_s(&self, now: Instant) -> Option<f64> {
         let first = self.first?;
         let last = self.last?;
@@ -464,10 +470,7 @@ impl PrefillLoad {
 
     fn is_bound(&self, now: Instant) -> bool {
         self.workers > 0
-            && self
-                .sent
-                .first
-                .is_some_and(|first| now.saturating_duration_since(first) >= PREFILL_BOUND_HISTORY)
+            && self.sent.has_history(now, PREFILL_BOUND_HISTORY)
             && self.sent.per_s(now).is_some_and(|busy_workers| {
                 busy_workers >= PREFILL_BOUND_SHARE * self.workers as f64
             })
@@ -657,13 +660,13 @@ impl AdmissionRoom {
     /// are long with decoding does not, and its queue only delays the
     /// requests the room would serve first.
     pub fn threshold(&self) -> Duration {
-        let reorder = self.config.reorder_above_wait;
-        match (self.reordering, self.prefill_bound) {
-            (false, _) => self.config.queue_above_wait,
-            (true, false) => reorder,
-            (true, true) => duration_from_secs(secs(reorder) * PREFILL_BOUND_THRESHOLD_FACTOR)
+        let margin = self.margin();
+        if self.reordering && self.prefill_bound {
+            duration_from_secs(secs(margin) * PREFILL_BOUND_THRESHOLD_FACTOR)
                 .min(self.config.queue_above_wait)
-                .max(reorder),
+                .max(margin)
+        } else {
+            margin
         }
     }
 

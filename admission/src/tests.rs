@@ -523,6 +523,30 @@ fn dispatch_of(tokens: u64) -> Dispatch {
     }
 }
 
+/// Sends `room` a prompt of `tokens` every 10 ms, `count` times, among
+/// `workers`, each predicted to take `prefill_secs` (`None`: no model of
+/// wait); returns the time after.
+fn send_every_10ms(
+    room: &mut AdmissionRoom,
+    count: usize,
+    workers: usize,
+    tokens: u64,
+    prefill_secs: Option<f64>,
+    from: Instant,
+) -> Instant {
+    let expected = prefill_secs.map(|prefill_secs| ExpectedWait {
+        queue_secs: 0.0,
+        prefill_secs,
+    });
+    let dispatch = dispatch_of(tokens);
+    let mut now = from;
+    for _ in 0..count {
+        room.sent(expected, &dispatch, workers, now);
+        now += Duration::from_millis(10);
+    }
+    now
+}
+
 /// Sends `room` a prompt of `tokens` every 10 ms for 11 s (longer than
 /// the history a judgement needs), among `workers`, each predicted to take
 /// `prefill_ms`; returns the time after.
@@ -533,17 +557,8 @@ fn send_prompts(
     prefill_ms: u64,
     from: Instant,
 ) -> Instant {
-    let expected = Some(ExpectedWait {
-        queue_secs: 0.0,
-        prefill_secs: prefill_ms as f64 / 1000.0,
-    });
-    let dispatch = dispatch_of(tokens);
-    let mut now = from;
-    for _ in 0..1100 {
-        room.sent(expected, &dispatch, workers, now);
-        now += Duration::from_millis(10);
-    }
-    now
+    let prefill_secs = Some(prefill_ms as f64 / 1000.0);
+    send_every_10ms(room, 1100, workers, tokens, prefill_secs, from)
 }
 
 /// Arrivals of two classes: the room reorders.
@@ -596,24 +611,11 @@ fn prompt_work_is_judged_at_the_fastest_speed_seen() {
     assert!(slow.view(now).prefill_bound);
     // Without a model of wait nothing is learned.
     let mut blind = self::room(RoomConfig::default());
-    let mut at = start;
-    for _ in 0..1100 {
-        blind.sent(None, &dispatch_of(1000), 1, at);
-        at += Duration::from_millis(10);
-    }
+    let at = send_every_10ms(&mut blind, 1100, 1, 1000, None, start);
     assert!(!blind.view(at).prefill_bound);
     // Nor from a prediction that is not a number.
-    let broken = Some(ExpectedWait {
-        queue_secs: 0.0,
-        prefill_secs: f64::NAN,
-    });
-    let dispatch = dispatch_of(1000);
     let mut nan = self::room(RoomConfig::default());
-    let mut at = start;
-    for _ in 0..1100 {
-        nan.sent(broken, &dispatch, 1, at);
-        at += Duration::from_millis(10);
-    }
+    let at = send_every_10ms(&mut nan, 1100, 1, 1000, Some(f64::NAN), start);
     assert!(!nan.view(at).prefill_bound);
 }
 
@@ -623,16 +625,7 @@ fn a_fleet_is_not_judged_prefill_bound_on_its_first_seconds() {
     // start is a burst: a second of prompts keeping every worker busy is
     // not enough history.
     let mut room = room(RoomConfig::default());
-    let expected = Some(ExpectedWait {
-        queue_secs: 0.0,
-        prefill_secs: 0.04,
-    });
-    let start = Instant::now();
-    let mut now = start;
-    for _ in 0..100 {
-        room.sent(expected, &dispatch_of(320), 4, now);
-        now += Duration::from_millis(10);
-    }
+    let now = send_every_10ms(&mut room, 100, 4, 320, Some(0.04), Instant::now());
     reorder_now(&mut room, now);
     assert!(!room.view(now).prefill_bound);
     assert_eq!(
