@@ -52,10 +52,12 @@ fn arrival(index: usize, tenants: &[Arc<str>]) -> Arrival {
 const BUSY: Option<ExpectedWait> = Some(ExpectedWait {
     queue_secs: 5.0,
     prefill_secs: 0.05,
+    queue_less_progress_secs: None,
 });
 const IDLE: Option<ExpectedWait> = Some(ExpectedWait {
     queue_secs: 0.0,
     prefill_secs: 0.05,
+    queue_less_progress_secs: None,
 });
 
 fn benches(c: &mut Criterion) {

@@ -20,7 +20,8 @@
 //! let order = registry().build("priority", &serde_json::Value::Null)?;
 //! let mut room = AdmissionRoom::new(order, RoomConfig::default());
 //! let now = Instant::now();
-//! let busy = Some(ExpectedWait { queue_secs: 3.0, prefill_secs: 0.1 });
+//! let wait = |queue_secs| Some(ExpectedWait { queue_secs, prefill_secs: 0.1, ..Default::default() });
+//! let busy = wait(3.0);
 //! let request = |priority| Arrival {
 //!     priority: Some(priority),
 //!     tenant: Arc::from("team-a"),
@@ -30,7 +31,7 @@
 //! // Every worker is busy: both wait, and the lower priority value goes first.
 //! let Decision::Queued(batch) = room.arrive(&request(5), busy, now) else { panic!() };
 //! let Decision::Queued(chat) = room.arrive(&request(0), busy, now) else { panic!() };
-//! let idle = Some(ExpectedWait { queue_secs: 0.0, prefill_secs: 0.1 });
+//! let idle = wait(0.0);
 //! assert!(room.has_room(idle));
 //! assert_eq!(room.pop(now).map(|r| r.ticket), Some(chat));
 //! assert_eq!(room.pop(now).map(|r| r.ticket), Some(batch));

@@ -287,7 +287,9 @@ pub enum Route {
     /// Nowhere yet: it waits for its chosen worker, which is busy.
     Wait,
     /// To the best of the workers with room (of all, when none has room):
-    /// waiting for its chosen one would miss its deadline.
+    /// waiting for its chosen one would miss its deadline, or leave a
+    /// worker the room counts as finishing its prompt with none to
+    /// compute next ([`AdmissionRoom::counts_progress`]).
     WithRoom,
 }
 
@@ -504,6 +506,12 @@ pub struct AdmissionRoom {
     /// Whether the fleet was prefill-bound at the last call that had the
     /// time.
     prefill_bound: bool,
+    /// When the last request with a TTFT deadline arrived.
+    last_deadline_arrival: Option<Instant>,
+    /// Whether the room counted the workers' progress on their prompts
+    /// under way at the last call that had the time (see
+    /// [`AdmissionRoom::counts_progress`]).
+    counts_progress: bool,
 }
 
 /// The room as the admin API shows it.
@@ -520,6 +528,10 @@ pub struct RoomView {
     /// [`PREFILL_BOUND_SHARE`] of their time on the prompts sent lately),
     /// which raises the threshold while reordering.
     pub prefill_bound: bool,
+    /// Whether the room counts the workers' progress on the prompts under
+    /// way: reordering on a prefill-bound fleet, no request with a TTFT
+    /// deadline lately.
+    pub counts_progress: bool,
     /// Prompt tokens per second leaving the room lately; `None` before
     /// there is history enough.
     pub drain_tokens_per_s: Option<f64>,
@@ -567,6 +579,8 @@ impl AdmissionRoom {
             evicted: Vec::new(),
             prefill: PrefillLoad::default(),
             prefill_bound: false,
+            last_deadline_arrival: None,
+            counts_progress: false,
         }
     }
 
@@ -639,7 +653,31 @@ impl AdmissionRoom {
     /// something to reorder, else `queue_above_wait` (a policy with no model
     /// of wait always does; its caps decide).
     pub fn has_room(&self, expected: Option<ExpectedWait>) -> bool {
-        expected.is_none_or(|wait| wait.queue_secs <= secs(self.threshold()))
+        expected.is_none_or(|wait| self.judged_queue_secs(&wait) <= secs(self.threshold()))
+    }
+
+    /// The wait the room judges room by: the policy's, less the workers'
+    /// progress on their prompts under way while the room
+    /// [counts it](Self::counts_progress).
+    fn judged_queue_secs(&self, wait: &ExpectedWait) -> f64 {
+        match wait.queue_less_progress_secs {
+            Some(less_progress_secs) if self.counts_progress => less_progress_secs,
+            _ => wait.queue_secs,
+        }
+    }
+
+    /// Whether the room counts the workers' progress on the prompts under
+    /// way (as of the last call that had the time): while reordering on a
+    /// prefill-bound fleet, with no request with a TTFT deadline in the
+    /// last [`REORDER_WINDOW`]. A policy counts a prompt whole until its
+    /// first token, so a worker finishing a long one looks busy until it
+    /// has nothing left, and a prefill-bound engine with nothing queued
+    /// behind its prompt runs its next steps with no prompt to compute.
+    /// A request with a deadline keeps the margins sized for the policy's
+    /// own prediction: the progress is a bet that the prompt finishes on
+    /// schedule.
+    pub fn counts_progress(&self) -> bool {
+        self.counts_progress
     }
 
     /// The lower of the two thresholds: a worker whose wait is at most
@@ -708,6 +746,9 @@ impl AdmissionRoom {
         if differs || has_deadline {
             self.reorder_until = Some(now + REORDER_WINDOW);
         }
+        if has_deadline {
+            self.last_deadline_arrival = Some(now);
+        }
         self.last_arrival = Some(arrival.clone());
         // A more urgent class that arrived within the window stays.
         if is_most_urgent(self.most_urgent_arrival, arrival.priority, now) {
@@ -720,6 +761,11 @@ impl AdmissionRoom {
     fn tick(&mut self, now: Instant) {
         self.reordering = self.reorder_until.is_some_and(|until| now < until);
         self.prefill_bound = self.prefill.is_bound(now);
+        self.counts_progress = self.reordering
+            && self.prefill_bound
+            && self
+                .last_deadline_arrival
+                .is_none_or(|seen| now >= seen + REORDER_WINDOW);
     }
 
     /// Decides on an arriving request, given the policy's expected waits
@@ -985,6 +1031,8 @@ impl AdmissionRoom {
     /// again as margin for the prediction's error); at that last moment it
     /// goes to the best worker with room. Sent elsewhere sooner, its
     /// prefix is computed again and pushes others' out of that cache.
+    /// While the room [counts progress](Self::counts_progress), one
+    /// without a deadline goes to the best worker with room at once.
     pub fn route(
         &self,
         turn: &ReleaseTurn,
@@ -1002,7 +1050,14 @@ impl AdmissionRoom {
             return Route::Chosen;
         };
         let Some(due) = turn.due else {
-            return Route::Wait;
+            // The fleet's room is then the workers finishing their prompts,
+            // which the policy's choice does not count: the request goes
+            // to one of them, or that engine runs out of prompts to compute.
+            return if self.counts_progress {
+                Route::WithRoom
+            } else {
+                Route::Wait
+            };
         };
         let there = now + duration_from_secs(wait.queue_secs + wait.prefill_secs);
         if turn.last_moment {
@@ -1175,6 +1230,7 @@ impl AdmissionRoom {
             reorder_above_wait_s: secs(self.config.reorder_above_wait),
             threshold_s: secs(self.threshold()),
             prefill_bound: self.prefill_bound,
+            counts_progress: self.counts_progress,
             drain_tokens_per_s: self.drain.per_s(now),
             oldest_wait_s: self
                 .entries

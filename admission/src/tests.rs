@@ -10,7 +10,7 @@ use crate::{
     AdmissionRoom, Arrival, ClassConfig, DEFAULT_QUEUE_ABOVE_WAIT_MS,
     DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected, FAIR_SHARE, FIFO, PASS_WITHIN_THRESHOLDS,
     PREFILL_BOUND_THRESHOLD_FACTOR, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason,
-    RoomConfig, RoomConfigError, Route, default_class_weight, registry,
+    ReleaseTurn, RoomConfig, RoomConfigError, Route, default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -281,6 +281,7 @@ fn wait(queue_secs: f64) -> Option<ExpectedWait> {
     Some(ExpectedWait {
         queue_secs,
         prefill_secs: 0.1,
+        queue_less_progress_secs: None,
     })
 }
 
@@ -537,6 +538,7 @@ fn send_every_10ms(
     let expected = prefill_secs.map(|prefill_secs| ExpectedWait {
         queue_secs: 0.0,
         prefill_secs,
+        queue_less_progress_secs: None,
     });
     let dispatch = dispatch_of(tokens);
     let mut now = from;
@@ -617,6 +619,56 @@ fn prompt_work_is_judged_at_the_fastest_speed_seen() {
     let mut nan = self::room(RoomConfig::default());
     let at = send_every_10ms(&mut nan, 1100, 1, 1000, Some(f64::NAN), start);
     assert!(!nan.view(at).prefill_bound);
+}
+
+/// A wait of `queue_secs`, `less_progress_secs` of it once the workers'
+/// progress on their prompts under way is counted.
+fn wait_with_progress(queue_secs: f64, less_progress_secs: f64) -> Option<ExpectedWait> {
+    Some(ExpectedWait {
+        queue_secs,
+        prefill_secs: 0.1,
+        queue_less_progress_secs: Some(less_progress_secs),
+    })
+}
+
+#[test]
+fn a_prefill_bound_fleet_counts_the_progress_on_prompts_under_way() {
+    let finishing = wait_with_progress(2.0, 0.05);
+    let mut room = room(RoomConfig::default());
+    let now = send_prompts(&mut room, 4, 320, 40, Instant::now());
+    // Not reordering: the policy's wait, as it is.
+    room.arrive(&arrival(0, None), wait(0.0), now);
+    assert!(!room.counts_progress());
+    assert!(!room.has_room(finishing));
+    // Reordering on a prefill-bound fleet: the worker finishing its
+    // prompt has room, and a request without a deadline whose chosen
+    // worker is busy goes to the best with room rather than wait.
+    reorder_now(&mut room, now);
+    assert!(room.counts_progress());
+    assert!(room.view(now).counts_progress);
+    assert!(room.has_room(finishing));
+    assert!(!room.has_room(wait_with_progress(2.0, 0.5)));
+    assert!(room.has_room(wait(0.0)), "a policy that does not tell");
+    let turn = ReleaseTurn {
+        ticket: 1,
+        due: None,
+        passes: false,
+        last_moment: false,
+    };
+    assert_eq!(
+        room.route(&turn, wait_with_progress(2.0, 0.5), now),
+        Route::WithRoom
+    );
+    // A request with a deadline turns it off for the reorder window: its
+    // margins are sized for the policy's own prediction.
+    let later = now + Duration::from_millis(10);
+    room.arrive(&arrival(1, Some(2000)), wait(5.0), later);
+    assert!(!room.counts_progress());
+    assert!(!room.has_room(finishing));
+    assert_eq!(
+        room.route(&turn, wait_with_progress(2.0, 0.5), later),
+        Route::Wait
+    );
 }
 
 #[test]
@@ -806,6 +858,7 @@ fn a_request_of_the_most_urgent_class_keeps_the_largest_waiting_prefill_as_margi
     let long_prompt = Some(ExpectedWait {
         queue_secs: 0.5,
         prefill_secs: 0.6,
+        queue_less_progress_secs: None,
     });
     assert!(matches!(
         room.arrive(&arrival(1, Some(10_000)), long_prompt, now),

@@ -49,6 +49,11 @@ pub struct ExpectedWait {
     pub queue_secs: f64,
     /// The request's own prefill, in seconds at a typical worker's rate.
     pub prefill_secs: f64,
+    /// `queue_secs` less what the worker has likely computed of the
+    /// prompts under way (since its engine took up the oldest one sent
+    /// there, at its rate): the wait if they finish on schedule. `None`
+    /// when the policy does not tell.
+    pub queue_less_progress_secs: Option<f64>,
 }
 
 /// How a worker is chosen for each request.

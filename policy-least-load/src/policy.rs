@@ -25,6 +25,20 @@ use crate::state::{
 };
 use crate::{InflightMode, LeastLoadParams, RateMode};
 
+/// How much of this router's pending prompt work on a worker its engine
+/// has likely computed, in seconds: the time since it took up the oldest
+/// pending prompt ([`HeadStart`](crate::state::HeadStart)), at most that
+/// pending work at `rate_tps`.
+fn progress_secs(state: &WorkerState, stats: WorkerStats, rate_tps: f64, now_nanos: i64) -> f64 {
+    if stats.pending_requests == 0 {
+        return 0.0;
+    }
+    let since_secs = now_nanos.saturating_sub(state.head_start.nanos()) as f64 / 1e9;
+    since_secs
+        .max(0.0)
+        .min(stats.pending_tokens as f64 / rate_tps)
+}
+
 /// A dispatch sequence number, unique in the process and so in every policy.
 /// Threads take them in blocks, so that concurrent selections do not bounce
 /// one counter's cache line between cores on every request.
@@ -1196,40 +1210,8 @@ impl LeastLoad {
     ) -> f64 {
         let mut floor_secs = f64::INFINITY;
         for id in candidates {
-            let hot_read = self
-                .hot
-                .as_ref()
-                .and_then(|hot| hot.read(*id))
-                .filter(|read| {
-                    now_nanos.saturating_sub(read.received_nanos) <= self.stale_after_nanos
-                });
-            let wait_secs = match hot_read {
-                Some(read) => wait_secs_converted(
-                    read.queued_tokens_f64,
-                    read.ahead_tokens,
-                    self.hot_rate_tps(&read),
-                    0.0,
-                ),
-                None => {
-                    let Some(slot) = view.get(*id) else {
-                        continue;
-                    };
-                    let state = &slot.state;
-                    let Some(snapshot) = self.fresh_hot(state, now_nanos) else {
-                        continue;
-                    };
-                    let stats = state.ledger.stats();
-                    let remote = self.remote(state);
-                    wait_secs(
-                        snapshot.queued_tokens,
-                        self.inflight_tokens(state, stats, remote, true),
-                        match self.params.rate {
-                            RateMode::Learned => self.worker_rate_tps(state),
-                            RateMode::Reported | RateMode::Fixed => snapshot.throughput_tps,
-                        },
-                        0.0,
-                    )
-                }
+            let Some((wait_secs, _)) = self.token_wait(view, *id, now_nanos) else {
+                continue;
             };
             floor_secs = floor_secs.min(wait_secs);
             if floor_secs <= 0.0 {
@@ -1243,6 +1225,45 @@ impl LeastLoad {
         }
     }
 
+    /// A worker's `(queued + pending work) / rate`, and the rate, tokens
+    /// per second; `None` without a fresh report.
+    fn token_wait(
+        &self,
+        view: &SlotsView<'_, WorkerState>,
+        id: WorkerId,
+        now_nanos: i64,
+    ) -> Option<(f64, f64)> {
+        let hot_read = self
+            .hot
+            .as_ref()
+            .and_then(|hot| hot.read(id))
+            .filter(|read| now_nanos.saturating_sub(read.received_nanos) <= self.stale_after_nanos);
+        if let Some(read) = hot_read {
+            let rate_tps = self.hot_rate_tps(&read);
+            return Some((
+                wait_secs_converted(read.queued_tokens_f64, read.ahead_tokens, rate_tps, 0.0),
+                rate_tps,
+            ));
+        }
+        let state = &view.get(id)?.state;
+        let snapshot = self.fresh_hot(state, now_nanos)?;
+        let stats = state.ledger.stats();
+        let remote = self.remote(state);
+        let rate_tps = match self.params.rate {
+            RateMode::Learned => self.worker_rate_tps(state),
+            RateMode::Reported | RateMode::Fixed => snapshot.throughput_tps,
+        };
+        Some((
+            wait_secs(
+                snapshot.queued_tokens,
+                self.inflight_tokens(state, stats, remote, true),
+                rate_tps,
+                0.0,
+            ),
+            rate_tps,
+        ))
+    }
+
     /// As [`floor_wait_secs`](Self::floor_wait_secs), with each worker's
     /// wait at least its waiting requests (others' and the router fleet's
     /// pending ones) over the rate its requests finish: a worker whose batch
@@ -1250,45 +1271,59 @@ impl LeastLoad {
     /// however few prompt tokens wait. For the admission room, not the
     /// score: what the fleet can take now, not which worker is best. Stops
     /// at the first worker whose wait is at most `within_secs`.
+    ///
+    /// Returns that floor and the floor of the same waits less each
+    /// worker's [progress](Self::progress_secs) on its prompt under way.
     fn slot_aware_floor_secs(
         &self,
         view: &SlotsView<'_, WorkerState>,
         candidates: &[WorkerId],
         now_nanos: i64,
         within_secs: f64,
-    ) -> f64 {
+    ) -> (f64, f64) {
         // Nothing waits less than nothing: an idle worker ends the search.
         let enough_secs = within_secs.max(0.0);
         let mut floor_secs = f64::INFINITY;
+        let mut less_progress_floor_secs = f64::INFINITY;
         for id in candidates {
             let Some(slot) = view.get(*id) else {
                 continue;
             };
-            let token_secs = self.floor_wait_secs(view, std::slice::from_ref(id), now_nanos);
-            if token_secs >= floor_secs {
-                // Its wait is at least this: it cannot lower the floor, so
-                // its slot wait (a lock and a rate) is not worth reading.
+            let state = &slot.state;
+            let stats = state.ledger.stats();
+            // A worker without a fresh report waits for nothing known.
+            let (token_secs, rate_tps) = self
+                .token_wait(view, *id, now_nanos)
+                .unwrap_or((0.0, f64::INFINITY));
+            let progress_secs = progress_secs(state, stats, rate_tps, now_nanos).min(token_secs);
+            if token_secs >= floor_secs && token_secs - progress_secs >= less_progress_floor_secs {
+                // Its waits are at least these: it cannot lower either
+                // floor, so its slot wait (a lock and a rate) is not worth
+                // reading.
                 continue;
             }
-            let state = &slot.state;
             let waiting = self
                 .fresh_hot(state, now_nanos)
                 .map_or(0, |hot| hot.others_waiting_requests)
-                .saturating_add(state.ledger.stats().pending_requests)
+                .saturating_add(stats.pending_requests)
                 .saturating_add(self.remote(state).requests);
             let slot_secs = match state.finishes.per_second(now_nanos) {
                 Some(rate) if waiting > 0 => waiting as f64 / rate,
                 _ => 0.0,
             };
             floor_secs = floor_secs.min(token_secs.max(slot_secs));
+            // The slots stay as they are: the prompt under way holds one
+            // until it ends.
+            less_progress_floor_secs =
+                less_progress_floor_secs.min((token_secs - progress_secs).max(slot_secs));
             if floor_secs <= enough_secs {
                 break;
             }
         }
         if floor_secs.is_finite() {
-            floor_secs
+            (floor_secs, less_progress_floor_secs.min(floor_secs))
         } else {
-            0.0
+            (0.0, 0.0)
         }
     }
 
@@ -1846,6 +1881,11 @@ impl Policy for LeastLoad {
                 let remote = self.remote(state);
                 self.admits(others_waiting, stats, remote).then(|| {
                     state.last_dispatch.record_under_ledger_lock(now_nanos);
+                    if stats.pending_requests == 0 {
+                        // The engine takes it up now: nothing of ours is
+                        // ahead of it.
+                        state.head_start.record(now_nanos);
+                    }
                     let foreign_ahead_tokens = hot
                         .map_or(0, |hot| hot.queued_tokens)
                         .saturating_add(remote.tokens);
@@ -1886,6 +1926,10 @@ impl Policy for LeastLoad {
         let view = self.workers.read();
         let slot = view.get(dispatch.worker)?;
         let (tokens, probe) = slot.state.ledger.first_token_noted(dispatch.seq)?;
+        if slot.state.ledger.stats().pending_requests > 0 {
+            // The engine is on to the next of ours, at the latest now.
+            slot.state.head_start.record(self.timeline.nanos(now));
+        }
         if !probe.learn {
             self.refresh_hot(slot);
             return None;
@@ -2011,9 +2055,12 @@ impl Policy for LeastLoad {
         let view = self.workers.read();
         // The prompt as if nothing were cached: a prediction that errs
         // long, so that a deadline it admits is kept.
+        let (queue_secs, queue_less_progress_secs) =
+            self.slot_aware_floor_secs(&view, candidates, now_nanos, within_secs);
         Some(ExpectedWait {
-            queue_secs: self.slot_aware_floor_secs(&view, candidates, now_nanos, within_secs),
+            queue_secs,
             prefill_secs: tokens as f64 / self.fleet_rate.tps(),
+            queue_less_progress_secs: Some(queue_less_progress_secs),
         })
     }
 
@@ -2041,11 +2088,14 @@ impl Policy for LeastLoad {
             }
             _ => fleet_tps,
         };
+        let (queue_secs, queue_less_progress_secs) =
+            self.slot_aware_floor_secs(&view, &[chosen.id], now_nanos, 0.0);
         Some((
             chosen.id,
             ExpectedWait {
-                queue_secs: self.slot_aware_floor_secs(&view, &[chosen.id], now_nanos, 0.0),
+                queue_secs,
                 prefill_secs: tokens as f64 / rate_tps,
+                queue_less_progress_secs: Some(queue_less_progress_secs),
             },
         ))
     }

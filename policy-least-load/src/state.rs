@@ -710,6 +710,8 @@ pub(crate) struct WorkerState {
     pub remote: RemotePending,
     /// How fast this router's requests on the worker finish.
     pub finishes: FinishRate,
+    /// When the engine likely took up the oldest of our pending prompts.
+    pub head_start: HeadStart,
 }
 
 impl WorkerState {
@@ -729,6 +731,7 @@ impl WorkerState {
                 params.rate_half_life_secs,
             )),
             remote: RemotePending::default(),
+            head_start: HeadStart::default(),
         }
     }
 }
@@ -953,6 +956,23 @@ impl LastDispatch {
         if nanos > self.0.load(Ordering::Relaxed) {
             self.0.store(nanos, Ordering::Relaxed);
         }
+    }
+}
+
+/// When the engine likely took up the oldest of this router's pending
+/// prompts on a worker: its dispatch, when nothing of ours was pending
+/// before it, else the last first token (the engine finished the one
+/// before it then).
+#[derive(Debug, Default)]
+pub(crate) struct HeadStart(AtomicI64);
+
+impl HeadStart {
+    pub fn nanos(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub fn record(&self, nanos: i64) {
+        self.0.store(nanos, Ordering::Relaxed);
     }
 }
 

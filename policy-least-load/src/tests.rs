@@ -2340,3 +2340,47 @@ fn a_wait_within_a_bound_stops_at_the_first_worker_that_has_it() {
         .unwrap();
     assert_eq!(none_within, least);
 }
+
+#[test]
+fn the_progress_on_the_prompt_under_way_is_told_apart_from_the_wait() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    let waits = |at: Instant| {
+        let wait = policy.expected_wait(&ids, &exact(100), at).unwrap();
+        (wait.queue_secs, wait.queue_less_progress_secs.unwrap())
+    };
+    assert_eq!(waits(t0), (0.0, 0.0));
+    // A prompt of 2000 tokens: 1 s at 2000 tokens a second.
+    let first = policy.select(&ids, &exact(2000), t0).unwrap();
+    let (queue, less_progress) = waits(t0);
+    assert!(close(queue, 1.0) && close(less_progress, 1.0));
+    // 0.6 s on, it still counts whole until its first token; 0.4 s of it
+    // is left.
+    let later = t0 + Duration::from_millis(600);
+    let (queue, less_progress) = waits(later);
+    assert!(
+        close(queue, 1.0) && close(less_progress, 0.4),
+        "{less_progress}"
+    );
+    // A second prompt sent behind it waits for the rest of it.
+    let _second = policy.select(&ids, &exact(2000), later).unwrap();
+    let (queue, less_progress) = waits(later);
+    assert!(
+        close(queue, 2.0) && close(less_progress, 1.4),
+        "{less_progress}"
+    );
+    // The first one's first token: the engine is on to the second since.
+    let t1 = t0 + Duration::from_secs(1);
+    policy.first_token(&first, t1);
+    let (queue, less_progress) = waits(t1);
+    assert!(
+        close(queue, 1.0) && close(less_progress, 1.0),
+        "{less_progress}"
+    );
+    let (_, less_progress) = waits(t1 + Duration::from_millis(250));
+    assert!(close(less_progress, 0.75), "{less_progress}");
+    // Never more progress than the work pending.
+    let (queue, less_progress) = waits(t1 + Duration::from_millis(1500));
+    assert!(close(queue, 1.0) && less_progress == 0.0, "{less_progress}");
+}

@@ -498,6 +498,7 @@ impl Pinned {
         ExpectedWait {
             queue_secs: url.and_then(|url| waits.get(url)).copied().unwrap_or(0.0),
             prefill_secs: 0.01,
+            queue_less_progress_secs: None,
         }
     }
 }
