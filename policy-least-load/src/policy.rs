@@ -1273,7 +1273,7 @@ impl LeastLoad {
     /// at the first worker whose wait is at most `within_secs`.
     ///
     /// Returns that floor and the floor of the same waits less each
-    /// worker's [progress](Self::progress_secs) on its prompt under way.
+    /// worker's [progress](progress_secs) on its prompt under way.
     fn slot_aware_floor_secs(
         &self,
         view: &SlotsView<'_, WorkerState>,
