@@ -49,11 +49,11 @@ use policy_core::{AdmissionRegistry, PolicyError};
 
 pub use order::{FAIR_SHARE, FIFO, PRIORITY};
 pub use room::{
-    AdmissionRoom, Arrival, ClassConfig, Classified, DEFAULT_MAX_QUEUE_REQUESTS,
+    AdmissionRoom, Arrival, ClassConfig, Classified, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_PEER_LAG,
     DEFAULT_QUEUE_ABOVE_WAIT_MS, DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected, Explanation,
     PASS_WITHIN_THRESHOLDS, PREFILL_BOUND_SHARE, PREFILL_BOUND_THRESHOLD_FACTOR, RELEASE_LOOKAHEAD,
     REORDER_WINDOW, RejectReason, Rejection, ReleaseTurn, Released, RoomConfig, RoomConfigError,
-    RoomView, Route, Shed, default_class_weight,
+    RoomReport, RoomView, Route, Shed, WORKER_WAIT_BEHIND_REPLICAS, default_class_weight,
 };
 
 use order::{BuiltinOrder, Grouping};

@@ -1,10 +1,10 @@
 //! The room around an order: who waits, who is turned away, who leaves.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use policy_core::{Admission, Dispatch, ExpectedWait, FlowView, Waiting};
+use policy_core::{Admission, Dispatch, ExpectedWait, FlowView, Waiting, WorkerId};
 
 /// How the room decides, shared by the router and the simulator.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +24,12 @@ pub struct RoomConfig {
     pub classes: Vec<ClassConfig>,
     /// Tenants' weights within a class (`fair_share`); others weigh 1.
     pub tenant_weights: BTreeMap<String, f64>,
+    /// Behind several router replicas: how much longer another replica's
+    /// oldest request must have waited than this one's before this
+    /// replica leaves the fleet's room to it (see
+    /// [`AdmissionRoom::yields_to_peers`]). The router sets it from how
+    /// often replicas hear of each other.
+    pub peer_lag: Duration,
 }
 
 impl Default for RoomConfig {
@@ -34,9 +40,13 @@ impl Default for RoomConfig {
             max_queue_requests: DEFAULT_MAX_QUEUE_REQUESTS,
             classes: Vec::new(),
             tenant_weights: BTreeMap::new(),
+            peer_lag: DEFAULT_PEER_LAG,
         }
     }
 }
+
+/// [`RoomConfig::peer_lag`] unless the router sets it.
+pub const DEFAULT_PEER_LAG: Duration = Duration::from_millis(50);
 
 pub const DEFAULT_QUEUE_ABOVE_WAIT_MS: u64 = 1500;
 pub const DEFAULT_REORDER_ABOVE_WAIT_MS: u64 = 100;
@@ -66,6 +76,14 @@ pub const PREFILL_BOUND_THRESHOLD_FACTOR: f64 = 1.5;
 /// How long prompts must have been sent before a fleet is judged
 /// prefill-bound: the policy's first predictions are at its prior rate.
 const PREFILL_BOUND_HISTORY: Duration = Duration::from_secs(10);
+/// Behind several router replicas, a request waits at its turn for its
+/// busy worker at most this long, then joins that worker's queue. One
+/// router keeps a worker's room for the first request in its order that
+/// waits for it; replicas share only their heads' waits
+/// ([`RoomReport::waiting_for`]), and the one whose own requests free the
+/// worker hears of it first. Much shorter, the backlog moves to the
+/// engines' queues, where the room's order no longer applies.
+pub const WORKER_WAIT_BEHIND_REPLICAS: Duration = Duration::from_secs(2);
 /// How far past a request waiting for its busy worker a release looks for
 /// requests whose workers have room.
 pub const RELEASE_LOOKAHEAD: usize = 32;
@@ -385,6 +403,8 @@ struct Entry {
     prefill: Duration,
     /// Its deadline is near: see [`ReleaseTurn::last_moment`].
     last_moment: bool,
+    /// The busy worker it waits for at its turn, and since when.
+    waits_for: Option<(WorkerId, Instant)>,
 }
 
 /// How much of something (prompt tokens, seconds of prefill) the room
@@ -470,11 +490,18 @@ impl PrefillLoad {
         self.workers = workers;
     }
 
-    fn is_bound(&self, now: Instant) -> bool {
+    /// How many workers the prompts sent lately keep computing.
+    fn busy_workers(&self, now: Instant) -> Option<f64> {
+        self.sent.per_s(now)
+    }
+
+    /// Whether the fleet is prefill-bound, given the workers the other
+    /// router replicas' prompts keep computing.
+    fn is_bound(&self, peers_busy_workers: f64, now: Instant) -> bool {
         self.workers > 0
             && self.sent.has_history(now, PREFILL_BOUND_HISTORY)
-            && self.sent.per_s(now).is_some_and(|busy_workers| {
-                busy_workers >= PREFILL_BOUND_SHARE * self.workers as f64
+            && self.busy_workers(now).is_some_and(|busy_workers| {
+                busy_workers + peers_busy_workers >= PREFILL_BOUND_SHARE * self.workers as f64
             })
     }
 }
@@ -488,7 +515,8 @@ impl PrefillLoad {
 pub struct AdmissionRoom {
     order: Box<dyn Admission>,
     config: RoomConfig,
-    entries: HashMap<u64, Entry>,
+    /// By ticket, so in order of arrival.
+    entries: BTreeMap<u64, Entry>,
     drain: RecentRate,
     next_ticket: u64,
     /// The last arrival, to tell whether the next one differs from it.
@@ -512,6 +540,66 @@ pub struct AdmissionRoom {
     /// under way at the last call that had the time (see
     /// [`AdmissionRoom::counts_progress`]).
     counts_progress: bool,
+    peers: Peers,
+}
+
+/// What a router replica's room tells the other replicas, and, summed,
+/// what a room is told of them ([`AdmissionRoom::report`],
+/// [`AdmissionRoom::set_peers`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoomReport {
+    /// When the request waiting longest arrived; `None` while none waits.
+    pub oldest_arrived: Option<Instant>,
+    /// How many workers the prompts sent lately keep computing (seconds
+    /// of prompt work sent per second).
+    pub prefill_busy_workers: f64,
+    /// The busy workers its requests wait for at their turn (where their
+    /// prefix is cached, usually), each with since when the first of them
+    /// has waited for it.
+    pub waiting_for: BTreeMap<WorkerId, Instant>,
+}
+
+impl RoomReport {
+    /// Several replicas' reports as one: the oldest arrival among them,
+    /// the sum of the workers their prompts keep busy.
+    pub fn combine(reports: impl IntoIterator<Item = RoomReport>) -> RoomReport {
+        let mut sum = RoomReport::default();
+        for report in reports {
+            sum.oldest_arrived = match (sum.oldest_arrived, report.oldest_arrived) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            sum.prefill_busy_workers += finite_or_zero(report.prefill_busy_workers);
+            for (worker, since) in report.waiting_for {
+                sum.waiting_for
+                    .entry(worker)
+                    .and_modify(|first| *first = (*first).min(since))
+                    .or_insert(since);
+            }
+        }
+        sum
+    }
+}
+
+fn finite_or_zero(value: f64) -> f64 {
+    if value.is_finite() && value > 0.0 {
+        value
+    } else {
+        0.0
+    }
+}
+
+/// What a room knows of the other router replicas' rooms.
+#[derive(Debug, Clone, Default)]
+struct Peers {
+    /// Whether the router has other replicas (it has told the room of them).
+    any: bool,
+    report: RoomReport,
+    /// The peers' oldest arrival this room last yielded to, and since when.
+    yielding_to: Option<(Instant, Instant)>,
+    /// For each worker a peer's request waits for: that request's wait
+    /// (since when) this room last left the worker to, and since when.
+    left_workers: BTreeMap<WorkerId, (Instant, Instant)>,
 }
 
 /// The room as the admin API shows it.
@@ -536,6 +624,9 @@ pub struct RoomView {
     /// there is history enough.
     pub drain_tokens_per_s: Option<f64>,
     pub oldest_wait_s: f64,
+    /// The longest wait in the other router replicas' rooms, as they last
+    /// reported; `None` behind one router or while none waits.
+    pub peers_oldest_wait_s: Option<f64>,
     pub flows: Vec<FlowView>,
 }
 
@@ -569,7 +660,7 @@ impl AdmissionRoom {
         AdmissionRoom {
             order,
             config,
-            entries: HashMap::new(),
+            entries: BTreeMap::new(),
             drain: RecentRate::default(),
             next_ticket: 1,
             last_arrival: None,
@@ -581,6 +672,7 @@ impl AdmissionRoom {
             prefill_bound: false,
             last_deadline_arrival: None,
             counts_progress: false,
+            peers: Peers::default(),
         }
     }
 
@@ -680,6 +772,74 @@ impl AdmissionRoom {
         self.counts_progress
     }
 
+    /// When this room's oldest waiting request arrived.
+    pub fn oldest_arrived(&self) -> Option<Instant> {
+        self.entries
+            .values()
+            .next()
+            .map(|entry| entry.request.arrived)
+    }
+
+    /// What this room tells the other router replicas.
+    pub fn report(&self, now: Instant) -> RoomReport {
+        let waiting_for = self
+            .order
+            .peek()
+            .and_then(|head| self.entries.get(&head.ticket))
+            .and_then(|entry| entry.waits_for)
+            .into_iter()
+            .collect();
+        RoomReport {
+            oldest_arrived: self.oldest_arrived(),
+            prefill_busy_workers: self.prefill.busy_workers(now).unwrap_or(0.0),
+            waiting_for,
+        }
+    }
+
+    /// Tells the room of the other router replicas' rooms, as their latest
+    /// reports say ([`RoomReport::combine`]); `None` while no other
+    /// replica is heard (a single router, or sync off).
+    pub fn set_peers(&mut self, peers: Option<RoomReport>) {
+        self.peers.any = peers.is_some();
+        let peers = peers.unwrap_or_default();
+        self.peers
+            .left_workers
+            .retain(|worker, _| peers.waiting_for.contains_key(worker));
+        self.peers.report = peers;
+    }
+
+    /// Whether this replica leaves the room it sees in the fleet to
+    /// another replica now (asked when the fleet has room): one whose oldest waiting request arrived more
+    /// than [`RoomConfig::peer_lag`] before this room's oldest (or before
+    /// `now`, when none waits here). Each replica hears first of the room
+    /// its own requests free, so without turns the replica with the most
+    /// requests in flight keeps taking it and one with few waits for
+    /// minutes. The replica that has waited longest takes the next turn
+    /// and sends its own order's head. A room yields for at most the lag
+    /// at a time: a peer that has not taken the room by then cannot use it
+    /// now (its request waits for a busy worker, or its report is stale),
+    /// and this room sends one request, then yields again. A request at
+    /// its last moment goes anyway.
+    pub fn yields_to_peers(&mut self, now: Instant) -> bool {
+        let Some(peer_oldest) = self.peers.report.oldest_arrived else {
+            self.peers.yielding_to = None;
+            return false;
+        };
+        let own_oldest = self.oldest_arrived().unwrap_or(now);
+        let lag = self.config.peer_lag;
+        if own_oldest <= peer_oldest + lag {
+            self.peers.yielding_to = None;
+            return false;
+        }
+        match self.peers.yielding_to {
+            Some((oldest, since)) if oldest == peer_oldest => now < since + lag,
+            _ => {
+                self.peers.yielding_to = Some((peer_oldest, now));
+                true
+            }
+        }
+    }
+
     /// The lower of the two thresholds: a worker whose wait is at most
     /// this has room whichever is in force, so a search for one may stop
     /// there ([`Policy::expected_wait_within`](policy_core::Policy::expected_wait_within)).
@@ -760,7 +920,9 @@ impl AdmissionRoom {
     /// Brings the threshold in force up to `now`.
     fn tick(&mut self, now: Instant) {
         self.reordering = self.reorder_until.is_some_and(|until| now < until);
-        self.prefill_bound = self.prefill.is_bound(now);
+        self.prefill_bound = self
+            .prefill
+            .is_bound(self.peers.report.prefill_busy_workers, now);
         self.counts_progress = self.reordering
             && self.prefill_bound
             && self
@@ -832,6 +994,12 @@ impl AdmissionRoom {
         let classified = self.classify(arrival);
         let incoming = waiting(self.next_ticket, &classified, arrival.work_tokens, now);
         self.note_arrival(&incoming, classified.ttft_deadline.is_some(), now);
+        // Asked only when it would go now: a room yields to a peer for a
+        // bounded time, counted from when the fleet has room.
+        let may_dispatch_now = may_dispatch_now
+            && (!self.order.is_empty()
+                || !self.has_room(expected.fleet)
+                || !self.yields_to_peers(now));
         let judged = self.judge(
             &classified,
             arrival.work_tokens,
@@ -859,6 +1027,7 @@ impl AdmissionRoom {
                             expected.own().map_or(0.0, |wait| wait.prefill_secs),
                         ),
                         last_moment: false,
+                        waits_for: None,
                     },
                 );
                 Decision::Queued(ticket)
@@ -1034,27 +1203,53 @@ impl AdmissionRoom {
     /// While the room [counts progress](Self::counts_progress), one
     /// without a deadline goes to the best worker with room at once.
     pub fn route(
-        &self,
+        &mut self,
         turn: &ReleaseTurn,
-        at_worker: Option<ExpectedWait>,
+        at_worker: Option<(WorkerId, ExpectedWait)>,
         now: Instant,
     ) -> Route {
         if turn.passes
-            && at_worker.is_none_or(|wait| {
+            && at_worker.is_none_or(|(_, wait)| {
                 wait.queue_secs <= PASS_WITHIN_THRESHOLDS * secs(self.threshold())
             })
         {
             return Route::Chosen;
         }
-        let Some(wait) = at_worker.filter(|wait| !self.has_room(Some(*wait))) else {
+        let Some((worker, wait)) = at_worker else {
             return Route::Chosen;
         };
+        let route = if self.has_room(Some(wait)) {
+            // Only a head's wait is shared: the rest of the order leaves a
+            // worker a peer's head waits for.
+            let is_head = self
+                .order
+                .peek()
+                .is_some_and(|head| head.ticket == turn.ticket);
+            let own_since = is_head.then(|| self.waits_since(turn.ticket, worker, now));
+            if self.leaves_to_peer(worker, own_since, now) {
+                Route::Wait
+            } else {
+                Route::Chosen
+            }
+        } else {
+            self.route_busy(turn, wait, now)
+        };
+        if route == Route::Wait {
+            self.wait_for(turn.ticket, worker, now);
+        }
+        route
+    }
+
+    /// [`route`](Self::route) for a request whose chosen worker is busy.
+    fn route_busy(&mut self, turn: &ReleaseTurn, wait: ExpectedWait, now: Instant) -> Route {
         let Some(due) = turn.due else {
             // The fleet's room is then the workers finishing their prompts,
             // which the policy's choice does not count: the request goes
             // to one of them, or that engine runs out of prompts to compute.
             return if self.counts_progress {
                 Route::WithRoom
+            } else if self.waited_for_worker_long(turn.ticket, now) {
+                Route::Chosen
             } else {
                 Route::Wait
             };
@@ -1076,6 +1271,89 @@ impl AdmissionRoom {
         }
     }
 
+    /// Whether the request has waited at its turn for its busy worker for
+    /// [`WORKER_WAIT_BEHIND_REPLICAS`] behind several router replicas: it
+    /// then goes to that worker's queue.
+    fn waited_for_worker_long(&mut self, ticket: u64, now: Instant) -> bool {
+        if !self.peers.any {
+            return false;
+        }
+        self.entries
+            .get(&ticket)
+            .and_then(|entry| entry.waits_for)
+            .is_some_and(|(_, since)| now >= since + WORKER_WAIT_BEHIND_REPLICAS)
+    }
+
+    /// Since when request `ticket` has waited for `worker` at its turn:
+    /// `now` if it has not.
+    fn waits_since(&self, ticket: u64, worker: WorkerId, now: Instant) -> Instant {
+        match self.entries.get(&ticket).and_then(|entry| entry.waits_for) {
+            Some((waited_for, since)) if waited_for == worker => since,
+            _ => now,
+        }
+    }
+
+    /// Notes that request `ticket` waits for `worker` at its turn.
+    fn wait_for(&mut self, ticket: u64, worker: WorkerId, now: Instant) {
+        if let Some(entry) = self.entries.get_mut(&ticket) {
+            match entry.waits_for {
+                Some((waited_for, _)) if waited_for == worker => {}
+                _ => entry.waits_for = Some((worker, now)),
+            }
+        }
+    }
+
+    /// Whether a request leaves the room at `worker` to another replica's
+    /// head that waits for it: a request that is not its own room's head
+    /// (`own_since` `None`) does, and a head that has waited for it since
+    /// `own_since` does when the peer's has waited more than
+    /// [`RoomConfig::peer_lag`] longer. One router keeps
+    /// a worker's room for the first request in its order that waits for
+    /// it; replicas do not share their orders, and the one whose own
+    /// requests free the worker hears of it first. It leaves the worker
+    /// to the same peer request for at most the lag: a peer that has
+    /// not taken it by then cannot (its report is stale).
+    fn leaves_to_peer(
+        &mut self,
+        worker: WorkerId,
+        own_since: Option<Instant>,
+        now: Instant,
+    ) -> bool {
+        let Some(&peer_since) = self.peers.report.waiting_for.get(&worker) else {
+            return false;
+        };
+        let lag = self.config.peer_lag;
+        if own_since.is_some_and(|own_since| own_since <= peer_since + lag) {
+            self.peers.left_workers.remove(&worker);
+            return false;
+        }
+        match self.peers.left_workers.get(&worker) {
+            Some(&(left_to, first)) if left_to == peer_since => now < first + lag,
+            _ => {
+                self.peers.left_workers.insert(worker, (peer_since, now));
+                true
+            }
+        }
+    }
+
+    /// Whether another replica's request has waited for `worker` more than
+    /// [`RoomConfig::peer_lag`] (and this room has not left it to that
+    /// request for longer than the lag): a request that may go to
+    /// any worker with room leaves that one.
+    pub fn peer_waits_for(&self, worker: WorkerId, now: Instant) -> bool {
+        let Some(&peer_since) = self.peers.report.waiting_for.get(&worker) else {
+            return false;
+        };
+        let lag = self.config.peer_lag;
+        if now <= peer_since + lag {
+            return false;
+        }
+        match self.peers.left_workers.get(&worker) {
+            Some(&(left_to, first)) if left_to == peer_since => now < first + lag,
+            _ => true,
+        }
+    }
+
     /// Releases the head: the policy found it a worker.
     pub fn pop(&mut self, now: Instant) -> Option<Released> {
         let ticket = self.order.peek()?.ticket;
@@ -1087,6 +1365,8 @@ impl AdmissionRoom {
     pub fn take(&mut self, ticket: u64, now: Instant) -> Option<Released> {
         self.tick(now);
         let waiting = self.order.take(ticket)?;
+        // Having taken a turn, it yields afresh at the next.
+        self.peers.yielding_to = None;
         self.drain.add(waiting.work_tokens as f64, now);
         let entry = self.entries.remove(&waiting.ticket);
         Some(Released {
@@ -1101,6 +1381,7 @@ impl AdmissionRoom {
     /// waited (a tenant whose requests pass straight through is served
     /// too).
     pub fn dispatched(&mut self, arrival: &Arrival, now: Instant) {
+        self.peers.yielding_to = None;
         self.drain.add(arrival.work_tokens as f64, now);
         let classified = self.classify(arrival);
         self.order
@@ -1233,10 +1514,13 @@ impl AdmissionRoom {
             counts_progress: self.counts_progress,
             drain_tokens_per_s: self.drain.per_s(now),
             oldest_wait_s: self
-                .entries
-                .values()
-                .map(|entry| secs(now.saturating_duration_since(entry.request.arrived)))
-                .fold(0.0, f64::max),
+                .oldest_arrived()
+                .map_or(0.0, |arrived| secs(now.saturating_duration_since(arrived))),
+            peers_oldest_wait_s: self
+                .peers
+                .report
+                .oldest_arrived
+                .map(|arrived| secs(now.saturating_duration_since(arrived))),
             flows: self.order.flows(),
         }
     }

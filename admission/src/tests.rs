@@ -10,7 +10,8 @@ use crate::{
     AdmissionRoom, Arrival, ClassConfig, DEFAULT_QUEUE_ABOVE_WAIT_MS,
     DEFAULT_REORDER_ABOVE_WAIT_MS, Decision, Expected, FAIR_SHARE, FIFO, PASS_WITHIN_THRESHOLDS,
     PREFILL_BOUND_THRESHOLD_FACTOR, PRIORITY, RELEASE_LOOKAHEAD, REORDER_WINDOW, RejectReason,
-    ReleaseTurn, RoomConfig, RoomConfigError, Route, default_class_weight, registry,
+    ReleaseTurn, RoomConfig, RoomConfigError, RoomReport, Route, WORKER_WAIT_BEHIND_REPLICAS,
+    default_class_weight, registry,
 };
 
 fn order(name: &str) -> Box<dyn Admission> {
@@ -275,6 +276,11 @@ fn arrival(priority: i32, deadline_ms: Option<u64>) -> Arrival {
         ttft_deadline: deadline_ms.map(Duration::from_millis),
         work_tokens: 1000,
     }
+}
+
+/// A wait at the chosen worker, as `route` takes it.
+fn at_worker(wait: Option<ExpectedWait>) -> Option<(WorkerId, ExpectedWait)> {
+    wait.map(|wait| (WorkerId::new(0, 0), wait))
 }
 
 fn wait(queue_secs: f64) -> Option<ExpectedWait> {
@@ -656,7 +662,7 @@ fn a_prefill_bound_fleet_counts_the_progress_on_prompts_under_way() {
         last_moment: false,
     };
     assert_eq!(
-        room.route(&turn, wait_with_progress(2.0, 0.5), now),
+        room.route(&turn, at_worker(wait_with_progress(2.0, 0.5)), now),
         Route::WithRoom
     );
     // A request with a deadline turns it off for the reorder window: its
@@ -666,7 +672,7 @@ fn a_prefill_bound_fleet_counts_the_progress_on_prompts_under_way() {
     assert!(!room.counts_progress());
     assert!(!room.has_room(finishing));
     assert_eq!(
-        room.route(&turn, wait_with_progress(2.0, 0.5), later),
+        room.route(&turn, at_worker(wait_with_progress(2.0, 0.5)), later),
         Route::Wait
     );
 }
@@ -812,8 +818,14 @@ fn a_request_near_its_deadline_goes_at_its_last_moment_unless_a_higher_class_wai
     let turns = room.release_order();
     assert_eq!(turns[0].ticket, batch);
     assert!(turns[0].last_moment);
-    assert_eq!(room.route(&turns[0], wait(0.5), at), Route::Chosen);
-    assert_eq!(room.route(&turns[0], wait(3.0), at), Route::WithRoom);
+    assert_eq!(
+        room.route(&turns[0], at_worker(wait(0.5)), at),
+        Route::Chosen
+    );
+    assert_eq!(
+        room.route(&turns[0], at_worker(wait(3.0)), at),
+        Route::WithRoom
+    );
     // A request of a lower priority value waiting: the class order stands.
     assert!(matches!(
         room.arrive(&arrival(0, None), wait(0.5), at),
@@ -1173,21 +1185,42 @@ fn a_request_waits_for_its_busy_worker_unless_that_would_miss_its_deadline() {
     );
     let later = now + Duration::from_secs(5);
     // A chosen worker with room (or a policy that cannot tell): released.
-    assert_eq!(room.route(&turns[0], wait(0.1), later), Route::Chosen);
-    assert_eq!(room.route(&turns[1], None, later), Route::Chosen);
+    assert_eq!(
+        room.route(&turns[0], at_worker(wait(0.1)), later),
+        Route::Chosen
+    );
+    assert_eq!(room.route(&turns[1], at_worker(None), later), Route::Chosen);
     // A busy one: waited for, without a deadline, while it still meets
     // the deadline, or while a worker with room would meet it later.
-    assert_eq!(room.route(&turns[0], wait(30.0), later), Route::Wait);
-    assert_eq!(room.route(&turns[1], wait(3.0), later), Route::Wait);
-    assert_eq!(room.route(&turns[1], wait(6.0), later), Route::Wait);
+    assert_eq!(
+        room.route(&turns[0], at_worker(wait(30.0)), later),
+        Route::Wait
+    );
+    assert_eq!(
+        room.route(&turns[1], at_worker(wait(3.0)), later),
+        Route::Wait
+    );
+    assert_eq!(
+        room.route(&turns[1], at_worker(wait(6.0)), later),
+        Route::Wait
+    );
     // At the last moment (the deadline less twice the threshold and the
     // prefill), the best worker with room, unless its own still meets it.
     let threshold = Duration::from_millis(DEFAULT_REORDER_ABOVE_WAIT_MS);
     let last = now + Duration::from_secs(10) - 2 * threshold - Duration::from_millis(100);
-    assert_eq!(room.route(&turns[1], wait(6.0), last), Route::WithRoom);
+    assert_eq!(
+        room.route(&turns[1], at_worker(wait(6.0)), last),
+        Route::WithRoom
+    );
     let busy_but_in_time = wait(1.5 * threshold.as_secs_f64());
-    assert_eq!(room.route(&turns[1], busy_but_in_time, last), Route::Wait);
-    assert_eq!(room.route(&turns[0], wait(30.0), last), Route::Wait);
+    assert_eq!(
+        room.route(&turns[1], at_worker(busy_but_in_time), last),
+        Route::Wait
+    );
+    assert_eq!(
+        room.route(&turns[0], at_worker(wait(30.0)), last),
+        Route::Wait
+    );
     // The one behind is released first; the other keeps its place.
     let released = room.take(hurried, later).expect("queued");
     assert_eq!(released.waited, Duration::from_secs(5));
@@ -1220,10 +1253,19 @@ fn a_request_that_passes_goes_to_its_busy_worker_at_once() {
     assert_eq!(turns[0].ticket, urgent);
     let threshold = DEFAULT_REORDER_ABOVE_WAIT_MS as f64 / 1000.0;
     let busy_within_reach = wait(0.9 * PASS_WITHIN_THRESHOLDS * threshold);
-    assert_eq!(room.route(&turns[0], busy_within_reach, now), Route::Chosen);
-    assert_eq!(room.route(&turns[1], busy_within_reach, now), Route::Wait);
+    assert_eq!(
+        room.route(&turns[0], at_worker(busy_within_reach), now),
+        Route::Chosen
+    );
+    assert_eq!(
+        room.route(&turns[1], at_worker(busy_within_reach), now),
+        Route::Wait
+    );
     // Further, it waits for its worker as the rest do.
-    assert_eq!(room.route(&turns[0], wait(30.0), now), Route::Wait);
+    assert_eq!(
+        room.route(&turns[0], at_worker(wait(30.0)), now),
+        Route::Wait
+    );
 }
 
 #[test]
@@ -1257,4 +1299,220 @@ fn a_deadline_is_judged_at_the_chosen_worker_and_the_fleet_decides_room() {
     );
     assert!(room.has_deadline(&arrival(0, Some(2000))));
     assert!(!room.has_deadline(&arrival(0, None)));
+}
+
+/// Queues a request (every worker busy) and returns its ticket.
+fn queue(room: &mut AdmissionRoom, at: Instant) -> u64 {
+    match room.arrive(&arrival(0, None), wait(3.0), at) {
+        Decision::Queued(ticket) => ticket,
+        other => panic!("queued, not {other:?}"),
+    }
+}
+
+fn peers_oldest(oldest_arrived: Instant) -> Option<RoomReport> {
+    Some(RoomReport {
+        oldest_arrived: Some(oldest_arrived),
+        ..RoomReport::default()
+    })
+}
+
+#[test]
+fn a_replica_leaves_the_room_to_one_whose_oldest_request_waited_longer() {
+    let start = Instant::now();
+    let lag = RoomConfig::default().peer_lag;
+    let mut room = room(RoomConfig::default());
+    let own = queue(&mut room, start + 4 * lag);
+    let now = start + 5 * lag;
+    // Behind one router (or while no other is heard) it never yields.
+    assert!(!room.yields_to_peers(now));
+    // A peer's oldest request arrived within the lag of this room's: no turn.
+    room.set_peers(peers_oldest(start + 3 * lag + lag / 2));
+    assert!(!room.yields_to_peers(now));
+    // More than the lag before: this replica leaves the room to it ...
+    room.set_peers(peers_oldest(start));
+    assert!(room.yields_to_peers(now));
+    assert!(room.yields_to_peers(now + lag / 2));
+    // ... for at most the lag: by then the peer could not use it.
+    assert!(!room.yields_to_peers(now + lag));
+    // A newer report (the peer sent its oldest) is yielded to afresh.
+    room.set_peers(peers_oldest(start + lag));
+    assert!(room.yields_to_peers(now + lag));
+    // The room shows the peers' oldest wait.
+    let view = room.view(now);
+    assert_eq!(
+        view.peers_oldest_wait_s,
+        Some((now - start - lag).as_secs_f64())
+    );
+    assert_eq!(room.oldest_arrived(), Some(start + 4 * lag));
+    assert_eq!(room.pop(now).map(|released| released.ticket), Some(own));
+}
+
+#[test]
+fn an_arrival_waits_while_a_peer_s_request_has_waited_longer() {
+    let start = Instant::now();
+    let lag = RoomConfig::default().peer_lag;
+    let mut room = room(RoomConfig::default());
+    let idle = wait(0.0);
+    room.set_peers(peers_oldest(start));
+    // The fleet has room and this room is empty, but another replica's
+    // request has waited longer: it goes first.
+    assert!(matches!(
+        room.arrive(&arrival(0, None), idle, start + 3 * lag),
+        Decision::Queued(_)
+    ));
+    // Once the peer's oldest is within the lag of a new arrival, it goes.
+    room.set_peers(peers_oldest(start + 3 * lag));
+    room.remove(1);
+    assert_eq!(
+        room.arrive(&arrival(0, None), idle, start + 3 * lag),
+        Decision::DispatchNow
+    );
+}
+
+#[test]
+fn a_worker_a_peer_s_head_waits_for_is_left_to_it() {
+    let start = Instant::now();
+    let lag = RoomConfig::default().peer_lag;
+    let worker = WorkerId::new(3, 0);
+    let other = WorkerId::new(4, 0);
+    let mut room = room(RoomConfig::default());
+    let head = queue(&mut room, start);
+    let second = queue(&mut room, start);
+    let turns = room.release_order();
+    assert_eq!(turns[0].ticket, head);
+    let now = start + 4 * lag;
+    let with_room = wait(0.0).map(|wait| (worker, wait));
+    room.set_peers(Some(RoomReport {
+        waiting_for: BTreeMap::from([(worker, start + lag)]),
+        ..RoomReport::default()
+    }));
+    assert!(room.peer_waits_for(worker, now));
+    assert!(!room.peer_waits_for(other, now));
+    // Not this room's head: leaves the worker to the peer's head.
+    assert_eq!(room.route(&turns[1], with_room, now), Route::Wait);
+    // This room's head, waiting for it only from now: leaves it too ...
+    assert_eq!(room.route(&turns[0], with_room, now), Route::Wait);
+    // ... for at most the lag, after which the peer is taken to be unable
+    // to use it.
+    let later = now + lag;
+    assert!(!room.peer_waits_for(worker, later));
+    assert_eq!(room.route(&turns[0], with_room, later), Route::Chosen);
+    // What this room tells the others: its head waits for that worker.
+    let report = room.report(now);
+    assert_eq!(report.oldest_arrived, Some(start));
+    assert_eq!(report.waiting_for, BTreeMap::from([(worker, now)]));
+    assert_eq!(room.take(second, later).map(|r| r.ticket), Some(second));
+}
+
+#[test]
+fn a_head_that_waited_for_its_worker_first_keeps_it() {
+    let start = Instant::now();
+    let lag = RoomConfig::default().peer_lag;
+    let worker = WorkerId::new(3, 0);
+    let mut room = room(RoomConfig::default());
+    queue(&mut room, start);
+    let turns = room.release_order();
+    // The head waits for its busy worker from `start`.
+    assert_eq!(
+        room.route(&turns[0], wait(3.0).map(|wait| (worker, wait)), start),
+        Route::Wait
+    );
+    room.set_peers(Some(RoomReport {
+        waiting_for: BTreeMap::from([(worker, start + lag / 2)]),
+        ..RoomReport::default()
+    }));
+    // The worker has room: the head that has waited longer takes it.
+    assert_eq!(
+        room.route(&turns[0], wait(0.0).map(|wait| (worker, wait)), start + lag),
+        Route::Chosen
+    );
+}
+
+#[test]
+fn behind_replicas_a_request_waits_for_its_busy_worker_for_a_bounded_time() {
+    let start = Instant::now();
+    let worker = WorkerId::new(1, 0);
+    let busy = wait(30.0).map(|wait| (worker, wait));
+    for peers in [None, Some(RoomReport::default())] {
+        let mut room = room(RoomConfig::default());
+        queue(&mut room, start);
+        room.set_peers(peers.clone());
+        let turns = room.release_order();
+        assert_eq!(room.route(&turns[0], busy, start), Route::Wait);
+        let after = start + WORKER_WAIT_BEHIND_REPLICAS;
+        // One router keeps the worker's room for it; behind several, it
+        // joins that worker's queue.
+        let expected = if peers.is_some() {
+            Route::Chosen
+        } else {
+            Route::Wait
+        };
+        assert_eq!(room.route(&turns[0], busy, after), expected);
+    }
+}
+
+#[test]
+fn reports_combine_the_oldest_wait_the_busy_workers_and_the_first_waits() {
+    let start = Instant::now();
+    let second = Duration::from_secs(1);
+    let (a, b) = (WorkerId::new(1, 0), WorkerId::new(2, 0));
+    let combined = RoomReport::combine([
+        RoomReport {
+            oldest_arrived: Some(start + second),
+            prefill_busy_workers: 2.0,
+            waiting_for: BTreeMap::from([(a, start + second)]),
+        },
+        RoomReport {
+            oldest_arrived: Some(start),
+            prefill_busy_workers: f64::NAN,
+            waiting_for: BTreeMap::from([(a, start), (b, start + second)]),
+        },
+        RoomReport::default(),
+    ]);
+    assert_eq!(combined.oldest_arrived, Some(start));
+    // A report's count that is not a number counts as none.
+    assert_eq!(combined.prefill_busy_workers, 2.0);
+    assert_eq!(
+        combined.waiting_for,
+        BTreeMap::from([(a, start), (b, start + second)])
+    );
+    assert_eq!(RoomReport::combine([]), RoomReport::default());
+}
+
+#[test]
+fn the_prompts_other_replicas_send_count_toward_a_prefill_bound_fleet() {
+    // This replica's prompts keep four of eight workers busy: not bound
+    // alone; with another replica's report of two more, it is.
+    let mut room = room(RoomConfig::default());
+    let now = send_prompts(&mut room, 8, 320, 40, Instant::now());
+    reorder_now(&mut room, now);
+    assert!(!room.view(now).prefill_bound);
+    let report = room.report(now);
+    assert!(
+        (report.prefill_busy_workers - 4.0).abs() < 0.2,
+        "{report:?}"
+    );
+    room.set_peers(Some(RoomReport {
+        prefill_busy_workers: 2.0,
+        ..RoomReport::default()
+    }));
+    reorder_now(&mut room, now);
+    assert!(room.view(now).prefill_bound);
+}
+
+#[test]
+fn having_sent_a_request_a_room_yields_afresh() {
+    let start = Instant::now();
+    let lag = RoomConfig::default().peer_lag;
+    let mut room = room(RoomConfig::default());
+    let first = queue(&mut room, start + 4 * lag);
+    queue(&mut room, start + 4 * lag);
+    room.set_peers(peers_oldest(start));
+    let now = start + 5 * lag;
+    assert!(room.yields_to_peers(now));
+    // The peer did not take the room within the lag: this room sends one.
+    assert!(!room.yields_to_peers(now + lag));
+    assert!(room.take(first, now + lag).is_some());
+    // The same peer request still waits longer: yielded to again.
+    assert!(room.yields_to_peers(now + lag));
 }

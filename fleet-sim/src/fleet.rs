@@ -53,14 +53,22 @@
 //!   waiting for a busy chosen worker as the room's `route` says; each tick first
 //!   `shed`s the waiting requests that can no longer meet their deadline,
 //!   as the router's ticker does. A released request reaches its engine at
-//!   its release; its TTFT counts from its arrival at the router.
+//!   its release; its TTFT counts from its arrival at the router. With
+//!   several replicas and a sync, each room is told of the others'
+//!   (`set_peers`, `AdmissionRoom::report`) before it decides: at once
+//!   with the ideal sync; as each replica published its room at its last
+//!   publish tick, `latency_s` later, with a periodic sync (losses are not
+//!   drawn for these). A replica also releases when the others' work
+//!   reaches it (each delivery; with the ideal sync, each first token).
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use admission::{AdmissionRoom, Arrival, Decision, Expected, RejectReason, RoomConfig, Route};
+use admission::{
+    AdmissionRoom, Arrival, Decision, Expected, RejectReason, RoomConfig, RoomReport, Route,
+};
 use load_protocols::WorkerLoad;
 use policy_core::{
     Dispatch, Policy, PolicyContext, PolicyRegistry, PollMark, PrefixBlocks, RequestInfo,
@@ -809,11 +817,13 @@ impl Router {
 
 /// A replica's pending work on a worker may have changed: the sync channel
 /// shares it now (ideal), or publishes it if it grew (`publish_dispatches`),
-/// scheduling its delivery.
+/// scheduling its delivery; such a message carries the replica's room
+/// too, into `room_reports`.
 fn sync_changed(
     sync: &mut Option<SyncChannel>,
     router: &Router,
     queue: &mut Queue,
+    room_reports: &mut [VecDeque<(f64, RoomReport)>],
     (replica, worker): (usize, usize),
     now_s: f64,
     now: Instant,
@@ -823,6 +833,11 @@ fn sync_changed(
             sync.changed(replica, worker, &router.policies, &router.ids, now_s, now)
     {
         queue.push(arrives_s, Kind::SyncDeliver);
+        if let (Some(room), Some(reports)) =
+            (router.rooms.get(replica), room_reports.get_mut(replica))
+        {
+            reports.push_back((arrives_s, room.room.report(now)));
+        }
     }
 }
 
@@ -919,6 +934,9 @@ struct CellRun<'a> {
     probe: RequestInfo,
     /// The replicas' sync channel (several replicas with sync on).
     sync: Option<SyncChannel>,
+    /// `[replica]`: the room reports it published at its sync ticks, each
+    /// with when the others hear of it, oldest first (periodic sync).
+    room_reports: Vec<VecDeque<(f64, RoomReport)>>,
     /// The prompt tokens the dispatching policies expected the engines'
     /// prefix caches to serve, over the finished requests.
     predicted_cached_tokens: u64,
@@ -1024,6 +1042,7 @@ impl<'a> CellRun<'a> {
             rate_trace,
             probe: RequestInfo::new(TokenCount::Exact(mean_prompt)),
             sync,
+            room_reports: vec![VecDeque::new(); cell.router.replicas as usize],
             predicted_cached_tokens: 0,
             restart_snapshot_blocks: 0,
             rejections: vec![None; cell.requests.len()],
@@ -1074,6 +1093,11 @@ impl<'a> CellRun<'a> {
                 Kind::SyncDeliver => {
                     if let Some(sync) = &mut self.sync {
                         sync.deliver(&self.router.policies, self.clock.at(now_s));
+                    }
+                    // A replica releases when it hears of the others' work,
+                    // as on its own.
+                    for replica in 0..self.router.rooms.len() {
+                        self.release(replica, now_s)?;
                     }
                 }
             }
@@ -1195,6 +1219,7 @@ impl<'a> CellRun<'a> {
                 &mut self.sync,
                 &self.router,
                 &mut self.queue,
+                &mut self.room_reports,
                 (replica as usize, worker),
                 now_s,
                 now,
@@ -1232,6 +1257,7 @@ impl<'a> CellRun<'a> {
     ) -> Result<(), SimError> {
         let now = self.clock.at(now_s);
         let arrival = self.arrival(id);
+        self.tell_peers(replica, now_s);
         let policy = &self.router.policies[replica];
         let room = &mut self.router.rooms[replica];
         let within_secs = room.room.lowest_threshold().as_secs_f64();
@@ -1292,6 +1318,40 @@ impl<'a> CellRun<'a> {
         }
     }
 
+    /// Tells replica `replica`'s room of the other replicas' rooms as the
+    /// sync channel carries them: at once with the ideal sync; as each
+    /// published them at its last tick heard of, after the channel's
+    /// latency, with a periodic sync (the router publishes its room with
+    /// every message, so as often or more); not at all without sync.
+    fn tell_peers(&mut self, replica: usize, now_s: f64) {
+        let Some(sync) = &self.sync else {
+            return;
+        };
+        if self.router.rooms.len() < 2 {
+            return;
+        }
+        let now = self.clock.at(now_s);
+        let mut reports = Vec::with_capacity(self.router.rooms.len() - 1);
+        for other in (0..self.router.rooms.len()).filter(|&other| other != replica) {
+            if sync.is_ideal() {
+                reports.push(self.router.rooms[other].room.report(now));
+                continue;
+            }
+            let heard = &mut self.room_reports[other];
+            while heard.get(1).is_some_and(|(at_s, _)| *at_s <= now_s) {
+                heard.pop_front();
+            }
+            if let Some((at_s, report)) = heard.front()
+                && *at_s <= now_s
+            {
+                reports.push(report.clone());
+            }
+        }
+        self.router.rooms[replica]
+            .room
+            .set_peers(Some(RoomReport::combine(reports)));
+    }
+
     /// Work completed at a replica, or a request arrived, or its tick came:
     /// while the fleet has room, its room's head goes to the worker the
     /// policy picks now (late binding). Ticks every [`ADMISSION_TICK_S`]
@@ -1306,11 +1366,13 @@ impl<'a> CellRun<'a> {
             return Ok(());
         }
         let now = self.clock.at(now_s);
+        self.tell_peers(replica, now_s);
         'passes: loop {
             let turns = self.router.rooms[replica].room.release_order();
             let mut released = false;
-            // Once the fleet has no room, only requests that pass, or
-            // whose deadline is near, go.
+            // Once the fleet has no room (or this replica leaves it to
+            // another), only requests that pass, or whose deadline is
+            // near, go.
             let mut fleet_full = false;
             for turn in turns {
                 if fleet_full && !turn.goes_without_fleet_room() {
@@ -1331,18 +1393,19 @@ impl<'a> CellRun<'a> {
                 let ids = &self.router.ids;
                 let within_secs = room.room.lowest_threshold().as_secs_f64();
                 if !turn.goes_without_fleet_room()
-                    && !room.room.has_room(policy.expected_wait_within(
+                    && (!room.room.has_room(policy.expected_wait_within(
                         ids,
                         &info,
                         now,
                         within_secs,
-                    ))
+                    )) || room.room.yields_to_peers(now))
                 {
                     fleet_full = true;
                     continue;
                 }
-                let at_worker = policy.preview(ids, &info, now).map(|(_, wait)| wait);
-                let dispatch = match room.room.route(&turn, at_worker, now) {
+                let preview = policy.preview(ids, &info, now);
+                let at_worker = preview.map(|(_, wait)| wait);
+                let dispatch = match room.room.route(&turn, preview, now) {
                     Route::Chosen => policy.select(ids, &info, now),
                     Route::Wait => continue,
                     Route::WithRoom => {
@@ -1350,7 +1413,8 @@ impl<'a> CellRun<'a> {
                             .iter()
                             .copied()
                             .filter(|id| {
-                                room.room.has_room(policy.expected_wait(&[*id], &info, now))
+                                !room.room.peer_waits_for(*id, now)
+                                    && room.room.has_room(policy.expected_wait(&[*id], &info, now))
                             })
                             .collect();
                         policy.select(if open.is_empty() { ids } else { &open }, &info, now)
@@ -1452,6 +1516,15 @@ impl<'a> CellRun<'a> {
                         if !self.router.rooms.is_empty() && !release.contains(&replica) {
                             release.push(replica);
                         }
+                        // With the ideal sync the others hear of it at once,
+                        // and release as they would on the message.
+                        if self.sync.as_ref().is_some_and(SyncChannel::is_ideal) {
+                            for other in 0..self.router.rooms.len() {
+                                if !release.contains(&other) {
+                                    release.push(other);
+                                }
+                            }
+                        }
                         if let Some(sample) = policy.first_token(dispatch, now)
                             && let Some(sync) = &mut self.sync
                             && sync.is_active()
@@ -1468,6 +1541,7 @@ impl<'a> CellRun<'a> {
                             &mut self.sync,
                             &self.router,
                             &mut self.queue,
+                            &mut self.room_reports,
                             (replica, worker),
                             now_s,
                             now,
@@ -1504,6 +1578,7 @@ impl<'a> CellRun<'a> {
                             &mut self.sync,
                             &self.router,
                             &mut self.queue,
+                            &mut self.room_reports,
                             (replica, worker),
                             now_s,
                             now,
@@ -1610,6 +1685,12 @@ impl<'a> CellRun<'a> {
             return;
         };
         let now = self.clock.at(now_s);
+        if let (Some(room), Some(latency_s)) =
+            (self.router.rooms.get(replica as usize), sync.latency_s())
+        {
+            self.room_reports[replica as usize]
+                .push_back((now_s + latency_s, room.room.report(now)));
+        }
         if let Some(arrives_s) = sync.tick(
             replica as usize,
             &self.router.policies,

@@ -599,6 +599,7 @@ impl AdmissionConfig {
                 .unwrap_or(defaults.max_queue_requests),
             classes,
             tenant_weights: self.tenant_weights.clone(),
+            peer_lag: defaults.peer_lag,
         }
         .validated()
         .map_err(|error| error.to_string())

@@ -273,6 +273,14 @@ impl SyncChannel {
         }
     }
 
+    /// How long a message takes to reach the other replicas (ideal: none).
+    pub fn latency_s(&self) -> Option<f64> {
+        match self.mode {
+            Mode::Ideal => None,
+            Mode::Periodic { latency_s, .. } => Some(latency_s),
+        }
+    }
+
     pub fn stats(&self) -> SyncStats {
         self.stats
     }

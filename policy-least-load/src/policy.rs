@@ -25,18 +25,24 @@ use crate::state::{
 };
 use crate::{InflightMode, LeastLoadParams, RateMode};
 
-/// How much of this router's pending prompt work on a worker its engine
-/// has likely computed, in seconds: the time since it took up the oldest
-/// pending prompt ([`HeadStart`](crate::state::HeadStart)), at most that
-/// pending work at `rate_tps`.
-fn progress_secs(state: &WorkerState, stats: WorkerStats, rate_tps: f64, now_nanos: i64) -> f64 {
-    if stats.pending_requests == 0 {
+/// How much of the router fleet's pending prompt work on a worker (this
+/// replica's, `stats`, and the others', `remote`) its engine has likely
+/// computed, in seconds: the time since it took up the oldest pending
+/// prompt ([`HeadStart`](crate::state::HeadStart)), at most that pending
+/// work at `rate_tps`.
+fn progress_secs(
+    state: &WorkerState,
+    stats: WorkerStats,
+    remote: PendingWork,
+    rate_tps: f64,
+    now_nanos: i64,
+) -> f64 {
+    if stats.pending_requests == 0 && remote.requests == 0 {
         return 0.0;
     }
     let since_secs = now_nanos.saturating_sub(state.head_start.nanos()) as f64 / 1e9;
-    since_secs
-        .max(0.0)
-        .min(stats.pending_tokens as f64 / rate_tps)
+    let pending_tokens = stats.pending_tokens.saturating_add(remote.tokens);
+    since_secs.max(0.0).min(pending_tokens as f64 / rate_tps)
 }
 
 /// A dispatch sequence number, unique in the process and so in every policy.
@@ -1295,7 +1301,9 @@ impl LeastLoad {
             let (token_secs, rate_tps) = self
                 .token_wait(view, *id, now_nanos)
                 .unwrap_or((0.0, f64::INFINITY));
-            let progress_secs = progress_secs(state, stats, rate_tps, now_nanos).min(token_secs);
+            let remote = self.remote(state);
+            let progress_secs =
+                progress_secs(state, stats, remote, rate_tps, now_nanos).min(token_secs);
             if token_secs >= floor_secs && token_secs - progress_secs >= less_progress_floor_secs {
                 // Its waits are at least these: it cannot lower either
                 // floor, so its slot wait (a lock and a rate) is not worth
@@ -1306,7 +1314,7 @@ impl LeastLoad {
                 .fresh_hot(state, now_nanos)
                 .map_or(0, |hot| hot.others_waiting_requests)
                 .saturating_add(stats.pending_requests)
-                .saturating_add(self.remote(state).requests);
+                .saturating_add(remote.requests);
             let slot_secs = match state.finishes.per_second(now_nanos) {
                 Some(rate) if waiting > 0 => waiting as f64 / rate,
                 _ => 0.0,
@@ -1881,9 +1889,9 @@ impl Policy for LeastLoad {
                 let remote = self.remote(state);
                 self.admits(others_waiting, stats, remote).then(|| {
                     state.last_dispatch.record_under_ledger_lock(now_nanos);
-                    if stats.pending_requests == 0 {
-                        // The engine takes it up now: nothing of ours is
-                        // ahead of it.
+                    if stats.pending_requests == 0 && remote.requests == 0 {
+                        // The engine takes it up now: nothing of the router
+                        // fleet's is ahead of it.
                         state.head_start.record(now_nanos);
                     }
                     let foreign_ahead_tokens = hot
@@ -1926,8 +1934,10 @@ impl Policy for LeastLoad {
         let view = self.workers.read();
         let slot = view.get(dispatch.worker)?;
         let (tokens, probe) = slot.state.ledger.first_token_noted(dispatch.seq)?;
-        if slot.state.ledger.stats().pending_requests > 0 {
-            // The engine is on to the next of ours, at the latest now.
+        let pending = slot.state.ledger.stats().pending_requests;
+        if pending.saturating_add(self.remote(&slot.state).requests) > 0 {
+            // The engine is on to the next of the router fleet's, at the
+            // latest now.
             slot.state.head_start.record(self.timeline.nanos(now));
         }
         if !probe.learn {
@@ -2239,6 +2249,8 @@ impl Policy for LeastLoad {
         let Some(slot) = view.find_url(entry.worker_url) else {
             return ReplicaPendingOutcome::UnknownWorker;
         };
+        let now_nanos = self.timeline.nanos(now);
+        let before = self.remote(&slot.state);
         let outcome = slot.state.remote.apply(
             entry.replica,
             entry.seq,
@@ -2246,9 +2258,19 @@ impl Policy for LeastLoad {
                 tokens: entry.pending_tokens,
                 requests: entry.pending_requests,
             },
-            self.timeline.nanos(now),
+            now_nanos,
         );
         if outcome == ReplicaPendingOutcome::Applied {
+            let after = self.remote(&slot.state);
+            let own = slot.state.ledger.stats().pending_requests;
+            let started_on_nothing = own.saturating_add(before.requests) == 0 && after.requests > 0;
+            let finished_one =
+                after.requests < before.requests && own.saturating_add(after.requests) > 0;
+            if started_on_nothing || finished_one {
+                // The engine took up the router fleet's next prompt (as
+                // late as the other replica's message, at the latest now).
+                slot.state.head_start.record(now_nanos);
+            }
             self.refresh_hot(slot);
         }
         outcome

@@ -2384,3 +2384,45 @@ fn the_progress_on_the_prompt_under_way_is_told_apart_from_the_wait() {
     let (queue, less_progress) = waits(t1 + Duration::from_millis(1500));
     assert!(close(queue, 1.0) && less_progress == 0.0, "{less_progress}");
 }
+
+#[test]
+fn the_progress_counts_the_prompts_other_replicas_sent() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
+    let waits = |at: Instant| {
+        let wait = policy.expected_wait(&ids, &exact(100), at).unwrap();
+        (wait.queue_secs, wait.queue_less_progress_secs.unwrap())
+    };
+    // Another replica sent a 2000-token prompt onto nothing pending: the
+    // engine takes it up when the message says so.
+    assert_eq!(
+        remote(&policy, "b", 0, 2000, 1, 1, t0),
+        ReplicaPendingOutcome::Applied
+    );
+    let (queue, less_progress) = waits(t0 + Duration::from_millis(600));
+    assert!(
+        close(queue, 1.0) && close(less_progress, 0.4),
+        "{less_progress}"
+    );
+    // This replica's prompt goes behind it: the engine is not on it yet.
+    let ours = policy
+        .select(&ids, &exact(2000), t0 + Duration::from_millis(600))
+        .unwrap();
+    let (queue, less_progress) = waits(t0 + Duration::from_millis(600));
+    assert!(
+        close(queue, 2.0) && close(less_progress, 1.4),
+        "{less_progress}"
+    );
+    // The other replica's prompt has its first token (its pending falls):
+    // the engine is on to ours since that message.
+    let t1 = t0 + Duration::from_secs(1);
+    remote(&policy, "b", 0, 0, 0, 2, t1);
+    let (queue, less_progress) = waits(t1 + Duration::from_millis(250));
+    assert!(
+        close(queue, 1.0) && close(less_progress, 0.75),
+        "{less_progress}"
+    );
+    policy.first_token(&ours, t1 + Duration::from_secs(1));
+    assert_eq!(waits(t1 + Duration::from_secs(1)), (0.0, 0.0));
+}

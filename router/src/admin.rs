@@ -228,7 +228,7 @@ async fn put_policy(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Res
 /// wait, for how long, the drain rate its predictions use, and each
 /// waiting flow (class, and tenant under `fair_share`).
 async fn get_admission(State(app): State<Arc<App>>) -> Response {
-    let (room, enabled) = app.admission.view();
+    let (room, enabled) = app.admission.view(app.peer_rooms.combined());
     Json(serde_json::json!({
         "enabled": enabled,
         "config": app.admission.config(),

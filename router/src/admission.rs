@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use admission::{
-    AdmissionRoom, Arrival, Decision, Expected, Explanation, RejectReason, Rejection, RoomView,
-    Route,
+    AdmissionRoom, Arrival, Decision, Expected, Explanation, RejectReason, Rejection, RoomReport,
+    RoomView, Route,
 };
 use arc_swap::ArcSwap;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -28,7 +28,7 @@ use policy_core::{AdmissionRegistry, ExpectedWait, RequestInfo, TokenCount, Work
 use tokio::sync::{Notify, oneshot};
 
 use crate::app::App;
-use crate::config::AdmissionConfig;
+use crate::config::{AdmissionConfig, SyncConfig};
 use crate::error::ConfigError;
 use crate::metrics::{ClassLabel, ClassOutcomeLabels, ClassReasonLabels, Metrics};
 use crate::proxy::{Answer, Chosen, RequestTracker, choose, own};
@@ -157,13 +157,28 @@ pub(crate) struct Gate {
     release_again: AtomicBool,
     /// Wakes the ticker when a request starts waiting.
     wake: Notify,
+    /// The room's [`peer_lag`](admission::RoomConfig::peer_lag), from the
+    /// sync section.
+    peer_lag: Duration,
+}
+
+/// How much longer another replica's oldest request must have waited
+/// before this replica leaves it the fleet's room: two of the replicas'
+/// publish intervals (what they may not yet have heard of each other), at
+/// least the room's default.
+pub(crate) fn peer_lag(sync: &SyncConfig) -> Duration {
+    (2 * sync.publish_interval()).max(admission::DEFAULT_PEER_LAG)
 }
 
 fn room_for(
     registry: &AdmissionRegistry,
     config: &AdmissionConfig,
+    peer_lag: Duration,
 ) -> Result<AdmissionRoom, ConfigError> {
-    let room = config.room()?;
+    let room = admission::RoomConfig {
+        peer_lag,
+        ..config.room()?
+    };
     let order = registry.build(&config.order, &serde_json::Value::Null)?;
     Ok(AdmissionRoom::new(order, room))
 }
@@ -191,8 +206,9 @@ impl Gate {
     pub(crate) fn new(
         registry: AdmissionRegistry,
         config: &AdmissionConfig,
+        peer_lag: Duration,
     ) -> Result<Gate, ConfigError> {
-        let room = room_for(&registry, config)?;
+        let room = room_for(&registry, config, peer_lag)?;
         let class_deadlines = AtomicBool::new(has_class_deadlines(&room));
         let lowest_threshold_secs = AtomicU64::new(lowest_threshold_bits(&room));
         Ok(Gate {
@@ -210,6 +226,7 @@ impl Gate {
             releasing: AtomicBool::new(false),
             release_again: AtomicBool::new(false),
             wake: Notify::new(),
+            peer_lag,
         })
     }
 
@@ -226,7 +243,7 @@ impl Gate {
     /// oldest first), threshold, bounds and classes. On error nothing
     /// changes.
     pub(crate) fn swap(&self, config: AdmissionConfig) -> Result<(), ConfigError> {
-        let fresh = room_for(&self.registry, &config)?;
+        let fresh = room_for(&self.registry, &config, self.peer_lag)?;
         let header = tenant_header(&config)?;
         let mut state = self.state.lock();
         let order = self
@@ -268,12 +285,23 @@ impl Gate {
     }
 
     /// The room, and each waiting request's class and wait so far.
-    pub(crate) fn view(&self) -> (RoomView, bool) {
-        let state = self.state.lock();
+    /// `peers`: the other replicas' rooms as sync last heard them.
+    pub(crate) fn view(&self, peers: Option<RoomReport>) -> (RoomView, bool) {
+        let mut state = self.state.lock();
+        state.room.set_peers(peers);
         (
             state.room.view(tokio_now()),
             self.enabled.load(Ordering::Acquire),
         )
+    }
+
+    /// The room as this replica tells the others; `None` with admission
+    /// off.
+    pub(crate) fn report(&self, now: Instant) -> Option<RoomReport> {
+        if !self.enabled.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(self.state.lock().room.report(now))
     }
 
     /// Work completed somewhere: dispatches waiting requests while the
@@ -307,6 +335,7 @@ impl Gate {
     }
 
     fn release_locked(&self, app: &Arc<App>, state: &mut State, orphans: &mut Vec<Turn>) {
+        state.room.set_peers(app.peer_rooms.combined());
         // Bounded: each pass releases a request, or stops.
         for _ in 0..=state.waiters.len() {
             if !self.release_one(app, state, orphans) {
@@ -322,8 +351,8 @@ impl Gate {
         let now_std = now.into_std();
         let snapshot = app.topology.load();
         let policy = &snapshot.policy;
-        // Once the fleet has no room, only requests that pass, or whose
-        // deadline is near, go.
+        // Once the fleet has no room (or this replica leaves it to
+        // another), only requests that pass, or whose deadline is near, go.
         let mut fleet_full = false;
         for turn in state.room.release_order() {
             if fleet_full && !turn.goes_without_fleet_room() {
@@ -340,15 +369,14 @@ impl Gate {
                 let within_secs = state.room.lowest_threshold().as_secs_f64();
                 let expected =
                     policy.expected_wait_within(snapshot.candidates(), info, now_std, within_secs);
-                if !state.room.has_room(expected) {
+                if !state.room.has_room(expected) || state.room.yields_to_peers(now_std) {
                     fleet_full = true;
                     continue;
                 }
             }
-            let at_chosen = policy
-                .preview(snapshot.candidates(), info, now_std)
-                .map(|(_, wait)| wait);
-            let busy: Vec<WorkerId> = match state.room.route(&turn, at_chosen, now_std) {
+            let preview = policy.preview(snapshot.candidates(), info, now_std);
+            let at_chosen = preview.map(|(_, wait)| wait);
+            let busy: Vec<WorkerId> = match state.room.route(&turn, preview, now_std) {
                 Route::Chosen => Vec::new(),
                 Route::Wait => continue,
                 Route::WithRoom => {
@@ -357,9 +385,10 @@ impl Gate {
                         .iter()
                         .copied()
                         .filter(|id| {
-                            !state
-                                .room
-                                .has_room(policy.expected_wait(&[*id], info, now_std))
+                            state.room.peer_waits_for(*id, now_std)
+                                || !state
+                                    .room
+                                    .has_room(policy.expected_wait(&[*id], info, now_std))
                         })
                         .collect();
                     // None has room (its deadline is near): the best of all.
@@ -574,6 +603,7 @@ pub(crate) async fn admit(
     let (decision, class) = {
         let mut state = gate.state.lock();
         let class = state.room.classify(&arrival).class;
+        state.room.set_peers(app.peer_rooms.combined());
         let decision = state.room.arrive(&arrival, expected, now_std);
         if let Decision::Queued(ticket) = decision {
             let waiter = (info, received_at, &class);

@@ -11,7 +11,7 @@ use policy_core::{
     SourceOptions, error_chain,
 };
 
-use crate::admission::Gate;
+use crate::admission::{Gate, peer_lag};
 use crate::config::{AdmissionConfig, PolicyConfig, RouterConfig, WorkerConfig, validate_worker};
 use crate::error::{ConfigError, RouterError};
 use crate::metrics::{Metrics, WorkerMetrics};
@@ -39,6 +39,9 @@ pub struct App {
     /// Tells the replica-sync publisher about dispatches (a no-op without
     /// `[sync]`).
     pub(crate) sync_signal: crate::replica_sync::DispatchSignal,
+    /// The other router replicas' admission rooms, as sync last heard
+    /// them (none without `[sync]`).
+    pub(crate) peer_rooms: crate::replica_sync::PeerRooms,
     /// Where requests wait while the fleet is saturated.
     pub(crate) admission: Gate,
     /// Request traces (`[tracing]`); empty when off.
@@ -70,7 +73,7 @@ impl App {
         admissions: AdmissionRegistry,
     ) -> Result<Arc<App>, RouterError> {
         let policy = build_policy(&policies, &config, &config.policy)?;
-        let admission = Gate::new(admissions, &config.admission)?;
+        let admission = Gate::new(admissions, &config.admission, peer_lag(&config.sync))?;
         // A bad certificate, key or CA file stops the router here, at start.
         let listener_tls = match &config.server.tls {
             Some(files) => Some(ListenerTls::load(files).map_err(RouterError::ListenerTls)?),
@@ -83,6 +86,7 @@ impl App {
             hedge_budget: crate::proxy::HedgeBudget::new(config.hedging.max_percent),
             topology: Topology::new(policy, config.policy.clone()),
             sync_signal: crate::replica_sync::DispatchSignal::new(&config.sync),
+            peer_rooms: crate::replica_sync::PeerRooms::new(&config.sync),
             config,
             config_file,
             policies,

@@ -673,6 +673,7 @@ impl AdmissionConfig {
                 })
                 .collect(),
             tenant_weights: self.tenant_weights.clone(),
+            peer_lag: admission::DEFAULT_PEER_LAG,
         };
         room.validated().map_err(|error| ConfigError::Invalid {
             key: "admission".into(),

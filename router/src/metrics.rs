@@ -696,7 +696,7 @@ impl Metrics {
         let sync_entries = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "sync_entries",
-            "Per-worker entries of other replicas' messages, by outcome: applied, stale, unknown_worker, unsupported, invalid",
+            "Per-worker entries of other replicas' messages (and their admission rooms), by outcome: applied, stale, unknown_worker, unsupported, invalid",
             sync_entries.clone(),
         );
         let sync_entries_expired = Counter::default();

@@ -324,3 +324,100 @@ async fn malformed_and_foreign_messages_are_ignored_and_counted() {
     .await;
     assert!(metric(&a, "router_sync_entries_expired_total").await >= 1.0);
 }
+
+async fn admission_view(router: &TestRouter) -> serde_json::Value {
+    router
+        .client
+        .get(format!("{}/admin/admission", router.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// The prompts the engine received, in order.
+fn prompts(upstream: &Upstream) -> Vec<String> {
+    upstream
+        .switches
+        .bodies
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|body| {
+            let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+            body["messages"][0]["content"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// A chat request through `router` in the background; its status.
+fn send_chat(router: &Arc<TestRouter>, text: &'static str) -> tokio::task::JoinHandle<u16> {
+    let router = router.clone();
+    tokio::spawn(async move { router.chat(text, false).await.status().as_u16() })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_whose_request_waited_longest_takes_the_freed_worker() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    upstream.switches.hold.store(true, Ordering::SeqCst);
+    // One worker that takes one request at a time (the cap counts the
+    // other replica's pending request too), admission on by default.
+    // Publishing every 500 ms, a replica leaves the room to the other for
+    // up to 1 s (twice the interval): the other hears within one interval
+    // that the worker is free.
+    let replica = |id: &str| {
+        let sync = format!(
+            "[sync]\nenabled = true\nnats_url = \"{}\"\nreplica_id = \"{id}\"\n\
+             publish_interval_ms = 500\nentry_ttl_ms = 5000\n\
+             [policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
+            nats.url
+        );
+        start_router(fast_config(vec![worker("sglang", &upstream.url)], &sync))
+    };
+    let a = Arc::new(replica("a").await);
+    let b = Arc::new(replica("b").await);
+    wait_until("both replicas are connected and see the worker", || async {
+        sync_connected(&a).await
+            && sync_connected(&b).await
+            && a.healthy_count().await == 1
+            && b.healthy_count().await == 1
+    })
+    .await;
+
+    // A's request holds the worker; B hears of it.
+    let first = send_chat(&a, "first");
+    wait_until("the first request holds the worker", || async {
+        upstream.requests() == 1 && explained(&b, &upstream.url, "remote_tok").await > 0.0
+    })
+    .await;
+    // B's request waits in B's room, and A hears of it.
+    let from_b = send_chat(&b, "from-b");
+    wait_until("A hears that B's request has waited over 1.1 s", || async {
+        admission_view(&a).await["queue"]["peers_oldest_wait_s"]
+            .as_f64()
+            .is_some_and(|waited| waited > 1.1)
+    })
+    .await;
+    // A's request arrives later; A's own request frees the worker.
+    let from_a = send_chat(&a, "from-a");
+    wait_until("A's request waits in A's room", || async {
+        admission_view(&a).await["queue"]["queued_requests"].as_u64() == Some(1)
+    })
+    .await;
+    upstream.switches.hold.store(false, Ordering::SeqCst);
+    upstream.switches.release.notify_one();
+    for handle in [first, from_b, from_a] {
+        assert_eq!(handle.await.unwrap(), 200);
+    }
+    // A heard first that the worker was free, but B's request had waited
+    // longer: B took it.
+    assert_eq!(prompts(&upstream), ["first", "from-b", "from-a"]);
+    wait_until("both rooms are empty and say so", || async {
+        admission_view(&a).await["queue"]["peers_oldest_wait_s"].is_null()
+            && admission_view(&b).await["queue"]["peers_oldest_wait_s"].is_null()
+    })
+    .await;
+}

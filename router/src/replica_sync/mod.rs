@@ -25,6 +25,13 @@
 //! eighth), and the others apply them as
 //! [`policy_core::ReplicaUpdate::Prefill`].
 //!
+//! They also carry this replica's admission room, when admission is on
+//! (its oldest wait, the worker its head waits for, the prompt work it
+//! sends; [`admission::RoomReport`]), so that the replicas' rooms take
+//! turns at the fleet's room: the receiver keeps each replica's latest in
+//! [`PeerRooms`], which the admission gate reads, and releases its own
+//! room at each message it applies.
+//!
 //! With `sync.share_prefixes` (the default) replicas also share where they
 //! placed prompt prefixes, so that each replica's prefix index knows every
 //! replica's dispatches, not only its own ([`prefix`]): the request path
@@ -43,7 +50,7 @@
 //!
 //! # The interface
 //!
-//! The rest of the router reaches replica sync through two things only:
+//! The rest of the router reaches replica sync through three things only:
 //! - [`start`], once, when the router starts: with `[sync]` on, starts the
 //!   NATS client and spawns the tasks above (and the prefix index's
 //!   warm-up from a peer's snapshot);
@@ -54,7 +61,9 @@
 //!   engine's report changes a worker's cache bound, and
 //!   [`prefill_sampled`](DispatchSignal::prefill_sampled) when a first token
 //!   closes a prefill sample. Each queues under a short lock and returns
-//!   (nothing at all without `[sync]`); no call waits on the broker.
+//!   (nothing at all without `[sync]`); no call waits on the broker;
+//! - [`PeerRooms`], which the admission gate reads (lock-free) for the
+//!   other replicas' rooms.
 //!
 //! Everything else here is private to this module: the wire format
 //! ([`wire`]), the publisher, the receivers, prefix sharing ([`prefix`])
@@ -64,6 +73,7 @@
 
 pub(crate) mod prefix;
 mod publisher;
+mod rooms;
 mod warm;
 pub(crate) mod wire;
 
@@ -83,8 +93,10 @@ use tokio::time::{Instant, MissedTickBehavior};
 use crate::app::App;
 use crate::config::SyncConfig;
 use crate::metrics::Metrics;
+use crate::topology;
 
 use publisher::{Publisher, WorkerPending};
+pub(crate) use rooms::PeerRooms;
 
 /// How the request path tells the publisher what it did: the workers it
 /// dispatched to, the prefixes it placed there and the cache bounds engines'
@@ -245,20 +257,23 @@ impl ReceiveCounters {
 }
 
 /// What one received message came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 enum Received {
     /// Not a message of ours: ignored and counted by reason
     /// (`malformed`, `foreign_version`, `invalid_replica`).
     Rejected(&'static str),
     /// Sent under this replica's own id: ignored.
     Own,
-    /// Another replica's entries, handed to the policy, and the prefill
-    /// samples it applied.
+    /// Another replica's entries, handed to the policy, the prefill
+    /// samples it applied, and its admission room (`None`: it has none, or
+    /// sent one that is not the documented shape, counted as an invalid
+    /// entry).
     Applied {
         replica: String,
         applied: usize,
         ignored: usize,
         prefill_samples: usize,
+        room: Option<wire::Room>,
     },
 }
 
@@ -345,11 +360,21 @@ fn receive(
             prefill_samples += 1;
         }
     }
+    let room = match message.room() {
+        Some(Ok(room)) => Some(room),
+        Some(Err(_)) => {
+            counters.entries_invalid.inc();
+            ignored += 1;
+            None
+        }
+        None => None,
+    };
     Received::Applied {
         replica: message.replica.to_owned(),
         applied,
         ignored,
         prefill_samples,
+        room,
     }
 }
 
@@ -537,7 +562,8 @@ async fn run_publisher(
                         requests: stats.pending_requests,
                     })
                 });
-                if let Some(payload) = publisher.dispatched(workers) {
+                let room = own_room(&app, &snapshot);
+                if let Some(payload) = publisher.dispatched(workers, room.as_ref()) {
                     // A failure is counted, and the next tick sends the
                     // whole state.
                     let _ = send(&client, &subject, payload, publish_deadline, metrics, &counters, &mut publisher).await;
@@ -553,6 +579,7 @@ async fn run_publisher(
                 metrics.sync_entries_expired.inc_by(expired as u64);
             }
             let peer_count = peers.lock().sweep(Instant::now(), ttl);
+            app.peer_rooms.sweep(tokio_now());
             metrics
                 .sync_peers
                 .set(i64::try_from(peer_count).unwrap_or(i64::MAX));
@@ -588,7 +615,8 @@ async fn run_publisher(
                 Some((worker_url_key(&worker.url), sample.work_tokens, micros))
             })
             .collect();
-        let Some(payload) = publisher.tick(Instant::now(), workers, &prefill) else {
+        let room = own_room(&app, &snapshot);
+        let Some(payload) = publisher.tick(Instant::now(), workers, &prefill, room.as_ref()) else {
             continue;
         };
         let prefill_sent = prefill.len() as u64;
@@ -608,6 +636,18 @@ async fn run_publisher(
             counters.prefill_dropped.inc_by(prefill_sent);
         }
     }
+}
+
+/// This replica's admission room as its messages carry it; `None` with
+/// admission off.
+fn own_room(app: &App, snapshot: &topology::Snapshot) -> Option<wire::Room> {
+    let now = tokio_now();
+    let report = app.admission.report(now)?;
+    Some(rooms::outgoing(
+        &report,
+        |id| rooms::url_of(snapshot, id),
+        now,
+    ))
 }
 
 /// The publisher's counters, resolved once.
@@ -801,7 +841,17 @@ async fn run_receiver(
                 tokio_now(),
                 &counters,
             ) {
-                Received::Applied { replica, .. } => peers.lock().heard(&replica, Instant::now()),
+                Received::Applied { replica, room, .. } => {
+                    peers.lock().heard(&replica, Instant::now());
+                    let snapshot = app.topology.load();
+                    let id_of = |url: &str| rooms::id_of(&snapshot, url);
+                    app.peer_rooms
+                        .heard(&replica, room.as_ref(), id_of, tokio_now());
+                    // The other replica's work may have freed room, or its
+                    // room emptied: this one's waiting requests may go now
+                    // (cheap when none waits).
+                    app.admission.release(&app);
+                }
                 // The broker does not echo our own messages: this is another
                 // process using the same id, and the two blind each other.
                 Received::Own if !warned_duplicate_id => {
@@ -918,7 +968,14 @@ mod tests {
     fn example() {
         let policy = test_support::least_load(&["http://10.0.0.1:30000"]);
         // Replica "b" has 1200 tokens in 3 requests pending on the worker.
-        let message = wire::encode("b", 1, true, &[("http://10.0.0.1:30000", 1200, 3)], &[]);
+        let message = wire::encode(
+            "b",
+            1,
+            true,
+            &[("http://10.0.0.1:30000", 1200, 3)],
+            &[],
+            None,
+        );
         let counters = ReceiveCounters::new(&Metrics::new());
         let received = receive(
             policy.as_ref(),
@@ -933,9 +990,43 @@ mod tests {
                 replica: "b".into(),
                 applied: 1,
                 ignored: 0,
-                prefill_samples: 0
+                prefill_samples: 0,
+                room: None,
             }
         );
+    }
+
+    #[test]
+    fn a_message_s_room_is_received_and_a_bad_one_counted() {
+        let metrics = Metrics::new();
+        let counters = ReceiveCounters::new(&metrics);
+        let policy = policy();
+        let now = std::time::Instant::now();
+        let room = wire::Room {
+            oldest_wait_ms: Some(900),
+            prefill_busy_workers: 1.5,
+            waiting_for: vec![("http://w:1".to_owned(), 40)],
+        };
+        let message = wire::encode("b", 1, false, &[("http://w:1", 10, 1)], &[], Some(&room));
+        let Received::Applied { room: received, .. } =
+            receive(policy.as_ref(), "a", &message, now, &counters)
+        else {
+            panic!("applied");
+        };
+        assert_eq!(received, Some(room));
+        let bad = br#"{"v":1,"replica":"b","seq":2,"full":false,"pending":[["http://w:1",10,1]],
+            "room":{"prefill_busy_workers":"many"}}"#;
+        assert_eq!(
+            receive(policy.as_ref(), "a", bad, now, &counters),
+            Received::Applied {
+                replica: "b".into(),
+                applied: 1,
+                ignored: 1,
+                prefill_samples: 0,
+                room: None,
+            }
+        );
+        assert_eq!(counted(&metrics, "entries", "invalid"), 1);
     }
 
     #[test]
@@ -955,6 +1046,7 @@ mod tests {
                 ("http://w:1", 12_000, 1_500_000),
                 ("http://unknown:1", 1, 1),
             ],
+            None,
         );
         assert_eq!(
             receive(policy.as_ref(), "a", &message, now, &counters),
@@ -963,6 +1055,7 @@ mod tests {
                 applied: 1,
                 ignored: 1,
                 prefill_samples: 1,
+                room: None,
             }
         );
         let table = policy.explain(

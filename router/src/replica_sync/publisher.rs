@@ -49,6 +49,9 @@ pub(super) struct Publisher {
     /// that left (URL, 0, 0).
     changed: Vec<usize>,
     gone: Vec<Box<str>>,
+    /// Whether the last message told of a request waiting in this
+    /// replica's admission room.
+    room_waiting_told: bool,
 }
 
 impl Publisher {
@@ -64,6 +67,7 @@ impl Publisher {
             tick: 0,
             changed: Vec::new(),
             gone: Vec::new(),
+            room_waiting_told: false,
         }
     }
 
@@ -74,14 +78,16 @@ impl Publisher {
     }
 
     /// One tick over every worker, with the prefill samples closed since
-    /// the last (`(worker_url, work_tokens, elapsed_us)`): the message to
-    /// publish, or `None` when nothing changed, no full state is due and
-    /// there is no sample.
+    /// the last (`(worker_url, work_tokens, elapsed_us)`) and this
+    /// replica's admission room: the message to publish, or `None` when
+    /// nothing changed, no full state is due, there is no sample and no
+    /// request waits in the room (nor did at the last message).
     pub(super) fn tick<'u>(
         &mut self,
         now: Instant,
         workers: impl IntoIterator<Item = WorkerPending<'u>>,
         prefill: &[(&str, u64, u64)],
+        room: Option<&wire::Room>,
     ) -> Option<Vec<u8>> {
         self.tick = self.tick.wrapping_add(1);
         let tick = self.tick;
@@ -140,9 +146,17 @@ impl Publisher {
                 self.gone.push(previous.url);
             }
         }
-        if !full && self.changed.is_empty() && self.gone.is_empty() && prefill.is_empty() {
+        let room_waiting = room.is_some_and(|room| room.oldest_wait_ms.is_some());
+        if !full
+            && self.changed.is_empty()
+            && self.gone.is_empty()
+            && prefill.is_empty()
+            && !room_waiting
+            && !self.room_waiting_told
+        {
             return None;
         }
+        self.room_waiting_told = room_waiting;
         if full {
             self.last_full = Some(now);
         }
@@ -156,7 +170,14 @@ impl Publisher {
             .map(|published| (&*published.url, published.tokens, published.requests))
             .chain(self.gone.iter().map(|url| (&**url, 0, 0)))
             .collect();
-        Some(wire::encode(&self.replica, seq, full, &entries, prefill))
+        Some(wire::encode(
+            &self.replica,
+            seq,
+            full,
+            &entries,
+            prefill,
+            room,
+        ))
     }
 }
 
@@ -169,6 +190,7 @@ impl Publisher {
     pub(super) fn dispatched<'u>(
         &mut self,
         workers: impl IntoIterator<Item = WorkerPending<'u>>,
+        room: Option<&wire::Room>,
     ) -> Option<Vec<u8>> {
         let mut entries: Vec<(&str, u64, u64)> = Vec::new();
         self.changed.clear();
@@ -198,7 +220,8 @@ impl Publisher {
                 entries.push((&published.url, published.tokens, published.requests));
             }
         }
-        Some(wire::encode(&self.replica, seq, false, &entries, &[]))
+        self.room_waiting_told = room.is_some_and(|room| room.oldest_wait_ms.is_some());
+        Some(wire::encode(&self.replica, seq, false, &entries, &[], room))
     }
 }
 
@@ -246,6 +269,7 @@ mod tests {
                 Instant::now(),
                 [w(0, "http://w:1/", 0, 0), w(1, "http://w:2", 500, 1)],
                 &[],
+                None,
             )
             .unwrap();
         assert_eq!(
@@ -263,7 +287,8 @@ mod tests {
                 .tick(
                     Instant::now(),
                     [w(0, "http://w:1", 0, 0), w(1, "http://w:2", 500, 1)],
-                    &[]
+                    &[],
+                    None
                 )
                 .is_none(),
             "nothing changed"
@@ -274,6 +299,7 @@ mod tests {
                 Instant::now(),
                 [w(0, "http://w:1", 200, 1), w(1, "http://w:2", 500, 1)],
                 &[],
+                None,
             )
             .unwrap();
         assert_eq!(
@@ -283,7 +309,7 @@ mod tests {
         // Worker 2 is removed: its zero goes out once.
         tokio::time::advance(Duration::from_millis(25)).await;
         let removed = publisher
-            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[])
+            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[], None)
             .unwrap();
         assert_eq!(
             decoded(&removed),
@@ -292,13 +318,13 @@ mod tests {
         tokio::time::advance(Duration::from_millis(25)).await;
         assert!(
             publisher
-                .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[])
+                .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[], None)
                 .is_none()
         );
         // 250 ms after the last full state, the next one is due.
         tokio::time::advance(Duration::from_millis(150)).await;
         let full = publisher
-            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[])
+            .tick(Instant::now(), [w(0, "http://w:1", 200, 1)], &[], None)
             .unwrap();
         assert_eq!(
             decoded(&full),
@@ -307,14 +333,55 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_tick_goes_out_while_a_request_waits_in_the_room_and_once_after() {
+        let mut publisher = Publisher::new("a".into(), 1, Duration::from_secs(60));
+        let workers = || [w(0, "http://w:1", 1, 1)];
+        publisher.tick(Instant::now(), workers(), &[], None);
+        let waiting = wire::Room {
+            oldest_wait_ms: Some(30),
+            ..wire::Room::default()
+        };
+        let empty = wire::Room::default();
+        // Nothing changed, but a request waits: every tick tells.
+        for _ in 0..2 {
+            let payload = publisher
+                .tick(Instant::now(), workers(), &[], Some(&waiting))
+                .unwrap();
+            assert_eq!(
+                wire::decode(&payload).unwrap().room(),
+                Some(Ok(waiting.clone()))
+            );
+        }
+        // The room emptied: one more message says so, then quiet.
+        let payload = publisher
+            .tick(Instant::now(), workers(), &[], Some(&empty))
+            .unwrap();
+        assert_eq!(
+            wire::decode(&payload).unwrap().room(),
+            Some(Ok(empty.clone()))
+        );
+        assert!(
+            publisher
+                .tick(Instant::now(), workers(), &[], Some(&empty))
+                .is_none()
+        );
+        // A dispatch's message carries the room too.
+        let payload = publisher
+            .dispatched([w(0, "http://w:1", 9, 2)], Some(&waiting))
+            .unwrap();
+        assert_eq!(wire::decode(&payload).unwrap().room(), Some(Ok(waiting)));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn prefill_samples_go_out_at_the_next_tick_even_when_nothing_changed() {
         let mut publisher = Publisher::new("a".into(), 7, Duration::from_secs(60));
-        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[]);
+        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[], None);
         let payload = publisher
             .tick(
                 Instant::now(),
                 [w(0, "http://w:1", 1, 1)],
                 &[("http://w:1", 4000, 500_000)],
+                None,
             )
             .unwrap();
         assert_eq!(decoded(&payload), (8, false, Vec::new()));
@@ -337,7 +404,7 @@ mod tests {
         // Sent once: the next tick has nothing to say.
         assert!(
             publisher
-                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[])
+                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[], None)
                 .is_none()
         );
     }
@@ -345,15 +412,15 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_forced_full_state_goes_out_at_the_next_tick() {
         let mut publisher = Publisher::new("a".into(), 7, Duration::from_secs(60));
-        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[]);
+        publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[], None);
         assert!(
             publisher
-                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[])
+                .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[], None)
                 .is_none()
         );
         publisher.force_full_state();
         let full = publisher
-            .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[])
+            .tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[], None)
             .unwrap();
         assert_eq!(decoded(&full), (8, true, owned(&[("http://w:1", 1, 1)])));
     }
@@ -361,7 +428,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_slot_taken_by_another_worker_clears_the_old_one() {
         let mut publisher = Publisher::new("a".into(), 1, Duration::from_secs(60));
-        publisher.tick(Instant::now(), [w(0, "http://old:1", 300, 1)], &[]);
+        publisher.tick(Instant::now(), [w(0, "http://old:1", 300, 1)], &[], None);
         let replaced = publisher
             .tick(
                 Instant::now(),
@@ -372,6 +439,7 @@ mod tests {
                     requests: 0,
                 }],
                 &[],
+                None,
             )
             .unwrap();
         assert_eq!(
@@ -394,12 +462,16 @@ mod tests {
                 now,
                 [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 0, 0)],
                 &[],
+                None,
             )
             .unwrap();
         assert_eq!(decoded(&first).0, 10);
         // A dispatch to worker 1: only it, at once, with the next seq.
         let message = publisher
-            .dispatched([w(1, "http://w:1", 500, 1), w(1, "http://w:1", 500, 1)])
+            .dispatched(
+                [w(1, "http://w:1", 500, 1), w(1, "http://w:1", 500, 1)],
+                None,
+            )
             .unwrap();
         assert_eq!(
             decoded(&message),
@@ -407,16 +479,20 @@ mod tests {
         );
         // Nothing changed since: nothing to send; the tick sends nothing
         // either (it was published).
-        assert_eq!(publisher.dispatched([w(1, "http://w:1", 500, 1)]), None);
+        assert_eq!(
+            publisher.dispatched([w(1, "http://w:1", 500, 1)], None),
+            None
+        );
         assert_eq!(
             publisher.tick(
                 now,
                 [w(0, "http://w:0", 0, 0), w(1, "http://w:1", 500, 1)],
-                &[]
+                &[],
+                None
             ),
             None
         );
         // A worker no tick has seen yet waits for the tick.
-        assert_eq!(publisher.dispatched([w(2, "http://w:2", 9, 1)]), None);
+        assert_eq!(publisher.dispatched([w(2, "http://w:2", 9, 1)], None), None);
     }
 }

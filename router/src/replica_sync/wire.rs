@@ -26,13 +26,27 @@
 //!   state: each is learned once, and a lost one is one sample fewer. At
 //!   most [`MAX_PREFILL_SAMPLES`] per message.
 //!
+//! - `room` (optional): the sender's admission room, as it stands when the
+//!   message is sent, so that router replicas take turns at the fleet's
+//!   room ([`admission::RoomReport`]): `{"oldest_wait_ms":1520,
+//!   "prefill_busy_workers":3.2,"waiting_for":[["http://10.0.0.1:30000",240]]}`.
+//!   `oldest_wait_ms`: how long its oldest waiting request has waited
+//!   (absent while none waits); `prefill_busy_workers`: how many workers
+//!   the prompts it sent lately keep computing; `waiting_for`:
+//!   `[worker_url, waited_ms]`, the busy worker the head of its order
+//!   waits for, and for how long. A sender with admission on carries it in
+//!   every message, and sends one every tick while a request waits in its
+//!   room (and one more after the room empties). At most
+//!   [`MAX_ROOM_WAITING_FOR`] workers; waits up to [`MAX_ROOM_WAIT_MS`].
+//!
 //! Unknown top-level keys are ignored, so a later version 1 sender may add
 //! some. Every value is checked: a message that is not this shape is
 //! rejected whole; an entry with a bad URL or a count that is negative,
 //! fractional or beyond [`MAX_PENDING_TOKENS`] / [`MAX_PENDING_REQUESTS`] is
 //! dropped alone, and so is a prefill sample with more work than
 //! [`MAX_PENDING_TOKENS`] or an elapsed time of 0 or over
-//! [`MAX_PREFILL_MICROS`].
+//! [`MAX_PREFILL_MICROS`], and a `room` that is not this shape or out of
+//! these bounds.
 //!
 //! # Prefix placements and cache bounds (`<prefix>.prefix`)
 //!
@@ -125,6 +139,12 @@ pub(super) const MAX_SNAPSHOT_HOLDERS: usize = 16;
 pub(super) const MAX_PREFILL_SAMPLES: usize = 1024;
 /// A prefill sample longer than an hour measures no prefill.
 pub(super) const MAX_PREFILL_MICROS: u64 = 3_600_000_000;
+/// Longest wait a room reports: a day.
+pub(super) const MAX_ROOM_WAIT_MS: u64 = 86_400_000;
+/// Most workers one room reports waiting for.
+pub(super) const MAX_ROOM_WAITING_FOR: usize = 64;
+/// More workers kept busy than this is not a real count.
+const MAX_ROOM_BUSY_WORKERS: f64 = 1e6;
 
 /// Why a whole message was ignored.
 #[derive(Debug, thiserror::Error)]
@@ -210,6 +230,38 @@ pub(super) struct Message<'a> {
     pub(super) full: bool,
     pending: Vec<&'a RawValue>,
     prefill: Vec<&'a RawValue>,
+    room: Option<&'a RawValue>,
+}
+
+/// A sender's admission room, as a message carries it (see the module's
+/// docs): waits relative to when it was sent.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub(super) struct Room {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) oldest_wait_ms: Option<u64>,
+    pub(super) prefill_busy_workers: f64,
+    #[serde(default)]
+    pub(super) waiting_for: Vec<(String, u64)>,
+}
+
+impl Room {
+    fn check(&self) -> Result<(), EntryError> {
+        let busy = self.prefill_busy_workers;
+        if !(busy.is_finite() && (0.0..=MAX_ROOM_BUSY_WORKERS).contains(&busy))
+            || self.oldest_wait_ms.is_some_and(|ms| ms > MAX_ROOM_WAIT_MS)
+            || self.waiting_for.len() > MAX_ROOM_WAITING_FOR
+            || self
+                .waiting_for
+                .iter()
+                .any(|(_, ms)| *ms > MAX_ROOM_WAIT_MS)
+        {
+            return Err(EntryError::Count);
+        }
+        if self.waiting_for.iter().any(|(url, _)| !is_valid_url(url)) {
+            return Err(EntryError::Url);
+        }
+        Ok(())
+    }
 }
 
 #[derive(Deserialize)]
@@ -226,6 +278,8 @@ struct Wire<'a> {
     pending: Vec<&'a RawValue>,
     #[serde(borrow, default)]
     prefill: Vec<&'a RawValue>,
+    #[serde(borrow, default)]
+    room: Option<&'a RawValue>,
 }
 
 /// One prefill sample in a message.
@@ -247,6 +301,7 @@ pub(super) fn decode(payload: &[u8]) -> Result<Message<'_>, WireError> {
         full: wire._full,
         pending: wire.pending,
         prefill: wire.prefill,
+        room: wire.room,
     })
 }
 
@@ -254,6 +309,17 @@ impl<'a> Message<'a> {
     /// Every entry, each checked on its own.
     pub(super) fn entries(&self) -> impl Iterator<Item = Result<Entry<'a>, EntryError>> + '_ {
         self.pending.iter().map(|raw| parse_entry(raw.get()))
+    }
+
+    /// The sender's admission room: `None` when the message has none,
+    /// an error when it is not the documented shape or out of bounds.
+    pub(super) fn room(&self) -> Option<Result<Room, EntryError>> {
+        let raw = self.room?;
+        Some(
+            serde_json::from_str::<Room>(raw.get())
+                .map_err(|_| EntryError::Shape)
+                .and_then(|room| room.check().map(|()| room)),
+        )
     }
 
     /// Every prefill sample, each checked on its own; past
@@ -321,17 +387,21 @@ struct WireOut<'a> {
     pending: &'a [(&'a str, u64, u64)],
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     prefill: &'a [(&'a str, u64, u64)],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    room: Option<&'a Room>,
 }
 
 /// Writes a message: `pending` is `(worker_url, tokens, requests)`,
 /// `prefill` is `(worker_url, work_tokens, elapsed_us)` (at most
-/// [`MAX_PREFILL_SAMPLES`] are written).
+/// [`MAX_PREFILL_SAMPLES`] are written), `room` the sender's admission
+/// room, if it has one.
 pub(super) fn encode(
     replica: &str,
     seq: u64,
     full: bool,
     pending: &[(&str, u64, u64)],
     prefill: &[(&str, u64, u64)],
+    room: Option<&Room>,
 ) -> Vec<u8> {
     let message = WireOut {
         v: WIRE_VERSION,
@@ -340,6 +410,7 @@ pub(super) fn encode(
         full,
         pending,
         prefill: &prefill[..prefill.len().min(MAX_PREFILL_SAMPLES)],
+        room,
     };
     // Serializing strings and integers into memory cannot fail.
     serde_json::to_vec(&message).unwrap_or_default()
@@ -922,6 +993,7 @@ mod tests {
             true,
             &[("http://w:1", 1200, 3), ("http://w:2", 0, 0)],
             &[],
+            None,
         );
         // Without samples, no `prefill` key: what every version 1 reader
         // expects.
@@ -960,6 +1032,7 @@ mod tests {
             false,
             &[("http://w:1", 0, 0)],
             &[("http://w:1", 4096, 250_000)],
+            None,
         );
         assert_eq!(
             std::str::from_utf8(&payload).unwrap(),
@@ -1006,7 +1079,7 @@ mod tests {
         // A sender past the cap writes the first MAX_PREFILL_SAMPLES; a
         // reader drops any beyond them.
         let many = vec![("http://w:1", 1u64, 1u64); MAX_PREFILL_SAMPLES + 5];
-        let message_bytes = encode("a", 1, false, &[], &many);
+        let message_bytes = encode("a", 1, false, &[], &many, None);
         assert_eq!(
             decode(&message_bytes).unwrap().prefill_samples().count(),
             MAX_PREFILL_SAMPLES
@@ -1022,6 +1095,85 @@ mod tests {
             MAX_PREFILL_SAMPLES
         );
         assert_eq!(samples[MAX_PREFILL_SAMPLES], Err(EntryError::Count));
+    }
+
+    #[test]
+    fn a_room_round_trips_and_a_bad_one_is_dropped_alone() {
+        let room = Room {
+            oldest_wait_ms: Some(1520),
+            prefill_busy_workers: 3.5,
+            waiting_for: vec![("http://w:1".to_owned(), 240)],
+        };
+        let payload = encode("router-a", 3, false, &[], &[], Some(&room));
+        assert_eq!(
+            std::str::from_utf8(&payload).unwrap(),
+            r#"{"v":1,"replica":"router-a","seq":3,"full":false,"pending":[],"room":{"oldest_wait_ms":1520,"prefill_busy_workers":3.5,"waiting_for":[["http://w:1",240]]}}"#
+        );
+        assert_eq!(decode(&payload).unwrap().room(), Some(Ok(room)));
+        // None waiting: no `oldest_wait_ms`; no room at all: no `room`.
+        let empty = encode("a", 1, false, &[], &[], Some(&Room::default()));
+        assert_eq!(decode(&empty).unwrap().room(), Some(Ok(Room::default())));
+        assert_eq!(
+            decode(&encode("a", 1, false, &[], &[], None))
+                .unwrap()
+                .room(),
+            None
+        );
+
+        let message = |room: &str| {
+            format!(
+                r#"{{"v":1,"replica":"b","seq":1,"full":false,"pending":[["http://w:1",1,1]],"room":{room}}}"#
+            )
+        };
+        for (room, error) in [
+            ("[]", EntryError::Shape),
+            (
+                r#"{"oldest_wait_ms":-1,"prefill_busy_workers":0}"#,
+                EntryError::Shape,
+            ),
+            (r#"{"oldest_wait_ms":1}"#, EntryError::Shape),
+            (r#"{"prefill_busy_workers":-0.5}"#, EntryError::Count),
+            (r#"{"prefill_busy_workers":1e300}"#, EntryError::Count),
+            (
+                r#"{"oldest_wait_ms":86400001,"prefill_busy_workers":0}"#,
+                EntryError::Count,
+            ),
+            (
+                r#"{"prefill_busy_workers":0,"waiting_for":[["",5]]}"#,
+                EntryError::Url,
+            ),
+            (
+                r#"{"prefill_busy_workers":0,"waiting_for":[["http://w:1",86400001]]}"#,
+                EntryError::Count,
+            ),
+            (
+                r#"{"prefill_busy_workers":0,"waiting_for":[["http://w:1"]]}"#,
+                EntryError::Shape,
+            ),
+        ] {
+            let text = message(room);
+            let decoded = decode(text.as_bytes()).unwrap();
+            assert_eq!(decoded.room(), Some(Err(error)), "{room}");
+            // The rest of the message stands.
+            assert_eq!(decoded.entries().filter(Result::is_ok).count(), 1, "{room}");
+        }
+        let many = vec![r#"["http://w:1",1]"#; MAX_ROOM_WAITING_FOR + 1].join(",");
+        let text = message(&format!(
+            r#"{{"prefill_busy_workers":0,"waiting_for":[{many}]}}"#
+        ));
+        assert_eq!(
+            decode(text.as_bytes()).unwrap().room(),
+            Some(Err(EntryError::Count))
+        );
+        // Keys a later sender may add are ignored.
+        let text = message(r#"{"prefill_busy_workers":1,"later":true}"#);
+        assert_eq!(
+            decode(text.as_bytes()).unwrap().room(),
+            Some(Ok(Room {
+                prefill_busy_workers: 1.0,
+                ..Room::default()
+            }))
+        );
     }
 
     #[test]
