@@ -2341,15 +2341,19 @@ fn a_wait_within_a_bound_stops_at_the_first_worker_that_has_it() {
     assert_eq!(none_within, least);
 }
 
+/// The expected wait for a small request, and the same less the workers'
+/// progress on their prompts under way.
+fn waits_with_progress(policy: &LeastLoad, ids: &[WorkerId], at: Instant) -> (f64, f64) {
+    let wait = policy.expected_wait(ids, &exact(100), at).unwrap();
+    (wait.queue_secs, wait.queue_less_progress_secs.unwrap())
+}
+
 #[test]
 fn the_progress_on_the_prompt_under_way_is_told_apart_from_the_wait() {
     let (policy, ids) = fleet(1);
     let t0 = Instant::now();
     report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
-    let waits = |at: Instant| {
-        let wait = policy.expected_wait(&ids, &exact(100), at).unwrap();
-        (wait.queue_secs, wait.queue_less_progress_secs.unwrap())
-    };
+    let waits = |at: Instant| waits_with_progress(&policy, &ids, at);
     assert_eq!(waits(t0), (0.0, 0.0));
     // A prompt of 2000 tokens: 1 s at 2000 tokens a second.
     let first = policy.select(&ids, &exact(2000), t0).unwrap();
@@ -2390,10 +2394,7 @@ fn the_progress_counts_the_prompts_other_replicas_sent() {
     let (policy, ids) = fleet(1);
     let t0 = Instant::now();
     report(&policy, ids[0], &load(Some(0), 0, Some(2000.0), 0.0), t0);
-    let waits = |at: Instant| {
-        let wait = policy.expected_wait(&ids, &exact(100), at).unwrap();
-        (wait.queue_secs, wait.queue_less_progress_secs.unwrap())
-    };
+    let waits = |at: Instant| waits_with_progress(&policy, &ids, at);
     // Another replica sent a 2000-token prompt onto nothing pending: the
     // engine takes it up when the message says so.
     assert_eq!(

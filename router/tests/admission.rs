@@ -72,37 +72,10 @@ fn send(
     })
 }
 
-async fn admission_json(router: &TestRouter) -> Value {
-    router
-        .client
-        .get(format!("{}/admin/admission", router.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 async fn queued(router: &TestRouter) -> u64 {
-    admission_json(router).await["queue"]["queued_requests"]
+    router.admission_json().await["queue"]["queued_requests"]
         .as_u64()
         .unwrap()
-}
-
-/// The prompts the engine received, in order.
-fn prompts(upstream: &Upstream) -> Vec<String> {
-    upstream
-        .switches
-        .bodies
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|body| {
-            let body: Value = serde_json::from_slice(body).unwrap();
-            body["messages"][0]["content"].as_str().unwrap().to_owned()
-        })
-        .collect()
 }
 
 /// Sends the request that takes the only slot (held at the engine), once
@@ -156,7 +129,7 @@ async fn capped_requests_wait_and_leave_lower_priority_value_first() {
         &[("x-request-priority", "0".into())],
     );
     wait_until("both wait", || async { queued(&router).await == 2 }).await;
-    let view = admission_json(&router).await;
+    let view = router.admission_json().await;
     assert_eq!(view["queue"]["order"], "priority");
     assert_eq!(
         view["queue"]["flows"].as_array().unwrap().len(),
@@ -172,7 +145,7 @@ async fn capped_requests_wait_and_leave_lower_priority_value_first() {
     for task in [first, batch, urgent] {
         assert_eq!(task.await.unwrap().0, 200);
     }
-    assert_eq!(prompts(&upstream), ["first", "urgent", "batch"]);
+    assert_eq!(upstream.prompts(), ["first", "urgent", "batch"]);
     assert_eq!(queued(&router).await, 0);
     assert_eq!(
         metric_sum(&router, "router_admission_queue_depth").await,
@@ -217,7 +190,7 @@ async fn fair_share_serves_a_light_tenant_ahead_of_a_heavy_one_s_backlog() {
         &[("authorization", "Bearer light-key".into())],
     ));
     wait_until("four wait", || async { queued(&router).await == 4 }).await;
-    let tenants: Vec<String> = admission_json(&router).await["queue"]["flows"]
+    let tenants: Vec<String> = router.admission_json().await["queue"]["flows"]
         .as_array()
         .unwrap()
         .iter()
@@ -235,7 +208,7 @@ async fn fair_share_serves_a_light_tenant_ahead_of_a_heavy_one_s_backlog() {
     for task in tasks {
         assert_eq!(task.await.unwrap().0, 200);
     }
-    let order = prompts(&upstream);
+    let order = upstream.prompts();
     let light = order.iter().position(|p| p == "light").unwrap();
     assert!(
         light <= 2,
@@ -261,7 +234,7 @@ async fn a_full_queue_answers_429_with_retry_after() {
     release_all(&upstream);
     assert_eq!(first.await.unwrap().0, 200);
     assert_eq!(waiting.await.unwrap().0, 200);
-    assert_eq!(prompts(&upstream), ["first", "waiting"]);
+    assert_eq!(upstream.prompts(), ["first", "waiting"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,7 +284,7 @@ async fn a_client_that_leaves_is_taken_out_of_the_queue_at_once() {
     assert_eq!(first.await.unwrap().0, 200);
     assert_eq!(after.await.unwrap().0, 200);
     assert_eq!(
-        prompts(&upstream),
+        upstream.prompts(),
         ["first", "after"],
         "the one that left never went"
     );
@@ -380,7 +353,7 @@ async fn the_admission_section_swaps_live_and_refuses_an_invalid_one() {
         assert_eq!(refused.status(), 400, "{invalid}");
     }
     assert_eq!(
-        admission_json(&router).await["queue"]["order"],
+        router.admission_json().await["queue"]["order"],
         "fair_share"
     );
 
@@ -632,9 +605,9 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     set_wait(&pins, &other, 0.0);
     let (status, _, body) = behind.await.unwrap();
     assert_eq!(status, 200, "{body}");
-    assert_eq!(prompts(&other), vec!["short".to_owned()]);
+    assert_eq!(other.prompts(), vec!["short".to_owned()]);
     assert_eq!(queued(&router).await, 1);
-    assert!(prompts(&held).is_empty());
+    assert!(held.prompts().is_empty());
 
     // A deadline is judged at the worker the policy would choose: 10 s
     // away, a 2 s deadline is refused at once, though another has room.
@@ -665,8 +638,8 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     set_wait(&pins, &held, 10.0);
     let (status, _, body) = hurried.await.unwrap();
     assert_eq!(status, 200, "{body}");
-    assert_eq!(prompts(&other).len(), 2);
-    assert!(prompts(&held).is_empty());
+    assert_eq!(other.prompts().len(), 2);
+    assert!(held.prompts().is_empty());
     assert_eq!(
         queued(&router).await,
         1,
@@ -677,7 +650,7 @@ async fn a_request_waits_for_its_busy_worker_while_the_ones_behind_it_go_to_thei
     set_wait(&pins, &held, 0.0);
     let (status, _, body) = first.await.unwrap();
     assert_eq!(status, 200, "{body}");
-    assert_eq!(prompts(&held), vec![long]);
+    assert_eq!(held.prompts(), vec![long]);
 }
 
 /// Waits at most 20 s for `request`'s answer, which must be 200; panics
@@ -712,12 +685,12 @@ async fn a_class_with_none_of_its_own_waiting_passes_another_s_backlog() {
     // threshold): it goes there at once, while the batch waits for room.
     set_wait(&pins, &held, 0.3);
     answered_200(urgent, "it passes the batch").await;
-    assert_eq!(prompts(&held).len(), 1);
+    assert_eq!(held.prompts().len(), 1);
     assert_eq!(queued(&router).await, 2, "the batch still waits");
 
     set_wait(&pins, &held, 0.0);
     for request in batch {
         answered_200(request, "released once its worker has room").await;
     }
-    assert_eq!(prompts(&held).len(), 3);
+    assert_eq!(held.prompts().len(), 3);
 }

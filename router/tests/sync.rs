@@ -325,33 +325,6 @@ async fn malformed_and_foreign_messages_are_ignored_and_counted() {
     assert!(metric(&a, "router_sync_entries_expired_total").await >= 1.0);
 }
 
-async fn admission_view(router: &TestRouter) -> serde_json::Value {
-    router
-        .client
-        .get(format!("{}/admin/admission", router.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-/// The prompts the engine received, in order.
-fn prompts(upstream: &Upstream) -> Vec<String> {
-    upstream
-        .switches
-        .bodies
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|body| {
-            let body: serde_json::Value = serde_json::from_slice(body).unwrap();
-            body["messages"][0]["content"].as_str().unwrap().to_owned()
-        })
-        .collect()
-}
-
 /// A chat request through `router` in the background; its status.
 fn send_chat(router: &Arc<TestRouter>, text: &'static str) -> tokio::task::JoinHandle<u16> {
     let router = router.clone();
@@ -396,7 +369,7 @@ async fn the_replica_whose_request_waited_longest_takes_the_freed_worker() {
     // B's request waits in B's room, and A hears of it.
     let from_b = send_chat(&b, "from-b");
     wait_until("A hears that B's request has waited over 1.1 s", || async {
-        admission_view(&a).await["queue"]["peers_oldest_wait_s"]
+        a.admission_json().await["queue"]["peers_oldest_wait_s"]
             .as_f64()
             .is_some_and(|waited| waited > 1.1)
     })
@@ -404,7 +377,7 @@ async fn the_replica_whose_request_waited_longest_takes_the_freed_worker() {
     // A's request arrives later; A's own request frees the worker.
     let from_a = send_chat(&a, "from-a");
     wait_until("A's request waits in A's room", || async {
-        admission_view(&a).await["queue"]["queued_requests"].as_u64() == Some(1)
+        a.admission_json().await["queue"]["queued_requests"].as_u64() == Some(1)
     })
     .await;
     upstream.switches.hold.store(false, Ordering::SeqCst);
@@ -414,10 +387,10 @@ async fn the_replica_whose_request_waited_longest_takes_the_freed_worker() {
     }
     // A heard first that the worker was free, but B's request had waited
     // longer: B took it.
-    assert_eq!(prompts(&upstream), ["first", "from-b", "from-a"]);
+    assert_eq!(upstream.prompts(), ["first", "from-b", "from-a"]);
     wait_until("both rooms are empty and say so", || async {
-        admission_view(&a).await["queue"]["peers_oldest_wait_s"].is_null()
-            && admission_view(&b).await["queue"]["peers_oldest_wait_s"].is_null()
+        a.admission_json().await["queue"]["peers_oldest_wait_s"].is_null()
+            && b.admission_json().await["queue"]["peers_oldest_wait_s"].is_null()
     })
     .await;
 }

@@ -138,15 +138,24 @@ where
 }
 
 impl TestRouter {
-    pub async fn workers_json(&self) -> serde_json::Value {
+    /// `GET <path>`'s JSON body.
+    pub async fn get_json(&self, path: &str) -> serde_json::Value {
         self.client
-            .get(format!("{}/admin/workers", self.base))
+            .get(format!("{}{path}", self.base))
             .send()
             .await
             .unwrap()
             .json()
             .await
             .unwrap()
+    }
+
+    pub async fn workers_json(&self) -> serde_json::Value {
+        self.get_json("/admin/workers").await
+    }
+
+    pub async fn admission_json(&self) -> serde_json::Value {
+        self.get_json("/admin/admission").await
     }
 
     /// Workers healthy, not ejected and not draining.

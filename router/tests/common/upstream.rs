@@ -104,6 +104,20 @@ impl Upstream {
     pub fn requests(&self) -> u64 {
         self.switches.requests.load(Ordering::SeqCst)
     }
+
+    /// The first message's content of each chat request received, in order.
+    pub fn prompts(&self) -> Vec<String> {
+        self.switches
+            .bodies
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|body| {
+                let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+                body["messages"][0]["content"].as_str().unwrap().to_owned()
+            })
+            .collect()
+    }
 }
 
 async fn health(State(switches): State<Arc<Switches>>) -> StatusCode {
