@@ -553,9 +553,9 @@ pub struct RoomReport {
     /// How many workers the prompts sent lately keep computing (seconds
     /// of prompt work sent per second).
     pub prefill_busy_workers: f64,
-    /// The busy workers its requests wait for at their turn (where their
-    /// prefix is cached, usually), each with since when the first of them
-    /// has waited for it.
+    /// The busy worker the head of its order waits for at its turn (where
+    /// its prefix is cached, usually), with since when; combined, each
+    /// such worker of every replica, with the longest wait for it.
     pub waiting_for: BTreeMap<WorkerId, Instant>,
 }
 
@@ -579,6 +579,20 @@ impl RoomReport {
         }
         sum
     }
+}
+
+/// Whether a room that began deferring to a peer's request (`began`: what
+/// it deferred to, and since when) still defers to `to` at `now`: for at
+/// most `lag`. `None` when it has not begun deferring to `to`.
+fn still_deferring(
+    began: Option<(Instant, Instant)>,
+    to: Instant,
+    now: Instant,
+    lag: Duration,
+) -> Option<bool> {
+    began
+        .filter(|(deferred_to, _)| *deferred_to == to)
+        .map(|(_, since)| now < since + lag)
 }
 
 fn finite_or_zero(value: f64) -> f64 {
@@ -809,9 +823,9 @@ impl AdmissionRoom {
     }
 
     /// Whether this replica leaves the room it sees in the fleet to
-    /// another replica now (asked when the fleet has room): one whose oldest waiting request arrived more
-    /// than [`RoomConfig::peer_lag`] before this room's oldest (or before
-    /// `now`, when none waits here). Each replica hears first of the room
+    /// another replica now (asked when the fleet has room): one whose
+    /// oldest waiting request arrived more than [`RoomConfig::peer_lag`]
+    /// before this room's oldest (or before `now`, when none waits here). Each replica hears first of the room
     /// its own requests free, so without turns the replica with the most
     /// requests in flight keeps taking it and one with few waits for
     /// minutes. The replica that has waited longest takes the next turn
@@ -831,13 +845,10 @@ impl AdmissionRoom {
             self.peers.yielding_to = None;
             return false;
         }
-        match self.peers.yielding_to {
-            Some((oldest, since)) if oldest == peer_oldest => now < since + lag,
-            _ => {
-                self.peers.yielding_to = Some((peer_oldest, now));
-                true
-            }
-        }
+        still_deferring(self.peers.yielding_to, peer_oldest, now, lag).unwrap_or_else(|| {
+            self.peers.yielding_to = Some((peer_oldest, now));
+            true
+        })
     }
 
     /// The lower of the two thresholds: a worker whose wait is at most
@@ -1274,7 +1285,7 @@ impl AdmissionRoom {
     /// Whether the request has waited at its turn for its busy worker for
     /// [`WORKER_WAIT_BEHIND_REPLICAS`] behind several router replicas: it
     /// then goes to that worker's queue.
-    fn waited_for_worker_long(&mut self, ticket: u64, now: Instant) -> bool {
+    fn waited_for_worker_long(&self, ticket: u64, now: Instant) -> bool {
         if !self.peers.any {
             return false;
         }
@@ -1307,12 +1318,12 @@ impl AdmissionRoom {
     /// head that waits for it: a request that is not its own room's head
     /// (`own_since` `None`) does, and a head that has waited for it since
     /// `own_since` does when the peer's has waited more than
-    /// [`RoomConfig::peer_lag`] longer. One router keeps
-    /// a worker's room for the first request in its order that waits for
-    /// it; replicas do not share their orders, and the one whose own
-    /// requests free the worker hears of it first. It leaves the worker
-    /// to the same peer request for at most the lag: a peer that has
-    /// not taken it by then cannot (its report is stale).
+    /// [`RoomConfig::peer_lag`] longer. One router keeps a worker's room
+    /// for the first request in its order that waits for it; replicas do
+    /// not share their orders, and the one whose own requests free the
+    /// worker hears of it first. It leaves the worker to the same peer
+    /// request for at most the lag: a peer that has not taken it by then
+    /// cannot (its report is stale).
     fn leaves_to_peer(
         &mut self,
         worker: WorkerId,
@@ -1327,13 +1338,11 @@ impl AdmissionRoom {
             self.peers.left_workers.remove(&worker);
             return false;
         }
-        match self.peers.left_workers.get(&worker) {
-            Some(&(left_to, first)) if left_to == peer_since => now < first + lag,
-            _ => {
-                self.peers.left_workers.insert(worker, (peer_since, now));
-                true
-            }
-        }
+        let began = self.peers.left_workers.get(&worker).copied();
+        still_deferring(began, peer_since, now, lag).unwrap_or_else(|| {
+            self.peers.left_workers.insert(worker, (peer_since, now));
+            true
+        })
     }
 
     /// Whether another replica's request has waited for `worker` more than
@@ -1348,10 +1357,8 @@ impl AdmissionRoom {
         if now <= peer_since + lag {
             return false;
         }
-        match self.peers.left_workers.get(&worker) {
-            Some(&(left_to, first)) if left_to == peer_since => now < first + lag,
-            _ => true,
-        }
+        let began = self.peers.left_workers.get(&worker).copied();
+        still_deferring(began, peer_since, now, lag).unwrap_or(true)
     }
 
     /// Releases the head: the policy found it a worker.

@@ -321,7 +321,10 @@ impl Gate {
             // dropping one finishes it, which triggers a release.
             let mut orphans = Vec::new();
             {
+                // Read before the lock: the copy is not made under it.
+                let peers = app.peer_rooms.combined();
                 let mut state = self.state.lock();
+                state.room.set_peers(peers);
                 self.release_locked(app, &mut state, &mut orphans);
             }
             drop(orphans);
@@ -335,7 +338,6 @@ impl Gate {
     }
 
     fn release_locked(&self, app: &Arc<App>, state: &mut State, orphans: &mut Vec<Turn>) {
-        state.room.set_peers(app.peer_rooms.combined());
         // Bounded: each pass releases a request, or stops.
         for _ in 0..=state.waiters.len() {
             if !self.release_one(app, state, orphans) {
@@ -601,9 +603,10 @@ pub(crate) async fn admit(
     // The decision and the waiter's registration are one critical section,
     // so no release can pop a ticket whose task it cannot reach.
     let (decision, class) = {
+        let peers = app.peer_rooms.combined();
         let mut state = gate.state.lock();
         let class = state.room.classify(&arrival).class;
-        state.room.set_peers(app.peer_rooms.combined());
+        state.room.set_peers(peers);
         let decision = state.room.arrive(&arrival, expected, now_std);
         if let Decision::Queued(ticket) = decision {
             let waiter = (info, received_at, &class);
