@@ -17,7 +17,8 @@ pub struct RoomConfig {
     /// last [`REORDER_WINDOW`]. Lower: the backlog waits in the router,
     /// where the order applies, rather than at the engines.
     pub reorder_above_wait: Duration,
-    /// Requests beyond this many are turned away (`QueueFull`).
+    /// Requests beyond this many are turned away (`QueueFull`); behind
+    /// several router replicas, this many in all their rooms together.
     pub max_queue_requests: usize,
     /// Named classes of priority values. Empty: each priority value is a
     /// class of its own, weighted [`default_class_weight`].
@@ -557,11 +558,14 @@ pub struct RoomReport {
     /// its prefix is cached, usually), with since when; combined, each
     /// such worker of every replica, with the longest wait for it.
     pub waiting_for: BTreeMap<WorkerId, Instant>,
+    /// How many requests wait in it; combined, in all of them. The
+    /// [`RoomConfig::max_queue_requests`] bound counts the whole fleet's.
+    pub queued_requests: usize,
 }
 
 impl RoomReport {
     /// Several replicas' reports as one: the oldest arrival among them,
-    /// the sum of the workers their prompts keep busy.
+    /// the sum of the workers their prompts keep busy and of their queues.
     pub fn combine(reports: impl IntoIterator<Item = RoomReport>) -> RoomReport {
         let mut sum = RoomReport::default();
         for report in reports {
@@ -570,6 +574,7 @@ impl RoomReport {
                 (a, b) => a.or(b),
             };
             sum.prefill_busy_workers += finite_or_zero(report.prefill_busy_workers);
+            sum.queued_requests = sum.queued_requests.saturating_add(report.queued_requests);
             for (worker, since) in report.waiting_for {
                 sum.waiting_for
                     .entry(worker)
@@ -641,6 +646,10 @@ pub struct RoomView {
     /// The longest wait in the other router replicas' rooms, as they last
     /// reported; `None` behind one router or while none waits.
     pub peers_oldest_wait_s: Option<f64>,
+    /// The requests waiting in the other replicas' rooms, as they last
+    /// reported; `None` behind one router. `max_queue_requests` bounds
+    /// this and `queued_requests` together.
+    pub peers_queued_requests: Option<usize>,
     pub flows: Vec<FlowView>,
 }
 
@@ -807,6 +816,7 @@ impl AdmissionRoom {
             oldest_arrived: self.oldest_arrived(),
             prefill_busy_workers: self.prefill.busy_workers(now).unwrap_or(0.0),
             waiting_for,
+            queued_requests: self.order.len(),
         }
     }
 
@@ -1070,7 +1080,7 @@ impl AdmissionRoom {
         }
         let incoming = waiting(self.next_ticket, classified, work_tokens, now);
         let mut evicts = None;
-        if self.order.len() >= self.config.max_queue_requests {
+        if self.fleet_queued_requests() >= self.config.max_queue_requests {
             // The order may rather drop a request it would serve after
             // this one (the tail of a heavier flow) than turn this away.
             evicts = self.order.eviction_for(&incoming);
@@ -1098,6 +1108,15 @@ impl AdmissionRoom {
             ahead,
             predicted: Some(predicted),
         }
+    }
+
+    /// The requests waiting in this room and, as they last reported, in
+    /// the other router replicas' rooms: what the bound counts, so that a
+    /// fleet of replicas holds as many as one router, and waits as long.
+    fn fleet_queued_requests(&self) -> usize {
+        self.order
+            .len()
+            .saturating_add(self.peers.report.queued_requests)
     }
 
     fn queued_work(&self) -> u64 {
@@ -1528,6 +1547,7 @@ impl AdmissionRoom {
                 .report
                 .oldest_arrived
                 .map(|arrived| secs(now.saturating_duration_since(arrived))),
+            peers_queued_requests: self.peers.any.then_some(self.peers.report.queued_requests),
             flows: self.order.flows(),
         }
     }

@@ -364,6 +364,48 @@ fn a_full_queue_turns_requests_away() {
 }
 
 #[test]
+fn the_bound_counts_the_requests_queued_at_other_replicas() {
+    let now = Instant::now();
+    let mut room = room(RoomConfig {
+        max_queue_requests: 3,
+        ..RoomConfig::default()
+    });
+    queue(&mut room, now);
+    let peers_queue = |queued_requests| {
+        Some(RoomReport {
+            queued_requests,
+            ..RoomReport::default()
+        })
+    };
+    // One here and two at the other replicas: the fleet's queue is full.
+    room.set_peers(peers_queue(2));
+    let Decision::Rejected(rejection) = room.arrive(&arrival(0, None), wait(5.0), now) else {
+        panic!("the fleet's queue holds three");
+    };
+    assert_eq!(rejection.reason, RejectReason::QueueFull);
+    let view = room.view(now);
+    assert_eq!(
+        (view.queued_requests, view.peers_queued_requests),
+        (1, Some(2))
+    );
+    // A peer's queue drained: there is a place again.
+    room.set_peers(peers_queue(1));
+    assert!(matches!(
+        room.arrive(&arrival(0, None), wait(5.0), now),
+        Decision::Queued(_)
+    ));
+    // What this room tells the others: its own two, not theirs.
+    assert_eq!(room.report(now).queued_requests, 2);
+    // Behind one router nothing else counts.
+    room.set_peers(None);
+    assert_eq!(room.view(now).peers_queued_requests, None);
+    assert!(matches!(
+        room.arrive(&arrival(0, None), wait(5.0), now),
+        Decision::Queued(_)
+    ));
+}
+
+#[test]
 fn a_deadline_the_prediction_cannot_meet_is_refused_at_arrival_with_retry_after() {
     let start = Instant::now();
     let one_second = RoomConfig {
@@ -1452,7 +1494,7 @@ fn behind_replicas_a_request_waits_for_its_busy_worker_for_a_bounded_time() {
 }
 
 #[test]
-fn reports_combine_the_oldest_wait_the_busy_workers_and_the_first_waits() {
+fn reports_combine_the_oldest_wait_the_busy_workers_the_first_waits_and_the_queues() {
     let start = Instant::now();
     let second = Duration::from_secs(1);
     let (a, b) = (WorkerId::new(1, 0), WorkerId::new(2, 0));
@@ -1461,11 +1503,13 @@ fn reports_combine_the_oldest_wait_the_busy_workers_and_the_first_waits() {
             oldest_arrived: Some(start + second),
             prefill_busy_workers: 2.0,
             waiting_for: BTreeMap::from([(a, start + second)]),
+            queued_requests: 3,
         },
         RoomReport {
             oldest_arrived: Some(start),
             prefill_busy_workers: f64::NAN,
             waiting_for: BTreeMap::from([(a, start), (b, start + second)]),
+            queued_requests: usize::MAX,
         },
         RoomReport::default(),
     ]);
@@ -1476,6 +1520,7 @@ fn reports_combine_the_oldest_wait_the_busy_workers_and_the_first_waits() {
         combined.waiting_for,
         BTreeMap::from([(a, start), (b, start + second)])
     );
+    assert_eq!(combined.queued_requests, usize::MAX);
     assert_eq!(RoomReport::combine([]), RoomReport::default());
 }
 

@@ -774,7 +774,7 @@ fn rejected(rejection: &Rejection, max_queue_requests: usize) -> Answer {
     let predicted = rejection.predicted_wait.map(|wait| wait.as_secs_f64());
     let message = match rejection.reason {
         RejectReason::QueueFull => format!(
-            "the router's admission queue is full (admission.max_queue_requests = {}); retry after {} s",
+            "the router's admission queue is full (admission.max_queue_requests = {}, counting every router replica's queue); retry after {} s",
             max_queue_requests, rejection.retry_after_s
         ),
         RejectReason::DeadlineUnmeetable => format!(

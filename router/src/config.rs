@@ -584,6 +584,8 @@ pub struct AdmissionConfig {
     /// the backlog in the router, where the order applies.
     pub reorder_above_wait_s: f64,
     /// Requests beyond this many waiting are answered 429 (`queue_full`).
+    /// With `[sync]`, the other router replicas' queued requests count too,
+    /// as their last messages report them.
     pub max_queue_requests: usize,
     /// The header that names a request's tenant. A request without it
     /// belongs to the tenant of its API key (`Authorization: Bearer`, kept

@@ -394,3 +394,60 @@ async fn the_replica_whose_request_waited_longest_takes_the_freed_worker() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_bound_counts_every_replica_s_queue() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    upstream.switches.hold.store(true, Ordering::SeqCst);
+    // One worker taking one request at a time; the fleet's queue holds one.
+    let replica = |id: &str| {
+        let sync = format!(
+            "[sync]\nenabled = true\nnats_url = \"{}\"\nreplica_id = \"{id}\"\n\
+             publish_interval_ms = 50\nentry_ttl_ms = 5000\n\
+             [admission]\nmax_queue_requests = 1\n\
+             [policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
+            nats.url
+        );
+        start_router(fast_config(vec![worker("sglang", &upstream.url)], &sync))
+    };
+    let a = Arc::new(replica("a").await);
+    let b = Arc::new(replica("b").await);
+    wait_until("both replicas are connected and see the worker", || async {
+        sync_connected(&a).await
+            && sync_connected(&b).await
+            && a.healthy_count().await == 1
+            && b.healthy_count().await == 1
+    })
+    .await;
+
+    let first = send_chat(&a, "first");
+    wait_until("the first request holds the worker", || async {
+        upstream.requests() == 1
+    })
+    .await;
+    let queued = send_chat(&a, "queued-at-a");
+    wait_until("B hears that A's queue holds one", || async {
+        b.admission_json().await["queue"]["peers_queued_requests"].as_u64() == Some(1)
+    })
+    .await;
+    // B's own queue is empty, but the fleet's is full.
+    let turned_away = b.chat("turned-away-at-b", false).await;
+    assert_eq!(turned_away.status(), 429);
+    assert!(turned_away.headers().contains_key("retry-after"));
+    let body: serde_json::Value = turned_away.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "queue_full", "{body}");
+
+    upstream.switches.hold.store(false, Ordering::SeqCst);
+    upstream.switches.release.notify_one();
+    for handle in [first, queued] {
+        assert_eq!(handle.await.unwrap(), 200);
+    }
+    assert_eq!(upstream.prompts(), ["first", "queued-at-a"]);
+    // A's queue emptied and B heard so: B queues again.
+    wait_until("B hears that A's queue is empty", || async {
+        b.admission_json().await["queue"]["peers_queued_requests"].as_u64() == Some(0)
+    })
+    .await;
+    assert_eq!(b.chat("after", false).await.status(), 200);
+}

@@ -1006,6 +1006,7 @@ mod tests {
             oldest_wait_ms: Some(900),
             prefill_busy_workers: 1.5,
             waiting_for: vec![("http://w:1".to_owned(), 40)],
+            queued_requests: 3,
         };
         let message = wire::encode("b", 1, false, &[("http://w:1", 10, 1)], &[], Some(&room));
         let Received::Applied { room: received, .. } =

@@ -113,6 +113,8 @@ fn report(room: &wire::Room, id_of: impl Fn(&str) -> Option<WorkerId>, now: Inst
             .iter()
             .filter_map(|(url, ms)| Some((id_of(url)?, since(*ms))))
             .collect(),
+        // Within `MAX_ROOM_QUEUED_REQUESTS`, which `check` enforces.
+        queued_requests: usize::try_from(room.queued_requests).unwrap_or(usize::MAX),
     }
 }
 
@@ -138,6 +140,9 @@ pub(super) fn outgoing<'u>(
             .take(wire::MAX_ROOM_WAITING_FOR)
             .filter_map(|(id, since)| Some((url_of(*id)?.to_owned(), waited_ms(*since))))
             .collect(),
+        queued_requests: u64::try_from(report.queued_requests)
+            .unwrap_or(u64::MAX)
+            .min(wire::MAX_ROOM_QUEUED_REQUESTS),
     }
 }
 
@@ -177,6 +182,7 @@ mod tests {
                 ("http://w:1/".to_owned(), 200),
                 ("http://elsewhere:1".to_owned(), 100),
             ],
+            queued_requests: 40,
         };
         peer_rooms.heard("b", Some(&room), id_of, now);
         // A replica without admission is heard, with an empty room.
@@ -187,6 +193,7 @@ mod tests {
             Some(now - Duration::from_millis(1500))
         );
         assert_eq!(combined.prefill_busy_workers, 2.5);
+        assert_eq!(combined.queued_requests, 40);
         // The worker this router does not have is left out.
         assert_eq!(
             combined.waiting_for,
@@ -213,6 +220,7 @@ mod tests {
                 // A worker removed since: left out.
                 (WorkerId::new(2, 0), now),
             ]),
+            queued_requests: 9,
         };
         assert_eq!(
             outgoing(&report, url_of, now),
@@ -220,6 +228,7 @@ mod tests {
                 oldest_wait_ms: Some(1520),
                 prefill_busy_workers: 3.0,
                 waiting_for: vec![("http://w:1".to_owned(), 240)],
+                queued_requests: 9,
             }
         );
         assert_eq!(

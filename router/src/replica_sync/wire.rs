@@ -29,15 +29,19 @@
 //! - `room` (optional): the sender's admission room, as it stands when the
 //!   message is sent, so that router replicas take turns at the fleet's
 //!   room ([`admission::RoomReport`]): `{"oldest_wait_ms":1520,
-//!   "prefill_busy_workers":3.2,"waiting_for":[["http://10.0.0.1:30000",240]]}`.
+//!   "prefill_busy_workers":3.2,"waiting_for":[["http://10.0.0.1:30000",240]],
+//!   "queued_requests":17}`.
 //!   `oldest_wait_ms`: how long its oldest waiting request has waited
 //!   (absent while none waits); `prefill_busy_workers`: how many workers
 //!   the prompts it sent lately keep computing; `waiting_for`:
 //!   `[worker_url, waited_ms]`, the busy worker the head of its order
-//!   waits for, and for how long. A sender with admission on carries it in
+//!   waits for, and for how long; `queued_requests` (0 when absent): how
+//!   many requests wait in it, which `admission.max_queue_requests` counts
+//!   with the receiver's own. A sender with admission on carries it in
 //!   every message, and sends one every tick while a request waits in its
 //!   room (and one more after the room empties). At most
-//!   [`MAX_ROOM_WAITING_FOR`] workers; waits up to [`MAX_ROOM_WAIT_MS`].
+//!   [`MAX_ROOM_WAITING_FOR`] workers; waits up to [`MAX_ROOM_WAIT_MS`];
+//!   up to [`MAX_ROOM_QUEUED_REQUESTS`] queued.
 //!
 //! Unknown top-level keys are ignored, so a later version 1 sender may add
 //! some. Every value is checked: a message that is not this shape is
@@ -143,6 +147,8 @@ pub(super) const MAX_PREFILL_MICROS: u64 = 3_600_000_000;
 pub(super) const MAX_ROOM_WAIT_MS: u64 = 86_400_000;
 /// Most workers one room reports waiting for.
 pub(super) const MAX_ROOM_WAITING_FOR: usize = 64;
+/// More requests queued in one room than this is not a real count.
+pub(super) const MAX_ROOM_QUEUED_REQUESTS: u64 = 100_000_000;
 /// More workers kept busy than this is not a real count.
 const MAX_ROOM_BUSY_WORKERS: f64 = 1e6;
 
@@ -242,6 +248,8 @@ pub(super) struct Room {
     pub(super) prefill_busy_workers: f64,
     #[serde(default)]
     pub(super) waiting_for: Vec<(String, u64)>,
+    #[serde(default)]
+    pub(super) queued_requests: u64,
 }
 
 impl Room {
@@ -250,6 +258,7 @@ impl Room {
         if !(busy.is_finite() && (0.0..=MAX_ROOM_BUSY_WORKERS).contains(&busy))
             || self.oldest_wait_ms.is_some_and(|ms| ms > MAX_ROOM_WAIT_MS)
             || self.waiting_for.len() > MAX_ROOM_WAITING_FOR
+            || self.queued_requests > MAX_ROOM_QUEUED_REQUESTS
             || self
                 .waiting_for
                 .iter()
@@ -1103,11 +1112,12 @@ mod tests {
             oldest_wait_ms: Some(1520),
             prefill_busy_workers: 3.5,
             waiting_for: vec![("http://w:1".to_owned(), 240)],
+            queued_requests: 17,
         };
         let payload = encode("router-a", 3, false, &[], &[], Some(&room));
         assert_eq!(
             std::str::from_utf8(&payload).unwrap(),
-            r#"{"v":1,"replica":"router-a","seq":3,"full":false,"pending":[],"room":{"oldest_wait_ms":1520,"prefill_busy_workers":3.5,"waiting_for":[["http://w:1",240]]}}"#
+            r#"{"v":1,"replica":"router-a","seq":3,"full":false,"pending":[],"room":{"oldest_wait_ms":1520,"prefill_busy_workers":3.5,"waiting_for":[["http://w:1",240]],"queued_requests":17}}"#
         );
         assert_eq!(decode(&payload).unwrap().room(), Some(Ok(room)));
         // None waiting: no `oldest_wait_ms`; no room at all: no `room`.
@@ -1149,6 +1159,14 @@ mod tests {
             (
                 r#"{"prefill_busy_workers":0,"waiting_for":[["http://w:1"]]}"#,
                 EntryError::Shape,
+            ),
+            (
+                r#"{"prefill_busy_workers":0,"queued_requests":-3}"#,
+                EntryError::Shape,
+            ),
+            (
+                r#"{"prefill_busy_workers":0,"queued_requests":100000001}"#,
+                EntryError::Count,
             ),
         ] {
             let text = message(room);
