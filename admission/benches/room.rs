@@ -53,11 +53,13 @@ const BUSY: Option<ExpectedWait> = Some(ExpectedWait {
     queue_secs: 5.0,
     prefill_secs: 0.05,
     queue_less_progress_secs: None,
+    cached_prefill_secs: 0.0,
 });
 const IDLE: Option<ExpectedWait> = Some(ExpectedWait {
     queue_secs: 0.0,
     prefill_secs: 0.05,
     queue_less_progress_secs: None,
+    cached_prefill_secs: 0.0,
 });
 
 fn benches(c: &mut Criterion) {

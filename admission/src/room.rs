@@ -1231,7 +1231,9 @@ impl AdmissionRoom {
     /// goes to the best worker with room. Sent elsewhere sooner, its
     /// prefix is computed again and pushes others' out of that cache.
     /// While the room [counts progress](Self::counts_progress), one
-    /// without a deadline goes to the best worker with room at once.
+    /// without a deadline goes to the best worker with room at once, unless
+    /// the busy worker's prefix cache holds part of its prompt
+    /// ([`ExpectedWait::cached_prefill_secs`]).
     pub fn route(
         &mut self,
         turn: &ReleaseTurn,
@@ -1276,7 +1278,11 @@ impl AdmissionRoom {
             // The fleet's room is then the workers finishing their prompts,
             // which the policy's choice does not count: the request goes
             // to one of them, or that engine runs out of prompts to compute.
-            return if self.counts_progress {
+            // Not one whose prefix is cached where it waits: elsewhere it
+            // would compute it again and push others' out of that cache,
+            // and a fleet serving from its caches serves a fraction as
+            // much without them.
+            return if self.counts_progress && wait.cached_prefill_secs <= 0.0 {
                 Route::WithRoom
             } else if self.waited_for_worker_long(turn.ticket, now) {
                 Route::Chosen

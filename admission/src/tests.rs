@@ -288,6 +288,7 @@ fn wait(queue_secs: f64) -> Option<ExpectedWait> {
         queue_secs,
         prefill_secs: 0.1,
         queue_less_progress_secs: None,
+        ..ExpectedWait::default()
     })
 }
 
@@ -587,6 +588,7 @@ fn send_every_10ms(
         queue_secs: 0.0,
         prefill_secs,
         queue_less_progress_secs: None,
+        cached_prefill_secs: 0.0,
     });
     let dispatch = dispatch_of(tokens);
     let mut now = from;
@@ -676,6 +678,7 @@ fn wait_with_progress(queue_secs: f64, less_progress_secs: f64) -> Option<Expect
         queue_secs,
         prefill_secs: 0.1,
         queue_less_progress_secs: Some(less_progress_secs),
+        ..ExpectedWait::default()
     })
 }
 
@@ -707,6 +710,13 @@ fn a_prefill_bound_fleet_counts_the_progress_on_prompts_under_way() {
         room.route(&turn, at_worker(wait_with_progress(2.0, 0.5)), now),
         Route::WithRoom
     );
+    // Not one whose prefix that worker holds: elsewhere it would compute
+    // it again, and push others' out of that cache.
+    let cached_there = wait_with_progress(2.0, 0.5).map(|wait| ExpectedWait {
+        cached_prefill_secs: 0.08,
+        ..wait
+    });
+    assert_eq!(room.route(&turn, at_worker(cached_there), now), Route::Wait);
     // A request with a deadline turns it off for the reorder window: its
     // margins are sized for the policy's own prediction.
     let later = now + Duration::from_millis(10);
@@ -913,6 +923,7 @@ fn a_request_of_the_most_urgent_class_keeps_the_largest_waiting_prefill_as_margi
         queue_secs: 0.5,
         prefill_secs: 0.6,
         queue_less_progress_secs: None,
+        cached_prefill_secs: 0.0,
     });
     assert!(matches!(
         room.arrive(&arrival(1, Some(10_000)), long_prompt, now),

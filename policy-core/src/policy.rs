@@ -54,6 +54,10 @@ pub struct ExpectedWait {
     /// there, at its rate): the wait if they finish on schedule. `None`
     /// when the policy does not tell.
     pub queue_less_progress_secs: Option<f64>,
+    /// How much of `prefill_secs` that worker's prefix cache is expected to
+    /// save: what the request would compute again elsewhere. 0 when
+    /// nothing is cached there, or the policy does not tell.
+    pub cached_prefill_secs: f64,
 }
 
 /// How a worker is chosen for each request.

@@ -45,6 +45,21 @@ fn progress_secs(
     since_secs.max(0.0).min(pending_tokens as f64 / rate_tps)
 }
 
+/// Requests finished per second on the worker, by every router replica:
+/// this router's finishes times the replicas that share the worker (this
+/// one and the others heard of). Each replica sees only its own requests
+/// finish, about `1 / replicas` of them when the replicas take equal
+/// shares of the traffic; counted as the worker's, they made the wait for
+/// a batch slot `replicas` times too long. `None` before a second of
+/// history.
+fn worker_finishes_per_second(state: &WorkerState, now_nanos: i64) -> Option<f64> {
+    let replicas = 1 + state.remote.replicas();
+    state
+        .finishes
+        .per_second(now_nanos)
+        .map(|own| own * replicas as f64)
+}
+
 /// A dispatch sequence number, unique in the process and so in every policy.
 /// Threads take them in blocks, so that concurrent selections do not bounce
 /// one counter's cache line between cores on every request.
@@ -1315,7 +1330,7 @@ impl LeastLoad {
                 .map_or(0, |hot| hot.others_waiting_requests)
                 .saturating_add(stats.pending_requests)
                 .saturating_add(remote.requests);
-            let slot_secs = match state.finishes.per_second(now_nanos) {
+            let slot_secs = match worker_finishes_per_second(state, now_nanos) {
                 Some(rate) if waiting > 0 => waiting as f64 / rate,
                 _ => 0.0,
             };
@@ -2071,6 +2086,7 @@ impl Policy for LeastLoad {
             queue_secs,
             prefill_secs: tokens as f64 / self.fleet_rate.tps(),
             queue_less_progress_secs: Some(queue_less_progress_secs),
+            cached_prefill_secs: 0.0,
         })
     }
 
@@ -2106,6 +2122,7 @@ impl Policy for LeastLoad {
                 queue_secs,
                 prefill_secs: tokens as f64 / rate_tps,
                 queue_less_progress_secs: Some(queue_less_progress_secs),
+                cached_prefill_secs: own.cached_tokens(chosen.id, tokens) as f64 / rate_tps,
             },
         ))
     }

@@ -1954,6 +1954,24 @@ fn a_prefix_miss_is_charged_the_tokens_it_recomputes() {
 }
 
 #[test]
+fn a_preview_tells_what_the_chosen_worker_s_cache_saves() {
+    let t0 = Instant::now();
+    let (policy, holder, other) = one_prefix_served(LeastLoadParams::default(), t0);
+    let (chosen, wait) = policy.preview(&[holder, other], &prefixed(7), t0).unwrap();
+    assert_eq!(chosen, holder);
+    // All but the last of its 6400 tokens, at the 2000 tok/s prior.
+    assert!(close(wait.prefill_secs, 3.2), "{wait:?}");
+    assert!(close(wait.cached_prefill_secs, 6399.0 / 2000.0), "{wait:?}");
+    // Where it is not cached, and for the fleet as a whole, nothing.
+    let (_, elsewhere) = policy.preview(&[other], &prefixed(7), t0).unwrap();
+    assert_eq!(elsewhere.cached_prefill_secs, 0.0);
+    let fleet = policy
+        .expected_wait(&[holder, other], &prefixed(7), t0)
+        .unwrap();
+    assert_eq!(fleet.cached_prefill_secs, 0.0);
+}
+
+#[test]
 fn the_miss_charge_keeps_a_prefix_where_it_is_cached_until_the_queue_outweighs_it() {
     for (miss_weight, stays) in [(2.0, true), (0.0, false)] {
         let t0 = Instant::now();
@@ -2316,6 +2334,36 @@ fn the_fleet_s_expected_wait_is_the_least_of_each_worker_s_token_and_slot_waits(
             wait.queue_secs
         );
     }
+}
+
+#[test]
+fn behind_replicas_a_worker_s_slot_wait_counts_every_replica_s_finishes() {
+    let (policy, ids) = fleet(1);
+    let t0 = Instant::now();
+    // This router sees worker 0 finish ten requests a second.
+    for step in 0..20u64 {
+        let at = t0 + Duration::from_millis(100 * step);
+        let dispatch = policy.select(&ids, &exact(10), at).unwrap();
+        policy.finish(&dispatch, at);
+    }
+    let now = t0 + Duration::from_secs(2);
+    // 40 requests wait for a batch slot: about 4 s at ten a second.
+    report(&policy, ids[0], &load(Some(0), 40, Some(2000.0), 0.0), now);
+    let alone = policy.expected_wait(&ids, &exact(100), now).unwrap();
+    assert!((alone.queue_secs - 4.0).abs() < 0.2, "{}", alone.queue_secs);
+    // Three other replicas share the worker: each sees about a quarter of
+    // its finishes, so it finishes about four times as many as this one
+    // sees, and the slot wait is a quarter.
+    for replica in ["b", "c", "d"] {
+        remote(&policy, replica, 0, 0, 0, 1, now);
+    }
+    let shared = policy.expected_wait(&ids, &exact(100), now).unwrap();
+    assert!(
+        close(shared.queue_secs, alone.queue_secs / 4.0),
+        "{} against {}",
+        shared.queue_secs,
+        alone.queue_secs
+    );
 }
 
 #[test]

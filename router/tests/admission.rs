@@ -472,6 +472,7 @@ impl Pinned {
             queue_secs: url.and_then(|url| waits.get(url)).copied().unwrap_or(0.0),
             prefill_secs: 0.01,
             queue_less_progress_secs: None,
+            cached_prefill_secs: 0.0,
         }
     }
 }
