@@ -325,6 +325,37 @@ async fn malformed_and_foreign_messages_are_ignored_and_counted() {
     assert!(metric(&a, "router_sync_entries_expired_total").await >= 1.0);
 }
 
+/// Replicas "a" and "b" over one worker that takes one request at a time
+/// (the cap counts the other replica's pending request too), publishing
+/// every `publish_interval_ms`, with `extra` config; once both are
+/// connected and see the worker healthy.
+async fn one_slot_pair(
+    nats: &NatsServer,
+    upstream: &Upstream,
+    publish_interval_ms: u64,
+    extra: &str,
+) -> (Arc<TestRouter>, Arc<TestRouter>) {
+    let replica = |id: &str| {
+        let config = format!(
+            "[sync]\nenabled = true\nnats_url = \"{}\"\nreplica_id = \"{id}\"\n\
+             publish_interval_ms = {publish_interval_ms}\nentry_ttl_ms = 5000\n{extra}\
+             [policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
+            nats.url
+        );
+        start_router(fast_config(vec![worker("sglang", &upstream.url)], &config))
+    };
+    let a = Arc::new(replica("a").await);
+    let b = Arc::new(replica("b").await);
+    wait_until("both replicas are connected and see the worker", || async {
+        sync_connected(&a).await
+            && sync_connected(&b).await
+            && a.healthy_count().await == 1
+            && b.healthy_count().await == 1
+    })
+    .await;
+    (a, b)
+}
+
 /// A chat request through `router` in the background; its status.
 fn send_chat(router: &Arc<TestRouter>, text: &'static str) -> tokio::task::JoinHandle<u16> {
     let router = router.clone();
@@ -336,29 +367,10 @@ async fn the_replica_whose_request_waited_longest_takes_the_freed_worker() {
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     upstream.switches.hold.store(true, Ordering::SeqCst);
-    // One worker that takes one request at a time (the cap counts the
-    // other replica's pending request too), admission on by default.
-    // Publishing every 500 ms, a replica leaves the room to the other for
-    // up to 1 s (twice the interval): the other hears within one interval
-    // that the worker is free.
-    let replica = |id: &str| {
-        let sync = format!(
-            "[sync]\nenabled = true\nnats_url = \"{}\"\nreplica_id = \"{id}\"\n\
-             publish_interval_ms = 500\nentry_ttl_ms = 5000\n\
-             [policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
-            nats.url
-        );
-        start_router(fast_config(vec![worker("sglang", &upstream.url)], &sync))
-    };
-    let a = Arc::new(replica("a").await);
-    let b = Arc::new(replica("b").await);
-    wait_until("both replicas are connected and see the worker", || async {
-        sync_connected(&a).await
-            && sync_connected(&b).await
-            && a.healthy_count().await == 1
-            && b.healthy_count().await == 1
-    })
-    .await;
+    // Admission on by default. Publishing every 500 ms, a replica leaves
+    // the room to the other for up to 1 s (twice the interval): the other
+    // hears within one interval that the worker is free.
+    let (a, b) = one_slot_pair(&nats, &upstream, 500, "").await;
 
     // A's request holds the worker; B hears of it.
     let first = send_chat(&a, "first");
@@ -400,25 +412,13 @@ async fn the_queue_bound_counts_every_replica_s_queue() {
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     upstream.switches.hold.store(true, Ordering::SeqCst);
-    // One worker taking one request at a time; the fleet's queue holds one.
-    let replica = |id: &str| {
-        let sync = format!(
-            "[sync]\nenabled = true\nnats_url = \"{}\"\nreplica_id = \"{id}\"\n\
-             publish_interval_ms = 50\nentry_ttl_ms = 5000\n\
-             [admission]\nmax_queue_requests = 1\n\
-             [policy]\nkind = \"least_load\"\n[policy.least_load]\nmax_waiting_requests = 1\n",
-            nats.url
-        );
-        start_router(fast_config(vec![worker("sglang", &upstream.url)], &sync))
-    };
-    let a = Arc::new(replica("a").await);
-    let b = Arc::new(replica("b").await);
-    wait_until("both replicas are connected and see the worker", || async {
-        sync_connected(&a).await
-            && sync_connected(&b).await
-            && a.healthy_count().await == 1
-            && b.healthy_count().await == 1
-    })
+    // The fleet's queue holds one.
+    let (a, b) = one_slot_pair(
+        &nats,
+        &upstream,
+        50,
+        "[admission]\nmax_queue_requests = 1\n",
+    )
     .await;
 
     let first = send_chat(&a, "first");
