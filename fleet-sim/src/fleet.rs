@@ -3,8 +3,9 @@
 //! virtual time.
 //!
 //! Events, in time order (ties in the order they were scheduled):
-//! - **arrival**: a router replica (uniform at random, seeded: the same
-//!   assignment for every policy) routes the request with `select`, and the
+//! - **arrival**: a router replica (uniform at random, or the first with
+//!   `first_replica_share`; seeded: the same assignment for every policy)
+//!   routes the request with `select`, and the
 //!   chosen engine receives it. The references instead read every engine's
 //!   true state at that instant: `oracle` each engine's
 //!   [`first_token_projection_s`](engine_model::Engine::first_token_projection_s)
@@ -668,6 +669,19 @@ impl Fleet {
     }
 }
 
+/// One of `replicas` for an arrival: the first with `first_share` of them
+/// if set, the others alike.
+fn draw_replica(rng: &mut SmallRng, replicas: usize, first_share: Option<f64>) -> usize {
+    if replicas <= 1 {
+        return 0;
+    }
+    match first_share {
+        Some(share) if rng.random::<f64>() < share => 0,
+        Some(_) => 1 + rng.random_range(0..replicas - 1),
+        None => rng.random_range(0..replicas),
+    }
+}
+
 /// The router side: one policy per replica (none for the references), what
 /// each replica has dispatched, and its view of every worker's reports.
 struct Router {
@@ -676,6 +690,8 @@ struct Router {
     policies: Vec<Box<dyn Policy>>,
     oracle_rng: SmallRng,
     replica_rng: SmallRng,
+    /// The first replica's share of arrivals (`None`: all alike).
+    first_replica_share: Option<f64>,
     /// One per (replica, worker): vLLM's throughput is a counter's rate
     /// between one replica's polls.
     converters: Vec<backends_vllm::VllmMetricsConverter>,
@@ -756,6 +772,7 @@ impl Router {
             policies,
             oracle_rng: SmallRng::seed_from_u64(mix(cell.seed ^ 0x0000_ac1e)),
             replica_rng: SmallRng::seed_from_u64(mix(cell.seed ^ 0x4e_911ca)),
+            first_replica_share: cell.router.first_replica_share,
             converters: (0..replicas * workers)
                 .map(|_| Default::default())
                 .collect(),
@@ -784,14 +801,13 @@ impl Router {
     }
 
     /// The replica an arrival goes to: drawn at random (the same draw for
-    /// every policy).
+    /// every policy), the first with its share if set.
     fn pick_replica(&mut self) -> usize {
-        let replicas = self.policies.len();
-        if replicas > 1 {
-            self.replica_rng.random_range(0..replicas)
-        } else {
-            0
-        }
+        draw_replica(
+            &mut self.replica_rng,
+            self.policies.len(),
+            self.first_replica_share,
+        )
     }
 
     /// Notes replica `replica`'s dispatch of request `id`; returns its worker.
@@ -1898,6 +1914,27 @@ mod tests {
     use crate::scenario::{AdmissionOrder, RouterPoint, SyncConfig};
     use crate::workload::Segment;
 
+    #[test]
+    fn arrivals_split_between_replicas_as_configured() {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let counts = |rng: &mut SmallRng, replicas, share| {
+            let mut counts = vec![0u32; replicas];
+            for _ in 0..40_000 {
+                counts[draw_replica(rng, replicas, share)] += 1;
+            }
+            counts
+        };
+        assert_eq!(counts(&mut rng, 1, Some(0.9)), [40_000]);
+        for count in counts(&mut rng, 4, None) {
+            assert!((9_500..10_500).contains(&count), "{count}");
+        }
+        let skewed = counts(&mut rng, 3, Some(0.75));
+        assert!((29_500..30_500).contains(&skewed[0]), "{skewed:?}");
+        for count in &skewed[1..] {
+            assert!((4_700..5_300).contains(count), "{skewed:?}");
+        }
+    }
+
     fn router() -> RouterPoint {
         RouterPoint {
             poll_interval_s: 1.0,
@@ -1905,6 +1942,7 @@ mod tests {
             poll_latency_s: 0.0,
             replicas: 1,
             replica_phase: PhaseMode::Spread,
+            first_replica_share: None,
             worker_phase: PhaseMode::Aligned,
             report_at: ReportAt::Send,
             sweeps_poll_interval: false,

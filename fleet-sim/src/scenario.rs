@@ -444,6 +444,10 @@ pub struct RouterConfig {
     pub replicas: u32,
     /// Replica `r`'s polls are offset by this phase (default: spread).
     pub replica_phase: PhaseMode,
+    /// The share of arrivals the first replica takes, the others splitting
+    /// the rest evenly (default: all alike): clients that do not spread
+    /// over the replicas evenly. In (0, 1).
+    pub first_replica_share: Option<f64>,
     /// Worker `w`'s polls are offset by this phase (default: aligned).
     pub worker_phase: PhaseMode,
     pub report_at: ReportAt,
@@ -469,6 +473,7 @@ impl Default for RouterConfig {
             stale_after_s: None,
             replicas: 1,
             replica_phase: PhaseMode::Spread,
+            first_replica_share: None,
             worker_phase: PhaseMode::Aligned,
             report_at: ReportAt::Send,
             sweep_poll_interval_s: None,
@@ -621,6 +626,8 @@ pub struct RouterPoint {
     pub poll_latency_s: f64,
     pub replicas: u32,
     pub replica_phase: PhaseMode,
+    /// The first replica's share of arrivals (`None`: all alike).
+    pub first_replica_share: Option<f64>,
     pub worker_phase: PhaseMode,
     pub report_at: ReportAt,
     /// Whether this point is part of a poll-interval sweep (report the interval per row).
@@ -956,6 +963,7 @@ impl Scenario {
             poll_latency_s: router.poll_latency_s,
             replicas,
             replica_phase: router.replica_phase,
+            first_replica_share: router.first_replica_share,
             worker_phase: router.worker_phase,
             report_at: router.report_at,
             sweeps_poll_interval: router.sweep_poll_interval_s.is_some(),
@@ -1168,6 +1176,14 @@ impl Scenario {
             }
         };
         replicas("router.replicas", router.replicas)?;
+        if let Some(share) = router.first_replica_share
+            && !(share > 0.0 && share < 1.0)
+        {
+            return Err(self.invalid(
+                "router.first_replica_share",
+                format!("must be in (0, 1), got {share}"),
+            ));
+        }
         if router.sweep_poll_interval_s.is_some() && router.sweep_replicas.is_some() {
             return Err(self.invalid(
                 "router",
@@ -1693,6 +1709,15 @@ output = { dist = "constant", tokens = 10 }
         let mut text = MINIMAL.to_owned();
         text.push_str("[router]\nsweep_replicas = [1]\nsweep_poll_interval_s = [1.0]\n");
         assert!(error_text(&parse(&text).unwrap_err()).contains("not both"));
+        for share in ["0.0", "1.0", "nan"] {
+            let mut text = MINIMAL.to_owned();
+            text.push_str(&format!("[router]\nfirst_replica_share = {share}\n"));
+            assert!(
+                error_text(&parse(&text).unwrap_err())
+                    .contains("router.first_replica_share must be in (0, 1)"),
+                "{share}"
+            );
+        }
     }
 
     #[test]
