@@ -40,7 +40,7 @@
 //!   replica's change is handed to the others at the dispatch or first
 //!   token that made it. The same channel carries each dispatch's prefix
 //!   placement (`Policy::placement`), each cache bound a `cache_report`
-//!   changed and each prefill sample a `first_token` closed, to the other
+//!   changed and each first token a `first_token` returned, to the other
 //!   replicas' `replica_update`.
 //! - **admission** (router points with an admission order): each replica
 //!   drives its own `admission::AdmissionRoom` as the router does. An
@@ -2538,13 +2538,13 @@ mod tests {
         assert_eq!(stats.placements_lost, 0);
         // 40 bytes and 5 hashes each: the shared 1500 tokens (the rest of
         // a prompt is its own) fill 5 of the index's 256-token blocks.
-        // Each prefill sample a first token closed (40 bytes and two
-        // numbers) is shared too, and applied by the other 3.
+        // Each streamed first token (40 bytes and four numbers) is shared
+        // too, and applied by the other 3.
         assert!(stats.prefill_samples > 0);
         assert_eq!(stats.prefill_samples_applied, 3 * stats.prefill_samples);
         assert_eq!(
             stats.prefix_bytes,
-            prefixed * (40 + 5 * 20) + stats.cache_bounds * 60 + stats.prefill_samples * 80
+            prefixed * (40 + 5 * 20) + stats.cache_bounds * 60 + stats.prefill_samples * 120
         );
         assert_eq!(shared.prompt_tokens, 3000 * 2000);
         assert!(shared.reported_cached_tokens > 0);

@@ -26,7 +26,7 @@
 //! ([`ReplicaUpdate`]): where a replica placed a prompt
 //! ([`Policy::placement`] after its dispatch), a worker's cache bound
 //! learned from the engine's reported hits ([`Policy::cache_report`]), and
-//! the prefill samples its first tokens closed ([`Policy::first_token`]).
+//! the first tokens it learns prefill rates from ([`Policy::first_token`]).
 //! Periodic: they wait in the replica's outbox for its next message (the
 //! dispatch's own with `publish_dispatches`, else the next tick), share its
 //! latency and its losses, and are applied with
@@ -100,8 +100,8 @@ pub struct SyncStats {
     /// Updates the receiving policies ignored (no prefix index, no
     /// learned rates).
     pub prefix_unsupported: u64,
-    /// Prefill samples published (first tokens that closed one), and their
-    /// copies applied.
+    /// First tokens published (those a policy learns rates from), and
+    /// their copies applied.
     pub prefill_samples: u64,
     pub prefill_samples_applied: u64,
     /// Estimated bytes of the updates published (each once, as a replica
@@ -125,6 +125,7 @@ enum SharedUpdate {
     Prefill {
         worker: usize,
         sample: PrefillSample,
+        first_token_at: Instant,
     },
 }
 
@@ -136,8 +137,8 @@ impl SharedUpdate {
                 PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES * prefix.hashes().len() as u64
             }
             SharedUpdate::CacheBound { .. } => PREFIX_UPDATE_BYTES + PREFIX_HASH_BYTES,
-            // Tokens and microseconds.
-            SharedUpdate::Prefill { .. } => PREFIX_UPDATE_BYTES + 2 * PREFIX_HASH_BYTES,
+            // Two token counts and two times.
+            SharedUpdate::Prefill { .. } => PREFIX_UPDATE_BYTES + 4 * PREFIX_HASH_BYTES,
         }
     }
 }
@@ -421,8 +422,8 @@ impl SyncChannel {
         self.share_update(replica, update, policies, now);
     }
 
-    /// Replica `replica`'s policy closed a prefill sample of `worker` at a
-    /// first token ([`Policy::first_token`]): shared as a placement is.
+    /// Replica `replica`'s policy had a first token from `worker` now
+    /// ([`Policy::first_token`]): shared as a placement is.
     pub fn prefill_sample(
         &mut self,
         replica: usize,
@@ -431,7 +432,11 @@ impl SyncChannel {
         policies: &[Box<dyn Policy>],
         now: Instant,
     ) {
-        let update = SharedUpdate::Prefill { worker, sample };
+        let update = SharedUpdate::Prefill {
+            worker,
+            sample,
+            first_token_at: now,
+        };
         self.share_update(replica, update, policies, now);
     }
 
@@ -484,10 +489,15 @@ impl SyncChannel {
                 },
                 now,
             ),
-            SharedUpdate::Prefill { worker, sample } => receiver.replica_update(
+            SharedUpdate::Prefill {
+                worker,
+                sample,
+                first_token_at,
+            } => receiver.replica_update(
                 &ReplicaUpdate::Prefill {
                     worker_url: &self.urls[*worker],
                     sample: *sample,
+                    first_token_at: *first_token_at,
                 },
                 now,
             ),

@@ -93,7 +93,7 @@ impl DispatchGuard {
     }
 
     /// Tells the policy the first token passed; later calls do nothing.
-    /// Returns the prefill sample it closed, if any (see
+    /// Returns what it measures of the worker's prefill rate, if anything (see
     /// [`Policy::first_token`]).
     pub fn first_token(&mut self) -> Option<PrefillSample> {
         if self.first_token_seen {

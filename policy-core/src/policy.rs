@@ -111,7 +111,7 @@ pub trait Policy: Send + Sync {
 
     /// The first SSE data chunk, or the start of a non-streaming response,
     /// passed through. Idempotent. A policy that learns workers' prefill
-    /// rates returns the sample this first token closed, for the other
+    /// rates returns what this first token measures, for the other
     /// replicas ([`ReplicaUpdate::Prefill`]); the others return `None`.
     fn first_token(&self, dispatch: &Dispatch, now: Instant) -> Option<PrefillSample>;
 

@@ -15,7 +15,7 @@
 //! ids are handed out by each replica on its own, while every replica is
 //! configured with the same worker URLs.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::PrefixBlocks;
 
@@ -54,16 +54,23 @@ pub enum ReplicaPendingOutcome {
     Unsupported,
 }
 
-/// One measurement of a worker's prefill rate: `work_tokens` of prompt
-/// work cleared in `elapsed` (one engine step's first tokens, as a policy
-/// that learns rates batches them). A policy returns the sample a first
-/// token closed from [`Policy::first_token`](crate::Policy::first_token),
-/// so the other replicas learn from every replica's first tokens, not from
-/// their own share of them alone.
+/// One first token a replica saw from a worker: what a policy that learns
+/// prefill rates measures them from. A policy returns it from
+/// [`Policy::first_token`](crate::Policy::first_token) for the other
+/// replicas, so that every replica learns from all the replicas' first
+/// tokens on one timeline: an engine computes the prompts of several
+/// replicas in the same steps, and one replica's first tokens alone
+/// cannot tell what else the engine computed meanwhile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillSample {
-    pub work_tokens: u64,
-    pub elapsed: Duration,
+    /// Prompt tokens the worker computed for the request (its uncached
+    /// tokens, as the policy predicted them).
+    pub tokens: u64,
+    /// Token-work ahead of it on the worker at its dispatch that no router
+    /// replica sent (the engine's queue of other traffic).
+    pub foreign_ahead_tokens: u64,
+    /// From its dispatch to its first token.
+    pub waited: Duration,
 }
 
 /// What another replica learned of a worker, as the policy contract
@@ -86,10 +93,12 @@ pub enum ReplicaUpdate<'a> {
         worker_url: &'a str,
         cache_tokens: u64,
     },
-    /// The replica measured the worker's prefill rate.
+    /// The replica had a first token from the worker at `first_token_at`
+    /// (on the receiver's clock).
     Prefill {
         worker_url: &'a str,
         sample: PrefillSample,
+        first_token_at: Instant,
     },
 }
 

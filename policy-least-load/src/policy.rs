@@ -14,7 +14,9 @@ use policy_core::{
 
 use crate::fleet_memo::FleetMemo;
 use crate::prefix::{Matches, PrefixIndex};
-use crate::rate::{FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, RateProbe};
+use crate::rate::{
+    FirstToken, FleetRate, LearnedSource, MIN_SAMPLES_TO_SCORE, PeerLateness, RateProbe,
+};
 use crate::score::{
     Fleet, LoadSummary, MeanThroughput, PendingWork, ScoreBreakdown, SnapshotTerms,
     ThroughputSource, score, wait_secs, wait_secs_converted,
@@ -166,6 +168,9 @@ pub struct LeastLoad {
     next_poll: AtomicU64,
     /// What a worker without a learned rate is scored at.
     fleet_rate: FleetRate,
+    /// How late other replicas' first tokens come: how long first tokens
+    /// wait to be learned in order with theirs.
+    peer_lateness: PeerLateness,
     /// The mean reported rate a worker without a fresh snapshot is scored
     /// at, as last computed ([`LeastLoad::lazy_fleet`]).
     fleet_memo: FleetMemo,
@@ -696,6 +701,7 @@ impl LeastLoad {
         Ok(LeastLoad {
             strategy,
             fleet_rate: FleetRate::new(params.default_throughput, params.rate_deadband_ratio),
+            peer_lateness: PeerLateness::default(),
             fleet_memo: FleetMemo::default(),
             params,
             stale_after_nanos: i64::try_from(context.stale_after.as_nanos()).unwrap_or(i64::MAX),
@@ -1909,9 +1915,12 @@ impl Policy for LeastLoad {
                         // fleet's is ahead of it.
                         state.head_start.record(now_nanos);
                     }
+                    // The other replicas' pending work is learned from at
+                    // their first tokens, so it is not foreign: only the
+                    // rest of the engine's queue is.
                     let foreign_ahead_tokens = hot
                         .map_or(0, |hot| hot.queued_tokens)
-                        .saturating_add(remote.tokens);
+                        .saturating_sub(remote.tokens);
                     RateProbe {
                         dispatched_nanos: now_nanos,
                         foreign_ahead_tokens,
@@ -1960,18 +1969,26 @@ impl Policy for LeastLoad {
             return None;
         }
         let now_nanos = self.timeline.nanos(now);
-        // A bad sample is dropped and counted by the estimator.
         let was_scored = slot.state.rate.learned_tps().is_some();
-        let sample = slot.state.rate.observe_first_token(
-            &probe,
+        let first_token = FirstToken {
+            probe,
             tokens,
+            at_nanos: now_nanos,
+        };
+        // A bad sample is dropped and counted by the estimator.
+        slot.state.rate.observe_first_token(
+            first_token,
+            self.peer_lateness.hold_nanos(),
             now_nanos,
             Some(self.fleet_rate.tps()),
         );
         self.after_rate_sample(&view, slot, was_scored, now_nanos);
-        sample.map(|sample| PrefillSample {
-            work_tokens: sample.work_tokens,
-            elapsed: Duration::from_nanos(u64::try_from(sample.elapsed_nanos).unwrap_or(0)),
+        Some(PrefillSample {
+            tokens,
+            foreign_ahead_tokens: probe.foreign_ahead_tokens,
+            waited: Duration::from_nanos(
+                u64::try_from(now_nanos.saturating_sub(probe.dispatched_nanos)).unwrap_or(0),
+            ),
         })
     }
 
@@ -2306,13 +2323,31 @@ impl Policy for LeastLoad {
         };
         let now_nanos = self.timeline.nanos(now);
         match (update, &self.prefix) {
-            (ReplicaUpdate::Prefill { sample, .. }, _) => {
-                let elapsed_nanos = i64::try_from(sample.elapsed.as_nanos()).unwrap_or(i64::MAX);
+            (
+                ReplicaUpdate::Prefill {
+                    sample,
+                    first_token_at,
+                    ..
+                },
+                _,
+            ) => {
+                let at_nanos = self.timeline.nanos(*first_token_at);
+                self.peer_lateness.heard(now_nanos.saturating_sub(at_nanos));
+                let waited_nanos = i64::try_from(sample.waited.as_nanos()).unwrap_or(i64::MAX);
+                let first_token = FirstToken {
+                    probe: RateProbe {
+                        dispatched_nanos: at_nanos.saturating_sub(waited_nanos),
+                        foreign_ahead_tokens: sample.foreign_ahead_tokens,
+                        learn: true,
+                    },
+                    tokens: sample.tokens,
+                    at_nanos,
+                };
                 let was_scored = slot.state.rate.learned_tps().is_some();
                 // A bad sample is dropped and counted, as one of ours is.
-                let _ = slot.state.rate.observe(
-                    sample.work_tokens,
-                    elapsed_nanos,
+                slot.state.rate.observe_first_token(
+                    first_token,
+                    self.peer_lateness.hold_nanos(),
                     now_nanos,
                     Some(self.fleet_rate.tps()),
                 );

@@ -1,5 +1,6 @@
-//! A worker's prefill rate, learned from the router's dispatches (this
-//! replica's, and with sync the other replicas' samples too).
+//! A worker's prefill rate, learned from the router's dispatches: this
+//! replica's, and with sync every other replica's first tokens too, merged
+//! on one timeline ([`LearnedRate::observe_first_token`]).
 //!
 //! Every dispatch is a measurement. When the router sends a request, it knows
 //! the token-work ahead of it on the worker (the queued and pending terms the
@@ -14,10 +15,11 @@
 //! where each sample's weight `w` halves every `rate_half_life_secs`.
 //!
 //! A sample is one engine step's worth of first tokens, measured as work
-//! conserved (see [`StepBatcher`]): the prompt tokens of ours whose first
-//! tokens came back together, plus the share of other routers' queue that
-//! was ahead of them, over the time since the worker last gave us first
-//! tokens (or since their dispatch, if it was idle for us). Each of our
+//! conserved (see [`StepBatcher`]): the prompt tokens of the router
+//! fleet's requests whose first tokens came back together, plus the share
+//! of other traffic's queue that was ahead of them, over the time since
+//! the worker last gave the router fleet first tokens (or since their
+//! dispatch, if it was idle for it). Each of our
 //! tokens is counted once, at its own first token, so prompts that
 //! overtake others in chunked prefill, several prompts finishing in one
 //! step, and prompts part-way through prefill at dispatch neither inflate
@@ -44,6 +46,7 @@
 //!   space, so a slow outlier weighs no more than a fast one), and a worker
 //!   that really changed speed is still followed, a bounded step per sample.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
@@ -254,6 +257,11 @@ impl RateEstimator {
         self.dropped
     }
 
+    /// Counts a sample dropped before it reached the estimator.
+    pub fn count_dropped(&mut self) {
+        self.dropped += 1;
+    }
+
     pub fn source(&self) -> LearnedSource {
         if self.samples == 0 {
             LearnedSource::Prior
@@ -344,12 +352,46 @@ impl RateEstimator {
     }
 }
 
+/// First tokens held back at most this many per worker: past it, the
+/// oldest is learned whatever the hold.
+const MAX_HELD_FIRST_TOKENS: usize = 4096;
+
+/// A first token to learn a worker's rate from: this replica's, or one
+/// another replica saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FirstToken {
+    /// How its request was sent.
+    pub probe: RateProbe,
+    /// Prompt tokens the worker computed for it.
+    pub tokens: u64,
+    /// When it came, on the policy's timeline.
+    pub at_nanos: i64,
+}
+
+/// A worker's estimator, batcher and the first tokens not learned yet.
+///
+/// Behind several router replicas an engine computes the prompts of all of
+/// them in the same steps, so every replica's first tokens go through one
+/// batcher, in the order they came. Another replica's are heard a sync
+/// interval late: first tokens are held until `hold` has passed since
+/// they came, and learned in order then; one heard after later ones were
+/// learned is dropped and counted.
+#[derive(Debug)]
+struct Learner {
+    estimator: RateEstimator,
+    batcher: StepBatcher,
+    /// Sorted by `at_nanos`.
+    held: VecDeque<FirstToken>,
+    /// The latest first token learned.
+    learned_through_nanos: Option<i64>,
+}
+
 /// A worker's [`RateEstimator`] and [`StepBatcher`], shared: selections read
 /// the rate with one atomic load; first tokens update it under a per-worker
 /// lock.
 #[derive(Debug)]
 pub struct LearnedRate {
-    learner: Mutex<(RateEstimator, StepBatcher)>,
+    learner: Mutex<Learner>,
     /// The estimate's bits from [`MIN_SAMPLES_TO_SCORE`] samples on; 0 (no
     /// rate) before, when selections use the fleet's rate instead.
     learned_bits: AtomicU64,
@@ -366,7 +408,12 @@ impl LearnedRate {
             rate_bits: AtomicU64::new(estimator.rate_tps().to_bits()),
             samples: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
-            learner: Mutex::new((estimator, StepBatcher::default())),
+            learner: Mutex::new(Learner {
+                estimator,
+                batcher: StepBatcher::default(),
+                held: VecDeque::new(),
+                learned_through_nanos: None,
+            }),
         }
     }
 
@@ -399,28 +446,58 @@ impl LearnedRate {
         }
     }
 
-    /// Adds the first token, at `now_nanos`, of a request of `own_tokens`
-    /// sent as `probe` says to the worker's step batch; the batch it closes
-    /// is learned (see [`observe`](Self::observe) for `fleet_prior_tps`) and
-    /// returned if it was a sample to learn from.
+    /// Adds a first token, this replica's or another's, and learns, in the
+    /// order they came, those that came `hold_nanos` or more before
+    /// `now_nanos` (see [`observe`](Self::observe) for `fleet_prior_tps`).
+    /// Returns whether a sample was learned. A first token that came before
+    /// the last one learned, by more than a step, is dropped and counted.
     pub fn observe_first_token(
         &self,
-        probe: &RateProbe,
-        own_tokens: u64,
+        first_token: FirstToken,
+        hold_nanos: i64,
         now_nanos: i64,
         fleet_prior_tps: Option<f64>,
-    ) -> Option<StepSample> {
+    ) -> bool {
         let mut learner = self.learner.lock();
-        let sample = learner.1.add(probe, own_tokens, now_nanos)?;
-        self.learn(
-            &mut learner.0,
-            sample.work_tokens,
-            sample.elapsed_nanos,
-            sample.end_nanos,
-            fleet_prior_tps,
-        )
-        .ok()
-        .map(|()| sample)
+        let learner = &mut *learner;
+        if learner
+            .learned_through_nanos
+            .is_some_and(|through| first_token.at_nanos.saturating_add(SAME_STEP_NANOS) < through)
+        {
+            learner.estimator.count_dropped();
+            self.dropped
+                .store(learner.estimator.dropped(), Ordering::Relaxed);
+            return false;
+        }
+        let position = learner
+            .held
+            .partition_point(|held| held.at_nanos <= first_token.at_nanos);
+        learner.held.insert(position, first_token);
+        let until_nanos = now_nanos.saturating_sub(hold_nanos.max(0));
+        let mut learned = false;
+        while let Some(next) = learner.held.front().copied() {
+            if next.at_nanos > until_nanos && learner.held.len() <= MAX_HELD_FIRST_TOKENS {
+                break;
+            }
+            learner.held.pop_front();
+            learner.learned_through_nanos = Some(
+                learner
+                    .learned_through_nanos
+                    .map_or(next.at_nanos, |through| through.max(next.at_nanos)),
+            );
+            if let Some(sample) = learner.batcher.add(&next.probe, next.tokens, next.at_nanos) {
+                learned |= self
+                    .learn(
+                        &mut learner.estimator,
+                        sample.work_tokens,
+                        sample.elapsed_nanos,
+                        sample.end_nanos,
+                        fleet_prior_tps,
+                    )
+                    .is_ok();
+            }
+        }
+        learned
     }
 
     /// See [`RateEstimator::observe`]. Until the worker is scored at its
@@ -435,7 +512,7 @@ impl LearnedRate {
     ) -> Result<(), DroppedSample> {
         let mut learner = self.learner.lock();
         self.learn(
-            &mut learner.0,
+            &mut learner.estimator,
             work_tokens,
             elapsed_nanos,
             now_nanos,
@@ -463,6 +540,36 @@ impl LearnedRate {
         self.samples.store(estimator.samples(), Ordering::Relaxed);
         self.dropped.store(estimator.dropped(), Ordering::Relaxed);
         outcome
+    }
+}
+
+/// The longest first tokens are held for other replicas' (nanoseconds): a
+/// replica heard later than this is learned from out of order, or dropped.
+pub const MAX_HOLD_NANOS: i64 = 2_000_000_000;
+
+/// How late other replicas' first tokens are heard: how long every
+/// worker's first tokens are held before they are learned from
+/// ([`LearnedRate::observe_first_token`]). The latest lateness heard, or,
+/// when later ones come sooner, a slow decay from it (1/512 per first
+/// token heard). 0, so nothing is held, until another replica's is heard.
+#[derive(Debug, Default)]
+pub struct PeerLateness {
+    hold_nanos: AtomicI64,
+}
+
+impl PeerLateness {
+    /// The hold now, nanoseconds.
+    pub fn hold_nanos(&self) -> i64 {
+        self.hold_nanos.load(Ordering::Relaxed)
+    }
+
+    /// Another replica's first token was heard `late_nanos` after it came.
+    pub fn heard(&self, late_nanos: i64) {
+        let late_nanos = late_nanos.clamp(0, MAX_HOLD_NANOS);
+        let held = self.hold_nanos.load(Ordering::Relaxed);
+        let decayed = held - held / 512;
+        self.hold_nanos
+            .store(late_nanos.max(decayed), Ordering::Relaxed);
     }
 }
 
@@ -851,13 +958,15 @@ mod tests {
         // part-way through prefill at every dispatch.
         let shared = LearnedRate::new(RateEstimator::new(8000.0, 256, 30.0));
         for step in 1..=40i64 {
-            for _ in 0..2 {
-                let learned =
-                    shared.observe_first_token(&probe(0.0, 0), 1000, step * SEC / 4, None);
-                // Every closed batch is a step of 2000 tokens in 250 ms.
-                assert!(learned.is_none_or(
-                    |sample| sample.work_tokens == 2000 && sample.elapsed_nanos == SEC / 4
-                ));
+            for second in [false, true] {
+                let learned = shared.observe_first_token(
+                    first_token(0.0, 1000, step * SEC / 4),
+                    0,
+                    step * SEC / 4,
+                    None,
+                );
+                // The first of each step closes the step before.
+                assert_eq!(learned, step > 1 && !second);
             }
         }
         assert_eq!(shared.samples(), 39);
@@ -866,6 +975,74 @@ mod tests {
             "{}",
             shared.rate_tps()
         );
+    }
+
+    fn first_token(dispatched_secs: f64, tokens: u64, at_nanos: i64) -> FirstToken {
+        FirstToken {
+            probe: probe(dispatched_secs, 0),
+            tokens,
+            at_nanos,
+        }
+    }
+
+    #[test]
+    fn several_replicas_first_tokens_are_learned_on_one_timeline() {
+        // An 8000 tok/s engine computing two replicas' 1000-token prompts,
+        // one of each per 250 ms step. Each replica alone sees 1000 tokens
+        // per step: learned apart, the worker would look half as fast.
+        let shared = LearnedRate::new(RateEstimator::new(4000.0, 256, 30.0));
+        let hold_nanos = 100 * MS;
+        for step in 1..=40i64 {
+            let at = step * SEC / 4;
+            // This replica's first token, at once...
+            shared.observe_first_token(first_token(0.0, 1000, at), hold_nanos, at, None);
+            // ...and the other's, heard 80 ms late: both held for 100 ms.
+            let heard = at + 80 * MS;
+            shared.observe_first_token(first_token(0.0, 1000, at), hold_nanos, heard, None);
+        }
+        assert!(
+            (shared.rate_tps() / 8000.0 - 1.0).abs() < 0.01,
+            "{}",
+            shared.rate_tps()
+        );
+        // What is still held is learned later, in order.
+        assert_eq!(shared.samples(), 38);
+        assert_eq!(shared.dropped(), 0);
+    }
+
+    #[test]
+    fn a_first_token_heard_after_later_ones_were_learned_is_dropped_and_counted() {
+        let shared = LearnedRate::new(estimator());
+        for step in 1..=4i64 {
+            shared.observe_first_token(first_token(0.0, 1000, step * SEC), 0, step * SEC, None);
+        }
+        let before = shared.rate_tps();
+        assert!(!shared.observe_first_token(first_token(0.0, 50_000, SEC / 2), 0, 5 * SEC, None));
+        assert_eq!(shared.dropped(), 1);
+        assert_eq!(shared.rate_tps(), before);
+        // Within a step of the last one learned, it joins that step.
+        shared.observe_first_token(first_token(0.0, 1000, 4 * SEC - MS), 0, 5 * SEC, None);
+        assert_eq!(shared.dropped(), 1);
+    }
+
+    #[test]
+    fn the_hold_follows_the_latest_lateness_and_decays_slowly() {
+        let lateness = PeerLateness::default();
+        assert_eq!(lateness.hold_nanos(), 0);
+        lateness.heard(100 * MS);
+        assert_eq!(lateness.hold_nanos(), 100 * MS);
+        lateness.heard(10 * MS);
+        assert!(lateness.hold_nanos() < 100 * MS && lateness.hold_nanos() > 99 * MS);
+        for _ in 0..10_000 {
+            lateness.heard(10 * MS);
+        }
+        assert_eq!(lateness.hold_nanos(), 10 * MS);
+        // Clamped: a clock gone backwards holds nothing more, an hour no
+        // more than the cap.
+        lateness.heard(-SEC);
+        assert!(lateness.hold_nanos() >= 0);
+        lateness.heard(3600 * SEC);
+        assert_eq!(lateness.hold_nanos(), MAX_HOLD_NANOS);
     }
 
     #[test]

@@ -1145,56 +1145,110 @@ fn preview_judges_a_prompt_at_the_rate_of_a_worker_of_another_speed() {
 }
 
 #[test]
-fn a_peer_learns_a_worker_s_rate_from_another_replica_s_samples() {
+fn a_peer_learns_a_worker_s_rate_from_another_replica_s_first_tokens() {
     let (policy, ids) = learned_fleet(1);
     let (peer, _) = learned_fleet(1);
     let mut at = Instant::now();
-    let mut relayed = 0;
     // 4000-token prompts on an 8000 tok/s worker, through `policy` only;
-    // each first token (from the second on) closes a sample, handed to the
-    // peer as sync would.
+    // each first token is handed to the peer as sync would, at once.
     for _ in 0..=MIN_SAMPLES_TO_SCORE {
         let dispatch = policy.select(&ids, &streamed(4000), at).unwrap();
         at += Duration::from_millis(500);
-        if let Some(sample) = policy.first_token(&dispatch, at) {
-            assert_eq!(sample.work_tokens, 4000);
-            assert_eq!(sample.elapsed, Duration::from_millis(500));
-            let outcome = peer.replica_update(
-                &ReplicaUpdate::Prefill {
-                    worker_url: "http://w0/",
-                    sample,
-                },
-                at,
-            );
-            assert_eq!(outcome, ReplicaUpdateOutcome::Applied);
-            relayed += 1;
-        }
+        let sample = policy.first_token(&dispatch, at).unwrap();
+        assert_eq!(sample.tokens, 4000);
+        assert_eq!(sample.foreign_ahead_tokens, 0);
+        assert_eq!(sample.waited, Duration::from_millis(500));
+        let outcome = peer.replica_update(
+            &ReplicaUpdate::Prefill {
+                worker_url: "http://w0/",
+                sample,
+                first_token_at: at,
+            },
+            at,
+        );
+        assert_eq!(outcome, ReplicaUpdateOutcome::Applied);
         policy.finish(&dispatch, at);
         at += Duration::from_millis(100);
     }
-    assert_eq!(relayed, MIN_SAMPLES_TO_SCORE);
     // The peer dispatched nothing, yet scores the worker at the rate the
-    // first replica learned.
+    // first replica learned: each first token closes the one before.
     let table = peer.explain(&ids, &exact(100), at);
-    assert_eq!(table.value(ids[0], "rate_samples"), Some(relayed as f64));
+    assert_eq!(
+        table.value(ids[0], "rate_samples"),
+        Some(MIN_SAMPLES_TO_SCORE as f64)
+    );
     assert!(
         close(rate(&peer, ids[0], at), rate(&policy, ids[0], at)),
         "{table}"
     );
-    // A sample of a worker the peer lacks, or an absurd one, teaches nothing.
-    let absurd = |worker_url| ReplicaUpdate::Prefill {
+    // A first token from a worker the peer lacks teaches nothing; one that
+    // came before those already learned is dropped.
+    let late = |worker_url| ReplicaUpdate::Prefill {
         worker_url,
         sample: PrefillSample {
-            work_tokens: 1,
-            elapsed: Duration::ZERO,
+            tokens: 100_000,
+            foreign_ahead_tokens: 0,
+            waited: Duration::from_millis(10),
         },
+        first_token_at: at - Duration::from_secs(2),
     };
-    let elsewhere = peer.replica_update(&absurd("http://elsewhere"), at);
+    let elsewhere = peer.replica_update(&late("http://elsewhere"), at);
     assert_eq!(elsewhere, ReplicaUpdateOutcome::UnknownWorker);
-    let dropped = peer.replica_update(&absurd("http://w0"), at);
+    let dropped = peer.replica_update(&late("http://w0"), at);
     assert_eq!(dropped, ReplicaUpdateOutcome::Applied);
     let table = peer.explain(&ids, &exact(100), at);
-    assert_eq!(table.value(ids[0], "rate_samples"), Some(relayed as f64));
+    assert_eq!(
+        table.value(ids[0], "rate_samples"),
+        Some(MIN_SAMPLES_TO_SCORE as f64)
+    );
+}
+
+#[test]
+fn replicas_sharing_a_worker_learn_its_rate_from_all_their_first_tokens() {
+    // Two replicas send one 2000-token prompt each every 500 ms to an 8000
+    // tok/s worker, which computes both in the same steps: their first
+    // tokens come together, 500 ms later. Each hears the other's 50 ms
+    // late. Alone, each would see 2000 tokens per 500 ms: half the rate.
+    let (a, ids) = learned_fleet(1);
+    let (b, _) = learned_fleet(1);
+    let t0 = Instant::now();
+    let step = Duration::from_millis(500);
+    let late = Duration::from_millis(50);
+    let mut heard: Vec<(Instant, usize, PrefillSample, Instant)> = Vec::new();
+    for n in 0..80u32 {
+        let sent = t0 + step * n;
+        let came = sent + step;
+        let dispatches = [
+            a.select(&ids, &streamed(2000), sent).unwrap(),
+            b.select(&ids, &streamed(2000), sent).unwrap(),
+        ];
+        // What was heard by now is applied first.
+        heard.retain(|(at, to, sample, first_token_at)| {
+            if *at > came {
+                return true;
+            }
+            let receiver = if *to == 0 { &a } else { &b };
+            receiver.replica_update(
+                &ReplicaUpdate::Prefill {
+                    worker_url: "http://w0/",
+                    sample: *sample,
+                    first_token_at: *first_token_at,
+                },
+                *at,
+            );
+            false
+        });
+        for (index, (policy, dispatch)) in [&a, &b].into_iter().zip(&dispatches).enumerate() {
+            let sample = policy.first_token(dispatch, came).unwrap();
+            heard.push((came + late, 1 - index, sample, came));
+            policy.finish(dispatch, came);
+        }
+    }
+    let end = t0 + step * 81;
+    for policy in [&a, &b] {
+        let learned = rate(policy, ids[0], end);
+        assert!((learned / 8000.0 - 1.0).abs() < 0.05, "{learned}");
+    }
 }
 
 #[test]

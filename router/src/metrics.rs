@@ -750,19 +750,19 @@ impl Metrics {
         let sync_prefill_samples_sent = Counter::default();
         registry.register(
             "sync_prefill_samples_sent",
-            "Prefill-rate samples (first tokens of one engine step, measured by this replica) published with the pending work",
+            "First tokens this replica had, published with the pending work for the other replicas to learn prefill rates from",
             sync_prefill_samples_sent.clone(),
         );
         let sync_prefill_samples_dropped = Counter::default();
         registry.register(
             "sync_prefill_samples_dropped",
-            "Prefill-rate samples not published: the queue was full between two ticks, the broker was away or the publish failed; each is one sample fewer on the other replicas",
+            "First tokens not published: the queue was full between two ticks, the broker was away or the publish failed; each is one first token fewer on the other replicas",
             sync_prefill_samples_dropped.clone(),
         );
         let sync_prefill_samples_received = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "sync_prefill_samples_received",
-            "Other replicas' prefill-rate samples, by outcome: applied, unknown_worker, unsupported, invalid",
+            "Other replicas' first tokens, by outcome: applied, unknown_worker, unsupported, invalid",
             sync_prefill_samples_received.clone(),
         );
         let sync_prefix_messages_received = Family::<OutcomeLabel, Counter>::default();

@@ -1073,13 +1073,13 @@ impl RequestTracker {
     }
 
     /// [`first_token`](Self::first_token), with the time it passed.
-    /// A prefill sample it closes goes to the other replicas.
+    /// What the policy learns from it goes to the other replicas too.
     fn first_token_at(&mut self, app: &App, now: Instant) {
         if !self.first_token_seen {
             self.first_token_seen = true;
             if let Some(sample) = self.route.policy.first_token(&self.dispatch, now) {
                 app.sync_signal
-                    .prefill_sampled(self.dispatch.worker, sample);
+                    .prefill_sampled(self.dispatch.worker, sample, now);
             }
             let ttft_s = since(self.received_at, now);
             let metrics = &self.route.worker.metrics;

@@ -8,7 +8,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::nats::NatsServer;
 use common::upstream::Upstream;
@@ -129,24 +129,29 @@ async fn first_tokens_on_one_replica_teach_the_other_the_worker_s_rate() {
     let upstream = Upstream::start().await;
     let (a, b) = connected_pair(&nats, &upstream).await;
     assert_eq!(explained(&b, &upstream.url, "rate_samples").await, 0.0);
-    // Streams through A, one after another: each first token from the
-    // second on closes the previous one's prefill sample.
-    for turn in 0..4 {
-        assert!(stream_chat(&a, &format!("turn {turn} {}", "x".repeat(2000))).await);
-    }
-    // Every stream has ended: A's own samples are all it will have.
-    let own = explained(&a, &upstream.url, "rate_samples").await;
-    assert!(own >= 1.0, "A learned {own} samples");
-    // B dispatched nothing: it learns exactly A's samples, all of them.
-    wait_until("B learned every one of A's samples", || async {
-        explained(&b, &upstream.url, "rate_samples").await == own
-            && metric(&a, "router_sync_prefill_samples_sent_total").await == own
+    // Streams through A, one after another. B dispatches nothing: it learns
+    // the worker's rate from A's first tokens, each closing the one
+    // before, once held as long as A's messages take to arrive.
+    let turns = AtomicUsize::new(0);
+    wait_until(
+        "B learned the worker's rate from A's first tokens",
+        || async {
+            let turn = turns.fetch_add(1, Ordering::SeqCst);
+            assert!(stream_chat(&a, &format!("turn {turn} {}", "x".repeat(2000))).await);
+            explained(&b, &upstream.url, "rate_samples").await >= 1.0
+        },
+    )
+    .await;
+    // Every stream has ended: every first token A had reaches B.
+    let streamed = turns.load(Ordering::SeqCst) as f64;
+    wait_until("B heard every one of A's first tokens", || async {
+        metric(&a, "router_sync_prefill_samples_sent_total").await == streamed
             && metric(
                 &b,
                 "router_sync_prefill_samples_received_total{outcome=\"applied\"}",
             )
             .await
-                == own
+                == streamed
     })
     .await;
     assert_eq!(

@@ -308,7 +308,7 @@ impl Policy for LeastKvPolicy {
     }
 
     /// Releases the pending work; this policy learns no rates, so it has no
-    /// prefill sample to share.
+    /// first token to share.
     fn first_token(&self, dispatch: &Dispatch, _now: Instant) -> Option<PrefillSample> {
         if let Some(slot) = self.workers.read().get(dispatch.worker) {
             slot.state.ledger.first_token(dispatch.seq);

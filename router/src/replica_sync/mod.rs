@@ -18,12 +18,14 @@
 //!   ([`policy_core::Policy::replica_pending`]), where selections read them
 //!   through atomics.
 //!
-//! The same messages carry the prefill samples this replica's first tokens
-//! closed ([`policy_core::Policy::first_token`]), at the next tick: each
-//! replica learns a worker's prefill rate from every replica's first
-//! tokens, not from its own share of them alone (behind 8 replicas, an
-//! eighth), and the others apply them as
-//! [`policy_core::ReplicaUpdate::Prefill`].
+//! The same messages carry this replica's first tokens
+//! ([`policy_core::Policy::first_token`]), at the next tick, each with how
+//! long before the message it came: the others apply them as
+//! [`policy_core::ReplicaUpdate::Prefill`], and each replica learns a
+//! worker's prefill rate from every replica's first tokens on one
+//! timeline. An engine computes several replicas' prompts in the same
+//! steps; one replica's own first tokens alone make the worker look slower
+//! than it is.
 //!
 //! They also carry this replica's admission room, when admission is on
 //! (its oldest wait, the worker its head waits for, the prompt work it
@@ -60,7 +62,7 @@
 //!   a worker, [`bound_learned`](DispatchSignal::bound_learned) when an
 //!   engine's report changes a worker's cache bound, and
 //!   [`prefill_sampled`](DispatchSignal::prefill_sampled) when a first token
-//!   closes a prefill sample. Each queues under a short lock and returns
+//!   comes. Each queues under a short lock and returns
 //!   (nothing at all without `[sync]`); no call waits on the broker;
 //! - [`PeerRooms`], which the admission gate reads (lock-free) for the
 //!   other replicas' rooms.
@@ -103,7 +105,7 @@ pub(crate) use rooms::PeerRooms;
 /// reports taught it, in short lists behind one lock taken only with
 /// `[sync]` on, and a wake-up. What comes while the publisher is busy piles
 /// up (placements and bounds up to a cap, past which they are counted and
-/// dropped) and goes out at its next wake. Prefill samples wait, under a
+/// dropped) and goes out at its next wake. First tokens wait, under a
 /// lock of their own, for the next tick.
 #[derive(Debug, Default)]
 pub(crate) struct DispatchSignal {
@@ -114,13 +116,16 @@ pub(crate) struct DispatchSignal {
     wake: tokio::sync::Notify,
 }
 
-/// Prefill samples closed since the last tick, at most
+/// First tokens had since the last tick, with when each came, at most
 /// [`wire::MAX_PREFILL_SAMPLES`]; the rest are counted.
 #[derive(Debug, Default)]
 struct PrefillQueue {
-    samples: Vec<(WorkerId, PrefillSample)>,
+    samples: Vec<FirstTokenHad>,
     dropped: u64,
 }
+
+/// A first token from `worker` at `at`.
+type FirstTokenHad = (WorkerId, PrefillSample, std::time::Instant);
 
 impl DispatchSignal {
     /// A signal that records dispatches only with `[sync]` enabled, and
@@ -165,23 +170,28 @@ impl DispatchSignal {
         }
     }
 
-    /// A first token closed a prefill sample of `worker`: queued for the
-    /// next tick with `[sync]` on.
-    pub(crate) fn prefill_sampled(&self, worker: WorkerId, sample: PrefillSample) {
+    /// A first token came from `worker` at `at`: queued for the next tick
+    /// with `[sync]` on.
+    pub(crate) fn prefill_sampled(
+        &self,
+        worker: WorkerId,
+        sample: PrefillSample,
+        at: std::time::Instant,
+    ) {
         if !self.enabled {
             return;
         }
         let mut queue = self.prefill.lock();
         if queue.samples.len() < wire::MAX_PREFILL_SAMPLES {
-            queue.samples.push((worker, sample));
+            queue.samples.push((worker, sample, at));
         } else {
             queue.dropped += 1;
         }
     }
 
-    /// The prefill samples queued since the last call, into `into`
-    /// (reused); returns how many were dropped meanwhile.
-    fn take_prefill(&self, into: &mut Vec<(WorkerId, PrefillSample)>) -> u64 {
+    /// The first tokens queued since the last call, into `into` (reused);
+    /// returns how many were dropped meanwhile.
+    fn take_prefill(&self, into: &mut Vec<FirstTokenHad>) -> u64 {
         into.clear();
         let mut queue = self.prefill.lock();
         std::mem::swap(&mut queue.samples, into);
@@ -230,7 +240,7 @@ struct ReceiveCounters {
     entries_unknown_worker: Counter,
     entries_unsupported: Counter,
     entries_invalid: Counter,
-    /// Prefill samples by outcome: applied, unknown_worker, unsupported,
+    /// First tokens by outcome: applied, unknown_worker, unsupported,
     /// invalid.
     prefill_samples: [Counter; 4],
 }
@@ -350,6 +360,9 @@ fn receive(
                 &ReplicaUpdate::Prefill {
                     worker_url: entry.worker_url,
                     sample: entry.sample,
+                    // The message's time in flight is not known: it counts
+                    // as none.
+                    first_token_at: now.checked_sub(entry.ago).unwrap_or(now),
                 },
                 now,
             )),
@@ -606,13 +619,20 @@ async fn run_publisher(
                 requests: stats.pending_requests,
             }
         });
-        // A removed worker's samples go nowhere.
-        let prefill: Vec<(&str, u64, u64)> = samples
+        // A removed worker's first tokens go nowhere.
+        let written_at = tokio_now();
+        let micros = |duration: Duration| u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        let prefill: Vec<wire::FirstTokenOut<'_>> = samples
             .iter()
-            .filter_map(|(id, sample)| {
+            .filter_map(|(id, sample, at)| {
                 let worker = snapshot.worker(*id)?;
-                let micros = u64::try_from(sample.elapsed.as_micros()).unwrap_or(u64::MAX);
-                Some((worker_url_key(&worker.url), sample.work_tokens, micros))
+                Some((
+                    worker_url_key(&worker.url),
+                    sample.tokens,
+                    sample.foreign_ahead_tokens,
+                    micros(sample.waited),
+                    micros(written_at.saturating_duration_since(*at)),
+                ))
             })
             .collect();
         let room = own_room(&app, &snapshot);
@@ -1036,16 +1056,17 @@ mod tests {
         let counters = ReceiveCounters::new(&metrics);
         let policy = policy();
         let now = std::time::Instant::now();
-        // Replica b's first tokens closed one prefill sample on w:1 (its
-        // 12,000 tokens in 1.5 s) and one on a worker this replica lacks.
+        // Replica b had a first token from w:1 (12,000 tokens, 1.5 s after
+        // their dispatch, just now) and one from a worker this replica
+        // lacks.
         let message = wire::encode(
             "b",
             5,
             false,
             &[("http://w:1", 300, 1), ("http://unknown:1", 5, 1)],
             &[
-                ("http://w:1", 12_000, 1_500_000),
-                ("http://unknown:1", 1, 1),
+                ("http://w:1", 12_000, 0, 1_500_000, 0),
+                ("http://unknown:1", 1, 0, 1, 0),
             ],
             None,
         );
@@ -1065,9 +1086,26 @@ mod tests {
             now,
         );
         assert_eq!(table.value(WorkerId::new(0, 0), "remote_tok"), Some(300.0));
-        // Learned as one of this replica's own samples would be.
+        // Learned as one of this replica's own first tokens would be: the
+        // step's sample closes at the next one, heard a second later.
+        assert_eq!(table.value(WorkerId::new(0, 0), "rate_samples"), Some(0.0));
+        let later = now + Duration::from_secs(1);
+        let next = wire::encode(
+            "b",
+            6,
+            false,
+            &[],
+            &[("http://w:1", 100, 0, 10_000, 0)],
+            None,
+        );
+        receive(policy.as_ref(), "a", &next, later, &counters);
+        let table = policy.explain(
+            &[WorkerId::new(0, 0)],
+            &policy_core::RequestInfo::new(policy_core::TokenCount::Exact(1)),
+            later,
+        );
         assert_eq!(table.value(WorkerId::new(0, 0), "rate_samples"), Some(1.0));
-        assert_eq!(counted(&metrics, "prefill_samples_received", "applied"), 1);
+        assert_eq!(counted(&metrics, "prefill_samples_received", "applied"), 2);
         assert_eq!(
             counted(&metrics, "prefill_samples_received", "unknown_worker"),
             1
@@ -1090,11 +1128,11 @@ mod tests {
         );
         let negative =
             br#"{"v":1,"replica":"b","seq":9,"full":false,"pending":[["http://w:1",-1,1]],
-            "prefill":[["http://w:1",100,0]]}"#;
+            "first_tokens":[["http://w:1",100,0,-1,0]]}"#;
         receive(policy.as_ref(), "a", negative, now, &counters);
         assert_eq!(counted(&metrics, "prefill_samples_received", "invalid"), 1);
         for (family, outcome, count) in [
-            ("messages_received", "applied", 3),
+            ("messages_received", "applied", 4),
             ("messages_received", "own", 1),
             ("messages_received", "malformed", 1),
             ("messages_received", "foreign_version", 1),

@@ -77,16 +77,16 @@ impl Publisher {
         self.last_full = None;
     }
 
-    /// One tick over every worker, with the prefill samples closed since
-    /// the last (`(worker_url, work_tokens, elapsed_us)`) and this
-    /// replica's admission room: the message to publish, or `None` when
-    /// nothing changed, no full state is due, there is no sample and no
-    /// request waits in the room (nor did at the last message).
+    /// One tick over every worker, with the first tokens had since the
+    /// last ([`wire::FirstTokenOut`]) and this replica's admission room:
+    /// the message to publish, or `None` when nothing changed, no full
+    /// state is due, there is no first token and no request waits in the
+    /// room (nor did at the last message).
     pub(super) fn tick<'u>(
         &mut self,
         now: Instant,
         workers: impl IntoIterator<Item = WorkerPending<'u>>,
-        prefill: &[(&str, u64, u64)],
+        prefill: &[wire::FirstTokenOut<'_>],
         room: Option<&wire::Room>,
     ) -> Option<Vec<u8>> {
         self.tick = self.tick.wrapping_add(1);
@@ -373,14 +373,14 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn prefill_samples_go_out_at_the_next_tick_even_when_nothing_changed() {
+    async fn first_tokens_go_out_at_the_next_tick_even_when_nothing_changed() {
         let mut publisher = Publisher::new("a".into(), 7, Duration::from_secs(60));
         publisher.tick(Instant::now(), [w(0, "http://w:1", 1, 1)], &[], None);
         let payload = publisher
             .tick(
                 Instant::now(),
                 [w(0, "http://w:1", 1, 1)],
-                &[("http://w:1", 4000, 500_000)],
+                &[("http://w:1", 4000, 120, 500_000, 30_000)],
                 None,
             )
             .unwrap();
@@ -392,14 +392,22 @@ mod tests {
                 let sample = sample.unwrap();
                 (
                     sample.worker_url,
-                    sample.sample.work_tokens,
-                    sample.sample.elapsed,
+                    sample.sample.tokens,
+                    sample.sample.foreign_ahead_tokens,
+                    sample.sample.waited,
+                    sample.ago,
                 )
             })
             .collect();
         assert_eq!(
             samples,
-            vec![("http://w:1", 4000, Duration::from_millis(500))]
+            vec![(
+                "http://w:1",
+                4000,
+                120,
+                Duration::from_millis(500),
+                Duration::from_millis(30)
+            )]
         );
         // Sent once: the next tick has nothing to say.
         assert!(

@@ -19,12 +19,19 @@
 //! - `pending`: `[worker_url, pending_tokens, pending_requests]` per worker:
 //!   the sender's state, not a delta, so a lost or repeated message is
 //!   corrected by the next one.
-//! - `prefill` (optional): `[worker_url, work_tokens, elapsed_us]` per
-//!   prefill sample the sender's first tokens closed since its last
-//!   message: the worker cleared `work_tokens` of prompt work in
-//!   `elapsed_us` microseconds ([`policy_core::PrefillSample`]). Events, not
-//!   state: each is learned once, and a lost one is one sample fewer. At
-//!   most [`MAX_PREFILL_SAMPLES`] per message.
+//! - `first_tokens` (optional): `[worker_url, tokens, foreign_ahead_tokens,
+//!   waited_us, ago_us]` per first token the sender had from a worker
+//!   since its last message, for the receivers to learn the worker's
+//!   prefill rate from ([`policy_core::PrefillSample`]): the request's
+//!   `tokens` of prompt work, the `foreign_ahead_tokens` no router replica
+//!   sent that were ahead of it at dispatch, `waited_us` microseconds from
+//!   its dispatch to its first token, which came `ago_us` microseconds
+//!   before the message was written. Events, not state: each is learned
+//!   once, and a lost one is a first token fewer. At most
+//!   [`MAX_PREFILL_SAMPLES`] per message. (Version 1 senders before this
+//!   key sent `prefill` samples instead, which a receiver ignores as an
+//!   unknown key: during a rolling upgrade each replica learns from its
+//!   own first tokens.)
 //!
 //! - `room` (optional): the sender's admission room, as it stands when the
 //!   message is sent, so that router replicas take turns at the fleet's
@@ -47,10 +54,9 @@
 //! some. Every value is checked: a message that is not this shape is
 //! rejected whole; an entry with a bad URL or a count that is negative,
 //! fractional or beyond [`MAX_PENDING_TOKENS`] / [`MAX_PENDING_REQUESTS`] is
-//! dropped alone, and so is a prefill sample with more work than
-//! [`MAX_PENDING_TOKENS`] or an elapsed time of 0 or over
-//! [`MAX_PREFILL_MICROS`], and a `room` that is not this shape or out of
-//! these bounds.
+//! dropped alone, and so is a first token with more tokens than
+//! [`MAX_PENDING_TOKENS`] or a time over [`MAX_PREFILL_MICROS`], and a
+//! `room` that is not this shape or out of these bounds.
 //!
 //! # Prefix placements and cache bounds (`<prefix>.prefix`)
 //!
@@ -138,10 +144,11 @@ pub(super) const MAX_PLACED_HASHES: usize = 4096;
 pub(super) const MAX_BLOCK_TOKENS: u64 = 1 << 20;
 /// Most holders of one snapshot block.
 pub(super) const MAX_SNAPSHOT_HOLDERS: usize = 16;
-/// Most prefill samples in one pending message; more are read through and
+/// Most first tokens in one pending message; more are read through and
 /// dropped, as they are when a sender queues more between two ticks.
 pub(super) const MAX_PREFILL_SAMPLES: usize = 1024;
-/// A prefill sample longer than an hour measures no prefill.
+/// A first token an hour after its dispatch, or heard an hour after it
+/// came, measures no prefill.
 pub(super) const MAX_PREFILL_MICROS: u64 = 3_600_000_000;
 /// Longest wait a room reports: a day.
 pub(super) const MAX_ROOM_WAIT_MS: u64 = 86_400_000;
@@ -286,16 +293,18 @@ struct Wire<'a> {
     #[serde(borrow)]
     pending: Vec<&'a RawValue>,
     #[serde(borrow, default)]
-    prefill: Vec<&'a RawValue>,
+    first_tokens: Vec<&'a RawValue>,
     #[serde(borrow, default)]
     room: Option<&'a RawValue>,
 }
 
-/// One prefill sample in a message.
+/// One first token in a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct PrefillEntry<'a> {
     pub(super) worker_url: &'a str,
     pub(super) sample: PrefillSample,
+    /// How long before the message was written the first token came.
+    pub(super) ago: Duration,
 }
 
 /// Reads a message. The strings borrow from `payload`, so JSON escapes in a
@@ -309,7 +318,7 @@ pub(super) fn decode(payload: &[u8]) -> Result<Message<'_>, WireError> {
         #[cfg(test)]
         full: wire._full,
         pending: wire.pending,
-        prefill: wire.prefill,
+        prefill: wire.first_tokens,
         room: wire.room,
     })
 }
@@ -331,7 +340,7 @@ impl<'a> Message<'a> {
         )
     }
 
-    /// Every prefill sample, each checked on its own; past
+    /// Every first token, each checked on its own; past
     /// [`MAX_PREFILL_SAMPLES`], each is [`EntryError::Count`].
     pub(super) fn prefill_samples(
         &self,
@@ -346,25 +355,39 @@ impl<'a> Message<'a> {
 }
 
 fn parse_prefill(text: &str) -> Result<PrefillEntry<'_>, EntryError> {
-    let (worker_url, tokens, micros): (&str, serde_json::Number, serde_json::Number) =
+    type Raw<'t> = (
+        &'t str,
+        serde_json::Number,
+        serde_json::Number,
+        serde_json::Number,
+        serde_json::Number,
+    );
+    let (worker_url, tokens, foreign_ahead_tokens, waited_us, ago_us): Raw<'_> =
         serde_json::from_str(text).map_err(|_| EntryError::Shape)?;
     if !is_valid_url(worker_url) {
         return Err(EntryError::Url);
     }
-    let work_tokens = tokens
-        .as_u64()
-        .filter(|tokens| *tokens <= MAX_PENDING_TOKENS)
-        .ok_or(EntryError::Count)?;
-    let micros = micros
-        .as_u64()
-        .filter(|micros| (1..=MAX_PREFILL_MICROS).contains(micros))
-        .ok_or(EntryError::Count)?;
+    let tokens_at_most = |number: &serde_json::Number| {
+        number
+            .as_u64()
+            .filter(|tokens| *tokens <= MAX_PENDING_TOKENS)
+            .ok_or(EntryError::Count)
+    };
+    let micros = |number: &serde_json::Number| {
+        number
+            .as_u64()
+            .filter(|micros| *micros <= MAX_PREFILL_MICROS)
+            .map(Duration::from_micros)
+            .ok_or(EntryError::Count)
+    };
     Ok(PrefillEntry {
         worker_url,
         sample: PrefillSample {
-            work_tokens,
-            elapsed: Duration::from_micros(micros),
+            tokens: tokens_at_most(&tokens)?,
+            foreign_ahead_tokens: tokens_at_most(&foreign_ahead_tokens)?,
+            waited: micros(&waited_us)?,
         },
+        ago: micros(&ago_us)?,
     })
 }
 
@@ -395,21 +418,24 @@ struct WireOut<'a> {
     full: bool,
     pending: &'a [(&'a str, u64, u64)],
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    prefill: &'a [(&'a str, u64, u64)],
+    first_tokens: &'a [FirstTokenOut<'a>],
     #[serde(skip_serializing_if = "Option::is_none")]
     room: Option<&'a Room>,
 }
 
+/// One first token as written: `(worker_url, tokens, foreign_ahead_tokens,
+/// waited_us, ago_us)`.
+pub(super) type FirstTokenOut<'a> = (&'a str, u64, u64, u64, u64);
+
 /// Writes a message: `pending` is `(worker_url, tokens, requests)`,
-/// `prefill` is `(worker_url, work_tokens, elapsed_us)` (at most
-/// [`MAX_PREFILL_SAMPLES`] are written), `room` the sender's admission
-/// room, if it has one.
+/// `prefill` the first tokens (at most [`MAX_PREFILL_SAMPLES`] are
+/// written), `room` the sender's admission room, if it has one.
 pub(super) fn encode(
     replica: &str,
     seq: u64,
     full: bool,
     pending: &[(&str, u64, u64)],
-    prefill: &[(&str, u64, u64)],
+    prefill: &[FirstTokenOut<'_>],
     room: Option<&Room>,
 ) -> Vec<u8> {
     let message = WireOut {
@@ -418,7 +444,7 @@ pub(super) fn encode(
         seq,
         full,
         pending,
-        prefill: &prefill[..prefill.len().min(MAX_PREFILL_SAMPLES)],
+        first_tokens: &prefill[..prefill.len().min(MAX_PREFILL_SAMPLES)],
         room,
     };
     // Serializing strings and integers into memory cannot fail.
@@ -1034,18 +1060,18 @@ mod tests {
     }
 
     #[test]
-    fn prefill_samples_round_trip_and_bad_ones_are_dropped_alone() {
+    fn first_tokens_round_trip_and_bad_ones_are_dropped_alone() {
         let payload = encode(
             "router-a",
             7,
             false,
             &[("http://w:1", 0, 0)],
-            &[("http://w:1", 4096, 250_000)],
+            &[("http://w:1", 4096, 512, 250_000, 40_000)],
             None,
         );
         assert_eq!(
             std::str::from_utf8(&payload).unwrap(),
-            r#"{"v":1,"replica":"router-a","seq":7,"full":false,"pending":[["http://w:1",0,0]],"prefill":[["http://w:1",4096,250000]]}"#
+            r#"{"v":1,"replica":"router-a","seq":7,"full":false,"pending":[["http://w:1",0,0]],"first_tokens":[["http://w:1",4096,512,250000,40000]]}"#
         );
         let message = decode(&payload).unwrap();
         let samples: Vec<_> = message.prefill_samples().collect();
@@ -1054,20 +1080,24 @@ mod tests {
             vec![Ok(PrefillEntry {
                 worker_url: "http://w:1",
                 sample: PrefillSample {
-                    work_tokens: 4096,
-                    elapsed: Duration::from_millis(250),
+                    tokens: 4096,
+                    foreign_ahead_tokens: 512,
+                    waited: Duration::from_millis(250),
                 },
+                ago: Duration::from_millis(40),
             })]
         );
 
         let payload = br#"{"v":1,"replica":"b","seq":1,"full":false,"pending":[],
-            "prefill":[["http://w:1",100,0],["http://w:1",100,3600000001],["http://w:1",-5,10],
-            ["http://w:1",1.5,10],["",100,10],["http://w:1",100],"junk",["http://w:1",100,10]]}"#;
+            "first_tokens":[["http://w:1",100,0,3600000001,0],["http://w:1",100,0,10,3600000001],
+            ["http://w:1",-5,0,10,0],["http://w:1",5,1099511627777,10,0],["http://w:1",1.5,0,10,0],
+            ["",100,0,10,0],["http://w:1",100,0,10],"junk",["http://w:1",100,0,0,0]]}"#;
         let message = decode(payload).unwrap();
         let samples: Vec<_> = message.prefill_samples().collect();
         assert_eq!(
             samples,
             vec![
+                Err(EntryError::Count),
                 Err(EntryError::Count),
                 Err(EntryError::Count),
                 Err(EntryError::Count),
@@ -1078,24 +1108,31 @@ mod tests {
                 Ok(PrefillEntry {
                     worker_url: "http://w:1",
                     sample: PrefillSample {
-                        work_tokens: 100,
-                        elapsed: Duration::from_micros(10),
+                        tokens: 100,
+                        foreign_ahead_tokens: 0,
+                        waited: Duration::ZERO,
                     },
+                    ago: Duration::ZERO,
                 }),
             ]
         );
+        // An earlier sender's `prefill` samples are an unknown key: ignored.
+        let payload = br#"{"v":1,"replica":"b","seq":1,"full":false,"pending":[],
+            "prefill":[["http://w:1",4096,250000]]}"#;
+        assert_eq!(decode(payload).unwrap().prefill_samples().count(), 0);
 
         // A sender past the cap writes the first MAX_PREFILL_SAMPLES; a
         // reader drops any beyond them.
-        let many = vec![("http://w:1", 1u64, 1u64); MAX_PREFILL_SAMPLES + 5];
+        let many = vec![("http://w:1", 1u64, 0u64, 1u64, 1u64); MAX_PREFILL_SAMPLES + 5];
         let message_bytes = encode("a", 1, false, &[], &many, None);
         assert_eq!(
             decode(&message_bytes).unwrap().prefill_samples().count(),
             MAX_PREFILL_SAMPLES
         );
-        let mut text =
-            String::from(r#"{"v":1,"replica":"b","seq":1,"full":false,"pending":[],"prefill":["#);
-        text.push_str(&vec![r#"["http://w:1",1,1]"#; MAX_PREFILL_SAMPLES + 2].join(","));
+        let mut text = String::from(
+            r#"{"v":1,"replica":"b","seq":1,"full":false,"pending":[],"first_tokens":["#,
+        );
+        text.push_str(&vec![r#"["http://w:1",1,0,1,1]"#; MAX_PREFILL_SAMPLES + 2].join(","));
         text.push_str("]}");
         let message = decode(text.as_bytes()).unwrap();
         let samples: Vec<_> = message.prefill_samples().collect();
