@@ -869,10 +869,29 @@ impl LeastLoad {
         self.refresh_hot(slot);
     }
 
-    /// Rewrites the worker's hot record after a change to its state.
-    /// A rate sample was learned for `slot` (scored at its own rate before
-    /// it if `was_scored`): the hot copy takes the rate, and the fleet's
-    /// rate follows.
+    /// Learns the worker's rate from a first token, this replica's or
+    /// another's, held with the others' until the peers' lateness has
+    /// passed. A bad sample is dropped and counted by the estimator.
+    fn learn_first_token(
+        &self,
+        view: &SlotsView<'_, WorkerState>,
+        slot: &Slot<WorkerState>,
+        first_token: FirstToken,
+        now_nanos: i64,
+    ) {
+        let was_scored = slot.state.rate.learned_tps().is_some();
+        slot.state.rate.observe_first_token(
+            first_token,
+            self.peer_lateness.hold_nanos(),
+            now_nanos,
+            Some(self.fleet_rate.tps()),
+        );
+        self.after_rate_sample(view, slot, was_scored, now_nanos);
+    }
+
+    /// A rate sample may have been learned for `slot` (scored at its own
+    /// rate before it if `was_scored`): the worker's hot record takes the
+    /// rate, and the fleet's rate follows.
     fn after_rate_sample(
         &self,
         view: &SlotsView<'_, WorkerState>,
@@ -1969,20 +1988,12 @@ impl Policy for LeastLoad {
             return None;
         }
         let now_nanos = self.timeline.nanos(now);
-        let was_scored = slot.state.rate.learned_tps().is_some();
         let first_token = FirstToken {
             probe,
             tokens,
             at_nanos: now_nanos,
         };
-        // A bad sample is dropped and counted by the estimator.
-        slot.state.rate.observe_first_token(
-            first_token,
-            self.peer_lateness.hold_nanos(),
-            now_nanos,
-            Some(self.fleet_rate.tps()),
-        );
-        self.after_rate_sample(&view, slot, was_scored, now_nanos);
+        self.learn_first_token(&view, slot, first_token, now_nanos);
         Some(PrefillSample {
             tokens,
             foreign_ahead_tokens: probe.foreign_ahead_tokens,
@@ -2343,15 +2354,7 @@ impl Policy for LeastLoad {
                     tokens: sample.tokens,
                     at_nanos,
                 };
-                let was_scored = slot.state.rate.learned_tps().is_some();
-                // A bad sample is dropped and counted, as one of ours is.
-                slot.state.rate.observe_first_token(
-                    first_token,
-                    self.peer_lateness.hold_nanos(),
-                    now_nanos,
-                    Some(self.fleet_rate.tps()),
-                );
-                self.after_rate_sample(&view, slot, was_scored, now_nanos);
+                self.learn_first_token(&view, slot, first_token, now_nanos);
             }
             (ReplicaUpdate::Placed { .. } | ReplicaUpdate::CacheBound { .. }, None) => {
                 return ReplicaUpdateOutcome::Unsupported;

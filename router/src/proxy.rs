@@ -1079,7 +1079,7 @@ impl RequestTracker {
             self.first_token_seen = true;
             if let Some(sample) = self.route.policy.first_token(&self.dispatch, now) {
                 app.sync_signal
-                    .prefill_sampled(self.dispatch.worker, sample, now);
+                    .first_token_had(self.dispatch.worker, sample, now);
             }
             let ttft_s = since(self.received_at, now);
             let metrics = &self.route.worker.metrics;

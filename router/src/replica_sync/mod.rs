@@ -61,7 +61,7 @@
 //!   [`dispatched`](DispatchSignal::dispatched) when a request is sent to
 //!   a worker, [`bound_learned`](DispatchSignal::bound_learned) when an
 //!   engine's report changes a worker's cache bound, and
-//!   [`prefill_sampled`](DispatchSignal::prefill_sampled) when a first token
+//!   [`first_token_had`](DispatchSignal::first_token_had) when a first token
 //!   comes. Each queues under a short lock and returns
 //!   (nothing at all without `[sync]`); no call waits on the broker;
 //! - [`PeerRooms`], which the admission gate reads (lock-free) for the
@@ -112,14 +112,14 @@ pub(crate) struct DispatchSignal {
     enabled: bool,
     share_prefixes: bool,
     queued: Mutex<prefix::Queued>,
-    prefill: Mutex<PrefillQueue>,
+    first_tokens: Mutex<FirstTokenQueue>,
     wake: tokio::sync::Notify,
 }
 
 /// First tokens had since the last tick, with when each came, at most
 /// [`wire::MAX_PREFILL_SAMPLES`]; the rest are counted.
 #[derive(Debug, Default)]
-struct PrefillQueue {
+struct FirstTokenQueue {
     samples: Vec<FirstTokenHad>,
     dropped: u64,
 }
@@ -172,7 +172,7 @@ impl DispatchSignal {
 
     /// A first token came from `worker` at `at`: queued for the next tick
     /// with `[sync]` on.
-    pub(crate) fn prefill_sampled(
+    pub(crate) fn first_token_had(
         &self,
         worker: WorkerId,
         sample: PrefillSample,
@@ -181,7 +181,7 @@ impl DispatchSignal {
         if !self.enabled {
             return;
         }
-        let mut queue = self.prefill.lock();
+        let mut queue = self.first_tokens.lock();
         if queue.samples.len() < wire::MAX_PREFILL_SAMPLES {
             queue.samples.push((worker, sample, at));
         } else {
@@ -191,9 +191,9 @@ impl DispatchSignal {
 
     /// The first tokens queued since the last call, into `into` (reused);
     /// returns how many were dropped meanwhile.
-    fn take_prefill(&self, into: &mut Vec<FirstTokenHad>) -> u64 {
+    fn take_first_tokens(&self, into: &mut Vec<FirstTokenHad>) -> u64 {
         into.clear();
-        let mut queue = self.prefill.lock();
+        let mut queue = self.first_tokens.lock();
         std::mem::swap(&mut queue.samples, into);
         std::mem::take(&mut queue.dropped)
     }
@@ -598,7 +598,7 @@ async fn run_publisher(
                 .set(i64::try_from(peer_count).unwrap_or(i64::MAX));
         }
 
-        let dropped = app.sync_signal.take_prefill(&mut samples);
+        let dropped = app.sync_signal.take_first_tokens(&mut samples);
         counters.prefill_dropped.inc_by(dropped);
         let connected = client.connection_state() == async_nats::connection::State::Connected;
         link = log_link_change(link, connected, started.elapsed(), &config, metrics);
